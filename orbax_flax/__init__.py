@@ -1,0 +1,33 @@
+"""orbax_flax: distributed, asynchronous, atomic checkpoints for JAX on tensorstore.
+
+Example:
+  >>> import numpy as np, orbax_flax as ofx, tempfile, os
+  >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+  >>> ofx.save(path, {"state": {"w": np.arange(3)}})
+  >>> ofx.restore(path)["state"]["w"]
+  array([0, 1, 2])
+"""
+
+from orbax_flax.errors import CheckpointCorruptedError
+from orbax_flax.errors import CheckpointError
+from orbax_flax.errors import CheckpointExistsError
+from orbax_flax.errors import CheckpointNotFoundError
+from orbax_flax.errors import StorageError
+from orbax_flax.errors import TreeMismatchError
+from orbax_flax.errors import UnsupportedLeafError
+from orbax_flax.metadata import ArrayMetadata
+from orbax_flax.metadata import CheckpointMetadata
+from orbax_flax.metadata import ItemMetadata
+from orbax_flax.metadata import metadata
+from orbax_flax.restoring import restore
+from orbax_flax.saving import AsyncSave
+from orbax_flax.saving import LIBRARY_VERSION as __version__
+from orbax_flax.saving import save
+from orbax_flax.saving import save_async
+
+__all__ = [
+    "ArrayMetadata", "AsyncSave", "CheckpointCorruptedError", "CheckpointError",
+    "CheckpointExistsError", "CheckpointMetadata", "CheckpointNotFoundError",
+    "ItemMetadata", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
+    "metadata", "restore", "save", "save_async",
+]

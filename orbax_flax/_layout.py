@@ -1,0 +1,130 @@
+"""Where each byte of an array goes: chunk grid and write ownership.
+
+Pure functions, no I/O. An array is stored as a regular grid of chunks. The
+chunk shape divides the shard shape of the array's sharding, so every chunk
+lies inside one shard and can be written by any process that holds that
+shard. Each chunk is written exactly once, by one owner; owners are chosen
+greedily by bytes so that the processes write equal amounts.
+
+Every process computes the same layout from the same sharding, so ownership
+needs no communication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+
+# Chunks larger than this are split along their leading dimensions so that
+# big replicated arrays are spread over processes and resharded reads fetch
+# little more than they need.
+DEFAULT_MAX_CHUNK_BYTES = 32 * 1024 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunking:
+  """A regular chunk grid over an array of ``shape``."""
+
+  shape: tuple[int, ...]
+  chunk_shape: tuple[int, ...]
+
+  @property
+  def grid(self) -> tuple[int, ...]:
+    return tuple(s // c for s, c in zip(self.shape, self.chunk_shape))
+
+  @property
+  def num_chunks(self) -> int:
+    return math.prod(self.grid)
+
+  def chunk_coords(self, flat: int) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(flat, self.grid)) if self.grid else ()
+
+  def chunk_box(self, flat: int) -> Box:
+    coords = self.chunk_coords(flat)
+    return tuple((i * c, (i + 1) * c) for i, c in zip(coords, self.chunk_shape))
+
+  def chunks_in_box(self, box: Box) -> list[int]:
+    """Flat indices of the chunks that intersect ``box``, in C order."""
+    ranges = [range(lo // c, (hi - 1) // c + 1) for (lo, hi), c in zip(box, self.chunk_shape)]
+    if not self.grid:
+      return [0]
+    return [int(np.ravel_multi_index(idx, self.grid)) for idx in itertools.product(*ranges)]
+
+
+def slices_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
+  """Turns a jax shard index (tuple of slices) into a box."""
+  return tuple((s.start or 0, shape[d] if s.stop is None else s.stop) for d, s in enumerate(index))
+
+
+def box_to_slices(box: Box) -> tuple[slice, ...]:
+  return tuple(slice(lo, hi) for lo, hi in box)
+
+
+def intersect(a: Box, b: Box) -> Box:
+  return tuple((max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(a, b))
+
+
+def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
+  """Slices of ``inner`` within an array that holds ``outer``."""
+  return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer))
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+  return tuple(hi - lo for lo, hi in box)
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+  limit = max(1, min(n, limit))
+  for d in range(limit, 0, -1):
+    if n % d == 0:
+      return d
+  return 1
+
+
+def choose_chunk_shape(shard_shape: Sequence[int], itemsize: int,
+                       max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> tuple[int, ...]:
+  """Splits a shard shape along leading dims until a chunk fits the limit.
+
+  Example:
+    >>> choose_chunk_shape((1024, 1024), 4, max_chunk_bytes=1 << 20)
+    (256, 1024)
+  """
+  chunk = [max(1, int(s)) for s in shard_shape]
+  for d in range(len(chunk)):
+    nbytes = math.prod(chunk) * itemsize
+    if nbytes <= max_chunk_bytes:
+      break
+    row_bytes = nbytes // chunk[d]
+    chunk[d] = _largest_divisor_at_most(chunk[d], max_chunk_bytes // max(row_bytes, 1))
+  return tuple(chunk)
+
+
+def assign_owners(holders: Sequence[frozenset[int]], chunk_bytes: int,
+                  load: list[int]) -> list[int]:
+  """Picks one writer per chunk among its holders, balancing bytes written.
+
+  Args:
+    holders: per chunk, the processes that hold its data.
+    chunk_bytes: bytes per chunk.
+    load: bytes assigned so far per process; updated in place.
+
+  Returns:
+    The owner process of each chunk.
+
+  Example:
+    >>> load = [0, 0]
+    >>> assign_owners([frozenset({0, 1})] * 4, 10, load), load
+    ([0, 1, 0, 1], [20, 20])
+  """
+  owners = []
+  for procs in holders:
+    owner = min(procs, key=lambda p: (load[p], p))
+    load[owner] += chunk_bytes
+    owners.append(owner)
+  return owners

@@ -1,0 +1,220 @@
+"""Where a checkpoint lives: a local directory or a tensorstore kvstore prefix.
+
+A :class:`Location` turns what the user passed (a path, a URL such as
+``s3://bucket/prefix``, or a tensorstore kvstore spec dict) into kvstore specs
+for the files inside the checkpoint, and offers the few file-system operations
+the commit protocol needs: fsync of directories, atomic renames, deletion.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+from typing import Any
+
+import tensorstore as ts
+
+from orbax_flax import errors
+
+
+class Location:
+  """A checkpoint location. Build it with :meth:`parse`."""
+
+  def __init__(self, spec: dict[str, Any], local_path: str | None):
+    self._spec = spec
+    self.local_path = local_path
+
+  @classmethod
+  def parse(cls, path: Any) -> Location:
+    """Accepts a local path, a kvstore URL, a kvstore spec dict or Location.
+
+    Example:
+      >>> Location.parse("/tmp/ckpt").local_path
+      '/tmp/ckpt'
+      >>> Location.parse("s3://bucket/runs/1").spec("_CHECKPOINT")["path"]
+      'runs/1/_CHECKPOINT'
+    """
+    if isinstance(path, Location):
+      return path
+    if isinstance(path, ts.KvStore.Spec):
+      path = path.to_json()
+    if isinstance(path, dict):
+      spec = dict(path)
+      if "driver" not in spec:
+        raise ValueError(f"kvstore spec {path!r} has no 'driver'; pass e.g."
+                         " {'driver': 's3', 'bucket': 'b', 'path': 'prefix/'}")
+      if spec["driver"] == "file":
+        return cls._local(spec.get("path", ""))
+      return cls._remote(spec)
+    if isinstance(path, os.PathLike):
+      path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+      raise TypeError(f"checkpoint path must be a non-empty str, os.PathLike, URL or"
+                      f" kvstore spec dict; got {path!r}")
+    if "://" not in path:
+      return cls._local(path)
+    if path.startswith("file://"):
+      return cls._local(path[len("file://"):])
+    try:
+      spec = ts.KvStore.Spec(path).to_json()
+    except ValueError as e:
+      raise ValueError(f"cannot use checkpoint URL {path!r}: {e}. Use a local path,"
+                       " s3://bucket/prefix, gs://bucket/prefix or a kvstore spec"
+                       " dict.") from None
+    return cls._remote(spec)
+
+  @classmethod
+  def _local(cls, path: str) -> Location:
+    path = os.path.abspath(os.path.expanduser(path)).rstrip("/") or "/"
+    return cls({"driver": "file", "path": path + "/"}, path)
+
+  @classmethod
+  def _remote(cls, spec: dict[str, Any]) -> Location:
+    spec = dict(spec)
+    prefix = spec.get("path", "")
+    if prefix and not prefix.endswith("/"):
+      prefix += "/"
+    spec["path"] = prefix
+    return cls(spec, None)
+
+  @property
+  def is_local(self) -> bool:
+    return self.local_path is not None
+
+  def spec(self, sub: str = "") -> dict[str, Any]:
+    """A kvstore spec for ``sub`` (a key or a ``dir/``) inside this location."""
+    return {**self._spec, "path": self._spec["path"] + sub}
+
+  def join(self, sub: str) -> Location:
+    """The location of a sub-directory."""
+    if self.is_local:
+      return Location._local(os.path.join(self.local_path, sub))
+    return Location._remote(self.spec(sub.rstrip("/") + "/"))
+
+  def sibling(self, name: str) -> Location:
+    """A location next to this one (same parent directory or prefix)."""
+    if self.is_local:
+      return Location._local(os.path.join(os.path.dirname(self.local_path), name))
+    parent = self._spec["path"].rstrip("/").rpartition("/")[0]
+    return Location._remote({**self._spec, "path": (parent + "/" if parent else "") + name})
+
+  @property
+  def name(self) -> str:
+    """The last path component."""
+    if self.is_local:
+      return os.path.basename(self.local_path)
+    return self._spec["path"].rstrip("/").rpartition("/")[2]
+
+  def __str__(self) -> str:
+    if self.is_local:
+      return self.local_path
+    d = self._spec
+    if d.get("driver") in ("s3", "gcs") and "bucket" in d:
+      scheme = "s3" if d["driver"] == "s3" else "gs"
+      return f"{scheme}://{d['bucket']}/{d['path']}"
+    return str(d)
+
+  def __repr__(self) -> str:
+    return f"Location({self})"
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, Location) and self._spec == other._spec
+
+  def __hash__(self) -> int:
+    return hash(str(self))
+
+
+def _storage_error(loc: Location, what: str, e: Exception) -> errors.StorageError:
+  hint = ("check that the directory is writable and the disk is not full" if loc.is_local
+          else "check the endpoint, bucket name, credentials (AWS_ACCESS_KEY_ID/"
+               "AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS) and network")
+  return errors.StorageError(f"{what} at {loc} failed: {e}. Fix: {hint}.")
+
+
+def open_kvstore(loc: Location, sub: str = "", context: ts.Context | None = None) -> ts.KvStore:
+  try:
+    return ts.KvStore.open(loc.spec(sub), context=context).result()
+  except ValueError as e:
+    raise _storage_error(loc, "opening the store", e) from e
+
+
+def read_key(loc: Location, key: str, context: ts.Context | None = None) -> bytes | None:
+  """Reads one key; None when it is missing."""
+  if loc.is_local:
+    # Plain reads are cheaper than a kvstore open for small local files.
+    try:
+      with open(os.path.join(loc.local_path, key), "rb") as f:
+        return f.read()
+    except (FileNotFoundError, NotADirectoryError):
+      return None
+  try:
+    r = open_kvstore(loc, "", context).read(key).result()
+  except ValueError as e:
+    raise _storage_error(loc, f"reading {key!r}", e) from e
+  return r.value if r.state == "value" else None
+
+
+def write_key(loc: Location, key: str, data: bytes, context: ts.Context | None = None) -> None:
+  """Writes one key durably (the file driver fsyncs, object PUTs are atomic)."""
+  try:
+    open_kvstore(loc, "", context).write(key, data).result()
+  except ValueError as e:
+    raise _storage_error(loc, f"writing {key!r}", e) from e
+
+
+def list_keys(loc: Location, context: ts.Context | None = None) -> list[str]:
+  """All keys under a remote location, relative to it."""
+  try:
+    store = open_kvstore(loc, "", context)
+    return sorted(k.decode() for k in store.list().result())
+  except ValueError as e:
+    raise _storage_error(loc, "listing", e) from e
+
+
+def delete_prefix(loc: Location, sub: str, context: ts.Context | None = None) -> None:
+  """Deletes every key under ``sub`` (a ``dir/`` inside ``loc``)."""
+  if loc.is_local:
+    shutil.rmtree(os.path.join(loc.local_path, sub), ignore_errors=True)
+    return
+  try:
+    store = open_kvstore(loc, sub, context)
+    store.delete_range(ts.KvStore.KeyRange()).result()
+  except ValueError as e:
+    raise _storage_error(loc, f"deleting {sub!r}", e) from e
+
+
+def fsync_dir(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def fsync_tree(root: str) -> None:
+  """Fsyncs every directory under ``root`` (tensorstore fsyncs files only)."""
+  for dirpath, _, _ in os.walk(root):
+    fsync_dir(dirpath)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def exchange(a: str, b: str) -> bool:
+  """Atomically swaps two paths (Linux renameat2); False where unsupported."""
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = libc.renameat2
+  except (OSError, AttributeError):
+    return False
+  renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+  rc = renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+  if rc == 0:
+    return True
+  err = ctypes.get_errno()
+  if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+    return False
+  raise OSError(err, os.strerror(err), a)

@@ -1,0 +1,203 @@
+"""Pytrees as data: key paths, leaf kinds, and a JSON encoding of the structure.
+
+A checkpoint stores each item's structure so that ``restore(path)`` without a
+target can rebuild it: dicts, lists, tuples and None come back as themselves,
+namedtuples (optax states) as namedtuples of the same name and fields, and any
+other registered pytree node (flax ``struct.dataclass``, NNX ``State``,
+``Variable``) as a dict of its children.
+
+Key paths are tuples of strings: ``("params", "Dense_0", "kernel")``. Dict
+keys, attribute names and sequence indices all become strings, so a target
+written as nested dicts matches a checkpoint saved from a dataclass.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import functools
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from orbax_flax import errors
+
+Path = tuple[str, ...]
+
+# Python and numpy scalars stored inline in the checkpoint's JSON metadata.
+_INLINE_TYPES = (bool, int, float, complex, str, bytes, np.generic)
+
+
+def path_str(path: Path) -> str:
+  """Formats a key path for messages: ``params/Dense_0/kernel``."""
+  return "/".join(path) if path else "<root>"
+
+
+def key_part(entry: Any) -> str:
+  """Turns one jax key entry (DictKey, GetAttrKey, ...) into a path part."""
+  for attr in ("key", "name", "idx"):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def flatten(tree: Any) -> list[tuple[Path, Any]]:
+  """Flattens ``tree`` like ``jax.tree_util`` into ``(path, leaf)`` pairs."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return [(tuple(key_part(k) for k in p), leaf) for p, leaf in leaves]
+
+
+def dtype_from_name(name: str) -> np.dtype:
+  """``np.dtype`` that also knows ml_dtypes names (bfloat16, int4, ...)."""
+  try:
+    return np.dtype(name)
+  except TypeError:
+    return np.dtype(getattr(ml_dtypes, name))
+
+
+def is_supported_dtype(dtype: np.dtype) -> bool:
+  """True for bool, integer, float and complex dtypes, ml_dtypes included."""
+  dtype = np.dtype(dtype)
+  return dtype.kind in "biufc" or hasattr(ml_dtypes, dtype.name)
+
+
+def leaf_kind(leaf: Any) -> str | None:
+  """Classifies a leaf: "jax", "numpy", "value", or None if unsupported."""
+  if isinstance(leaf, jax.Array):
+    if isinstance(leaf, jax.core.Tracer):
+      return None
+    return "jax"
+  if isinstance(leaf, np.ndarray):
+    return "numpy" if is_supported_dtype(leaf.dtype) else None
+  if isinstance(leaf, np.generic):
+    return "value" if is_supported_dtype(leaf.dtype) else None
+  if isinstance(leaf, _INLINE_TYPES):
+    return "value"
+  return None
+
+
+def unsupported_leaf_error(item: str, path: Path, leaf: Any) -> errors.UnsupportedLeafError:
+  what = type(leaf).__name__
+  if isinstance(leaf, (np.ndarray, np.generic)):
+    what = f"numpy value of dtype {leaf.dtype}"
+  elif isinstance(leaf, jax.core.Tracer):
+    what = "a jax tracer (save was called inside jit/grad/vmap)"
+  return errors.UnsupportedLeafError(
+      f"Cannot save leaf {item}/{path_str(path)}: {what} is not a supported"
+      " leaf type. Supported: jax.Array, numpy arrays of bool/int/float/complex"
+      " dtypes, Python and numpy scalars, str, bytes and None. Convert it (e.g."
+      " np.asarray(x)) or remove it from the tree, or mark it as a static field"
+      " if it is not state.")
+
+
+def encode_value(value: Any) -> dict:
+  """Encodes an inline scalar exactly as tagged JSON."""
+  if isinstance(value, np.generic):
+    return {"t": "np", "dtype": value.dtype.name,
+            "b64": base64.b64encode(value.tobytes()).decode()}
+  if isinstance(value, bool):
+    return {"t": "bool", "v": value}
+  if isinstance(value, int):
+    return {"t": "int", "v": str(value)}
+  if isinstance(value, float):
+    return {"t": "float", "v": value.hex()}
+  if isinstance(value, complex):
+    return {"t": "complex", "v": [value.real.hex(), value.imag.hex()]}
+  if isinstance(value, str):
+    return {"t": "str", "v": value}
+  if isinstance(value, bytes):
+    return {"t": "bytes", "v": base64.b64encode(value).decode()}
+  raise TypeError(f"not an inline value: {type(value).__name__}")
+
+
+def decode_value(enc: dict) -> Any:
+  """Inverse of :func:`encode_value`."""
+  t = enc["t"]
+  if t == "np":
+    dtype = dtype_from_name(enc["dtype"])
+    return np.frombuffer(base64.b64decode(enc["b64"]), dtype=dtype)[0]
+  if t == "bool":
+    return bool(enc["v"])
+  if t == "int":
+    return int(enc["v"])
+  if t == "float":
+    return float.fromhex(enc["v"])
+  if t == "complex":
+    return complex(float.fromhex(enc["v"][0]), float.fromhex(enc["v"][1]))
+  if t == "str":
+    return str(enc["v"])
+  if t == "bytes":
+    return base64.b64decode(enc["v"])
+  raise ValueError(f"unknown inline value tag {t!r}")
+
+
+def _is_namedtuple(x: Any) -> bool:
+  return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _is_leaf(x: Any) -> bool:
+  return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+
+
+def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any]]]:
+  """Encodes the containers of ``tree`` as JSON and lists its leaves.
+
+  Returns:
+    ``(structure, leaves)``: ``leaves`` holds ``(path, leaf)`` in the order the
+    structure refers to them (``{"t": "leaf", "i": index}``). None is kept as
+    structure, as in jax.
+  """
+  leaves: list[tuple[Path, Any]] = []
+
+  def walk(node: Any, path: Path) -> dict:
+    if node is None:
+      return {"t": "none"}
+    if _is_leaf(node):
+      leaves.append((path, node))
+      return {"t": "leaf", "i": len(leaves) - 1}
+    keyed, _ = jax.tree_util.flatten_one_level_with_keys(node)
+    keys = [key_part(k) for k, _ in keyed]
+    children = [walk(child, path + (k,)) for k, (_, child) in zip(keys, keyed)]
+    if type(node) is dict:
+      raw = [k.key for k, _ in keyed]
+      if not all(isinstance(k, str) for k in raw):
+        if all(isinstance(k, int) for k in raw):
+          return {"t": "dict", "int_keys": True, "k": raw, "c": children}
+      return {"t": "dict", "k": keys, "c": children}
+    if type(node) in (list, tuple):
+      return {"t": type(node).__name__, "c": children}
+    if _is_namedtuple(node):
+      return {"t": "namedtuple", "name": type(node).__name__, "k": keys, "c": children}
+    t = type(node)
+    return {"t": "node", "type": f"{t.__module__}.{t.__qualname__}", "k": keys, "c": children}
+
+  return walk(tree, ()), leaves
+
+
+@functools.lru_cache(maxsize=None)
+def _namedtuple_type(name: str, fields: tuple[str, ...]) -> type:
+  return collections.namedtuple(name, fields)
+
+
+def decode_structure(enc: dict, leaves: list[Any]) -> Any:
+  """Rebuilds a tree from :func:`encode_structure` output and leaf values."""
+  t = enc["t"]
+  if t == "none":
+    return None
+  if t == "leaf":
+    return leaves[enc["i"]]
+  children = [decode_structure(c, leaves) for c in enc["c"]]
+  if t == "list":
+    return children
+  if t == "tuple":
+    return tuple(children)
+  if t == "namedtuple":
+    return _namedtuple_type(enc["name"], tuple(enc["k"]))(*children)
+  return dict(zip(enc["k"], children))
+
+
+def array_shape(rec: dict) -> tuple[int, ...]:
+  """The user-visible shape of a saved array record (the key shape for PRNG keys)."""
+  return tuple(rec["key_shape"] if "key_shape" in rec else rec["shape"])

@@ -1,0 +1,52 @@
+"""Errors raised by orbax_flax.
+
+Every error subclasses a builtin so that generic handlers keep working:
+``except FileNotFoundError`` still catches a missing checkpoint.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+  """Base class of orbax_flax's own errors."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+  """No committed checkpoint exists at the given path.
+
+  Example:
+    >>> import orbax_flax as ofx
+    >>> try:
+    ...   ofx.metadata("/nonexistent/ckpt")
+    ... except FileNotFoundError as e:
+    ...   print(type(e).__name__)
+    CheckpointNotFoundError
+  """
+
+
+class CheckpointExistsError(CheckpointError, FileExistsError):
+  """A committed checkpoint already exists where a save was asked to write."""
+
+
+class CheckpointCorruptedError(CheckpointError, OSError):
+  """Stored bytes do not match the checksums recorded when they were saved."""
+
+
+class TreeMismatchError(CheckpointError, ValueError):
+  """The restore target and the checkpoint disagree (keys, shapes, kinds).
+
+  Attributes:
+    differences: one human-readable line per difference, by key path.
+  """
+
+  def __init__(self, message: str, differences: list[str]):
+    super().__init__(message)
+    self.differences = list(differences)
+
+
+class UnsupportedLeafError(CheckpointError, TypeError):
+  """A pytree leaf has a type that cannot be saved."""
+
+
+class StorageError(CheckpointError, OSError):
+  """The storage backend failed or could not be reached."""
