@@ -21,7 +21,7 @@ from orbax_flax.metadata import ItemMetadata
 from orbax_flax.metadata import metadata
 from orbax_flax.restoring import restore
 from orbax_flax.saving import AsyncSave
-from orbax_flax.saving import LIBRARY_VERSION as __version__
+from orbax_flax._planning import LIBRARY_VERSION as __version__
 from orbax_flax.saving import save
 from orbax_flax.saving import save_async
 

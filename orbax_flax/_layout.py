@@ -17,8 +17,6 @@ import itertools
 import math
 from collections.abc import Sequence
 
-import numpy as np
-
 Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 
 # Chunks larger than this are split along their leading dimensions so that
@@ -43,7 +41,11 @@ class Chunking:
     return math.prod(self.grid)
 
   def chunk_coords(self, flat: int) -> tuple[int, ...]:
-    return tuple(int(i) for i in np.unravel_index(flat, self.grid)) if self.grid else ()
+    coords = []
+    for g in reversed(self.grid):
+      flat, i = divmod(flat, g)
+      coords.append(i)
+    return tuple(reversed(coords))
 
   def chunk_box(self, flat: int) -> Box:
     coords = self.chunk_coords(flat)
@@ -52,9 +54,13 @@ class Chunking:
   def chunks_in_box(self, box: Box) -> list[int]:
     """Flat indices of the chunks that intersect ``box``, in C order."""
     ranges = [range(lo // c, (hi - 1) // c + 1) for (lo, hi), c in zip(box, self.chunk_shape)]
-    if not self.grid:
-      return [0]
-    return [int(np.ravel_multi_index(idx, self.grid)) for idx in itertools.product(*ranges)]
+    out = []
+    for idx in itertools.product(*ranges):
+      flat = 0
+      for i, g in zip(idx, self.grid):
+        flat = flat * g + i
+      out.append(flat)
+    return out
 
 
 def slices_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:

@@ -138,7 +138,9 @@ def _is_namedtuple(x: Any) -> bool:
 
 
 def _is_leaf(x: Any) -> bool:
-  return jax.tree_util.treedef_is_leaf(jax.tree_util.tree_structure(x))
+  # treedef_is_leaf is also true for empty containers such as optax.EmptyState().
+  treedef = jax.tree_util.tree_structure(x)
+  return treedef.num_nodes == 1 and treedef.num_leaves == 1
 
 
 def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any]]]:
@@ -157,19 +159,24 @@ def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any]]]:
     if _is_leaf(node):
       leaves.append((path, node))
       return {"t": "leaf", "i": len(leaves) - 1}
-    keyed, _ = jax.tree_util.flatten_one_level_with_keys(node)
-    keys = [key_part(k) for k, _ in keyed]
-    children = [walk(child, path + (k,)) for k, (_, child) in zip(keys, keyed)]
     if type(node) is dict:
-      raw = [k.key for k, _ in keyed]
-      if not all(isinstance(k, str) for k in raw):
-        if all(isinstance(k, int) for k in raw):
-          return {"t": "dict", "int_keys": True, "k": raw, "c": children}
-      return {"t": "dict", "k": keys, "c": children}
+      raw = sorted(node)
+      children = [walk(node[k], path + (str(k),)) for k in raw]
+      if raw and all(isinstance(k, int) for k in raw):
+        return {"t": "dict", "int_keys": True, "k": raw, "c": children}
+      return {"t": "dict", "k": [str(k) for k in raw], "c": children}
     if type(node) in (list, tuple):
+      children = [walk(c, path + (str(i),)) for i, c in enumerate(node)]
       return {"t": type(node).__name__, "c": children}
     if _is_namedtuple(node):
-      return {"t": "namedtuple", "name": type(node).__name__, "k": keys, "c": children}
+      fields = list(type(node)._fields)
+      children = [walk(c, path + (f,)) for f, c in zip(fields, node)]
+      return {"t": "namedtuple", "name": type(node).__name__, "k": fields, "c": children}
+    # Any other registered node: its direct children with their keys. (We do
+    # not use flatten_one_level_with_keys: it mislabels namedtuple fields.)
+    keyed, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    keys = [key_part(p[0]) for p, _ in keyed]
+    children = [walk(c, path + (k,)) for k, (_, c) in zip(keys, keyed)]
     t = type(node)
     return {"t": "node", "type": f"{t.__module__}.{t.__qualname__}", "k": keys, "c": children}
 

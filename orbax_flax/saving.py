@@ -21,13 +21,8 @@ does not name it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
-import dataclasses
-import json
-import math
 import os
-import re
 import shutil
 import threading
 import time
@@ -35,51 +30,14 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import jax
-import numpy as np
-
-from orbax_flax import _layout
 from orbax_flax import _location
 from orbax_flax import _manifest
 from orbax_flax import _multihost
-from orbax_flax import _tree
+from orbax_flax import _planning
 from orbax_flax import _tsio
 from orbax_flax import errors
 from orbax_flax._location import Location
-
-LIBRARY_VERSION = "0.1.0"
-TMP_MARKER = ".ofx-tmp-"
-_ITEM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-
-
-@dataclasses.dataclass
-class _Piece:
-  """One chunk this process writes: where it goes and its host data."""
-  slices: tuple[slice, ...]
-  data: np.ndarray
-
-
-@dataclasses.dataclass
-class _ArrayPlan:
-  item: str
-  name: str
-  shape: tuple[int, ...]
-  dtype: str
-  chunk_shape: tuple[int, ...]
-  pieces: list[_Piece]
-
-
-@dataclasses.dataclass
-class _Plan:
-  loc: Location
-  manifest: dict[str, Any]   # without "generation", filled at commit
-  arrays: list[_ArrayPlan]   # the chunks this process writes
-  overwrite: bool
-  seq: int
-
-  @property
-  def nbytes(self) -> int:
-    return sum(p.data.nbytes for a in self.arrays for p in a.pieces)
+from orbax_flax._planning import TMP_MARKER
 
 
 class AsyncSave:
@@ -97,13 +55,13 @@ class AsyncSave:
     nbytes: bytes of array data this process writes.
   """
 
-  def __init__(self, plan: _Plan, blocking_s: float, start: float):
+  def __init__(self, plan: _planning.Plan, blocking_s: float, start: float):
     self.path = str(plan.loc)
     self.blocking_s = blocking_s
     self.total_s: float | None = None
     self.nbytes = plan.nbytes
     self._loc = plan.loc
-    self._plan: _Plan | None = plan
+    self._plan: _planning.Plan | None = plan
     self._start = start
     self._error: BaseException | None = None
     self._reported = False
@@ -148,7 +106,6 @@ class AsyncSave:
 
 _inflight: AsyncSave | None = None
 _seq = 0
-_copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _finish_inflight() -> None:
@@ -227,9 +184,10 @@ def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
   _finish_inflight()
   start = time.perf_counter()
   _seq += 1
-  plan = _plan(Location.parse(path), items, overwrite, custom_metadata, _seq)
+  plan = _planning.make_plan(Location.parse(path), items, overwrite, custom_metadata, _seq)
+  _planning.fill_packs(plan)
   if _copy:
-    _snapshot(plan)
+    _planning.copy_pieces(plan)
   handle = AsyncSave(plan, time.perf_counter() - start, start)
   if _copy:
     handle._start_background()
@@ -240,170 +198,10 @@ def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
 
 
 # ----------------------------------------------------------------------------
-# Phase 1: validation and planning (every process computes the same plan).
-
-
-def _check_items(items: Any) -> None:
-  if not isinstance(items, Mapping) or not items:
-    raise TypeError(f"items must be a non-empty dict mapping item names to pytrees, e.g."
-                    f" {{'state': state, 'extra': {{'epoch': 3}}}}; got {type(items).__name__}")
-  for name in items:
-    if not isinstance(name, str) or not _ITEM_NAME.match(name):
-      raise ValueError(f"invalid item name {name!r}: use letters, digits, '_', '.', '-',"
-                       " starting with a letter or digit (e.g. 'state').")
-
-
-def _check_destination(loc: Location, overwrite: bool) -> None:
-  if loc.is_local:
-    p = loc.local_path
-    if os.path.exists(p):
-      if not os.path.isdir(p):
-        raise errors.CheckpointExistsError(
-            f"{p} exists and is a file, not a checkpoint; choose another path.")
-      committed = os.path.exists(os.path.join(p, _manifest.MANIFEST_KEY))
-      if not committed and os.listdir(p):
-        raise errors.CheckpointExistsError(
-            f"{p} exists, is not empty and is not an orbax_flax checkpoint; refusing to"
-            " write there (even with overwrite=True). Choose another path or remove it.")
-      if committed and not overwrite:
-        raise errors.CheckpointExistsError(
-            f"a checkpoint already exists at {p}; pass overwrite=True to replace it or"
-            " choose another path.")
-    if TMP_MARKER in loc.name:
-      raise ValueError(f"{p}: names containing {TMP_MARKER!r} are reserved for"
-                       " in-progress saves; choose another name.")
-  elif not overwrite and _location.read_key(loc, _manifest.MANIFEST_KEY) is not None:
-    raise errors.CheckpointExistsError(
-        f"a checkpoint already exists at {loc}; pass overwrite=True to replace it or"
-        " choose another path.")
-
-
-def _plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
-          custom_metadata: Mapping[str, Any] | None, seq: int) -> _Plan:
-  _check_items(items)
-  if custom_metadata is not None:
-    try:
-      custom = json.loads(json.dumps(dict(custom_metadata), allow_nan=False))
-    except (TypeError, ValueError) as e:
-      raise TypeError(f"custom_metadata must be a JSON-serialisable dict: {e}") from None
-  else:
-    custom = {}
-  me, nproc = _multihost.process_index(), _multihost.process_count()
-  load = [0] * nproc
-  arrays: list[_ArrayPlan] = []
-  items_meta: dict[str, Any] = {}
-  for item, tree in items.items():
-    structure, leaves = _tree.encode_structure(tree)
-    records = []
-    for i, (path, leaf) in enumerate(leaves):
-      kind = _tree.leaf_kind(leaf)
-      if kind is None:
-        raise _tree.unsupported_leaf_error(item, path, leaf)
-      if kind == "value":
-        records.append({"path": list(path), "kind": "value", "value": _tree.encode_value(leaf)})
-        continue
-      rec, plan = _plan_array(item, f"a{i}", path, leaf, kind, me, load)
-      records.append(rec)
-      if plan.pieces:
-        arrays.append(plan)
-    items_meta[item] = {"structure": structure, "leaves": records}
-  _check_destination(loc, overwrite)
-  manifest = {
-      "format": _manifest.FORMAT, "version": _manifest.VERSION,
-      "library_version": LIBRARY_VERSION, "created": time.time(),
-      "process_count": nproc, "device_count": jax.device_count(),
-      "custom": custom, "items": items_meta,
-  }
-  return _Plan(loc, manifest, arrays, overwrite, seq)
-
-
-def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me: int,
-                load: list[int]) -> tuple[dict[str, Any], _ArrayPlan]:
-  key_impl = None
-  key_shape = None
-  if kind == "jax" and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-    key_impl = str(jax.random.key_impl(leaf))
-    key_shape = list(leaf.shape)
-    leaf = jax.random.key_data(leaf)
-  shape = tuple(int(s) for s in leaf.shape)
-  dtype = np.dtype(leaf.dtype)
-  sharding = leaf.sharding if kind == "jax" else None
-  rec: dict[str, Any] = {
-      "path": list(path), "kind": kind, "name": name, "shape": list(shape),
-      "dtype": dtype.name, "stored_dtype": _tsio.stored_dtype(dtype),
-      "nbytes": int(math.prod(shape) * dtype.itemsize),
-      "sharding": _manifest.describe_sharding(sharding),
-  }
-  if key_impl is not None:
-    rec.update(key_impl=key_impl, key_shape=key_shape)
-  plan = _ArrayPlan(item, name, shape, rec["stored_dtype"], (), [])
-  if math.prod(shape) == 0:
-    rec.update(chunk_shape=list(shape), owners=[])
-    return rec, plan
-
-  if sharding is not None and len(load) > 1 and leaf.is_fully_addressable:
-    # A process-local array (e.g. jnp.int32(0)) in a multi-process job: like a
-    # numpy leaf, every process holds its own copy, assumed identical.
-    sharding, leaf = None, np.asarray(leaf)
-    rec["sharding"] = {"type": "process-local", "text": "process-local (same on every process)"}
-  if sharding is None:
-    shard_shape = shape
-    shard_boxes = {tuple(0 for _ in shape): frozenset(range(len(load)))}
-    local = {tuple(0 for _ in shape): (tuple((0, s) for s in shape), leaf)}
-  else:
-    shard_shape = tuple(sharding.shard_shape(shape))
-    holders: dict[tuple[int, ...], set[int]] = {}
-    for device, index in sharding.devices_indices_map(shape).items():
-      box = _layout.slices_to_box(index, shape)
-      holders.setdefault(tuple(lo for lo, _ in box), set()).add(device.process_index)
-    shard_boxes = {k: frozenset(v) for k, v in holders.items()}
-    local = {}
-    for shard in leaf.addressable_shards:
-      box = _layout.slices_to_box(shard.index, shape)
-      local.setdefault(tuple(lo for lo, _ in box), (box, shard))
-
-  chunk_shape = _layout.choose_chunk_shape(shard_shape, dtype.itemsize)
-  chunking = _layout.Chunking(shape, chunk_shape)
-  chunk_boxes = [chunking.chunk_box(c) for c in range(chunking.num_chunks)]
-  starts = [tuple((lo // s) * s for (lo, _), s in zip(b, shard_shape)) for b in chunk_boxes]
-  owners = _layout.assign_owners([shard_boxes[s] for s in starts],
-                                 math.prod(chunk_shape) * dtype.itemsize, load)
-  rec.update(chunk_shape=list(chunk_shape), owners=owners)
-  plan.chunk_shape = chunk_shape
-  views: dict[tuple[int, ...], np.ndarray] = {}
-  for box, start, owner in zip(chunk_boxes, starts, owners):
-    if owner != me:
-      continue
-    shard_box, src = local[start]
-    if start not in views:
-      views[start] = src if isinstance(src, np.ndarray) else np.asarray(src.data)
-    data = views[start][_layout.relative(box, shard_box)]
-    plan.pieces.append(_Piece(_layout.box_to_slices(box), data))
-  return rec, plan
-
-
-def _snapshot(plan: _Plan) -> None:
-  """Copies every piece to fresh host memory, in parallel threads."""
-  global _copy_pool
-  pieces = [p for a in plan.arrays for p in a.pieces]
-  if not pieces:
-    return
-  if _copy_pool is None:
-    _copy_pool = concurrent.futures.ThreadPoolExecutor(
-        max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="orbax_flax-copy")
-
-  def copy(p: _Piece) -> None:
-    p.data = np.array(p.data, copy=True, order="C")
-
-  for f in [_copy_pool.submit(copy, p) for p in sorted(pieces, key=lambda p: -p.data.nbytes)]:
-    f.result()
-
-
-# ----------------------------------------------------------------------------
 # Phase 2: write, agree, commit.
 
 
-def _write_and_commit(plan: _Plan) -> None:
+def _write_and_commit(plan: _planning.Plan) -> None:
   me = _multihost.process_index()
   key = f"orbax_flax/save/{plan.seq}"
   final = plan.loc
@@ -458,16 +256,24 @@ def _write_and_commit(plan: _Plan) -> None:
       raise errors.StorageError(verdict[7:])
 
 
-def _write_arrays(plan: _Plan, target: Location, gen: str) -> None:
+def _write_arrays(plan: _planning.Plan, target: Location, gen: str) -> None:
   me = _multihost.process_index()
   ctx = _tsio.context()
   writers: dict[str, _tsio.DatabaseWriter] = {}
-  for a in plan.arrays:
-    db = f"{a.item}/p{me}-{gen}"
+
+  def writer(item: str) -> _tsio.DatabaseWriter:
+    db = f"{item}/p{me}-{gen}"
     if db not in writers:
       writers[db] = _tsio.DatabaseWriter(target, db, ctx)
-    writers[db].add(a.name, a.shape, a.dtype, a.chunk_shape,
-                    [(p.slices, p.data) for p in a.pieces])
+    return writers[db]
+
+  for pack in plan.packs:
+    chunk = min(pack.size, _planning.PACK_CHUNK_BYTES)
+    writer(pack.item).add(_planning.PACKED, (pack.size,), "uint8", (chunk,),
+                          [((slice(0, pack.size),), pack.buffer)])
+  for a in plan.arrays:
+    writer(a.item).add(a.name, a.shape, a.dtype, a.chunk_shape,
+                       [(p.slices, p.data) for p in a.pieces])
   try:
     for w in writers.values():
       w.start()
@@ -478,11 +284,11 @@ def _write_arrays(plan: _Plan, target: Location, gen: str) -> None:
   if target.is_local:
     for db in writers:
       _location.fsync_tree(os.path.join(target.local_path, db))
-    for item in {a.item for a in plan.arrays}:
+    for item in {db.split('/')[0] for db in writers}:
       _location.fsync_dir(os.path.join(target.local_path, item))
 
 
-def _commit(plan: _Plan, target: Location, gen: str) -> None:
+def _commit(plan: _planning.Plan, target: Location, gen: str) -> None:
   """Process 0: write the manifest last, then make it visible atomically."""
   final = plan.loc
   manifest = dict(plan.manifest, generation=gen)

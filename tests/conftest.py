@@ -1,0 +1,17 @@
+"""Test setup: 8 simulated CPU devices, set before jax initialises."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+assert jax.device_count() == 8, jax.devices()
+
+
+@pytest.fixture
+def ckpt_dir(tmp_path):
+  return str(tmp_path / "ckpt")

@@ -1,0 +1,79 @@
+"""Runs real multi-process JAX jobs on this machine for tests.
+
+Each job is N Python processes joined by ``jax.distributed.initialize`` on
+127.0.0.1, each with its own simulated CPU devices. Tests check return codes:
+JAX aborts (it does not raise) when a process never joins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Result:
+  returncodes: list[int]
+  outputs: list[str]
+
+  def check(self) -> "Result":
+    if any(self.returncodes):
+      report = "\n".join(f"--- process {i} rc={rc}\n{out[-4000:]}"
+                         for i, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
+      raise AssertionError(f"job failed: {self.returncodes}\n{report}")
+    return self
+
+
+def env_for(devices_per_process: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = ROOT + os.pathsep + HERE + os.pathsep + env.get("PYTHONPATH", "")
+  env.update(extra or {})
+  return env
+
+
+def start(script: str, args: list[str], num_processes: int, devices_per_process: int,
+          env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+  """Starts the processes of one job; ``script`` reads --process_id etc."""
+  port = free_port()
+  procs = []
+  for i in range(num_processes):
+    cmd = [sys.executable, os.path.join(HERE, script), f"--coordinator=127.0.0.1:{port}",
+           f"--num_processes={num_processes}", f"--process_id={i}", *args]
+    procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, env=env_for(devices_per_process, env)))
+  return procs
+
+
+def wait(procs: list[subprocess.Popen], timeout: float = 240) -> Result:
+  deadline = time.monotonic() + timeout
+  outs = []
+  for p in procs:
+    try:
+      out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      out, _ = p.communicate()
+      out += "\n[killed by test timeout]"
+    outs.append(out)
+  return Result([p.returncode for p in procs], outs)
+
+
+def run(script: str, args: list[str], num_processes: int, devices_per_process: int,
+        timeout: float = 240, env: dict[str, str] | None = None) -> Result:
+  return wait(start(script, args, num_processes, devices_per_process, env), timeout)
