@@ -67,7 +67,6 @@ def array_spec(loc: Location, db: str, name: str, shape: Sequence[int], dtype: s
           "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
           "chunk_key_encoding": {"name": "default"},
           "codecs": _CODECS,
-          "fill_value": False if dtype == "bool" else 0,
       },
   }
 

@@ -222,38 +222,41 @@ def _write_and_commit(plan: _planning.Plan) -> None:
       raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
   target = final.sibling(f"{final.name}{TMP_MARKER}{gen}") if final.is_local else final
 
-  status = "ok"
+  error: BaseException | None = None
   try:
     _write_arrays(plan, target, gen)
-  except BaseException as e:
-    status = f"error: {type(e).__name__}: {e}"
-    if me != 0:
-      _multihost.publish(f"{key}/status/{me}", status)
-      raise
-  if me == 0:
+  except BaseException as e:  # pylint: disable=broad-except  # Shared, then re-raised.
+    error = e
+  status = "ok" if error is None else f"error: {type(error).__name__}: {error}"
+  if me != 0:
+    _multihost.publish(f"{key}/status/{me}", status)
+    if error is not None:
+      raise error
+    verdict = _multihost.fetch(f"{key}/verdict")
+    if verdict != "ok":
+      raise errors.StorageError(verdict[7:])
+    return
+
+  verdict = "ok"
+  try:
     if _multihost.process_count() > 1:
       _multihost.delete(f"orbax_flax/save/{plan.seq - 1}")
     statuses = [status] + [_multihost.fetch(f"{key}/status/{p}")
                            for p in range(1, _multihost.process_count())]
+    if error is not None:
+      raise error
     failed = [f"process {p}: {s[7:]}" for p, s in enumerate(statuses) if s != "ok"]
-    verdict = "ok"
-    try:
-      if failed:
-        raise errors.StorageError(f"save to {final} failed, nothing was committed: "
-                                  + "; ".join(failed))
-      _commit(plan, target, gen)
-    except BaseException as e:
-      verdict = f"error: {e}"
-      if final.is_local and os.path.isdir(target.local_path):
-        shutil.rmtree(target.local_path, ignore_errors=True)
-      raise
-    finally:
-      _multihost.publish(f"{key}/verdict", verdict)
-  else:
-    _multihost.publish(f"{key}/status/{me}", "ok")
-    verdict = _multihost.fetch(f"{key}/verdict")
-    if verdict != "ok":
-      raise errors.StorageError(verdict[7:])
+    if failed:
+      raise errors.StorageError(f"save to {final} failed, nothing was committed: "
+                                + "; ".join(failed))
+    _commit(plan, target, gen)
+  except BaseException as e:
+    verdict = f"error: save to {final} failed on process 0, nothing was committed: {e}"
+    if final.is_local and os.path.isdir(target.local_path):
+      shutil.rmtree(target.local_path, ignore_errors=True)
+    raise
+  finally:
+    _multihost.publish(f"{key}/verdict", verdict)
 
 
 def _write_arrays(plan: _planning.Plan, target: Location, gen: str) -> None:

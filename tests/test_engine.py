@@ -1,0 +1,270 @@
+"""Round trips through real tensorstore files: leaves, containers, shardings."""
+
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.sharding import SingleDeviceSharding
+
+import orbax_flax as ofx
+
+DTYPES = ["bool", "int2", "int4", "int8", "int16", "int32", "uint2", "uint4", "uint8", "uint16",
+          "uint32", "float16", "bfloat16", "float32", "complex64", "float8_e4m3fn",
+          "float8_e5m2", "float8_e4m3b11fnuz", "float8_e4m3fnuz", "float8_e5m2fnuz",
+          "float8_e3m4", "float8_e4m3", "float8_e8m0fnu", "float4_e2m1fn"]
+DTYPES_X64 = ["int64", "uint64", "float64", "complex128"]
+
+
+def _dtype(name):
+  return np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+def _values(name, shape, seed=0):
+  rng = np.random.default_rng(seed)
+  dtype = _dtype(name)
+  if dtype == np.bool_:
+    return rng.integers(0, 2, shape).astype(bool)
+  if dtype.kind in "iu" or name.startswith(("int", "uint")):
+    info = ml_dtypes.iinfo(dtype) if name in ("int2", "int4", "uint2", "uint4") else np.iinfo(dtype)
+    return rng.integers(max(info.min, -100), min(info.max, 100) + 1, shape).astype(dtype)
+  x = rng.standard_normal(shape)
+  if dtype.kind == "c":
+    x = x + 1j * rng.standard_normal(shape)
+  return np.abs(x).astype(dtype) if "e8m0" in name else x.astype(dtype)
+
+
+def _mesh(shape=(2, 4), names=("data", "model")):
+  return jax.make_mesh(shape, names)
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def _assert_same(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.dtype == b.dtype and a.shape == b.shape
+  assert a.tobytes() == b.tobytes()  # bitwise, NaNs included
+
+
+@pytest.mark.parametrize("name", DTYPES)
+def test_every_dtype_round_trips_bitwise(ckpt_dir, name):
+  mesh = _mesh()
+  host = _values(name, (16, 8))
+  sharded = jax.device_put(host, NamedSharding(mesh, P("data", "model")))
+  big = jax.device_put(_values(name, (512, 1024), seed=1), NamedSharding(mesh, P("model")))
+  items = {"s": {"sharded": sharded, "big": big, "np": host, "scalar": host[0, 0],
+                 "zero_d": jax.device_put(host[0, 0]), "empty": np.zeros((0, 4), host.dtype)}}
+  ofx.save(ckpt_dir, items)
+  on_host = ofx.restore(ckpt_dir)["s"]
+  _assert_same(on_host["sharded"], host)
+  _assert_same(on_host["big"], big)
+  _assert_same(on_host["np"], host)
+  assert on_host["scalar"].dtype == host.dtype and on_host["scalar"].tobytes() == host[0, 0].tobytes()
+  _assert_same(on_host["empty"], items["s"]["empty"])
+  restored = ofx.restore(ckpt_dir, {"s": _abstract({k: items["s"][k] for k in ("sharded", "big", "zero_d")})},
+                         partial=True)["s"]
+  for k in ("sharded", "big", "zero_d"):
+    assert restored[k].sharding == items["s"][k].sharding
+    _assert_same(restored[k], items["s"][k])
+
+
+@pytest.mark.parametrize("name", DTYPES_X64)
+def test_64_bit_dtypes_with_x64(ckpt_dir, name):
+  host = _values(name, (8, 8))
+  with jax.enable_x64(True):
+    x = jax.device_put(host, NamedSharding(_mesh(), P("data")))
+    ofx.save(ckpt_dir, {"s": {"x": x, "np": host}})
+    restored = ofx.restore(ckpt_dir, {"s": {"x": _abstract(x), "np": host}})["s"]
+    _assert_same(restored["x"], host)
+    _assert_same(restored["np"], host)
+
+
+@pytest.mark.parametrize("spec", [P("data", "model"), P("data", None), P(None, "model"), P(),
+                                  P(("data", "model"))])
+def test_shardings_restore_onto_other_meshes(ckpt_dir, spec):
+  mesh = _mesh()
+  host = _values("float32", (64, 32))
+  x = jax.device_put(host, NamedSharding(mesh, spec))
+  single = jax.device_put(host, jax.devices()[3])
+  ofx.save(ckpt_dir, {"s": {"x": x, "single": single}})
+  targets = [
+      NamedSharding(jax.make_mesh((8,), ("a",)), P(None, "a")),
+      NamedSharding(jax.make_mesh((4,), ("a",), devices=jax.devices()[4:]), P("a")),
+      NamedSharding(jax.make_mesh((2, 2), ("a", "b"), devices=jax.devices()[:4]), P("b", "a")),
+      NamedSharding(mesh, P()),
+      SingleDeviceSharding(jax.devices()[5]),
+  ]
+  for sharding in targets:
+    target = {"s": {k: jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=sharding) for k in ("x", "single")}}
+    restored = ofx.restore(ckpt_dir, target)["s"]
+    for k in ("x", "single"):
+      assert restored[k].sharding == sharding
+      for shard in restored[k].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), host[shard.index])
+
+
+def test_concrete_arrays_as_target_and_dtype_cast(ckpt_dir):
+  mesh = _mesh()
+  host = _values("float32", (64, 32))
+  ofx.save(ckpt_dir, {"s": {"x": jax.device_put(host, NamedSharding(mesh, P("data")))}})
+  like = jnp.zeros((64, 32), jnp.bfloat16, device=NamedSharding(mesh, P("model")))
+  restored = ofx.restore(ckpt_dir, {"s": {"x": like}})["s"]["x"]
+  assert restored.dtype == jnp.bfloat16 and restored.sharding == like.sharding
+  np.testing.assert_array_equal(np.asarray(restored), host.astype(jnp.bfloat16))
+  as_np = ofx.restore(ckpt_dir, {"s": {"x": np.zeros((64, 32), np.float64)}})["s"]["x"]
+  assert isinstance(as_np, np.ndarray) and as_np.dtype == np.float64
+  np.testing.assert_array_equal(as_np, host.astype(np.float64))
+
+
+def test_prng_keys(ckpt_dir):
+  mesh = _mesh()
+  key = jax.random.key(42)
+  keys = jax.device_put(jax.random.split(key, 8), NamedSharding(mesh, P(("data", "model"))))
+  rbg = jax.random.key(3, impl="rbg")
+  ofx.save(ckpt_dir, {"rng": {"key": key, "keys": keys, "rbg": rbg}})
+  target = {"rng": {"key": _abstract(key), "rbg": _abstract(rbg),
+                    "keys": jax.ShapeDtypeStruct((8,), keys.dtype,
+                                                 sharding=NamedSharding(jax.make_mesh((4,), ("x",), devices=jax.devices()[:4]), P("x")))}}
+  restored = ofx.restore(ckpt_dir, target)["rng"]
+  for k, want in (("key", key), ("keys", keys), ("rbg", rbg)):
+    assert restored[k].dtype == want.dtype
+    np.testing.assert_array_equal(jax.random.key_data(restored[k]), jax.random.key_data(want))
+  np.testing.assert_array_equal(jax.random.normal(restored["key"], (3,)), jax.random.normal(key, (3,)))
+  host = ofx.restore(ckpt_dir)["rng"]
+  assert host["keys"].dtype == keys.dtype
+  np.testing.assert_array_equal(jax.random.key_data(host["keys"]), jax.random.key_data(keys))
+
+
+class _MLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
+
+
+def _train_state(tx):
+  model = _MLP()
+  params = model.init(jax.random.key(0), jnp.ones((1, 8)))
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+@pytest.mark.parametrize("tx", [
+    optax.adam(1e-3),
+    optax.chain(optax.clip_by_global_norm(1.0), optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3)),
+    optax.masked(optax.sgd(0.1, momentum=0.9), lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
+    optax.MultiSteps(optax.adam(1e-3), every_k_schedule=4),
+], ids=["adam", "chain_inject", "masked", "multisteps"])
+def test_flax_train_state_with_optax_states(ckpt_dir, tx):
+  state = _train_state(tx)
+  grads = jax.tree.map(jnp.ones_like, state.params)
+  state = state.apply_gradients(grads=grads)
+  ofx.save(ckpt_dir, {"state": state})
+  fresh = _train_state(tx)
+  restored = ofx.restore(ckpt_dir, {"state": fresh})["state"]
+  assert type(restored) is type(state) and restored.step == 1
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Params alone, written as plain dicts: each item restores without the rest.
+  params = ofx.restore(ckpt_dir, {"state": {"params": fresh.params}}, partial=True)["state"]["params"]
+  jax.tree.map(np.testing.assert_array_equal, params, state.params)
+  # Without a target the structure comes back: namedtuples as namedtuples.
+  host = ofx.restore(ckpt_dir)["state"]
+  assert host["step"] == 1
+  jax.tree.map(np.testing.assert_array_equal, host["params"], jax.device_get(state.params))
+
+
+def test_nnx_model_and_optimizer_state(ckpt_dir):
+
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(8, 4, rngs=rngs)
+      self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+  model = Model(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+  _, state = nnx.split(model)
+  opt_state = nnx.state(optimizer)
+  ofx.save(ckpt_dir, {"model": state, "optimizer": opt_state})
+  other = Model(nnx.Rngs(1))
+  other_opt = nnx.Optimizer(other, optax.adam(1e-3), wrt=nnx.Param)
+  graphdef, abstract = nnx.split(other)
+  restored = ofx.restore(ckpt_dir, {"model": abstract, "optimizer": nnx.state(other_opt)})
+  assert isinstance(restored["model"], nnx.State)
+  nnx.update(other, restored["model"])
+  np.testing.assert_array_equal(other.linear.kernel.value, model.linear.kernel.value)
+  for a, b in zip(jax.tree.leaves(restored["optimizer"]), jax.tree.leaves(opt_state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_containers_and_scalars_round_trip_without_target(ckpt_dir):
+  from collections import namedtuple  # pylint: disable=g-import-not-at-top
+  Pt = namedtuple("Pt", ["x", "y"])
+  tree = {"list": [1, 2.5, "three", None, b"\x00\xff"], "tuple": (np.int8(-3), np.float32(0.1), True),
+          "nt": Pt(np.arange(3), {"deep": [np.ones(2)]}), "complex": 1 + 2j, "big_int": 2**80,
+          "nan": float("nan"), "inf": -float("inf"), "empty_dict": {}, "empty_list": [],
+          "optax_empty": optax.EmptyState(), "masked": optax.MaskedNode(), 7: "int key"}
+  tree = {"t": {str(k): v for k, v in tree.items()}, "ints": {1: np.zeros(2), 2: "b"}}
+  ofx.save(ckpt_dir, tree)
+  got = ofx.restore(ckpt_dir)
+  t = got["t"]
+  assert t["list"][:3] == [1, 2.5, "three"] and t["list"][3] is None and t["list"][4] == b"\x00\xff"
+  assert t["tuple"][0] == np.int8(-3) and t["tuple"][0].dtype == np.int8
+  assert t["tuple"][1] == np.float32(0.1) and t["tuple"][2] is True
+  assert type(t["nt"]).__name__ == "Pt" and t["nt"].y["deep"][0].tolist() == [1.0, 1.0]
+  assert t["complex"] == 1 + 2j and t["big_int"] == 2**80
+  assert np.isnan(t["nan"]) and t["inf"] == -float("inf")
+  assert t["empty_dict"] == {} and t["empty_list"] == []
+  assert type(t["optax_empty"]).__name__ == "EmptyState" and type(t["masked"]).__name__ == "MaskedNode"
+  assert set(got["ints"]) == {1, 2} and got["ints"][2] == "b"
+
+
+def test_partial_restore_reads_only_named_items(ckpt_dir):
+  ofx.save(ckpt_dir, {"state": {"a": np.ones(3), "b": np.zeros(2)}, "extra": {"epoch": 3}})
+  # Destroy the data of "state": restoring "extra" alone still works.
+  for root, _, files in os.walk(os.path.join(ckpt_dir, "state")):
+    for f in files:
+      os.remove(os.path.join(root, f))
+  assert ofx.restore(ckpt_dir, {"extra": {"epoch": 0}}) == {"extra": {"epoch": 3}}
+
+
+def test_file_count_does_not_grow_with_leaves(tmp_path):
+  mesh = _mesh()
+
+  def files_for(n):
+    path = str(tmp_path / f"c{n}")
+    tree = {f"w{i}": jax.device_put(np.full((64, 64), i, np.float32), NamedSharding(mesh, P("data", "model")))
+            for i in range(n)}
+    tree["big"] = jax.device_put(np.ones((1024, 1024), np.float32), NamedSharding(mesh, P("model")))
+    ofx.save(path, {"state": tree})
+    return sum(len(f) for _, _, f in os.walk(path))
+
+  # _CHECKPOINT, the OCDBT manifest and one or two data files (OCDBT may
+  # flush twice), whether the item has 11 leaves or 1001.
+  few, many = files_for(10), files_for(1000)
+  assert few <= 5 and many <= 5, (few, many)
+
+
+def test_metadata_without_data(ckpt_dir):
+  mesh = _mesh()
+  x = jax.device_put(np.ones((16, 8), np.float32), NamedSharding(mesh, P("data", "model")))
+  ofx.save(ckpt_dir, {"state": {"params": {"w": x}, "step": 7}, "rng": {"k": jax.random.key(0)}},
+           custom_metadata={"note": "hello"})
+  meta = ofx.metadata(ckpt_dir)
+  w = meta.items["state"].arrays[0]
+  assert (w.path, w.shape, w.dtype, w.nbytes) == ("params/w", (16, 8), "float32", 512)
+  assert "'data', 'model'" in w.sharding and "'data': 2" in w.sharding
+  assert meta.items["state"].tree["step"] == 7
+  assert meta.items["rng"].arrays[0].dtype == "key<threefry2x32>"
+  assert meta.custom == {"note": "hello"} and meta.device_count == 8 and meta.process_count == 1
+  assert "params/w" in str(meta)

@@ -1,0 +1,138 @@
+"""Bad input fails loudly, before anything is written, read or deleted."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import orbax_flax as ofx
+
+
+def _tree_files(path):
+  return sorted(os.path.relpath(os.path.join(r, f), path) for r, _, fs in os.walk(path) for f in fs)
+
+
+def test_missing_checkpoint(tmp_path):
+  with pytest.raises(ofx.CheckpointNotFoundError, match="does not exist") as e:
+    ofx.restore(str(tmp_path / "nope"))
+  assert isinstance(e.value, FileNotFoundError)
+  os.makedirs(tmp_path / "empty")
+  with pytest.raises(FileNotFoundError, match="no committed"):
+    ofx.metadata(str(tmp_path / "empty"))
+
+
+def test_existing_checkpoint_needs_overwrite(ckpt_dir):
+  ofx.save(ckpt_dir, {"s": {"x": np.zeros(3)}})
+  with pytest.raises(ofx.CheckpointExistsError, match="overwrite=True"):
+    ofx.save(ckpt_dir, {"s": {"x": np.ones(3)}})
+  with pytest.raises(FileExistsError):
+    ofx.save_async(ckpt_dir, {"s": {"x": np.ones(3)}})
+  np.testing.assert_array_equal(ofx.restore(ckpt_dir)["s"]["x"], np.zeros(3))
+  ofx.save(ckpt_dir, {"s": {"x": np.ones(3)}, "new": {"y": 1}}, overwrite=True)
+  restored = ofx.restore(ckpt_dir)
+  np.testing.assert_array_equal(restored["s"]["x"], np.ones(3))
+  assert restored["new"] == {"y": 1}
+  assert os.listdir(os.path.dirname(ckpt_dir)) == ["ckpt"]  # no leftovers
+
+
+def test_refuses_foreign_directory_even_with_overwrite(tmp_path):
+  d = tmp_path / "mine"
+  d.mkdir()
+  (d / "notes.txt").write_text("precious")
+  with pytest.raises(ofx.CheckpointExistsError, match="not an orbax_flax checkpoint"):
+    ofx.save(str(d), {"s": {"x": np.zeros(1)}}, overwrite=True)
+  assert (d / "notes.txt").read_text() == "precious"
+  (tmp_path / "afile").write_text("x")
+  with pytest.raises(ofx.CheckpointExistsError, match="is a file"):
+    ofx.save(str(tmp_path / "afile"), {"s": {"x": np.zeros(1)}})
+
+
+def test_unsupported_leaf_names_key_path_and_writes_nothing(tmp_path, ckpt_dir):
+  with pytest.raises(ofx.UnsupportedLeafError, match=r"state/layers/1/act: custom_jvp is not a supported"):
+    ofx.save(ckpt_dir, {"state": {"layers": [{"w": np.ones(2)}, {"act": jax.nn.relu}]}})
+  with pytest.raises(TypeError, match=r"s/x.*dtype <U1"):
+    ofx.save(ckpt_dir, {"s": {"x": np.array(["a"])}})
+  with pytest.raises(TypeError, match=r"s/abstract.*ShapeDtypeStruct"):
+    ofx.save(ckpt_dir, {"s": {"abstract": jax.ShapeDtypeStruct((2,), jnp.float32)}})
+  assert os.listdir(tmp_path) == []
+
+
+def test_failed_overwrite_keeps_the_old_checkpoint(ckpt_dir):
+  ofx.save(ckpt_dir, {"s": {"x": np.arange(4)}})
+  before = _tree_files(ckpt_dir)
+  with pytest.raises(ofx.UnsupportedLeafError):
+    ofx.save(ckpt_dir, {"s": {"x": object()}}, overwrite=True)
+  assert _tree_files(ckpt_dir) == before
+  np.testing.assert_array_equal(ofx.restore(ckpt_dir)["s"]["x"], np.arange(4))
+
+
+@pytest.mark.parametrize("items,match", [
+    ([np.zeros(2)], "must be a non-empty dict"),
+    ({}, "must be a non-empty dict"),
+    ({"": np.zeros(2)}, "invalid item name"),
+    ({"a/b": np.zeros(2)}, "invalid item name"),
+    ({"_private": np.zeros(2)}, "invalid item name"),
+])
+def test_bad_items(ckpt_dir, items, match):
+  with pytest.raises((TypeError, ValueError), match=match):
+    ofx.save(ckpt_dir, items)
+  assert not os.path.exists(ckpt_dir)
+
+
+def test_bad_custom_metadata(ckpt_dir):
+  with pytest.raises(TypeError, match="JSON"):
+    ofx.save(ckpt_dir, {"s": {"x": 1}}, custom_metadata={"a": object()})
+  assert not os.path.exists(ckpt_dir)
+
+
+def test_tree_mismatch_lists_every_difference_before_reading(ckpt_dir):
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  sh = NamedSharding(mesh, P())
+  ofx.save(ckpt_dir, {"s": {"a": np.zeros((4, 4)), "b": np.zeros(3), "c": np.zeros(2), "name": "x"}})
+  # Remove the array data: a mismatch must be reported without reading any.
+  for root, _, files in os.walk(os.path.join(ckpt_dir, "s")):
+    for f in files:
+      os.remove(os.path.join(root, f))
+  target = {"s": {"a": jax.ShapeDtypeStruct((4, 5), jnp.float64, sharding=sh),
+                  "b": np.zeros(3), "d": np.zeros(1), "name": np.zeros(2)}}
+  with pytest.raises(ofx.TreeMismatchError) as e:
+    ofx.restore(ckpt_dir, target)
+  msg = str(e.value)
+  assert "s/a: shape (4, 4) in checkpoint, (4, 5) in target" in msg
+  assert "s/d: in target, not in checkpoint" in msg
+  assert "s/c: in checkpoint, not in target" in msg and "partial=True" in msg
+  assert "s/name: checkpoint holds a str" in msg
+  assert len(e.value.differences) == 4
+  with pytest.raises(ofx.TreeMismatchError, match="item 'other': in target, not in checkpoint"):
+    ofx.restore(ckpt_dir, {"other": {"a": np.zeros(1)}})
+
+
+def test_sharding_that_does_not_divide_is_reported_before_reading(ckpt_dir):
+  ofx.save(ckpt_dir, {"s": {"w": np.zeros((6, 8), np.float32)}})
+  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  target = {"s": {"w": jax.ShapeDtypeStruct((6, 8), jnp.float32, sharding=NamedSharding(mesh, P("a", "b")))}}
+  with pytest.raises(ValueError, match=r"s/w \(shape \(6, 8\)\).*axis 0.*4 times"):
+    ofx.restore(ckpt_dir, target)
+
+
+def test_bad_targets(ckpt_dir):
+  ofx.save(ckpt_dir, {"s": {"w": np.zeros(2)}})
+  with pytest.raises(ValueError, match="without a sharding"):
+    ofx.restore(ckpt_dir, {"s": {"w": jax.ShapeDtypeStruct((2,), jnp.float32)}})
+  with pytest.raises(TypeError, match="target leaf s/w is a object"):
+    ofx.restore(ckpt_dir, {"s": {"w": object()}})
+  with pytest.raises(TypeError, match="target must be a dict"):
+    ofx.restore(ckpt_dir, [1])
+
+
+def test_bad_paths():
+  with pytest.raises(TypeError, match="checkpoint path"):
+    ofx.save(None, {"s": {"x": 1}})
+  with pytest.raises(ValueError, match="cannot use checkpoint URL"):
+    ofx.save("gs://b/x", {"s": {"x": 1}})
+  with pytest.raises(ValueError, match="reserved"):
+    ofx.save("/tmp/x.ofx-tmp-123", {"s": {"x": 1}})
