@@ -110,9 +110,17 @@ class DatabaseWriter:
 _KEY_IN_ERROR = re.compile(r'Error reading "([^"]+)"')
 
 
-def is_data_loss(e: Exception) -> bool:
+# Status codes that say the store could not be reached or refused us; any
+# other failure to read a committed checkpoint means its bytes are wrong.
+_TRANSIENT = ("UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "UNAUTHENTICATED",
+              "RESOURCE_EXHAUSTED", "CANCELLED", "ABORTED", "Connection refused",
+              "Couldn't connect", "Could not resolve host")
+
+
+def is_corruption(e: Exception) -> bool:
+  """True if a read of committed data failed because the bytes are wrong."""
   s = str(e)
-  return "DATA_LOSS" in s or "Digest mismatch" in s or "checksum" in s.lower()
+  return not any(t in s for t in _TRANSIENT)
 
 
 def locate(loc: Location, db: str, message: str) -> str:
@@ -126,7 +134,7 @@ def locate(loc: Location, db: str, message: str) -> str:
     store = ts.KvStore.open(loc.spec(db + "/")).result()
     dump = ts.ocdbt.dump(store).result()
     root = dump["versions"][-1]["root"].get("location")
-    found = _find_value(store, root, repr(key.encode())) if root else None
+    found = _find_value(store, root, key.encode()) if root else None
   except ValueError:
     found = None
   if not found:
@@ -135,14 +143,14 @@ def locate(loc: Location, db: str, message: str) -> str:
   return f"{os.path.join(base, file)} (key {key}, bytes {offset}+{length})"
 
 
-def _find_value(store: ts.KvStore, node: str, key_repr: str) -> str | None:
+def _find_value(store: ts.KvStore, node: str, key: bytes) -> str | None:
   dump = ts.ocdbt.dump(store, node).result()
   for entry in dump.get("entries", []):
-    if entry.get("key") == key_repr and "indirect_value" in entry:
-      return entry["indirect_value"]
+    if entry.get("key") == key and "indirect_value" in entry:
+      return str(entry["indirect_value"])
     child = entry.get("node") or entry.get("location")
     if isinstance(child, str) and child.startswith("btreenode::"):
-      found = _find_value(store, child, key_repr)
+      found = _find_value(store, child, key)
       if found:
         return found
   return None

@@ -41,16 +41,17 @@ from orbax_flax._location import Location
 
 def read_manifest(loc: Location) -> dict[str, Any]:
   """The committed manifest at ``loc``; CheckpointNotFoundError if none."""
+  if saving.TMP_MARKER in loc.name:
+    raise errors.CheckpointNotFoundError(
+        f"{loc} is the temporary directory of an unfinished or replaced save, not a"
+        " committed checkpoint; it is safe to delete.")
   data = _location.read_key(loc, _manifest.MANIFEST_KEY)
   if data is None:
-    hint = ""
-    if loc.is_local and saving.TMP_MARKER in loc.name:
-      hint = " This is the temporary directory of an unfinished save."
-    elif loc.is_local and not os.path.exists(loc.local_path):
-      hint = " The path does not exist."
+    if loc.is_local and not os.path.exists(loc.local_path):
+      hint = "The path does not exist."
     else:
-      hint = " The path exists but holds no committed checkpoint (an interrupted save?)."
-    raise errors.CheckpointNotFoundError(f"no committed orbax_flax checkpoint at {loc}.{hint}")
+      hint = "The path exists but holds no committed checkpoint (an interrupted save?)."
+    raise errors.CheckpointNotFoundError(f"no committed orbax_flax checkpoint at {loc}. {hint}")
   return _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
 
 
@@ -260,10 +261,8 @@ def _restore_all(loc: Location, manifest: dict[str, Any]) -> dict[str, Any]:
           for item, saved_item in manifest["items"].items()}
 
 
-def _read_error(loc: Location, item: str, rec: dict[str, Any], db: str, e: Exception) -> Exception:
-  path = _tree.path_str(tuple(rec["path"]))
-  s = str(e)
-  if _tsio.is_data_loss(e) or any(c in s for c in ("NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT")):
+def _read_error(loc: Location, item: str, path: str, db: str, e: Exception) -> Exception:
+  if _tsio.is_corruption(e):
     return _tsio.corrupted(item, path, loc, db, e)
   return _location._storage_error(loc, f"reading {item}/{path}", e)
 
@@ -307,11 +306,12 @@ class _Reader:
     rec = want.rec
     return self.open(want.item, owner, rec["name"], rec["shape"], rec["stored_dtype"], rec["chunk_shape"])
 
-  def resolve(self, fut: Any, item: str, rec: dict[str, Any], owner: int) -> Any:
+  def resolve(self, fut: Any, item: str, what: str, owner: int) -> Any:
+    """Waits for a tensorstore future; ``what`` names the arrays for errors."""
     try:
       return fut.result()
     except ValueError as e:
-      raise _read_error(self.loc, item, rec, self.db(item, owner), e) from e
+      raise _read_error(self.loc, item, what, self.db(item, owner), e) from e
 
 
 def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[Any]:
@@ -328,12 +328,17 @@ def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[A
     lo, hi = w.rec["packed_offset"], w.rec["packed_offset"] + w.rec["nbytes"]
     r = ranges.setdefault((w.item, w.rec["owners"][0]), [lo, hi])
     r[0], r[1] = min(r[0], lo), max(r[1], hi)
+  packed_names: dict[tuple[str, int], list[str]] = {}
+  for w in packed:
+    packed_names.setdefault((w.item, w.rec["owners"][0]), []).append(_tree.path_str(tuple(w.rec["path"])))
+  packed_what = {k: f"{len(v)} packed small array(s) ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
+                 for k, v in packed_names.items()}
   packed_reads = {}
   for (item, owner), (lo, hi) in ranges.items():
     opened = reader.open_packed(item, owner)
     packed_reads[item, owner] = (lo, opened, None)
   for k, (lo, opened, _) in packed_reads.items():
-    st = reader.resolve(opened, k[0], {"path": [_planning.PACKED]}, k[1])
+    st = reader.resolve(opened, k[0], packed_what[k], k[1])
     packed_reads[k] = (lo, st[lo:ranges[k][1]].read(), None)
 
   box_reads: dict[int, list[tuple[np.ndarray, list[tuple[Any, int]]]]] = {}
@@ -353,13 +358,13 @@ def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[A
         pieces = [(_layout.intersect(chunking.chunk_box(c), box), rec["owners"][c]) for c in chunks]
       futs = []
       for piece, owner in pieces:
-        st = reader.resolve(reader.open_array(w, owner), w.item, rec, owner)
+        st = reader.resolve(reader.open_array(w, owner), w.item, _tree.path_str(tuple(rec["path"])), owner)
         sl = _layout.box_to_slices(piece)
         futs.append((dst[sl].write(st[sl]), owner))
       per_box.append((buf, futs))
     box_reads[id(w)] = per_box
 
-  packed_bytes = {k: reader.resolve(f, k[0], {"path": [_planning.PACKED]}, k[1])
+  packed_bytes = {k: reader.resolve(f, k[0], packed_what[k], k[1])
                   for k, (lo, f, _) in packed_reads.items()}
   datas: dict[int, list[np.ndarray]] = {}
   for w in wants:
@@ -377,7 +382,7 @@ def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[A
       boxes = []
       for buf, futs in box_reads[id(w)]:
         for fut, owner in futs:
-          reader.resolve(fut, w.item, rec, owner)
+          reader.resolve(fut, w.item, _tree.path_str(tuple(rec["path"])), owner)
         boxes.append(buf if buf.dtype == saved else buf.view(saved))
     datas[id(w)] = [b if b.dtype == w.dtype else b.astype(w.dtype) for b in boxes]
   return _assemble(wants, datas)

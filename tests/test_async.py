@@ -1,0 +1,112 @@
+"""save_async: a real snapshot, errors never lost, memory back to baseline."""
+
+import contextlib
+import gc
+import os
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import psutil
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import orbax_flax as ofx
+
+
+@contextlib.contextmanager
+def small_disk(path, size="4m"):
+  """A real tmpfs of ``size`` mounted at ``path`` (needs root)."""
+  os.makedirs(path, exist_ok=True)
+  r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
+                     capture_output=True, text=True, check=False)
+  if r.returncode != 0:
+    pytest.skip(f"cannot mount a tmpfs to fill a disk (needs root): {r.stderr.strip()}")
+  try:
+    yield path
+  finally:
+    subprocess.run(["umount", "-l", path], check=False)
+
+
+def _state(mb=64, seed=0):
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  rng = np.random.default_rng(seed)
+  n = mb * (1 << 20) // 4 // 2048
+  return {"w": jax.device_put(rng.standard_normal((n, 2048), dtype=np.float32),
+                              NamedSharding(mesh, P("data", "model"))),
+          "b": jax.device_put(rng.standard_normal((2048,), dtype=np.float32), NamedSharding(mesh, P())),
+          "count": jnp.int32(5)}
+
+
+def test_arrays_can_be_donated_and_deleted_once_save_async_returns(ckpt_dir):
+  state = _state()
+  expected = jax.tree.map(np.array, state)
+  handle = ofx.save_async(ckpt_dir, {"state": state})
+  # The caller owns its buffers again: donate them to a step that overwrites
+  # them in place, and delete the rest.
+  step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)
+  new = step(state)
+  jax.block_until_ready(new)
+  assert all(x.is_deleted() for x in jax.tree.leaves(state))
+  handle.wait()
+  assert handle.done() and handle.blocking_s <= handle.total_s
+  restored = ofx.restore(ckpt_dir)["state"]
+  jax.tree.map(np.testing.assert_array_equal, restored, expected)
+
+
+def test_snapshot_does_not_alias_device_buffers(ckpt_dir):
+  from orbax_flax import _planning  # pylint: disable=g-import-not-at-top
+  from orbax_flax._location import Location  # pylint: disable=g-import-not-at-top
+  state = _state(8)
+  plan = _planning.make_plan(Location.parse(ckpt_dir), {"state": state}, False, None, 0)
+  _planning.copy_pieces(plan)
+  views = [np.asarray(s.data) for s in state["w"].addressable_shards]
+  for a in plan.arrays:
+    for piece in a.pieces:
+      assert not any(np.shares_memory(piece.data, v) for v in views)
+
+
+def test_only_one_save_in_flight(tmp_path):
+  first = ofx.save_async(str(tmp_path / "a"), {"state": _state(32)})
+  second = ofx.save_async(str(tmp_path / "b"), {"state": _state(8)})
+  assert first.done()  # the second call waited for the first
+  second.wait()
+  assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def test_background_error_raised_on_wait_and_on_next_save(tmp_path):
+  with small_disk(str(tmp_path / "disk")) as disk:
+    ofx.save(os.path.join(disk, "small"), {"state": {"x": np.arange(10)}})
+    handle = ofx.save_async(os.path.join(disk, "big"), {"state": _state(16)})
+    with pytest.raises(ofx.StorageError, match="writing array data") as e:
+      handle.wait()
+    assert "No space left" in str(e.value) or "RESOURCE_EXHAUSTED" in str(e.value) or "ENOSPC" in str(e.value)
+    with pytest.raises(ofx.StorageError):  # wait() again still reports it
+      handle.wait()
+    # The failed save left nothing behind and the earlier checkpoint is intact.
+    assert sorted(os.listdir(disk)) == ["small"]
+    np.testing.assert_array_equal(ofx.restore(os.path.join(disk, "small"))["state"]["x"], np.arange(10))
+
+    # Nobody waits: the next save raises the error instead of losing it.
+    ofx.save_async(os.path.join(disk, "big2"), {"state": _state(16)})
+    with pytest.raises(ofx.StorageError) as e:
+      ofx.save_async(str(tmp_path / "elsewhere"), {"state": {"x": np.arange(3)}})
+    assert any("nobody waited" in n for n in getattr(e.value, "__notes__", []))
+    assert not os.path.exists(tmp_path / "elsewhere")
+    # Once reported, it is not raised again.
+    ofx.save(str(tmp_path / "elsewhere"), {"state": {"x": np.arange(3)}})
+
+
+def test_memory_returns_to_baseline_over_20_saves(tmp_path):
+  state = _state(64)
+  proc = psutil.Process()
+  rss = []
+  for i in range(20):
+    handle = ofx.save_async(str(tmp_path / f"c{i}"), {"state": state})
+    handle.wait()
+    gc.collect()
+    rss.append(proc.memory_info().rss)
+  growth = rss[-1] - rss[2]
+  assert growth < 32 << 20, [r >> 20 for r in rss]
