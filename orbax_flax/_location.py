@@ -73,6 +73,13 @@ class Location:
   @classmethod
   def _remote(cls, spec: dict[str, Any]) -> Location:
     spec = dict(spec)
+    if spec.get("driver") == "s3" and "endpoint" not in spec:
+      # The AWS SDKs' variables for S3-compatible stores (MinIO, SeaweedFS...).
+      endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+      if endpoint:
+        spec["endpoint"] = endpoint
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        spec.setdefault("aws_region", region or "us-east-1")
     prefix = spec.get("path", "")
     if prefix and not prefix.endswith("/"):
       prefix += "/"
@@ -126,6 +133,26 @@ class Location:
     return hash(str(self))
 
 
+# Retries of object-store requests: transient errors are retried with backoff
+# for about 20 s, then reported. A kvstore spec dict may override this with
+# its own "context" member.
+_RETRIES = {"max_retries": 6, "initial_delay": "0.5s", "max_delay": "5s"}
+
+
+def context_spec() -> dict[str, Any]:
+  return {"s3_request_retries": _RETRIES, "gcs_request_retries": _RETRIES}
+
+
+_default_context: ts.Context | None = None
+
+
+def default_context() -> ts.Context:
+  global _default_context
+  if _default_context is None:
+    _default_context = ts.Context(context_spec())
+  return _default_context
+
+
 def _storage_error(loc: Location, what: str, e: Exception) -> errors.StorageError:
   hint = ("check that the directory is writable and the disk is not full" if loc.is_local
           else "check the endpoint, bucket name, credentials (AWS_ACCESS_KEY_ID/"
@@ -135,7 +162,7 @@ def _storage_error(loc: Location, what: str, e: Exception) -> errors.StorageErro
 
 def open_kvstore(loc: Location, sub: str = "", context: ts.Context | None = None) -> ts.KvStore:
   try:
-    return ts.KvStore.open(loc.spec(sub), context=context).result()
+    return ts.KvStore.open(loc.spec(sub), context=context or default_context()).result()
   except ValueError as e:
     raise _storage_error(loc, "opening the store", e) from e
 

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from orbax_flax import _location
 from orbax_flax import errors
 from orbax_flax._location import Location
 
@@ -42,6 +43,7 @@ def stored_dtype(dtype: np.dtype) -> str:
 def context() -> ts.Context:
   """A fresh tensorstore context: no chunk cache, parallel I/O."""
   return ts.Context({
+      **_location.context_spec(),
       "cache_pool": {"total_bytes_limit": 0},
       "file_io_concurrency": {"limit": max(8, 2 * (os.cpu_count() or 1))},
   })
@@ -131,11 +133,11 @@ def locate(loc: Location, db: str, message: str) -> str:
     return base
   key = m.group(1)
   try:
-    store = ts.KvStore.open(loc.spec(db + "/")).result()
+    store = _location.open_kvstore(loc, db + "/")
     dump = ts.ocdbt.dump(store).result()
     root = dump["versions"][-1]["root"].get("location")
     found = _find_value(store, root, key.encode()) if root else None
-  except ValueError:
+  except (ValueError, errors.StorageError):
     found = None
   if not found:
     return f"{base} (key {key})"

@@ -15,3 +15,27 @@ assert jax.device_count() == 8, jax.devices()
 @pytest.fixture
 def ckpt_dir(tmp_path):
   return str(tmp_path / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+  """A SeaweedFS S3 server on loopback, shared by the session."""
+  import s3server  # pylint: disable=g-import-not-at-top
+  try:
+    server = s3server.S3Server()
+  except RuntimeError as e:
+    pytest.skip(f"S3 tests need a local SeaweedFS server, which could not start: {e}")
+  old = {k: os.environ.get(k) for k in server.env()}
+  os.environ.update(server.env())
+  yield server
+  for k, v in old.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
+  server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+  return s3_server.new_bucket()
