@@ -374,8 +374,8 @@ def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[A
       owner = rec["owners"][0]
       lo = packed_reads[w.item, owner][0]
       off = rec["packed_offset"] - lo
-      full = packed_bytes[w.item, owner][off:off + rec["nbytes"]].view(saved).reshape(w.shape)
-      boxes = [full[_layout.box_to_slices(b)] for b in w.boxes]
+      # The whole (small) array, whatever boxes the target needs.
+      boxes = [packed_bytes[w.item, owner][off:off + rec["nbytes"]].view(saved).reshape(w.shape)]
     elif not rec["owners"]:
       boxes = [np.zeros(_layout.box_shape(b), saved) for b in w.boxes]
     else:
@@ -389,18 +389,26 @@ def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[A
 
 
 def _assemble(wants: list[_Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:
-  """Host arrays as they are; device arrays placed with one batched device_put."""
+  """Host arrays as they are; device arrays placed with one batched device_put.
+
+  ``datas`` holds, per want, one array per box of ``want.boxes``, except for
+  packed arrays, which come whole.
+  """
   out: list[Any] = [None] * len(wants)
-  whole: list[int] = []          # small arrays read whole: put with their sharding
+  whole: list[int] = []                # packed arrays: the whole value is on the host
   sharded: list[tuple[int, int]] = []  # (want index, number of shards)
   values, targets, alias = [], [], []
+  single_process = jax.process_count() == 1
   for i, w in enumerate(wants):
     boxes = datas[id(w)]
     if w.sharding is None:
       out[i] = boxes[0]
-    elif ("packed_offset" in w.rec and len(w.boxes) == 1 and jax.process_count() == 1
-          and not any(lo for b in w.boxes for lo, _ in b)):
-      whole.append(i)
+    elif "packed_offset" in w.rec:
+      full = boxes[0]
+      if single_process:
+        whole.append(i)  # jax slices it per device in one call
+      else:
+        out[i] = jax.make_array_from_callback(w.shape, w.sharding, lambda idx, f=full: f[idx])
     else:
       n = 0
       for devices, data in zip(w.boxes.values(), boxes):
