@@ -8,6 +8,7 @@ Example:
   array([0, 1, 2])
 """
 
+from orbax_flax.config import CheckpointPolicy
 from orbax_flax.errors import CheckpointCorruptedError
 from orbax_flax.errors import CheckpointError
 from orbax_flax.errors import CheckpointExistsError
@@ -15,19 +16,22 @@ from orbax_flax.errors import CheckpointNotFoundError
 from orbax_flax.errors import StorageError
 from orbax_flax.errors import TreeMismatchError
 from orbax_flax.errors import UnsupportedLeafError
-from orbax_flax.metadata import ArrayMetadata
-from orbax_flax.metadata import CheckpointMetadata
-from orbax_flax.metadata import ItemMetadata
-from orbax_flax.metadata import metadata
+from orbax_flax.manager import CheckpointManager
+from orbax_flax.describe import ArrayMetadata
+from orbax_flax.describe import CheckpointMetadata
+from orbax_flax.describe import ItemMetadata
+from orbax_flax.describe import metadata
 from orbax_flax.restoring import restore
 from orbax_flax.saving import AsyncSave
 from orbax_flax._planning import LIBRARY_VERSION as __version__
 from orbax_flax.saving import save
 from orbax_flax.saving import save_async
+from orbax_flax.verifying import verify
 
 __all__ = [
     "ArrayMetadata", "AsyncSave", "CheckpointCorruptedError", "CheckpointError",
+    "CheckpointManager", "CheckpointPolicy",
     "CheckpointExistsError", "CheckpointMetadata", "CheckpointNotFoundError",
     "ItemMetadata", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
-    "metadata", "restore", "save", "save_async",
+    "metadata", "restore", "save", "save_async", "verify",
 ]

@@ -167,18 +167,22 @@ def open_kvstore(loc: Location, sub: str = "", context: ts.Context | None = None
     raise _storage_error(loc, "opening the store", e) from e
 
 
-def read_key(loc: Location, key: str, context: ts.Context | None = None) -> bytes | None:
-  """Reads one key; None when it is missing."""
+def read_key(loc: Location, key: str, context: ts.Context | None = None,
+             max_bytes: int | None = None) -> bytes | None:
+  """Reads one key (its first ``max_bytes`` if given); None when it is missing."""
   if loc.is_local:
     # Plain reads are cheaper than a kvstore open for small local files.
     try:
       with open(os.path.join(loc.local_path, key), "rb") as f:
-        return f.read()
+        return f.read() if max_bytes is None else f.read(max_bytes)
     except (FileNotFoundError, NotADirectoryError):
       return None
   try:
-    r = open_kvstore(loc, "", context).read(key).result()
+    byte_range = None if max_bytes is None else slice(0, max_bytes)
+    r = open_kvstore(loc, "", context).read(key, byte_range=byte_range).result()
   except ValueError as e:
+    if max_bytes is not None and "OUT_OF_RANGE" in str(e):
+      return read_key(loc, key, context)  # shorter than max_bytes
     raise _storage_error(loc, f"reading {key!r}", e) from e
   return r.value if r.state == "value" else None
 
@@ -189,6 +193,20 @@ def write_key(loc: Location, key: str, data: bytes, context: ts.Context | None =
     open_kvstore(loc, "", context).write(key, data).result()
   except ValueError as e:
     raise _storage_error(loc, f"writing {key!r}", e) from e
+
+
+def delete_key(loc: Location, key: str, context: ts.Context | None = None) -> None:
+  """Deletes one key; a missing key is fine."""
+  if loc.is_local:
+    try:
+      os.remove(os.path.join(loc.local_path, key))
+    except FileNotFoundError:
+      pass
+    return
+  try:
+    open_kvstore(loc, "", context).write(key, None).result()
+  except ValueError as e:
+    raise _storage_error(loc, f"deleting {key!r}", e) from e
 
 
 def list_keys(loc: Location, context: ts.Context | None = None) -> list[str]:

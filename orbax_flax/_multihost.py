@@ -48,12 +48,20 @@ def fetch(key: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
 
 
 def delete(prefix: str) -> None:
+  """Deletes a key (and the keys under it, as a directory). Missing is fine."""
   c = client()
   if c is not None:
-    try:
-      c.key_value_delete(prefix)
-    except Exception:  # Cleanup only: a missing key is fine.  # pylint: disable=broad-except
-      pass
+    c.key_value_delete(prefix)
+
+
+def broadcast(key: str, value: str | None, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+  """Process 0's ``value`` on every process (others pass anything)."""
+  if client() is None:
+    return value
+  if process_index() == 0:
+    publish(key, value)
+    return value
+  return fetch(key, timeout_s)
 
 
 def all_gather(key: str, value: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:

@@ -39,20 +39,38 @@ from orbax_flax import saving
 from orbax_flax._location import Location
 
 
-def read_manifest(loc: Location) -> dict[str, Any]:
-  """The committed manifest at ``loc``; CheckpointNotFoundError if none."""
+def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
   if saving.TMP_MARKER in loc.name:
-    raise errors.CheckpointNotFoundError(
+    return errors.CheckpointNotFoundError(
         f"{loc} is the temporary directory of an unfinished or replaced save, not a"
         " committed checkpoint; it is safe to delete.")
-  data = _location.read_key(loc, _manifest.MANIFEST_KEY)
+  if loc.is_local and not os.path.exists(loc.local_path):
+    hint = "The path does not exist."
+  else:
+    hint = "The path exists but holds no committed checkpoint (an interrupted save?)."
+  return errors.CheckpointNotFoundError(f"no committed orbax_flax checkpoint at {loc}. {hint}")
+
+
+def read_manifest(loc: Location) -> dict[str, Any]:
+  """The committed manifest at ``loc``; CheckpointNotFoundError if none."""
+  data = None if saving.TMP_MARKER in loc.name else _location.read_key(loc, _manifest.MANIFEST_KEY)
   if data is None:
-    if loc.is_local and not os.path.exists(loc.local_path):
-      hint = "The path does not exist."
-    else:
-      hint = "The path exists but holds no committed checkpoint (an interrupted save?)."
-    raise errors.CheckpointNotFoundError(f"no committed orbax_flax checkpoint at {loc}. {hint}")
+    raise _not_found(loc)
   return _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
+
+
+def read_summary(loc: Location) -> dict[str, Any]:
+  """The manifest's summary (time, sizes, custom metadata), reading a few KB."""
+  where = f"{loc}/{_manifest.MANIFEST_KEY}"
+  if saving.TMP_MARKER in loc.name:
+    raise _not_found(loc)
+  data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
+  if data is None:
+    raise _not_found(loc)
+  summary = _manifest.decode_summary(data, where)
+  if summary is None:  # an unusually long summary: read it all
+    summary = {k: v for k, v in read_manifest(loc).items() if k != "items"}
+  return summary
 
 
 @dataclasses.dataclass

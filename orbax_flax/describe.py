@@ -16,6 +16,15 @@ from orbax_flax import saving
 from orbax_flax._location import Location
 
 
+def human_bytes(n: float) -> str:
+  """``1536`` -> ``'1.5 KiB'``."""
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n} B"
+
+
 @dataclasses.dataclass(frozen=True)
 class ArrayMetadata:
   """One saved array.
@@ -83,12 +92,16 @@ class CheckpointMetadata:
 
   def __str__(self) -> str:
     when = datetime.datetime.fromtimestamp(self.created).isoformat(timespec="seconds")
-    lines = [f"checkpoint {self.path}: {len(self.items)} item(s), {self.nbytes} bytes, saved"
-             f" {when} by {self.process_count} process(es) / {self.device_count} device(s)"]
+    lines = [f"checkpoint {self.path}: {len(self.items)} item(s), {human_bytes(self.nbytes)},"
+             f" saved {when} by {self.process_count} process(es) / {self.device_count} device(s),"
+             f" orbax_flax {self.library_version}"]
     for item in self.items.values():
-      lines.append(f"  {item.name}: {len(item.arrays)} arrays, {item.nbytes} bytes")
-      for a in item.arrays:
-        lines.append(f"    {a.path}  {a.dtype}{list(a.shape)}  {a.sharding}  {a.nbytes} B")
+      lines.append(f"  item {item.name}: {len(item.arrays)} arrays, {human_bytes(item.nbytes)}")
+      rows = [(a.path, f"{a.dtype}{list(a.shape)}", a.sharding, human_bytes(a.nbytes))
+              for a in item.arrays]
+      widths = [max((len(r[i]) for r in rows), default=0) for i in range(3)]
+      for r in rows:
+        lines.append("    " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
     return "\n".join(lines)
 
 

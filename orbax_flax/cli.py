@@ -1,0 +1,173 @@
+"""``python -m orbax_flax``: look inside checkpoints and dry-run policies.
+
+    python -m orbax_flax list DIR          committed steps: time, reason, size, metrics; leftovers
+    python -m orbax_flax show DIR/STEP     items, tree with shapes/dtypes/shardings, bytes per item
+    python -m orbax_flax verify DIR/STEP   re-reads every chunk and checks its checksum
+    python -m orbax_flax plan --config configs/default.py --steps 10000 [--config.checkpoint.x=y]
+
+Exit codes: 0 fine, 1 corruption found, 2 no such checkpoint or bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from collections.abc import Sequence
+
+from orbax_flax import errors
+from orbax_flax import manager as manager_lib
+from orbax_flax import describe as metadata_lib
+from orbax_flax import restoring
+from orbax_flax import verifying as verify_lib
+from orbax_flax._location import Location
+from orbax_flax.config import CheckpointPolicy
+
+EXIT_OK, EXIT_CORRUPT, EXIT_MISSING = 0, 1, 2
+
+
+def _table(header: Sequence[str], rows: list[Sequence[str]]) -> str:
+  widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+  fmt = lambda r: "  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()  # noqa: E731
+  return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def _when(t: float) -> str:
+  return datetime.datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def cmd_list(directory: str, out) -> int:
+  loc = Location.parse(directory)
+  steps, leftovers = manager_lib._list(loc)  # pylint: disable=protected-access
+  if not steps and not leftovers:
+    print(f"no checkpoints in {loc}", file=out)
+    return EXIT_MISSING
+  rows = []
+  for step in steps:
+    try:
+      s = restoring.read_summary(loc.join(str(step)))
+    except errors.CheckpointCorruptedError as e:
+      rows.append([str(step), "?", "CORRUPTED", "?", str(e)[:60]])
+      continue
+    custom = s.get("custom", {})
+    metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                       for k, v in sorted(custom.get("metrics", {}).items()))
+    rows.append([str(step), _when(s["created"]), custom.get("reason", "-"),
+                 metadata_lib.human_bytes(sum(s.get("item_bytes", {}).values())),
+                 f"{s['process_count']}p/{s['device_count']}d", metrics])
+  if rows:
+    print(_table(["STEP", "SAVED", "REASON", "SIZE", "PROCS/DEVS", "METRICS"], rows), file=out)
+    print(f"\n{len(steps)} committed step(s) in {loc}; latest {steps[-1]}", file=out)
+  for l in leftovers:
+    print(f"leftover of an interrupted save or delete (safe to delete once no job writes"
+          f" here): {l.name}", file=out)
+  return EXIT_OK
+
+
+def cmd_show(path: str, out) -> int:
+  loc = Location.parse(path)
+  manifest = restoring.read_manifest(loc)
+  meta = metadata_lib.from_manifest(str(loc), manifest)
+  print(meta, file=out)
+  custom = meta.custom
+  if custom:
+    print(f"  recorded: {', '.join(f'{k}={v}' for k, v in sorted(custom.items()))}", file=out)
+  for item in meta.items.values():
+    values = _values(item.tree)
+    for path_, v in values:
+      print(f"  {item.name}/{path_} = {v!r}", file=out)
+  return EXIT_OK
+
+
+def _values(tree, prefix=""):
+  """Non-array leaves (scalars, strings) of a metadata tree."""
+  out = []
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      out += _values(v, f"{prefix}{k}/")
+  elif isinstance(tree, (list, tuple)):
+    for i, v in enumerate(tree):
+      out += _values(v, f"{prefix}{i}/")
+  elif tree is not None and not isinstance(tree, metadata_lib.ArrayMetadata):
+    out.append((prefix.rstrip("/"), tree))
+  return out
+
+
+def cmd_verify(path: str, out) -> int:
+  try:
+    n = verify_lib.verify(path)
+  except errors.CheckpointCorruptedError as e:
+    print(f"CORRUPTED: {e}", file=out)
+    return EXIT_CORRUPT
+  print(f"OK: {path}: every checksum matches ({metadata_lib.human_bytes(n)} of arrays read)", file=out)
+  return EXIT_OK
+
+
+def cmd_plan(argv: list[str], out) -> int:
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "Config file (e.g. configs/default.py).", flag_values=fv)
+  flags.DEFINE_integer("steps", None, "Run length in steps (default: config.num_steps).", flag_values=fv)
+  flags.DEFINE_integer("start_step", 0, "Simulate a run resumed after this step.", flag_values=fv)
+  flags.DEFINE_float("seconds_per_step", 1.0, "Simulated wall time per step.", flag_values=fv)
+  flags.DEFINE_bool("all", False, "List every save instead of a summary.", flag_values=fv)
+  try:
+    fv(["plan"] + argv)
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_MISSING
+  if fv.config is None:
+    print("error: plan needs --config=PATH (e.g. configs/default.py)", file=sys.stderr)
+    return EXIT_MISSING
+  config = fv.config
+  block = config.checkpoint if "checkpoint" in config else config
+  policy = CheckpointPolicy.from_config(block)
+  steps = fv.steps if fv.steps is not None else int(config.get("num_steps", 0))
+  if steps <= 0:
+    print("error: give --steps=N or set num_steps in the config", file=sys.stderr)
+    return EXIT_MISSING
+  plan = policy.plan(steps, seconds_per_step=fv.seconds_per_step, start_step=fv.start_step)
+  print(f"policy over steps {fv.start_step + 1}..{steps} ({fv.seconds_per_step:g} s per step):", file=out)
+  by_reason: dict[str, list[int]] = {}
+  for step, reason in plan.saved:
+    by_reason.setdefault(reason, []).append(step)
+  print(f"saves {len(plan.saved)} step(s):", file=out)
+  for reason, s in by_reason.items():
+    shown = s if fv.all or len(s) <= 12 else s[:5] + ["..."] + s[-5:]
+    print(f"  {reason:10s} {len(s):6d}  {', '.join(str(x) for x in shown)}", file=out)
+  print(f"keeps {len(plan.kept)} step(s) at the end: {', '.join(str(x) for x in plan.kept)}", file=out)
+  if policy.keep_best:
+    print(f"(keep_best ranks by {policy.best_metric!r}, which a dry run cannot know; the plan"
+          " treats every step as lacking it)", file=out)
+  return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None, out=None) -> int:
+  out = out or sys.stdout
+  argv = list(sys.argv[1:] if argv is None else argv)
+  parser = argparse.ArgumentParser(prog="python -m orbax_flax", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+  sub.add_parser("list", help="committed steps and leftovers of a directory").add_argument("directory")
+  sub.add_parser("show", help="contents of one checkpoint").add_argument("path")
+  sub.add_parser("verify", help="check every checksum of one checkpoint").add_argument("path")
+  sub.add_parser("plan", help="dry-run a checkpoint policy", add_help=False)
+  if argv and argv[0] == "plan":
+    return cmd_plan(argv[1:], out)
+  args = parser.parse_args(argv)
+  try:
+    if args.command == "list":
+      return cmd_list(args.directory, out)
+    if args.command == "show":
+      return cmd_show(args.path, out)
+    return cmd_verify(args.path, out)
+  except errors.CheckpointNotFoundError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_MISSING
+  except errors.CheckpointCorruptedError as e:
+    print(f"CORRUPTED: {e}", file=sys.stderr)
+    return EXIT_CORRUPT
+  except errors.StorageError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return EXIT_MISSING

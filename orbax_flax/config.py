@@ -1,0 +1,272 @@
+"""The checkpoint policy as data: one frozen dataclass, validated when built.
+
+:class:`CheckpointPolicy` holds every setting of the ``checkpoint`` block of a
+config (see ``configs/default.py``). Build it directly, or from an
+``ml_collections.ConfigDict``, a dataclass config or a dict with
+:meth:`CheckpointPolicy.from_config`. Either way a wrong value raises an error
+that names the field and the fix, before any file is touched.
+
+Example:
+  >>> policy = CheckpointPolicy(save_interval_steps=100, max_to_keep=2)
+  >>> [step for step, _ in policy.plan(450).saved]
+  [100, 200, 300, 400, 450]
+  >>> policy.plan(450).kept
+  [400, 450]
+  >>> CheckpointPolicy.from_config({"save_interval_step": 100})
+  Traceback (most recent call last):
+  ...
+  ValueError: checkpoint.save_interval_step: unknown field; did you mean save_interval_steps? Valid fields: ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import signal
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from orbax_flax import policy as policy_lib
+
+
+class Plan(NamedTuple):
+  """What a policy does over a run, from :meth:`CheckpointPolicy.plan`.
+
+  Attributes:
+    saved: ``(step, reason)`` of every save, in order.
+    kept: the steps still on disk at the end.
+  """
+  saved: list[tuple[int, str]]
+  kept: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointPolicy:
+  """When to save, what to keep, and how a training run checkpoints.
+
+  Save triggers combine: a step is saved if any of them fires. Keep rules:
+  ``max_to_keep`` and ``keep_best`` delete the steps they do not keep;
+  ``keep_period`` and ``keep_time_interval_seconds`` protect steps from that
+  deletion forever. With neither ``max_to_keep`` nor ``keep_best`` set, every
+  step is kept. The newest committed step is never deleted, and a step is
+  deleted only after a newer one is committed.
+
+  Attributes:
+    save_interval_steps: save every N steps (0: off).
+    save_interval_seconds: save once this much wall time has passed since the
+      last save (0: off). Decided on process 0 and shared.
+    save_on_steps: also save at these steps.
+    save_first_step: save the first step of every run.
+    save_final_step: save the last step of a run (used by the trainer and
+      callback, which know the run length).
+    max_to_keep: keep the N most recent steps (0: no limit).
+    keep_period: keep every step that is a multiple of M forever (0: off).
+    keep_time_interval_seconds: keep one step per this many seconds of wall
+      time forever (0: off).
+    best_metric: metric that ranks steps, e.g. "loss" ("": none).
+    best_mode: "min" or "max".
+    keep_best: keep the N best steps by ``best_metric`` (0: off).
+    best_missing: steps saved without the metric are ranked "worst" or always
+      "keep"-ed.
+    async_save: write in the background; training blocks only for the copy
+      to host memory.
+    if_busy: when a save is requested while the previous one is still
+      writing: "wait" for it, or "skip" the new save.
+    save_on_preemption: on a preemption signal every process saves the same
+      step and the loop stops.
+    preemption_signals: signal names that mean preemption, e.g. ("SIGTERM",
+      "SIGUSR1").
+    preemption_grace_seconds: seconds the job has after the signal; a save
+      that cannot commit in time is abandoned, never committed half-written
+      (0: no limit).
+    save_on_exception: if the training step raises, save the last good state
+      before re-raising.
+    directory: where checkpoints go ("": ``<workdir>/checkpoints``).
+    init_from: a checkpoint to initialise params from when there is nothing
+      to resume (fine-tuning); "": off.
+  """
+  save_interval_steps: int = 0
+  save_interval_seconds: float = 0.0
+  save_on_steps: tuple[int, ...] = ()
+  save_first_step: bool = False
+  save_final_step: bool = True
+  max_to_keep: int = 0
+  keep_period: int = 0
+  keep_time_interval_seconds: float = 0.0
+  best_metric: str = ""
+  best_mode: str = "min"
+  keep_best: int = 0
+  best_missing: str = "worst"
+  async_save: bool = True
+  if_busy: str = "wait"
+  save_on_preemption: bool = True
+  preemption_signals: tuple[str, ...] = ("SIGTERM",)
+  preemption_grace_seconds: float = 0.0
+  save_on_exception: bool = True
+  directory: str = ""
+  init_from: str = ""
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      value = getattr(self, f.name)
+      fixed = _check_type(f.name, f.type, value)
+      if fixed is not value:
+        object.__setattr__(self, f.name, fixed)
+    for name in ("save_interval_steps", "max_to_keep", "keep_period", "keep_best"):
+      if getattr(self, name) < 0:
+        _fail(name, getattr(self, name), "must be >= 0 (0 turns it off)")
+    for name in ("save_interval_seconds", "keep_time_interval_seconds", "preemption_grace_seconds"):
+      v = getattr(self, name)
+      if v < 0 or not math.isfinite(v):
+        _fail(name, v, "must be a finite number >= 0 (0 turns it off)")
+    bad = [s for s in self.save_on_steps if s < 0]
+    if bad:
+      _fail("save_on_steps", self.save_on_steps, f"steps must be >= 0, got {bad}")
+    _check_choice("best_mode", self.best_mode, ("min", "max"))
+    _check_choice("best_missing", self.best_missing, ("worst", "keep"))
+    _check_choice("if_busy", self.if_busy, ("wait", "skip"))
+    if self.keep_best and not self.best_metric:
+      _fail("keep_best", self.keep_best, "needs best_metric; set checkpoint.best_metric to the"
+            " metric name (e.g. 'loss') or set keep_best=0")
+    for name in self.preemption_signals:
+      if not name.startswith("SIG") or not hasattr(signal.Signals, name):
+        _fail("preemption_signals", self.preemption_signals,
+              f"{name!r} is not a signal name; use names such as 'SIGTERM' or 'SIGUSR1'")
+      if name in ("SIGKILL", "SIGSTOP"):
+        _fail("preemption_signals", self.preemption_signals, f"{name} cannot be caught")
+
+  @classmethod
+  def from_config(cls, config: Any, *, name: str = "checkpoint") -> CheckpointPolicy:
+    """Builds a policy from an ml_collections ConfigDict, a dataclass or a dict.
+
+    Args:
+      config: the checkpoint block, e.g. ``config.checkpoint``.
+      name: how errors refer to the block.
+
+    Raises:
+      ValueError: an unknown field or a bad value, naming the field and the fix.
+      TypeError: a value of the wrong type.
+    """
+    if hasattr(config, "to_dict"):
+      values = config.to_dict()
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+      values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    elif isinstance(config, Mapping):
+      values = dict(config)
+    else:
+      raise TypeError(f"{name}: expected an ml_collections ConfigDict, a dataclass or a dict,"
+                      f" got {type(config).__name__}")
+    known = [f.name for f in dataclasses.fields(cls)]
+    for key in values:
+      if key not in known:
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(f"{name}.{key}: unknown field; {hint}Valid fields: {', '.join(known)}.")
+    try:
+      return cls(**values)
+    except (ValueError, TypeError) as e:
+      raise type(e)(f"{name}.{e}") from None
+
+  def trigger(self) -> policy_lib.AnyOf:
+    """The save trigger these settings describe."""
+    triggers: list[policy_lib.Trigger] = []
+    if self.save_interval_steps:
+      triggers.append(policy_lib.EveryNSteps(self.save_interval_steps))
+    if self.save_interval_seconds:
+      triggers.append(policy_lib.EveryNSeconds(self.save_interval_seconds))
+    if self.save_on_steps:
+      triggers.append(policy_lib.OnSteps(frozenset(self.save_on_steps)))
+    if self.save_first_step:
+      triggers.append(policy_lib.FirstStep())
+    return policy_lib.any_of(*triggers)
+
+  @property
+  def uses_time(self) -> bool:
+    return self.save_interval_seconds > 0
+
+  def keep_rules(self) -> list[policy_lib.KeepRule]:
+    """The keep rules; empty means keep everything."""
+    deleting: list[policy_lib.KeepRule] = []
+    if self.max_to_keep:
+      deleting.append(policy_lib.KeepLast(self.max_to_keep))
+    if self.keep_best:
+      deleting.append(policy_lib.KeepBest(self.best_metric, self.best_mode, self.keep_best,
+                                          self.best_missing))
+    if not deleting:
+      return []
+    protecting: list[policy_lib.KeepRule] = []
+    if self.keep_period:
+      protecting.append(policy_lib.KeepEvery(self.keep_period))
+    if self.keep_time_interval_seconds:
+      protecting.append(policy_lib.KeepOnePer(self.keep_time_interval_seconds))
+    return deleting + protecting
+
+  def plan(self, num_steps: int, *, seconds_per_step: float = 1.0, start_step: int = 0,
+           metrics: Any = None) -> Plan:
+    """Dry run: the saves over steps ``start_step + 1 .. num_steps`` and what is kept.
+
+    Args:
+      num_steps: the last step of the run.
+      seconds_per_step: simulated wall time per step, for time-based rules.
+      start_step: the step the run starts after (a resumed run).
+      metrics: optional ``step -> dict`` giving each step's metrics for keep_best.
+    """
+    trigger = self.trigger()
+    rules = self.keep_rules()
+    saved: list[tuple[int, str]] = []
+    infos: list[policy_lib.StepInfo] = []
+    last_step, last_time = None, 0.0
+    for step in range(start_step + 1, num_steps + 1):
+      now = (step - start_step) * seconds_per_step
+      s = policy_lib.SaveState(step, now, last_step, last_time, first=step == start_step + 1)
+      reason = trigger(s)
+      if reason is None and step == num_steps and self.save_final_step:
+        reason = "final"
+      if reason is None:
+        continue
+      saved.append((step, reason))
+      last_step, last_time = step, now
+      infos.append(policy_lib.StepInfo(step, now, dict(metrics(step)) if metrics else {}, reason))
+      dead = set(policy_lib.to_delete(infos, rules))
+      infos = [i for i in infos if i.step not in dead]
+    return Plan(saved, [i.step for i in infos])
+
+
+def _fail(name: str, value: Any, problem: str):
+  raise ValueError(f"{name}={value!r}: {problem}.")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+  if value not in choices:
+    _fail(name, value, f"must be one of {', '.join(repr(c) for c in choices)}")
+
+
+def _check_type(name: str, annotation: str, value: Any) -> Any:
+  """Checks (and normalises lists to tuples) one field against its annotation."""
+  def bad(what: str):
+    raise TypeError(f"{name}={value!r}: must be {what}, got {type(value).__name__}.")
+  if annotation == "int":
+    if isinstance(value, bool) or not isinstance(value, int):
+      bad("an integer")
+  elif annotation == "float":
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      bad("a number")
+    return float(value)
+  elif annotation == "bool":
+    if not isinstance(value, bool):
+      bad("True or False")
+  elif annotation == "str":
+    if not isinstance(value, str):
+      bad("a string")
+  elif annotation == "tuple[int, ...]":
+    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+      bad("a list of integers")
+    return tuple(value)
+  elif annotation == "tuple[str, ...]":
+    if isinstance(value, str):
+      value = tuple(v.strip() for v in value.split(",") if v.strip())
+    if not isinstance(value, (list, tuple)) or any(not isinstance(v, str) for v in value):
+      bad("a list of strings")
+    return tuple(value)
+  return value

@@ -1,0 +1,493 @@
+"""A series of checkpoints, one per step, under one directory.
+
+:class:`CheckpointManager` is the thin stateful shell around the pure
+policies of :mod:`orbax_flax.policy`: it remembers the last save and the save
+in flight, asks the policy whether a step is due, saves with the engine, and
+deletes what the keep rules no longer keep once a newer step has committed.
+
+Layout: ``<directory>/<step>/`` is a checkpoint (see :func:`orbax_flax.save`).
+A step exists if and only if it is committed, so listing the directory is
+discovery; nothing else is read until step metadata is needed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from orbax_flax import _location
+from orbax_flax import _manifest
+from orbax_flax import _multihost
+from orbax_flax import errors
+from orbax_flax import describe as metadata_lib
+from orbax_flax import policy as policy_lib
+from orbax_flax import restoring
+from orbax_flax import saving
+from orbax_flax._location import Location
+from orbax_flax._planning import TMP_MARKER
+from orbax_flax.config import CheckpointPolicy
+
+log = logging.getLogger("orbax_flax")
+
+
+@dataclasses.dataclass(frozen=True)
+class Leftover:
+  """Debris of an interrupted save or delete: safe to remove when nothing writes it."""
+  name: str
+  step: int | None
+
+
+@dataclasses.dataclass
+class _InFlight:
+  step: int
+  handle: saving.AsyncSave | None
+  thread: threading.Thread
+
+
+class CheckpointManager:
+  """Saves steps on a policy, keeps what the policy keeps, restores the latest.
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile
+    >>> policy = ofx.CheckpointPolicy(save_interval_steps=2, max_to_keep=2)
+    >>> with ofx.CheckpointManager(tempfile.mkdtemp(), policy) as mngr:
+    ...   for step in range(1, 8):
+    ...     _ = mngr.save(step, {"state": {"w": np.full(3, step)}}, metrics={"loss": 1 / step})
+    ...   mngr.wait()
+    ...   print(mngr.all_steps(), mngr.latest_step())
+    ...   print(mngr.restore()["state"]["w"])
+    [4, 6] 6
+    [6 6 6]
+
+  Args:
+    directory: local path, ``s3://``/``gs://`` URL or kvstore spec dict.
+    policy: when to save and what to keep (default: save only when asked,
+      keep everything).
+    clock: wall-time source, ``time.time`` by default; tests pass a fake.
+  """
+
+  def __init__(self, directory: Any, policy: CheckpointPolicy | None = None, *,
+               clock: Callable[[], float] = time.time):
+    self._dir = Location.parse(directory)
+    self.policy = policy if policy is not None else CheckpointPolicy()
+    if not isinstance(self.policy, CheckpointPolicy):
+      raise TypeError(f"policy must be a CheckpointPolicy (use CheckpointPolicy.from_config("
+                      f"config.checkpoint)); got {type(self.policy).__name__}")
+    self._trigger = self.policy.trigger()
+    self._step_trigger = policy_lib.any_of(
+        *(t for t in self._trigger.triggers if not isinstance(t, policy_lib.EveryNSeconds)))
+    self._time_trigger = next(
+        (t for t in self._trigger.triggers if isinstance(t, policy_lib.EveryNSeconds)), None)
+    self._rules = self.policy.keep_rules()
+    self._clock = clock
+    self._last_step: int | None = None
+    self._last_time = clock()
+    self._first = True
+    self._inflight: _InFlight | None = None
+    self._error: BaseException | None = None
+    self._lock = threading.Lock()
+    self._steps: set[int] = set()
+    self._infos: dict[int, policy_lib.StepInfo] = {}
+    self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-delete")
+    self._deletions: list[concurrent.futures.Future] = []
+    self._closed = False
+    digest = hashlib.sha1(str(self._dir).encode()).hexdigest()[:12]
+    self._key = f"orbax_flax/manager/{digest}/{_next_instance(digest)}"
+    self.reload()
+    self._startup_cleanup()
+
+  # -------------------------------------------------------------------- discovery
+
+  @property
+  def directory(self) -> str:
+    return str(self._dir)
+
+  def step_path(self, step: int) -> str:
+    """Where ``step`` is (or would be) stored."""
+    return str(self._dir.join(str(step)))
+
+  def reload(self) -> None:
+    """Re-lists the directory (other jobs may have changed it)."""
+    steps, leftovers = _list(self._dir)
+    with self._lock:
+      self._steps = set(steps)
+      self._infos = {s: i for s, i in self._infos.items() if s in self._steps}
+      self._leftovers = leftovers
+
+  def all_steps(self) -> list[int]:
+    """Committed steps, ascending. Reads no checkpoint data."""
+    self._raise_error()
+    return self._committed()
+
+  def _committed(self) -> list[int]:
+    with self._lock:
+      return sorted(self._steps)
+
+  def latest_step(self) -> int | None:
+    """The newest committed step, or None."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def leftovers(self) -> list[Leftover]:
+    """Debris of interrupted saves that is still on storage."""
+    return list(self._leftovers)
+
+  def step_info(self, step: int) -> policy_lib.StepInfo:
+    """Time, metrics and reason recorded with ``step`` (reads a few KB once)."""
+    with self._lock:
+      if step in self._infos:
+        return self._infos[step]
+      if step not in self._steps:
+        raise errors.CheckpointNotFoundError(
+            f"step {step} is not a committed checkpoint in {self._dir}; committed steps:"
+            f" {_short(sorted(self._steps))}")
+    info = _info_from_summary(step, restoring.read_summary(self._dir.join(str(step))))
+    with self._lock:
+      self._infos[step] = info
+    return info
+
+  def _all_infos(self) -> list[policy_lib.StepInfo]:
+    steps = self._committed()
+    missing = [s for s in steps if s not in self._infos]
+    if missing:
+      with concurrent.futures.ThreadPoolExecutor(8 if not self._dir.is_local else 1) as ex:
+        list(ex.map(self.step_info, missing))
+    with self._lock:
+      return [self._infos[s] for s in steps if s in self._infos]
+
+  def best_step(self) -> int | None:
+    """The committed step with the best ``policy.best_metric``; None if none has it."""
+    if not self.policy.best_metric:
+      raise ValueError("best_step() needs a metric: set best_metric in the checkpoint policy"
+                       " (e.g. CheckpointPolicy(best_metric='loss', best_mode='min')).")
+    return policy_lib.best_step(self._all_infos(), self.policy.best_metric, self.policy.best_mode)
+
+  def metadata(self, step: int | None = None) -> metadata_lib.CheckpointMetadata:
+    """The engine metadata of ``step`` (default: latest)."""
+    return metadata_lib.metadata(self.step_path(self._resolve(step)))
+
+  # -------------------------------------------------------------------- saving
+
+  def should_save(self, step: int) -> str | None:
+    """The reason the policy saves ``step``, or None. Call it on every process.
+
+    With a time-based policy in a multi-process job, process 0's clock decides
+    and the decision is shared through the coordination service, so every
+    process saves the same step.
+    """
+    first, self._first = self._first, False
+    state = policy_lib.SaveState(step, self._clock(), self._last_step, self._last_time, first)
+    reason = self._step_trigger(state)
+    if reason is not None or self._time_trigger is None:
+      return reason
+    if _multihost.process_count() == 1:
+      return self._time_trigger(state)
+    key = f"{self._key}/time/{step // 1024}/{step}"
+    if _multihost.process_index() == 0:
+      decision = self._time_trigger(state) or ""
+      if step % 1024 == 0 and step >= 2048:
+        _multihost.delete(f"{self._key}/time/{step // 1024 - 2}")
+    else:
+      decision = None
+    return _multihost.broadcast(key, decision) or None
+
+  def save(self, step: int, items: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None,
+           force: bool = False, reason: str | None = None,
+           custom_metadata: Mapping[str, Any] | None = None) -> bool:
+    """Saves ``step`` if the policy says so (or ``force``); returns whether it started.
+
+    With ``async_save`` the call returns once the state is on the host; the
+    commit, and deletion of steps the policy no longer keeps, continue in the
+    background. Errors of a background save are raised by the next call.
+
+    Args:
+      step: the training step (a non-negative int).
+      items: item name -> pytree, as for :func:`orbax_flax.save`.
+      metrics: scalar metrics to record (jax scalars are fetched only when
+        a save happens).
+      force: save even if the policy would not.
+      reason: the reason to record ("final", "preemption", ...); implies force.
+      custom_metadata: JSON-serialisable data recorded with the step.
+    """
+    self._raise_error()
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+      raise ValueError(f"step must be a non-negative int, got {step!r}")
+    if reason is not None and reason not in policy_lib.REASONS:
+      raise ValueError(f"reason must be one of {policy_lib.REASONS}, got {reason!r}")
+    decided = reason or ("forced" if force else None) or self.should_save(step)
+    if decided is None:
+      return False
+    with self._lock:
+      exists = step in self._steps
+    if exists or (self._inflight is not None and self._inflight.step == step):
+      log.warning("step %d is already saved in %s; not saving it again", step, self._dir)
+      return False
+    if self._inflight is not None and self._inflight.thread.is_alive():
+      if self.policy.if_busy == "skip" and decided not in ("forced", "final", "preemption", "exception"):
+        log.info("skipping the %s save of step %d: step %d is still being written", decided, step,
+                 self._inflight.step)
+        return False
+    self._finish_inflight()
+    now = self._clock()
+    custom = {"step": step, "reason": decided, "time": now, "metrics": _scalars(metrics or {}),
+              "mesh": _mesh_of(items), "user": dict(custom_metadata or {})}
+    path = self._dir.join(str(step))
+    start = time.perf_counter()
+    if self.policy.async_save:
+      handle = saving.save_async(path, items, custom_metadata=custom)
+    else:
+      saving.save(path, items, custom_metadata=custom)
+      handle = None
+    thread = threading.Thread(target=self._after_save, args=(step, handle, start),
+                              name=f"orbax_flax-commit-{step}")
+    self._inflight = _InFlight(step, handle, thread)
+    thread.start()
+    self._last_step, self._last_time = step, now
+    if handle is None:
+      self._finish_inflight()
+    return True
+
+  def _after_save(self, step: int, handle: saving.AsyncSave | None, start: float) -> None:
+    try:
+      if handle is not None:
+        handle.wait()
+      info = self._record_commit(step)
+      blocking = handle.blocking_s if handle is not None else time.perf_counter() - start
+      total = time.perf_counter() - start
+      log.info("checkpoint step %d (%s) committed to %s: blocking %.3f s, total %.3f s, %s",
+               step, info.reason, self.step_path(step), blocking, total,
+               metadata_lib.human_bytes(handle.nbytes) if handle is not None else "")
+      doomed = policy_lib.to_delete(self._keep_inputs(), self._rules)
+      with self._lock:
+        self._steps -= set(doomed)
+      if (doomed or self._leftovers) and _multihost.process_index() == 0:
+        self._deletions.append(self._deleter.submit(self._delete_steps, doomed))
+    except BaseException as e:  # pylint: disable=broad-except  # Raised on the next call.
+      self._error = e
+
+  def _record_commit(self, step: int) -> policy_lib.StepInfo:
+    summary = restoring.read_summary(self._dir.join(str(step)))
+    info = _info_from_summary(step, summary)
+    with self._lock:
+      self._steps.add(step)
+      self._infos[step] = info
+    return info
+
+  def _keep_inputs(self) -> list[policy_lib.StepInfo]:
+    """What keep rules need: step numbers, plus metadata only if a rule reads it."""
+    if not self._rules:
+      return []
+    if any(isinstance(r, (policy_lib.KeepBest, policy_lib.KeepOnePer)) for r in self._rules):
+      return self._all_infos()
+    return [policy_lib.StepInfo(s, 0.0) for s in self._committed()]
+
+  def _delete_steps(self, steps: list[int]) -> None:
+    for step in steps:
+      log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
+      _delete_step(self._dir, step)
+    self._remove_leftovers()
+
+  def _finish_inflight(self) -> None:
+    if self._inflight is not None:
+      self._inflight.thread.join()
+      self._inflight = None
+    self._raise_error()
+
+  def _raise_error(self) -> None:
+    if self._error is not None:
+      e, self._error = self._error, None
+      raise e
+
+  def wait(self) -> None:
+    """Blocks until the save in flight and pending deletions are done; raises their errors."""
+    self._finish_inflight()
+    deletions, self._deletions = self._deletions, []
+    for f in deletions:
+      f.result()
+
+  def close(self) -> None:
+    """Waits for everything in flight, then releases the manager's threads."""
+    if self._closed:
+      return
+    try:
+      self.wait()
+    finally:
+      self._closed = True
+      self._deleter.shutdown(wait=True)
+
+  def __enter__(self) -> CheckpointManager:
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc is None:
+      self.close()
+      return
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except
+      log.exception("while closing the checkpoint manager after an error")
+
+  # -------------------------------------------------------------------- restoring
+
+  def _resolve(self, step: int | None) -> int:
+    if step is None:
+      step = self.latest_step()
+      if step is None:
+        raise errors.CheckpointNotFoundError(f"no committed checkpoint in {self._dir}")
+    return step
+
+  def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None, *,
+              partial: bool = False) -> dict[str, Any]:
+    """Restores ``step`` (default: the latest committed), resharded onto ``target``.
+
+    A save still in flight is waited for first, so the latest step includes it.
+
+    Raises:
+      CheckpointNotFoundError: there is no such step (or no step at all).
+    """
+    self._finish_inflight()
+    step = self._resolve(step)
+    with self._lock:
+      known = step in self._steps
+    if not known:
+      raise errors.CheckpointNotFoundError(
+          f"step {step} is not a committed checkpoint in {self._dir}; committed steps:"
+          f" {_short(self.all_steps())}")
+    out = restoring.restore(self.step_path(step), target, partial=partial)
+    self._last_step, self._last_time = step, self._clock()
+    return out
+
+  # -------------------------------------------------------------------- leftovers
+
+  def _startup_cleanup(self) -> None:
+    """Removes debris once every process of this job is here (none is writing)."""
+    if _multihost.process_count() > 1:
+      _multihost.all_gather(f"{self._key}/start", "ready")
+    if self._leftovers:
+      log.warning("%s holds %d leftover(s) of interrupted saves: %s", self._dir,
+                  len(self._leftovers), ", ".join(l.name for l in self._leftovers[:5]))
+    if _multihost.process_index() == 0:
+      self._remove_leftovers()
+
+  def _remove_leftovers(self) -> None:
+    """Removes leftovers of steps at or below the latest committed step.
+
+    Those can no longer be written by this job: its own save in flight is
+    always newer than the latest committed step.
+    """
+    _, leftovers = _list(self._dir)
+    committed = self._committed()
+    latest = committed[-1] if committed else None
+    for l in leftovers:
+      if l.step is None or latest is None or l.step > latest:
+        continue
+      if self._inflight is not None and self._inflight.step == l.step:
+        continue
+      log.info("removing leftover %s of an interrupted save or delete", l.name)
+      _remove(self._dir, l.name)
+    _, self._leftovers = _list(self._dir)
+
+
+_instances: dict[str, int] = {}
+
+
+def _next_instance(digest: str) -> int:
+  _instances[digest] = _instances.get(digest, 0) + 1
+  return _instances[digest]
+
+
+def _list(loc: Location) -> tuple[list[int], list[Leftover]]:
+  """Committed steps and leftovers under ``loc``, from one listing."""
+  steps, leftovers = [], []
+  if loc.is_local:
+    try:
+      names = os.listdir(loc.local_path)
+    except FileNotFoundError:
+      return [], []
+    for name in names:
+      if name.isdigit():
+        steps.append(int(name))
+      elif TMP_MARKER in name:
+        head = name.split(".", 1)[0]
+        leftovers.append(Leftover(name, int(head) if head.isdigit() else None))
+    return sorted(steps), sorted(leftovers, key=lambda l: l.name)
+  try:
+    keys = _location.list_keys(loc)
+  except errors.StorageError:
+    raise
+  committed, prefixes = set(), set()
+  for k in keys:
+    head, _, rest = k.partition("/")
+    if head.isdigit():
+      prefixes.add(head)
+      if rest == _manifest.MANIFEST_KEY:
+        committed.add(head)
+  steps = sorted(int(h) for h in committed)
+  leftovers = [Leftover(h + "/", int(h)) for h in sorted(prefixes - committed, key=int)]
+  return steps, leftovers
+
+
+def _remove(loc: Location, name: str) -> None:
+  if loc.is_local:
+    shutil.rmtree(os.path.join(loc.local_path, name), ignore_errors=True)
+  else:
+    _location.delete_prefix(loc, name)
+
+
+def _delete_step(loc: Location, step: int) -> None:
+  """Uncommits ``step`` atomically first, then removes its data."""
+  name = str(step)
+  if loc.is_local:
+    doomed = f"{name}{TMP_MARKER}delete-{uuid.uuid4().hex[:8]}"
+    try:
+      os.rename(os.path.join(loc.local_path, name), os.path.join(loc.local_path, doomed))
+    except FileNotFoundError:
+      return
+    shutil.rmtree(os.path.join(loc.local_path, doomed), ignore_errors=True)
+    return
+  _location.delete_key(loc.join(name), _manifest.MANIFEST_KEY)
+  _location.delete_prefix(loc, name + "/")
+
+
+def _info_from_summary(step: int, summary: Mapping[str, Any]) -> policy_lib.StepInfo:
+  custom = summary.get("custom", {})
+  # "time" is the manager's clock (injectable); "created" the engine's wall time.
+  return policy_lib.StepInfo(step=step, time=float(custom.get("time", summary.get("created", 0.0))),
+                             metrics=dict(custom.get("metrics", {})),
+                             reason=str(custom.get("reason", "unknown")))
+
+
+def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+  out = {}
+  for k, v in metrics.items():
+    try:
+      f = float(v)
+    except (TypeError, ValueError):
+      raise TypeError(f"metric {k!r} must be a scalar number, got {type(v).__name__}") from None
+    out[str(k)] = f if math.isfinite(f) else str(f)
+  return out
+
+
+def _mesh_of(items: Mapping[str, Any]) -> dict[str, int] | None:
+  for leaf in jax.tree.leaves(items):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
+  return None
+
+
+def _short(steps: list[int]) -> str:
+  return str(steps) if len(steps) <= 10 else f"[{steps[0]}, ..., {steps[-1]}] ({len(steps)} steps)"

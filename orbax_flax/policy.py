@@ -1,0 +1,201 @@
+"""When to save and what to keep: pure policies, no I/O, no clock of their own.
+
+A *trigger* looks at a :class:`SaveState` (the step, the time now, the last
+save) and returns the reason to save, or None. A *keep rule* looks at the
+committed steps and returns the ones it keeps. Both are frozen dataclasses;
+combine triggers with :func:`any_of` and rules with :func:`to_delete`.
+
+Example:
+  >>> trigger = any_of(EveryNSteps(100), OnSteps(frozenset({42})))
+  >>> trigger(SaveState(step=200, now=0.0, last_step=100, last_time=0.0))
+  'interval'
+  >>> trigger(SaveState(step=42, now=0.0, last_step=None, last_time=0.0))
+  'scheduled'
+  >>> steps = [StepInfo(s, time=float(s), metrics={"loss": 10 - s}) for s in range(1, 6)]
+  >>> to_delete(steps, [KeepLast(2)])
+  [1, 2, 3]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+# Why a save happened, as recorded in each step's metadata.
+REASONS = ("interval", "time", "scheduled", "first", "final", "forced", "preemption", "exception")
+
+
+class SaveState(NamedTuple):
+  """What a trigger may look at.
+
+  Attributes:
+    step: the step just finished.
+    now: wall time, seconds (from the manager's injectable clock).
+    last_step: the step of the last save or restore in this run, if any.
+    last_time: when that save happened, or when the run started.
+    first: True for the first step the manager sees in this run.
+  """
+  step: int
+  now: float
+  last_step: int | None
+  last_time: float
+  first: bool = False
+
+
+class Trigger(Protocol):
+
+  def __call__(self, s: SaveState) -> str | None:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryNSteps:
+  """Saves at every multiple of ``n``."""
+  n: int
+
+  def __call__(self, s: SaveState) -> str | None:
+    return "interval" if s.step % self.n == 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class EveryNSeconds:
+  """Saves once ``seconds`` of wall time passed since the last save."""
+  seconds: float
+
+  def __call__(self, s: SaveState) -> str | None:
+    return "time" if s.now - s.last_time >= self.seconds else None
+
+
+@dataclasses.dataclass(frozen=True)
+class OnSteps:
+  """Saves at an explicit set of steps."""
+  steps: frozenset[int]
+
+  def __call__(self, s: SaveState) -> str | None:
+    return "scheduled" if s.step in self.steps else None
+
+
+@dataclasses.dataclass(frozen=True)
+class FirstStep:
+  """Saves the first step of a run."""
+
+  def __call__(self, s: SaveState) -> str | None:
+    return "first" if s.first else None
+
+
+@dataclasses.dataclass(frozen=True)
+class AnyOf:
+  """The first reason any of ``triggers`` gives."""
+  triggers: tuple[Trigger, ...]
+
+  def __call__(self, s: SaveState) -> str | None:
+    for t in self.triggers:
+      reason = t(s)
+      if reason is not None:
+        return reason
+    return None
+
+
+def any_of(*triggers: Trigger) -> AnyOf:
+  """Combines triggers: saves when any of them fires."""
+  return AnyOf(tuple(triggers))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepInfo:
+  """A committed step, as keep rules see it.
+
+  Attributes:
+    step: the step number.
+    time: commit wall time, seconds since the epoch.
+    metrics: scalar metrics recorded with the save.
+    reason: why it was saved.
+  """
+  step: int
+  time: float
+  metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  reason: str = "interval"
+
+
+class KeepRule(Protocol):
+
+  def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepLast:
+  """Keeps the ``n`` most recent steps."""
+  n: int
+
+  def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+    return {s.step for s in sorted(steps, key=lambda s: s.step)[-self.n:]} if self.n > 0 else set()
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepEvery:
+  """Keeps every step that is a multiple of ``period``, forever."""
+  period: int
+
+  def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+    return {s.step for s in steps if s.step % self.period == 0}
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepBest:
+  """Keeps the ``n`` best steps by ``metric``.
+
+  Attributes:
+    metric: metric name, e.g. "loss".
+    mode: "min" or "max".
+    n: how many to keep.
+    missing: steps without the metric are ranked "worst", or always "keep"-ed.
+  """
+  metric: str
+  mode: str = "min"
+  n: int = 1
+  missing: str = "worst"
+
+  def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+    scored = [s for s in steps if _finite(s.metrics.get(self.metric))]
+    sign = 1.0 if self.mode == "min" else -1.0
+    # Ties go to the newer step.
+    best = sorted(scored, key=lambda s: (sign * s.metrics[self.metric], -s.step))[:self.n]
+    kept = {s.step for s in best}
+    if self.missing == "keep":
+      kept |= {s.step for s in steps if not _finite(s.metrics.get(self.metric))}
+    return kept
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepOnePer:
+  """Keeps the first step committed in each ``seconds``-long window of wall time."""
+  seconds: float
+
+  def keep(self, steps: Sequence[StepInfo]) -> set[int]:
+    first: dict[int, StepInfo] = {}
+    for s in sorted(steps, key=lambda s: (s.time, s.step)):
+      first.setdefault(math.floor(s.time / self.seconds), s)
+    return {s.step for s in first.values()}
+
+
+def _finite(x: object) -> bool:
+  return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def best_step(steps: Sequence[StepInfo], metric: str, mode: str = "min") -> int | None:
+  """The step with the best ``metric``; None if no step has it."""
+  kept = KeepBest(metric, mode, 1).keep(steps)
+  return next(iter(kept)) if kept else None
+
+
+def to_delete(steps: Sequence[StepInfo], rules: Sequence[KeepRule]) -> list[int]:
+  """Steps no rule keeps. With no rules nothing is deleted; the newest never is."""
+  if not rules or not steps:
+    return []
+  keep = set().union(*(r.keep(steps) for r in rules))
+  keep.add(max(s.step for s in steps))
+  return sorted(s.step for s in steps if s.step not in keep)

@@ -1,0 +1,95 @@
+"""The command-line tool, through real subprocesses."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+import jobs
+import orbax_flax as ofx
+
+CLI = [sys.executable, "-m", "orbax_flax"]
+
+
+def run(*args):
+  r = subprocess.run([*CLI, *args], capture_output=True, text=True, env=jobs.env_for(8), cwd=jobs.ROOT,
+                     check=False)
+  return r.returncode, r.stdout + r.stderr
+
+
+def make_run_dir(d):
+  policy = ofx.CheckpointPolicy(save_interval_steps=10, max_to_keep=2)
+  with ofx.CheckpointManager(d, policy) as mngr:
+    for step in range(1, 31):
+      mngr.save(step, {"state": {"w": np.full((256, 256), step, np.float32), "lr": 0.1},
+                       "extra": {"epoch": step // 10}}, metrics={"loss": 1.0 / step})
+
+
+def test_list_show_verify(tmp_path):
+  d = str(tmp_path / "run")
+  make_run_dir(d)
+  os.makedirs(os.path.join(d, "40.ofx-tmp-0011223344556677"))
+  rc, out = run("list", d)
+  assert rc == 0, out
+  lines = out.splitlines()
+  assert lines[0].split() == ["STEP", "SAVED", "REASON", "SIZE", "PROCS/DEVS", "METRICS"]
+  assert lines[2].split()[0] == "20" and "interval" in lines[2] and "256.0 KiB" in lines[2]
+  assert "loss=0.03333" in lines[3]
+  assert "2 committed step(s)" in out and "latest 30" in out
+  assert "40.ofx-tmp-0011223344556677" in out
+
+  rc, out = run("show", os.path.join(d, "30"))
+  assert rc == 0, out
+  assert "item state: 1 arrays, 256.0 KiB" in out
+  assert "w  float32[256, 256]" in out
+  assert "state/lr = 0.1" in out and "extra/epoch = 3" in out
+  assert "reason=interval" in out
+
+  rc, out = run("verify", os.path.join(d, "30"))
+  assert rc == 0 and out.startswith("OK"), out
+
+
+def test_verify_reports_corruption_and_missing_steps(tmp_path):
+  d = str(tmp_path / "run")
+  make_run_dir(d)
+  data = max((os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, "30")) for f in fs
+              if "/d/" in os.path.join(r, f)), key=os.path.getsize)
+  with open(data, "r+b") as f:
+    f.seek(1000)
+    b = f.read(1)
+    f.seek(1000)
+    f.write(bytes([b[0] ^ 0xFF]))
+  rc, out = run("verify", os.path.join(d, "30"))
+  assert rc == 1, out
+  assert "CORRUPTED" in out and "state" in out and data in out
+  rc, out = run("verify", os.path.join(d, "20"))
+  assert rc == 0, out
+  rc, out = run("verify", os.path.join(d, "25"))
+  assert rc == 2 and "no committed orbax_flax checkpoint" in out
+  rc, out = run("show", os.path.join(d, "25"))
+  assert rc == 2
+  rc, out = run("list", str(tmp_path / "nothing"))
+  assert rc == 2 and "no checkpoints" in out
+
+
+def test_plan_with_config_overrides():
+  rc, out = run("plan", "--config=configs/default.py", "--steps=200",
+                "--config.checkpoint.save_interval_steps=20", "--config.checkpoint.max_to_keep=2")
+  assert rc == 0, out
+  assert "saves 10 step(s):" in out
+  assert "interval       10  20, 40, 60, 80, 100, 120, 140, 160, 180, 200" in out
+  assert "keeps 2 step(s) at the end: 180, 200" in out
+  rc, out = run("plan", "--config=configs/default.py", "--config.checkpoint.max_to_kep=2")
+  assert rc != 0 and "max_to_kep" in out
+  rc, out = run("plan", "--config=configs/default.py", "--config.checkpoint.save_interval_steps=-5")
+  assert rc != 0 and "save_interval_steps=-5: must be >= 0" in out
+
+
+def test_dataclass_config_with_overrides():
+  r = subprocess.run([sys.executable, os.path.join(jobs.HERE, "dataclass_config_main.py"),
+                      "--config.checkpoint.max_to_keep=5",
+                      "--config.checkpoint.preemption_signals=('SIGTERM','SIGUSR1')"],
+                     capture_output=True, text=True, env=jobs.env_for(1), check=False)
+  assert r.returncode == 0, r.stderr
+  assert "POLICY 100 5 SIGTERM,SIGUSR1" in r.stdout

@@ -1,0 +1,232 @@
+"""The manager end to end: real files, a fake clock, "steps on disk == [...]"."""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import orbax_flax as ofx
+from orbax_flax import policy as policy_lib
+
+
+class FakeClock:
+
+  def __init__(self, start=1_000_000.0):
+    self.t = start
+
+  def __call__(self):
+    return self.t
+
+
+def on_disk(directory):
+  return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+
+
+def state(step):
+  return {"w": np.full((8, 8), step, np.float32), "step": step}
+
+
+def run(directory, policy, steps, clock=None, seconds_per_step=1.0, metrics=None):
+  clock = clock or FakeClock()
+  saved = []
+  with ofx.CheckpointManager(directory, policy, clock=clock) as mngr:
+    for step in steps:
+      clock.t += seconds_per_step
+      m = metrics(step) if metrics else None
+      if mngr.save(step, {"state": state(step)}, metrics=m):
+        saved.append(step)
+    mngr.wait()
+    assert mngr.all_steps() == on_disk(directory)
+  return saved
+
+
+@pytest.mark.parametrize("kwargs,steps,saved,kept", [
+    # every N steps
+    (dict(save_interval_steps=10), range(1, 46), [10, 20, 30, 40], [10, 20, 30, 40]),
+    # explicit steps and the first step of the run
+    (dict(save_on_steps=(3, 17), save_first_step=True), range(1, 21), [1, 3, 17], [1, 3, 17]),
+    # keep the last K
+    (dict(save_interval_steps=5, max_to_keep=2), range(1, 31), [5, 10, 15, 20, 25, 30], [25, 30]),
+    # keep every M-th step forever, on top of the last K
+    (dict(save_interval_steps=5, max_to_keep=1, keep_period=10), range(1, 31),
+     [5, 10, 15, 20, 25, 30], [10, 20, 30]),
+    # synchronous saves behave the same
+    (dict(save_interval_steps=5, max_to_keep=2, async_save=False), range(1, 21), [5, 10, 15, 20], [15, 20]),
+])
+def test_step_policies(tmp_path, kwargs, steps, saved, kept):
+  assert run(str(tmp_path), ofx.CheckpointPolicy(**kwargs), steps) == saved
+  assert on_disk(tmp_path) == kept
+
+
+def test_time_policy_with_fake_clock(tmp_path):
+  # 7 s per step, save every 30 s: steps 5 (35 s), 10 (70 s), 15, 20.
+  saved = run(str(tmp_path), ofx.CheckpointPolicy(save_interval_seconds=30.0), range(1, 21),
+              seconds_per_step=7.0)
+  assert saved == [5, 10, 15, 20]
+  assert on_disk(tmp_path) == [5, 10, 15, 20]
+
+
+def test_keep_one_per_time_window(tmp_path):
+  policy = ofx.CheckpointPolicy(save_interval_steps=1, max_to_keep=1, keep_time_interval_seconds=10.0)
+  run(str(tmp_path), policy, range(1, 26), clock=FakeClock(start=0.0), seconds_per_step=3.0)
+  # Saved at t = 3, 6, ..., 75: the first of each 10 s window, plus the newest.
+  assert on_disk(tmp_path) == [1, 4, 7, 10, 14, 17, 20, 24, 25]
+
+
+@pytest.mark.parametrize("mode,kept", [("min", [8, 9, 10]), ("max", [1, 2, 10])])
+def test_keep_best(tmp_path, mode, kept):
+  policy = ofx.CheckpointPolicy(save_interval_steps=1, keep_best=2, best_metric="loss", best_mode=mode)
+  run(str(tmp_path), policy, range(1, 11), metrics=lambda s: {"loss": (s - 8.5) ** 2})
+  assert on_disk(tmp_path) == kept
+  with ofx.CheckpointManager(str(tmp_path), policy) as mngr:
+    assert mngr.best_step() == (8 if mode == "min" else 1) or mngr.best_step() == (9 if mode == "min" else 1)
+
+
+def test_keep_best_with_missing_metrics(tmp_path):
+  policy = ofx.CheckpointPolicy(save_interval_steps=1, keep_best=1, best_metric="loss", best_missing="keep")
+  run(str(tmp_path), policy, range(1, 7), metrics=lambda s: {"loss": s} if s % 2 else {})
+  assert on_disk(tmp_path) == [1, 2, 4, 6]  # best scored (1), plus every unscored
+
+
+def test_forced_and_reason_recorded(tmp_path):
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("data", "model")))
+  clock = FakeClock(start=123.0)
+  with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(save_interval_steps=100), clock=clock) as mngr:
+    assert not mngr.save(7, {"state": {"x": x}})
+    assert mngr.save(7, {"state": {"x": x}}, force=True, metrics={"loss": jax.numpy.float32(0.25)},
+                     custom_metadata={"run": "abc"})
+    assert mngr.save(9, {"state": {"x": x}}, reason="final")
+    assert not mngr.save(9, {"state": {"x": x}}, force=True)  # already saved
+    mngr.wait()
+    info = mngr.step_info(7)
+    assert (info.reason, info.metrics, info.time) == ("forced", {"loss": 0.25}, 123.0)
+    meta = mngr.metadata(7)
+    assert meta.custom["step"] == 7 and meta.custom["mesh"] == {"data": 2, "model": 4}
+    assert meta.custom["user"] == {"run": "abc"}
+    assert meta.library_version == ofx.__version__ and meta.process_count == 1
+    assert mngr.step_info(9).reason == "final"
+    with pytest.raises(ValueError, match="reason must be one of"):
+      mngr.save(10, {"state": {"x": x}}, reason="because")
+    with pytest.raises(ValueError, match="non-negative int"):
+      mngr.save(-1, {"state": {"x": x}})
+
+
+def test_restore_latest_and_specific_step_resharded(tmp_path):
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  other = jax.make_mesh((8,), ("x",))
+  with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(save_interval_steps=1)) as mngr:
+    with pytest.raises(ofx.CheckpointNotFoundError, match="no committed checkpoint"):
+      mngr.restore()
+    for step in (1, 2):
+      x = jax.device_put(np.full((8, 8), step, np.float32), NamedSharding(mesh, P("data", "model")))
+      mngr.save(step, {"state": {"x": x}})
+    target = {"state": {"x": jax.ShapeDtypeStruct((8, 8), np.float32, sharding=NamedSharding(other, P("x")))}}
+    latest = mngr.restore(target=target)["state"]["x"]
+    assert dict(latest.sharding.mesh.shape) == {"x": 8} and np.asarray(latest)[0, 0] == 2.0
+    assert np.asarray(mngr.restore(1, target)["state"]["x"])[0, 0] == 1.0
+    with pytest.raises(ofx.CheckpointNotFoundError, match="step 5 is not a committed"):
+      mngr.restore(5)
+
+
+def test_if_busy_skip_and_wait(tmp_path):
+  big = {"w": np.random.default_rng(0).standard_normal((64 << 20) // 4, dtype=np.float32)}
+  policy = ofx.CheckpointPolicy(save_interval_steps=1, if_busy="skip")
+  with ofx.CheckpointManager(str(tmp_path / "skip"), policy) as mngr:
+    assert mngr.save(1, {"state": big})
+    assert not mngr.save(2, {"state": big})  # step 1 is still being written
+    assert mngr.save(3, {"state": big}, force=True)  # forced saves wait instead
+  assert on_disk(tmp_path / "skip") == [1, 3]
+  with ofx.CheckpointManager(str(tmp_path / "wait"), ofx.CheckpointPolicy(save_interval_steps=1)) as mngr:
+    assert mngr.save(1, {"state": big}) and mngr.save(2, {"state": big})
+  assert on_disk(tmp_path / "wait") == [1, 2]
+
+
+def test_background_error_surfaces_on_next_call(tmp_path):
+  from test_async import small_disk  # pylint: disable=g-import-not-at-top
+  big = {"w": np.ones((16 << 20) // 4, np.float32)}
+  with small_disk(str(tmp_path / "disk")) as disk:
+    mngr = ofx.CheckpointManager(disk, ofx.CheckpointPolicy(save_interval_steps=1))
+    assert mngr.save(1, {"state": {"x": np.arange(3)}})
+    assert mngr.save(2, {"state": big})  # fails in the background: disk full
+    with pytest.raises(ofx.StorageError):
+      mngr.save(3, {"state": {"x": np.arange(3)}})
+    mngr.wait()
+    assert mngr.all_steps() == [1] and on_disk(disk) == [1]
+    mngr.close()
+
+
+def test_leftovers_reported_and_removed_at_startup(tmp_path):
+  d = str(tmp_path)
+  run(d, ofx.CheckpointPolicy(save_interval_steps=5), range(1, 11))
+  # Debris: an interrupted save of step 5 (older than the latest, 10) and of
+  # step 15 (newer: it could still be written by this job's next save).
+  shutil.copytree(os.path.join(d, "5"), os.path.join(d, "5.ofx-tmp-0123456789abcdef"))
+  os.makedirs(os.path.join(d, "15.ofx-tmp-fedcba9876543210", "state"))
+  os.makedirs(os.path.join(d, "8.ofx-tmp-delete-1234"))
+  mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=5))
+  assert sorted(os.listdir(d)) == ["10", "15.ofx-tmp-fedcba9876543210", "5"]
+  assert [l.name for l in mngr.leftovers()] == ["15.ofx-tmp-fedcba9876543210"]
+  assert mngr.all_steps() == [5, 10]
+  # Once step 15 commits, the debris of the old attempt at 15 goes too.
+  mngr.save(15, {"state": state(15)})
+  mngr.save(20, {"state": state(20)})
+  mngr.close()
+  assert sorted(os.listdir(d)) == ["10", "15", "20", "5"]
+
+
+def test_discovery_of_many_steps_reads_no_metadata(tmp_path):
+  d = str(tmp_path)
+  ofx.save(os.path.join(d, "0"), {"state": state(0)})
+  for s in range(1, 1200):
+    shutil.copytree(os.path.join(d, "0"), os.path.join(d, str(s)))
+  mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=10))
+  assert mngr.all_steps() == list(range(1200)) and mngr.latest_step() == 1199
+  assert mngr._infos == {}  # pylint: disable=protected-access  # nothing was read
+  mngr.close()
+
+
+def test_policy_must_be_a_policy(tmp_path):
+  with pytest.raises(TypeError, match="CheckpointPolicy.from_config"):
+    ofx.CheckpointManager(str(tmp_path), {"save_interval_steps": 1})
+
+
+def test_manager_on_s3(s3_server, s3_bucket):
+  url = f"s3://{s3_bucket}/run"
+  policy = ofx.CheckpointPolicy(save_interval_steps=2, max_to_keep=2)
+  with ofx.CheckpointManager(url, policy) as mngr:
+    for step in range(1, 9):
+      mngr.save(step, {"state": state(step)})
+  keys = sorted(o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"])
+  assert {k.split("/")[1] for k in keys} == {"6", "8"}
+  # An uncommitted step prefix is a leftover, never a step.
+  s3_server.client().put_object(Bucket=s3_bucket, Key="run/9/state/p0-x/manifest.ocdbt", Body=b"x")
+  s3_server.client().put_object(Bucket=s3_bucket, Key="run/3/state/p0-x/manifest.ocdbt", Body=b"x")
+  mngr = ofx.CheckpointManager(url, policy)
+  assert mngr.all_steps() == [6, 8]
+  assert [l.name for l in mngr.leftovers()] == ["9/"]  # 3/ was removed: older than the latest
+  np.testing.assert_array_equal(mngr.restore()["state"]["w"], state(8)["w"])
+  mngr.close()
+
+
+def test_step_info_objects_are_policy_inputs():
+  # The manager feeds the same StepInfo the pure rules take.
+  assert policy_lib.to_delete([policy_lib.StepInfo(1, 0.0), policy_lib.StepInfo(2, 0.0)],
+                              [policy_lib.KeepLast(1)]) == [1]
+
+
+def test_multiprocess_time_policy_with_disagreeing_clocks(tmp_path):
+  import json  # pylint: disable=g-import-not-at-top
+  import jobs  # pylint: disable=g-import-not-at-top
+  res = jobs.run("manager_worker.py", [f"--dir={tmp_path}", "--steps=40"], 2, 2).check()
+  results = [json.loads(l.split(" ", 1)[1]) for out in res.outputs for l in out.splitlines()
+             if l.startswith("RESULT ")]
+  assert len(results) == 2
+  # Process 0's clock (1 s per step, save every 7 s) decides for everyone.
+  expected = list(range(7, 41, 7))
+  assert results[0]["saved"] == results[1]["saved"] == expected
+  assert results[0]["kept"] == results[1]["kept"] == expected[-3:] == on_disk(tmp_path)
