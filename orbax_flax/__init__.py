@@ -8,6 +8,10 @@ Example:
   array([0, 1, 2])
 """
 
+from orbax_flax.callbacks import Callback
+from orbax_flax.callbacks import LogProgress
+from orbax_flax.callbacks import Trainer
+from orbax_flax.checkpoint_callback import CheckpointCallback
 from orbax_flax.config import CheckpointPolicy
 from orbax_flax.errors import CheckpointCorruptedError
 from orbax_flax.errors import CheckpointError
@@ -29,8 +33,8 @@ from orbax_flax.saving import save_async
 from orbax_flax.verifying import verify
 
 __all__ = [
-    "ArrayMetadata", "AsyncSave", "CheckpointCorruptedError", "CheckpointError",
-    "CheckpointManager", "CheckpointPolicy",
+    "ArrayMetadata", "AsyncSave", "Callback", "CheckpointCallback", "CheckpointCorruptedError",
+    "CheckpointError", "CheckpointManager", "CheckpointPolicy", "LogProgress", "Trainer",
     "CheckpointExistsError", "CheckpointMetadata", "CheckpointNotFoundError",
     "ItemMetadata", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
     "metadata", "restore", "save", "save_async", "verify",

@@ -84,6 +84,7 @@ class Plan:
   packs: list[PackWrite]
   overwrite: bool
   seq: int
+  cancelled: Any = None  # a threading.Event set by AsyncSave.cancel()
 
   @property
   def nbytes(self) -> int:

@@ -50,6 +50,16 @@ class Leftover:
   step: int | None
 
 
+@dataclasses.dataclass(frozen=True)
+class SaveEvent:
+  """A committed save, for logs and metric writers."""
+  step: int
+  reason: str
+  blocking_s: float
+  total_s: float
+  nbytes: int
+
+
 @dataclasses.dataclass
 class _InFlight:
   step: int
@@ -103,6 +113,7 @@ class CheckpointManager:
     self._infos: dict[int, policy_lib.StepInfo] = {}
     self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-delete")
     self._deletions: list[concurrent.futures.Future] = []
+    self._events: list[SaveEvent] = []
     self._closed = False
     digest = hashlib.sha1(str(self._dir).encode()).hexdigest()[:12]
     self._key = f"orbax_flax/manager/{digest}/{_next_instance(digest)}"
@@ -267,9 +278,12 @@ class CheckpointManager:
       info = self._record_commit(step)
       blocking = handle.blocking_s if handle is not None else time.perf_counter() - start
       total = time.perf_counter() - start
-      log.info("checkpoint step %d (%s) committed to %s: blocking %.3f s, total %.3f s, %s",
-               step, info.reason, self.step_path(step), blocking, total,
-               metadata_lib.human_bytes(handle.nbytes) if handle is not None else "")
+      nbytes = handle.nbytes if handle is not None else 0
+      log.info("checkpoint step %d (%s) committed to %s: blocking %.3f s, total %.3f s, %s"
+               " written by this process", step, info.reason, self.step_path(step), blocking,
+               total, metadata_lib.human_bytes(nbytes))
+      with self._lock:
+        self._events.append(SaveEvent(step, info.reason, blocking, total, nbytes))
       doomed = policy_lib.to_delete(self._keep_inputs(), self._rules)
       with self._lock:
         self._steps -= set(doomed)
@@ -277,6 +291,19 @@ class CheckpointManager:
         self._deletions.append(self._deleter.submit(self._delete_steps, doomed))
     except BaseException as e:  # pylint: disable=broad-except  # Raised on the next call.
       self._error = e
+
+  def pop_events(self) -> list[SaveEvent]:
+    """Saves committed since the last call (for metric writers)."""
+    if not self._events:
+      return []
+    with self._lock:
+      events, self._events = self._events, []
+    return events
+
+  @property
+  def coordination_key(self) -> str:
+    """A key prefix in the coordination service unique to this manager, same on every process."""
+    return self._key
 
   def _record_commit(self, step: int) -> policy_lib.StepInfo:
     summary = restoring.read_summary(self._dir.join(str(step)))

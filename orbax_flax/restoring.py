@@ -91,7 +91,8 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   Args:
     path: the checkpoint (local path, URL or kvstore spec dict).
     target: item name -> pytree of ``jax.ShapeDtypeStruct`` (with sharding),
-      ``jax.Array``, ``np.ndarray`` or scalars. Items not named are not read.
+      ``jax.Array``, ``np.ndarray`` or scalars, or None to restore that item
+      whole as host values in its saved structure. Items not named are not read.
       None restores every item as host numpy arrays in the saved structure
       (namedtuples come back as namedtuples, other custom nodes as dicts, PRNG
       keys as single-device key arrays).
@@ -128,11 +129,15 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   bad_shardings: list[str] = []
   results: dict[str, tuple[Any, list[Any]]] = {}
   wants: list[tuple[_Want, str, int]] = []
+  whole: list[str] = []
   for item, subtree in target.items():
     saved_item = manifest["items"].get(item)
     if saved_item is None:
       diffs.append(f"item {item!r}: in target, not in checkpoint (it has"
                    f" {sorted(manifest['items'])})")
+      continue
+    if subtree is None:
+      whole.append(item)
       continue
     saved = {tuple(r["path"]): r for r in saved_item["leaves"]}
     flat, treedef = jax.tree_util.tree_flatten_with_path(subtree)
@@ -171,8 +176,10 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   arrays = _read(loc, manifest, [w for w, _, _ in wants])
   for (_, item, i), value in zip(wants, arrays):
     results[item][1][i] = value
-  return {item: jax.tree_util.tree_unflatten(treedef, out)
-          for item, (treedef, out) in results.items()}
+  out = _restore_all(loc, manifest, whole) if whole else {}
+  out.update({item: jax.tree_util.tree_unflatten(treedef, leaves)
+              for item, (treedef, leaves) in results.items()})
+  return {item: out[item] for item in target if item in out}
 
 
 @dataclasses.dataclass
@@ -258,11 +265,12 @@ def _boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[_lay
   return boxes
 
 
-def _restore_all(loc: Location, manifest: dict[str, Any]) -> dict[str, Any]:
-  """Every item as host numpy arrays, in the saved structure."""
+def _restore_all(loc: Location, manifest: dict[str, Any], items: list[str] | None = None) -> dict[str, Any]:
+  """Items (default: all) as host numpy arrays, in the saved structure."""
   wants, slots = [], []
   values: dict[str, list[Any]] = {}
-  for item, saved_item in manifest["items"].items():
+  chosen = {k: v for k, v in manifest["items"].items() if items is None or k in items}
+  for item, saved_item in chosen.items():
     leaves = saved_item["leaves"]
     values[item] = [None] * len(leaves)
     for i, rec in enumerate(leaves):
@@ -276,7 +284,7 @@ def _restore_all(loc: Location, manifest: dict[str, Any]) -> dict[str, Any]:
   for (item, i), value in zip(slots, _read(loc, manifest, wants)):
     values[item][i] = value
   return {item: _tree.decode_structure(saved_item["structure"], values[item])
-          for item, saved_item in manifest["items"].items()}
+          for item, saved_item in chosen.items()}
 
 
 def _read_error(loc: Location, item: str, path: str, db: str, e: Exception) -> Exception:

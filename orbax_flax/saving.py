@@ -66,6 +66,8 @@ class AsyncSave:
     self._error: BaseException | None = None
     self._reported = False
     self._thread: threading.Thread | None = None
+    self._cancelled = threading.Event()
+    plan.cancelled = self._cancelled
 
   def _run(self) -> None:
     try:
@@ -80,6 +82,14 @@ class AsyncSave:
   def _start_background(self) -> None:
     self._thread = threading.Thread(target=self._run, name=f"orbax_flax-save-{self.path}")
     self._thread.start()
+
+  def cancel(self) -> None:
+    """Makes sure this save never commits (if it has not already).
+
+    The background phase stops before the commit and ``wait()`` raises
+    ``CheckpointError``. Used when a preemption grace period runs out.
+    """
+    self._cancelled.set()
 
   def done(self) -> bool:
     """True once the background phase finished (committed or failed)."""
@@ -294,6 +304,9 @@ def _write_arrays(plan: _planning.Plan, target: Location, gen: str) -> None:
 def _commit(plan: _planning.Plan, target: Location, gen: str) -> None:
   """Process 0: write the manifest last, then make it visible atomically."""
   final = plan.loc
+  if plan.cancelled is not None and plan.cancelled.is_set():
+    raise errors.CheckpointError(f"save to {final} was cancelled before it committed; nothing"
+                                 " was committed.")
   manifest = dict(plan.manifest, generation=gen)
   data = _manifest.encode(manifest)
   if not final.is_local:

@@ -1,0 +1,169 @@
+"""A small decoder-only transformer language model, its data and its sharding.
+
+Everything here is deterministic: the synthetic corpus is a function of
+(seed, batch index), dropout draws from a key carried in the train state, so a
+run that is stopped and resumed ends bitwise where an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+class Block(nn.Module):
+  d_model: int
+  num_heads: int
+  d_ff: int
+  dropout: float
+
+  @nn.compact
+  def __call__(self, x, *, train: bool):
+    h = nn.LayerNorm()(x)
+    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+    h = nn.MultiHeadDotProductAttention(num_heads=self.num_heads, dropout_rate=self.dropout,
+                                        deterministic=not train)(h, h, mask=mask)
+    x = x + h
+    h = nn.LayerNorm()(x)
+    h = nn.Dense(self.d_ff)(h)
+    h = nn.gelu(h)
+    h = nn.Dense(self.d_model)(h)
+    h = nn.Dropout(self.dropout, deterministic=not train)(h)
+    return x + h
+
+
+class TransformerLM(nn.Module):
+  vocab_size: int
+  d_model: int
+  num_heads: int
+  num_layers: int
+  d_ff: int
+  seq_len: int
+  dropout: float = 0.0
+
+  @nn.compact
+  def __call__(self, tokens, *, train: bool = False):
+    x = nn.Embed(self.vocab_size, self.d_model)(tokens)
+    pos = self.param("pos_embedding", nn.initializers.normal(0.02), (self.seq_len, self.d_model))
+    x = x + pos[None, : tokens.shape[1]]
+    for _ in range(self.num_layers):
+      x = Block(self.d_model, self.num_heads, self.d_ff, self.dropout)(x, train=train)
+    x = nn.LayerNorm()(x)
+    return nn.Dense(self.vocab_size)(x)
+
+
+class TrainState(train_state.TrainState):
+  """Flax's TrainState plus the dropout key, so the RNG is checkpointed too."""
+  rng: jax.Array
+
+
+def model_from_config(config) -> TransformerLM:
+  return TransformerLM(config.vocab_size, config.d_model, config.num_heads, config.num_layers,
+                       config.d_ff, config.seq_len, config.dropout)
+
+
+def make_mesh(config) -> jax.sharding.Mesh:
+  """("data", "model") over every device of the job."""
+  n = jax.device_count()
+  model = config.model_parallel or (2 if n % 2 == 0 and n > 1 else 1)
+  if n % model:
+    raise ValueError(f"model_parallel={model} does not divide the {n} devices")
+  return jax.make_mesh((n // model, model), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def param_spec(x: Any, mesh: jax.sharding.Mesh) -> P:
+  """Large matrices are sharded along "model" on their last dim; the rest replicated."""
+  model = mesh.shape["model"]
+  if getattr(x, "ndim", 0) >= 2 and x.shape[-1] % model == 0 and x.size >= 4096:
+    return P(*([None] * (x.ndim - 1)), "model")
+  return P()
+
+
+def create_state(config, mesh: jax.sharding.Mesh) -> TrainState:
+  """A freshly initialised, sharded train state (the same on every process)."""
+  model = model_from_config(config)
+  tx = optax.adam(config.learning_rate)
+  init_key, dropout_key = jax.random.split(jax.random.key(config.seed))
+
+  def init():
+    params = model.init(init_key, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_key)
+
+  abstract = jax.eval_shape(init)
+  shardings = jax.tree.map(lambda x: NamedSharding(mesh, param_spec(x, mesh)), abstract)
+  return jax.jit(init, out_shardings=shardings)()
+
+
+def make_train_step(mesh: jax.sharding.Mesh, state: TrainState):
+  """The jitted step: (state, tokens) -> (state, {"loss": ...}); donates the old state."""
+  state_sharding = jax.tree.map(lambda x: x.sharding, state)
+  data_sharding = NamedSharding(mesh, P("data", None))
+  replicated = NamedSharding(mesh, P())
+
+  def step(state: TrainState, tokens):
+    rng, dropout_key = jax.random.split(state.rng)
+
+    def loss_fn(params):
+      logits = state.apply_fn({"params": params}, tokens[:, :-1], train=True,
+                              rngs={"dropout": dropout_key})
+      return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    state = state.apply_gradients(grads=grads).replace(rng=rng)
+    return state, {"loss": loss}
+
+  return jax.jit(step, in_shardings=(state_sharding, data_sharding),
+                 out_shardings=(state_sharding, replicated), donate_argnums=0)
+
+
+class SyntheticText:
+  """An endless, resumable stream of token batches from a fixed random bigram chain.
+
+  ``get_state()`` / ``set_state()`` hold the index of the next batch; the
+  batch is a pure function of (seed, index), so every process computes the same
+  global batch and any process count resumes at the same place.
+  """
+
+  def __init__(self, config, mesh: jax.sharding.Mesh):
+    self.batch_size, self.seq_len, self.vocab = config.batch_size, config.seq_len + 1, config.vocab_size
+    self.seed = config.seed
+    rng = np.random.default_rng(config.seed + 7)
+    # Each token has a few likely successors: learnable structure.
+    logits = rng.standard_normal((self.vocab, self.vocab)) * 3.0
+    self.transitions = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+    self.cumulative = np.cumsum(self.transitions, axis=1)
+    self.sharding = NamedSharding(mesh, P("data", None))
+    self.index = 0
+
+  def get_state(self) -> dict[str, int]:
+    return {"next_index": self.index}
+
+  def set_state(self, state: dict[str, int]) -> None:
+    self.index = int(state["next_index"])
+
+  def host_batch(self, index: int) -> np.ndarray:
+    rng = np.random.default_rng([self.seed, index])
+    tokens = np.empty((self.batch_size, self.seq_len), np.int32)
+    tokens[:, 0] = rng.integers(0, self.vocab, self.batch_size)
+    u = rng.random((self.batch_size, self.seq_len))
+    for t in range(1, self.seq_len):
+      cum = self.cumulative[tokens[:, t - 1]]
+      tokens[:, t] = np.minimum((cum < u[:, t:t + 1]).sum(1), self.vocab - 1)
+    return tokens
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> jax.Array:
+    batch = self.host_batch(self.index)
+    self.index += 1
+    return jax.make_array_from_callback(batch.shape, self.sharding, lambda idx: batch[idx])

@@ -1,0 +1,145 @@
+"""Run a script as N local processes joined by ``jax.distributed`` (like torchrun).
+
+    python -m orbax_flax.launch -n 4 [--devices_per_process=2] -- examples/train.py --workdir=/tmp/run
+
+Each process gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<port>``,
+``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``; the script calls
+:func:`initialize_from_env` (``examples/train.py`` does). On a CPU-only machine
+``--devices_per_process`` simulates devices with XLA_FLAGS. Output lines are
+prefixed with ``[i]``. SIGTERM, SIGINT, SIGUSR1, SIGUSR2 and SIGHUP sent to the
+launcher are forwarded to every process. When one process fails the others
+are stopped (SIGTERM, then SIGKILL after ``--grace`` seconds) and the launcher
+exits with the failing process's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+def initialize_from_env(initialization_timeout: int = 300, heartbeat_timeout_seconds: int | None = None) -> bool:
+  """Calls ``jax.distributed.initialize`` from JAX_* environment variables, if set.
+
+  Reads ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
+  ``JAX_PROCESS_ID`` (as set by this launcher, or by hand). Returns whether it
+  initialised. Call it before touching any device.
+  """
+  address = os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if not address:
+    return False
+  import jax  # pylint: disable=g-import-not-at-top
+  kwargs = {}
+  if heartbeat_timeout_seconds is not None:
+    kwargs["heartbeat_timeout_seconds"] = heartbeat_timeout_seconds
+  jax.distributed.initialize(address, num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                             process_id=int(os.environ["JAX_PROCESS_ID"]),
+                             initialization_timeout=initialization_timeout, **kwargs)
+  return True
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _pump(i: int, proc: subprocess.Popen, lock: threading.Lock) -> None:
+  for line in proc.stdout:
+    with lock:
+      sys.stdout.write(f"[{i}] {line}")
+      sys.stdout.flush()
+
+
+def launch(argv: list[str], num_processes: int, devices_per_process: int | None = None,
+           grace: float = 10.0) -> int:
+  """Starts the processes and supervises them; returns the exit code."""
+  port = _free_port()
+  procs: list[subprocess.Popen] = []
+  lock = threading.Lock()
+  for i in range(num_processes):
+    env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_NUM_PROCESSES=str(num_processes), JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
+    if devices_per_process:
+      env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                          f" --xla_force_host_platform_device_count={devices_per_process}").strip()
+    cmd = [sys.executable, *argv] if argv[0].endswith(".py") else argv
+    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, errors="replace"))
+  pumps = [threading.Thread(target=_pump, args=(i, p, lock), daemon=True) for i, p in enumerate(procs)]
+  for t in pumps:
+    t.start()
+
+  def forward(signum, frame):  # pylint: disable=unused-argument
+    for p in procs:
+      if p.poll() is None:
+        p.send_signal(signum)
+
+  previous = {s: signal.signal(s, forward) for s in FORWARDED}
+  code = 0
+  try:
+    while any(p.poll() is None for p in procs):
+      failed = [p for p in procs if p.poll() not in (None, 0)]
+      if failed:
+        code = failed[0].returncode
+        i = procs.index(failed[0])
+        with lock:
+          print(f"[launch] process {i} exited with {code}; stopping the others", flush=True)
+        _stop(procs, grace)
+        break
+      time.sleep(0.05)
+  finally:
+    for s, h in previous.items():
+      signal.signal(s, h)
+  for t in pumps:
+    t.join(timeout=5)
+  codes = [p.wait() for p in procs]
+  if code == 0:
+    code = next((c for c in codes if c != 0), 0)
+  return code if code >= 0 else 128 - code
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(signal.SIGTERM)
+  deadline = time.monotonic() + grace
+  while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+    time.sleep(0.05)
+  for p in procs:
+    if p.poll() is None:
+      p.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if "--" in argv:
+    split = argv.index("--")
+    ours, script = argv[:split], argv[split + 1:]
+  else:
+    ours, script = [], argv
+  p = argparse.ArgumentParser(prog="python -m orbax_flax.launch", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("-n", "--num_processes", type=int, required=True)
+  p.add_argument("--devices_per_process", type=int, default=None,
+                 help="simulated CPU devices per process (sets XLA_FLAGS)")
+  p.add_argument("--grace", type=float, default=10.0,
+                 help="seconds between SIGTERM and SIGKILL when stopping the others")
+  args = p.parse_args(ours)
+  if not script:
+    p.error("give the script after --, e.g. -- examples/train.py --workdir=/tmp/run")
+  if args.num_processes < 1:
+    p.error("-n must be >= 1")
+  return launch(script, args.num_processes, args.devices_per_process, args.grace)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

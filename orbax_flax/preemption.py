@@ -1,0 +1,110 @@
+"""Noticing preemption and agreeing, across processes, on the step to save.
+
+Two mechanisms, chosen automatically:
+
+* In a job started with ``jax.distributed.initialize`` JAX's own preemption
+  sync manager catches SIGTERM in C++ and tells every process;
+  ``reached_preemption_sync_point(step)`` then returns True on every process at
+  the same step (a sub-microsecond call otherwise). A Python SIGTERM handler
+  would replace JAX's, so we never install one there. Other configured signals
+  (e.g. SIGUSR1) get a Python handler that re-sends SIGTERM to this process,
+  which JAX then handles. Only one process needs to receive the signal.
+* Without ``jax.distributed`` (a plain single-process run) a Python handler
+  sets a flag, and the next step is the one to save.
+
+A second signal while the first is being handled restores the default action
+and re-sends the signal: the process dies at once. That is safe: a checkpoint
+is committed atomically, so a kill leaves no half-written step marked
+committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+
+log = logging.getLogger("orbax_flax")
+
+
+def _jax_sync_manager_active() -> bool:
+  try:
+    from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  return getattr(global_state, "preemption_sync_manager", None) is not None
+
+
+class PreemptionWatcher:
+  """Watches for preemption signals; ``reached(step)`` says when to save and stop.
+
+  Call :meth:`reached` on every process at every step with the same step
+  numbering. Use as a context manager (or call :meth:`close`) to put the
+  previous signal handlers back.
+
+  Example:
+    >>> w = PreemptionWatcher(("SIGUSR1",))
+    >>> w.reached(1)
+    False
+    >>> w.close()
+  """
+
+  def __init__(self, signals: Sequence[str] = ("SIGTERM",)):
+    self.signal_time: float | None = None
+    self._signals = [signal.Signals[s] for s in signals]
+    self._use_jax = _jax_sync_manager_active()
+    self._flag = threading.Event()
+    self._previous: dict[signal.Signals, object] = {}
+    self._received = 0
+    if threading.current_thread() is not threading.main_thread():
+      raise RuntimeError("PreemptionWatcher must be created in the main thread (Python only"
+                         " delivers signals there).")
+    for sig in self._signals:
+      if self._use_jax and sig == signal.SIGTERM:
+        continue  # JAX's C++ notifier owns SIGTERM.
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  @property
+  def mechanism(self) -> str:
+    return "jax preemption sync point" if self._use_jax else "signal handler"
+
+  def _handle(self, signum, frame) -> None:  # pylint: disable=unused-argument
+    self._received += 1
+    if self._received > 1:
+      log.warning("second signal %s: exiting now; no half-written checkpoint is ever committed",
+                  signal.Signals(signum).name)
+      signal.signal(signum, signal.SIG_DFL)
+      os.kill(os.getpid(), signum)
+      return
+    self.signal_time = time.monotonic()
+    log.warning("received %s: will save a checkpoint at the next step and stop",
+                signal.Signals(signum).name)
+    if self._use_jax:
+      os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier tells every process.
+    else:
+      self._flag.set()
+
+  def reached(self, step: int) -> bool:
+    """True at the step every process saves after a preemption signal."""
+    if self._use_jax:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      hit = multihost_utils.reached_preemption_sync_point(step)
+      if hit and self.signal_time is None:
+        self.signal_time = time.monotonic()
+      return hit
+    return self._flag.is_set()
+
+  def close(self) -> None:
+    """Restores the signal handlers that were there before."""
+    for sig, previous in self._previous.items():
+      signal.signal(sig, previous)
+    self._previous = {}
+
+  def __enter__(self) -> PreemptionWatcher:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
