@@ -194,7 +194,7 @@ class CheckpointCallback(callbacks.Callback):
       left = max(0.0, grace - since - (time.monotonic() - start))
       inflight.thread.join(left)
       if inflight.thread.is_alive():
-        inflight.handle.cancel()
+        self.manager.abandon_inflight()
         log.error("preemption save of step %d did not commit within the %.0f s grace period;"
                   " abandoned (never committed). The job resumes from step %s.", step, grace,
                   self.manager.latest_step())

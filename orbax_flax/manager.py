@@ -65,6 +65,7 @@ class _InFlight:
   step: int
   handle: saving.AsyncSave | None
   thread: threading.Thread
+  abandoned: bool = False
 
 
 class CheckpointManager:
@@ -290,7 +291,11 @@ class CheckpointManager:
       if (doomed or self._leftovers) and _multihost.process_index() == 0:
         self._deletions.append(self._deleter.submit(self._delete_steps, doomed))
     except BaseException as e:  # pylint: disable=broad-except  # Raised on the next call.
-      self._error = e
+      inflight = self._inflight
+      if inflight is not None and inflight.step == step and inflight.abandoned:
+        log.warning("abandoned save of step %d ended without committing: %s", step, e)
+      else:
+        self._error = e
 
   def pop_events(self) -> list[SaveEvent]:
     """Saves committed since the last call (for metric writers)."""
@@ -327,9 +332,21 @@ class CheckpointManager:
       _delete_step(self._dir, step)
     self._remove_leftovers()
 
+  def abandon_inflight(self) -> None:
+    """Cancels the save in flight so that it never commits, and stops waiting for it.
+
+    Used when a preemption grace period runs out. Its data may still be
+    written; it is left as a leftover, never as a committed step.
+    """
+    inflight = self._inflight
+    if inflight is not None and inflight.thread.is_alive() and inflight.handle is not None:
+      inflight.abandoned = True
+      inflight.handle.cancel()
+
   def _finish_inflight(self) -> None:
     if self._inflight is not None:
-      self._inflight.thread.join()
+      if not self._inflight.abandoned:
+        self._inflight.thread.join()
       self._inflight = None
     self._raise_error()
 

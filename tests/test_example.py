@@ -1,0 +1,152 @@
+"""examples/train.py as users run it: real processes, real signals, real resumes."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+import jobs
+import orbax_flax as ofx
+
+TRAIN = os.path.join(jobs.ROOT, "examples", "train.py")
+TINY = ["--config=configs/default.py", "--config.num_layers=1", "--config.d_model=64",
+        "--config.d_ff=128", "--config.num_heads=2", "--config.seq_len=32", "--config.batch_size=8",
+        "--config.log_every=1", "--config.checkpoint.save_interval_steps=10"]
+
+
+def command(workdir, steps, n=1, devices=8, extra=()):
+  args = [TRAIN, f"--workdir={workdir}", *TINY, f"--config.num_steps={steps}", *extra]
+  if n == 1:
+    return [sys.executable, *args], jobs.env_for(devices)
+  launcher = [sys.executable, "-m", "orbax_flax.launch", "-n", str(n),
+              f"--devices_per_process={devices}", "--", *args]
+  env = jobs.env_for(devices, {"OFX_HEARTBEAT_S": "10"})
+  env.pop("XLA_FLAGS")
+  return launcher, env
+
+
+def start(workdir, steps, **kw):
+  cmd, env = command(workdir, steps, **kw)
+  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=env, cwd=jobs.ROOT)
+
+
+def run(workdir, steps, **kw):
+  p = start(workdir, steps, **kw)
+  out, _ = p.communicate(timeout=300)
+  assert p.returncode == 0, out[-5000:]
+  return out
+
+
+def read_until(proc, pattern, timeout=240):
+  """Reads output lines until one matches; returns everything read."""
+  lines = []
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    line = proc.stdout.readline()
+    if not line:
+      break
+    lines.append(line)
+    if re.search(pattern, line):
+      return "".join(lines)
+  raise AssertionError(f"{pattern!r} not seen:\n" + "".join(lines)[-5000:])
+
+
+def done(out):
+  return re.findall(r"DONE at step (\d+); params (\w+)", out)
+
+
+def restored(out):
+  return re.findall(r"RESTORED step (\d+); params (\w+)", out)
+
+
+def commits(out, reason):
+  return [int(s) for s in re.findall(rf"checkpoint step (\d+) \({reason}\) committed", out)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+  """The final params fingerprint of an uninterrupted 30-step single-process run."""
+  out = run(str(tmp_path_factory.mktemp("ref")), 30)
+  (step, digest), = done(out)
+  assert step == "30"
+  return digest
+
+
+def test_sigterm_saves_and_resume_is_bitwise(tmp_path, uninterrupted):
+  p = start(tmp_path, 30)
+  out = read_until(p, r"step 14: loss")
+  p.send_signal(signal.SIGTERM)
+  rest, _ = p.communicate(timeout=120)
+  out += rest
+  assert p.returncode == 0, out[-3000:]  # a clean exit
+  (saved,) = commits(out, "preemption")
+  assert 14 <= saved < 30 and f"PREEMPTED at step {saved}" in out
+  mngr = ofx.CheckpointManager(str(tmp_path / "checkpoints"))
+  assert mngr.latest_step() == saved and mngr.step_info(saved).reason == "preemption"
+  assert max(s for s in mngr.all_steps() if s != saved) == 10  # the last periodic save
+  out2 = run(tmp_path, 30)
+  assert restored(out2)[0][0] == str(saved)
+  assert done(out2) == [("30", uninterrupted)]  # bitwise the uninterrupted model
+
+
+@pytest.mark.parametrize("n,devices", [(2, 4), (4, 2)])
+def test_sigterm_to_one_process_all_save_the_same_step(tmp_path, n, devices):
+  p = start(tmp_path, 1000, n=n, devices=devices)
+  read_until(p, rf"\[{n - 1}\] .*step 6: loss")
+  children = psutil.Process(p.pid).children()
+  last = next(c for c in children if c.environ().get("JAX_PROCESS_ID") == str(n - 1))
+  last.send_signal(signal.SIGTERM)  # only the last process is told
+  out, _ = p.communicate(timeout=180)
+  assert p.returncode == 0, out[-5000:]
+  saved = commits(out, "preemption")
+  assert len(saved) == n and len(set(saved)) == 1, saved  # every process, one step
+  for i in range(n):
+    assert re.search(rf"\[{i}\] .*PREEMPTED at step {saved[0]}", out)
+  meta = ofx.metadata(str(tmp_path / "checkpoints" / str(saved[0])))
+  assert meta.process_count == n and meta.custom["reason"] == "preemption"
+
+
+def test_resume_on_other_device_and_process_counts(tmp_path):
+  out = run(tmp_path, 10, n=2, devices=4)              # 2 processes x 4 devices
+  (_, digest10), = set(done(out))
+  out = run(tmp_path, 20, n=1, devices=4)              # 1 process x 4 devices
+  assert restored(out) == [("10", digest10)]           # bitwise what was saved
+  assert "saved on mesh {'data': 4, 'model': 2} by 2 process(es), restored onto mesh {'data': 2," in out
+  (_, digest20), = done(out)
+  out = run(tmp_path, 30, n=4, devices=2)              # 4 processes x 2 devices
+  assert set(restored(out)) == {("20", digest20)}
+  assert len(set(done(out))) == 1 and done(out)[0][0] == "30"
+
+
+def test_sigkill_during_background_save_resumes_from_last_commit(tmp_path, uninterrupted):
+  extra = ["--config.checkpoint.save_interval_steps=1", "--config.checkpoint.max_to_keep=2"]
+  p = start(tmp_path, 30, extra=extra)
+  read_until(p, r"step 12: loss")
+  p.send_signal(signal.SIGKILL)  # mid-run: a save of almost every step is in flight
+  p.communicate(timeout=60)
+  committed = ofx.CheckpointManager(str(tmp_path / "checkpoints")).all_steps()
+  assert committed and committed[-1] >= 10
+  for step in committed:
+    ofx.verify(str(tmp_path / "checkpoints" / str(step)))  # complete and intact
+  out = run(tmp_path, 30, extra=extra)
+  assert restored(out)[0][0] == str(committed[-1])
+  assert done(out) == [("30", uninterrupted)]
+
+
+def test_second_signal_exits_at_once_without_committing_half(tmp_path, uninterrupted):
+  p = start(tmp_path, 30, extra=["--config.checkpoint.save_interval_steps=1"])
+  read_until(p, r"step 8: loss")
+  p.send_signal(signal.SIGTERM)
+  p.send_signal(signal.SIGTERM)
+  p.communicate(timeout=60)
+  mngr = ofx.CheckpointManager(str(tmp_path / "checkpoints"))
+  for step in mngr.all_steps():
+    ofx.verify(mngr.step_path(step))
+  out = run(tmp_path, 30)
+  assert done(out) == [("30", uninterrupted)]

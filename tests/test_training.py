@@ -1,0 +1,288 @@
+"""The training plugin in-process: hooks, Linen and NNX states, iterators, errors."""
+
+import os
+import signal
+
+import flax.linen as nn
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from clu import periodic_actions
+from flax import nnx
+from flax.training import train_state
+
+import orbax_flax as ofx
+
+
+class Dataset:
+  """A resumable iterator in grain's style: get_state()/set_state()."""
+
+  def __init__(self):
+    self.i = 0
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.i += 1
+    return jnp.full((4, 8), float(self.i))
+
+  def get_state(self):
+    return {"i": self.i, "tag": b"\x00bytes"}
+
+  def set_state(self, s):
+    assert s["tag"] == b"\x00bytes"
+    self.i = s["i"]
+
+
+class MLP(nn.Module):
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(8)(nn.relu(nn.Dense(16)(x)))
+
+
+class RngState(train_state.TrainState):
+  rng: jax.Array
+
+
+def linen_state(seed=0):
+  model = MLP()
+  params = model.init(jax.random.key(seed), jnp.ones((1, 8)))
+  return RngState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-2),
+                         rng=jax.random.key(seed + 100))
+
+
+@jax.jit
+def linen_step(state, batch):
+  rng, noise_key = jax.random.split(state.rng)
+
+  def loss_fn(p):
+    noise = jax.random.normal(noise_key, batch.shape) * 0.01
+    return jnp.mean((state.apply_fn(p, batch + noise) - 1.0) ** 2)
+
+  loss, grads = jax.value_and_grad(loss_fn)(state.params)
+  return state.apply_gradients(grads=grads).replace(rng=rng), {"loss": loss}
+
+
+def leaves_equal(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x, y = jax.random.key_data(x), jax.random.key_data(y)
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_trainer_resume_is_bitwise_and_items_are_separate(tmp_path):
+  cfg = {"save_interval_steps": 5, "max_to_keep": 2}
+  uninterrupted = ofx.Trainer(linen_step).fit(linen_state(), Dataset(), num_steps=12)
+
+  ckpt = ofx.CheckpointCallback(str(tmp_path), cfg)
+  first = ofx.Trainer(linen_step, [ckpt]).fit(linen_state(), Dataset(), num_steps=7)
+  assert int(first.step) == 7 and ckpt.manager.all_steps() == [5, 7]  # 7: final step
+  # Each part of the state is its own item: params restore alone.
+  meta = ofx.metadata(os.path.join(tmp_path, "checkpoints", "7"))
+  assert set(meta.items) == {"params", "opt_state", "rng", "train_state", "data"}
+  params = ofx.restore(os.path.join(tmp_path, "checkpoints", "7"),
+                       {"params": first.params})["params"]
+  leaves_equal(params, first.params)
+
+  data = Dataset()
+  ckpt2 = ofx.CheckpointCallback(str(tmp_path), cfg)
+  resumed = ofx.Trainer(linen_step, [ckpt2]).fit(linen_state(seed=9), data, num_steps=12)
+  assert ckpt2.restored_step == 7 and int(resumed.step) == 12 and data.i == 12
+  leaves_equal(resumed, uninterrupted)
+  assert ckpt2.manager.all_steps() == [10, 12]
+
+
+def test_hand_written_loop_and_final_save(tmp_path):
+  it = Dataset()
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 4}) as ckpt:
+    state = ckpt.restore_or_init(linen_state(), data_iterator=it)
+    for step in range(int(state.step), 6):
+      state, metrics = linen_step(state, next(it))
+      if ckpt.on_step_end(step + 1, state, metrics):
+        break
+  assert ckpt.manager.all_steps() == [4, 6]
+  assert ckpt.manager.step_info(6).reason == "final"
+  it2 = Dataset()
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 4}) as ckpt:
+    state = ckpt.restore_or_init(linen_state(seed=3), data_iterator=it2)
+  assert int(state.step) == 6 and it2.i == 6
+
+
+def test_no_device_to_host_transfer_when_nothing_is_saved(tmp_path):
+  state = linen_state()
+  state, metrics = linen_step(state, jnp.ones((4, 8)))
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 100}) as ckpt:
+    ckpt.restore_or_init(state)
+    with jax.transfer_guard_device_to_host("disallow"):
+      for step in range(1, 50):
+        assert not ckpt.on_step_end(step, state, metrics)
+
+
+def test_nnx_model_and_optimizer(tmp_path):
+
+  class Model(nnx.Module):
+
+    def __init__(self, rngs):
+      self.linear = nnx.Linear(8, 8, rngs=rngs)
+      self.bn = nnx.BatchNorm(8, rngs=rngs)
+      self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def __call__(self, x):
+      return self.drop(self.bn(self.linear(x)))
+
+  def make(seed):
+    model = Model(nnx.Rngs(seed, dropout=seed + 1))
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    def loss_fn(m):
+      return jnp.mean(m(x) ** 2)
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  def train(model, optimizer, data, steps, ckpt):
+    for s in range(int(optimizer.step.value), steps):
+      loss = step(model, optimizer, next(data))
+      if ckpt is not None and ckpt.on_step_end(s + 1, (model, optimizer), {"loss": loss}):
+        break
+
+  ref = make(0)
+  train(*ref, Dataset(), 6, None)
+  model, opt = make(0)
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 3}) as ckpt:
+    ckpt.restore_or_init((model, opt))
+    train(model, opt, Dataset(), 3, ckpt)
+  assert ckpt.manager.all_steps() == [3]
+  assert set(ofx.metadata(ckpt.manager.step_path(3)).items) == {"params", "opt_state", "rng", "train_state"}
+  model, opt = make(42)  # other init: everything must come from the checkpoint
+  data = Dataset()
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 3}) as ckpt:
+    ckpt.restore_or_init((model, opt), data_iterator=None)
+    data.i = 3
+    train(model, opt, data, 6, ckpt)
+  leaves_equal(nnx.state(model), nnx.state(ref[0]))
+  leaves_equal(nnx.state(opt), nnx.state(ref[1]))
+
+
+def test_grain_iterator_position_is_restored(tmp_path):
+  ds = grain.MapDataset.range(1000).shuffle(seed=3).map(lambda x: np.float32(x)).batch(4)
+  it = iter(ds.to_iter_dataset())
+  state = {"w": jnp.zeros(4), "step": 0}
+
+  def step_fn(s, batch):
+    return {"w": s["w"] + batch, "step": s["step"] + 1}, {}
+
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 5, "save_final_step": False})
+  ofx.Trainer(step_fn, [ckpt]).fit(state, it, num_steps=5)
+  expected_next = next(it)
+  it2 = iter(ds.to_iter_dataset())
+  ckpt2 = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 5})
+  restored = ckpt2.restore_or_init(state, data_iterator=it2)
+  ckpt2.close()
+  assert restored["step"] == 5
+  np.testing.assert_array_equal(next(it2), expected_next)
+
+
+def test_exception_saves_last_good_state_and_reraises(tmp_path):
+
+  def failing_step(state, batch):
+    if int(state.step) == 6:
+      raise RuntimeError("loss is NaN")
+    return linen_step(state, batch)
+
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 4})
+  with pytest.raises(RuntimeError, match="loss is NaN"):
+    ofx.Trainer(failing_step, [ckpt]).fit(linen_state(), Dataset(), num_steps=20)
+  assert ckpt.manager.all_steps() == [4, 6]
+  assert ckpt.manager.step_info(6).reason == "exception"
+  off = ofx.CheckpointCallback(str(tmp_path / "off"), {"save_interval_steps": 4, "save_on_exception": False})
+  with pytest.raises(RuntimeError):
+    ofx.Trainer(failing_step, [off]).fit(linen_state(), Dataset(), num_steps=20)
+  assert off.manager.all_steps() == [4]
+
+
+def test_preemption_signal_single_process(tmp_path):
+  seen = []
+
+  def step_fn(state, batch):
+    state, metrics = linen_step(state, batch)
+    if int(state.step) == 3:
+      os.kill(os.getpid(), signal.SIGUSR1)  # as a scheduler would
+    seen.append(int(state.step))
+    return state, metrics
+
+  cfg = {"save_interval_steps": 100, "preemption_signals": ("SIGUSR1",)}
+  ckpt = ofx.CheckpointCallback(str(tmp_path), cfg)
+  final = ofx.Trainer(step_fn, [ckpt]).fit(linen_state(), Dataset(), num_steps=50)
+  assert ckpt.preempted and int(final.step) == 3 and seen == [1, 2, 3]
+  assert ckpt.manager.all_steps() == [3] and ckpt.manager.step_info(3).reason == "preemption"
+  assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # handler removed again
+
+
+def test_grace_period_abandons_a_save_that_cannot_commit(tmp_path):
+  big = {"w": jnp.ones((64 << 20) // 4), "step": 0}
+
+  def step_fn(s, batch):
+    del batch
+    if s["step"] == 1:
+      os.kill(os.getpid(), signal.SIGUSR1)
+    return {"w": s["w"], "step": s["step"] + 1}, {}
+
+  cfg = {"save_interval_steps": 1, "preemption_signals": ("SIGUSR1",), "preemption_grace_seconds": 1e-3}
+  ckpt = ofx.CheckpointCallback(str(tmp_path), cfg)
+  ofx.Trainer(step_fn, [ckpt]).fit(big, Dataset(), num_steps=10)
+  assert ckpt.preempted
+  assert ckpt.manager.all_steps() == [1]  # step 2 was abandoned, never committed
+  assert not any(n == "2" for n in os.listdir(tmp_path / "checkpoints"))
+
+
+def test_clu_periodic_actions_and_metric_writer(tmp_path):
+
+  class Writer:  # duck-typed clu MetricWriter
+    def __init__(self):
+      self.scalars = []
+
+    def write_scalars(self, step, scalars):
+      self.scalars.append((step, dict(scalars)))
+
+    def flush(self):
+      pass
+
+  calls = []
+
+  class Action(periodic_actions.PeriodicCallback):
+    pass
+
+  writer = Writer()
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2}, writer=writer)
+  action = Action(every_steps=3, callback_fn=lambda step, t: calls.append(step))
+  ofx.Trainer(linen_step, [ckpt, action, ofx.LogProgress(2, writer)]).fit(linen_state(), Dataset(), 6)
+  assert calls == [3, 6]
+  ckpt_events = [(s, d) for s, d in writer.scalars if "checkpoint/total_s" in d]
+  assert [s for s, _ in ckpt_events] == [2, 4, 6]
+  assert all(d["checkpoint/bytes"] > 0 and d["checkpoint/blocking_s"] <= d["checkpoint/total_s"]
+             for _, d in ckpt_events)
+  assert any("loss" in d and "steps_per_sec" in d for _, d in writer.scalars)
+  with pytest.raises(TypeError, match="Callback or clu PeriodicAction"):
+    ofx.Trainer(linen_step, [object()])
+
+
+def test_init_from_another_run_params_only(tmp_path):
+  donor = linen_state(seed=5)
+  ckpt = ofx.CheckpointCallback(str(tmp_path / "donor"), {"save_interval_steps": 1})
+  ofx.Trainer(linen_step, [ckpt]).fit(donor, Dataset(), num_steps=2)
+  source = ckpt.manager.step_path(2)
+  trained = ofx.restore(source, {"params": donor.params})["params"]
+  fine = ofx.CheckpointCallback(str(tmp_path / "fine"), {"init_from": source})
+  state = fine.restore_or_init(linen_state(seed=1))
+  fine.close()
+  leaves_equal(state.params, trained)
+  assert int(state.step) == 0  # only the params came from the donor
+  leaves_equal(state.opt_state, linen_state(seed=1).opt_state)
