@@ -5,14 +5,7 @@ the newest step, so a preempted job loses at most ~30 s of work and uses the
 disk of one checkpoint. SIGTERM and SLURM's SIGUSR1 both count as preemption.
 """
 
-import importlib.util
-import os
-
-# Load default.py next to this file, wherever the caller's sys.path points.
-_spec = importlib.util.spec_from_file_location(
-    "orbax_flax_default_config", os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
-default = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(default)
+from configs import default
 
 
 def get_config():

@@ -220,8 +220,7 @@ def _write_and_commit(plan: _planning.Plan) -> None:
       gen = uuid.uuid4().hex[:16]
       if final.is_local:
         os.makedirs(os.path.dirname(final.local_path), exist_ok=True)
-        target = final.sibling(f"{final.name}{TMP_MARKER}{gen}")
-        os.makedirs(target.local_path)
+        os.makedirs(_target(final, gen).local_path)
       _multihost.publish(f"{key}/gen", gen)
     except BaseException as e:
       _multihost.publish(f"{key}/gen", f"error: {e}")
@@ -230,7 +229,7 @@ def _write_and_commit(plan: _planning.Plan) -> None:
     gen = _multihost.fetch(f"{key}/gen")
     if gen.startswith("error: "):
       raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
-  target = final.sibling(f"{final.name}{TMP_MARKER}{gen}") if final.is_local else final
+  target = _target(final, gen)
 
   error: BaseException | None = None
   try:
@@ -269,7 +268,19 @@ def _write_and_commit(plan: _planning.Plan) -> None:
     _multihost.publish(f"{key}/verdict", verdict)
 
 
+def _target(final: Location, gen: str) -> Location:
+  """Where data is written: a temporary sibling directory, or in place on object stores."""
+  return final.sibling(f"{final.name}{TMP_MARKER}{gen}") if final.is_local else final
+
+
+def _check_cancelled(plan: _planning.Plan) -> None:
+  if plan.cancelled is not None and plan.cancelled.is_set():
+    raise errors.CheckpointError(f"save to {plan.loc} was cancelled before it committed;"
+                                 " nothing was committed.")
+
+
 def _write_arrays(plan: _planning.Plan, target: Location, gen: str) -> None:
+  _check_cancelled(plan)
   me = _multihost.process_index()
   ctx = _tsio.context()
   writers: dict[str, _tsio.DatabaseWriter] = {}
@@ -304,9 +315,7 @@ def _write_arrays(plan: _planning.Plan, target: Location, gen: str) -> None:
 def _commit(plan: _planning.Plan, target: Location, gen: str) -> None:
   """Process 0: write the manifest last, then make it visible atomically."""
   final = plan.loc
-  if plan.cancelled is not None and plan.cancelled.is_set():
-    raise errors.CheckpointError(f"save to {final} was cancelled before it committed; nothing"
-                                 " was committed.")
+  _check_cancelled(plan)
   manifest = dict(plan.manifest, generation=gen)
   data = _manifest.encode(manifest)
   if not final.is_local:
