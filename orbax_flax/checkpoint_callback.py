@@ -34,6 +34,7 @@ from orbax_flax import errors
 from orbax_flax import preemption
 from orbax_flax import restoring
 from orbax_flax import state_items
+from orbax_flax._location import Location
 from orbax_flax.config import CheckpointPolicy
 from orbax_flax.manager import CheckpointManager
 
@@ -109,18 +110,17 @@ class CheckpointCallback(callbacks.Callback):
       log.info("no checkpoint in %s: starting from scratch", self.manager.directory)
       return state
     items = state_items.to_items(state)
-    info = self.manager.step_info(step)
-    meta = self.manager.metadata(step)
+    summary = restoring.read_summary(Location.parse(self.manager.step_path(step)))
     restored = self.manager.restore(step, _targets(items))
     state = state_items.from_items(state, restored)
     if self._data is not None:
       self._restore_data(step)
     self.restored_step = step
-    saved_mesh = meta.custom.get("mesh")
+    saved_mesh = summary["custom"].get("mesh")
     log.info("restored step %d (%s) from %s: saved on %s by %d process(es), restored onto %s"
-             " with %d process(es)", step, info.reason, self.manager.step_path(step),
-             f"mesh {saved_mesh}" if saved_mesh else "no mesh", meta.process_count,
-             _mesh_text(items), jax.process_count())
+             " with %d process(es)", step, summary["custom"].get("reason"),
+             self.manager.step_path(step), f"mesh {saved_mesh}" if saved_mesh else "no mesh",
+             summary["process_count"], _mesh_text(items), jax.process_count())
     return state
 
   def _init_from(self, state: Any) -> Any:
@@ -132,7 +132,7 @@ class CheckpointCallback(callbacks.Callback):
     log.info("initialised %s from %s (fine-tuning; nothing to resume in %s)", name, source,
              self.manager.directory)
     items[name] = restored[name]
-    return state_items.from_items(state, {**items})
+    return state_items.from_items(state, items)
 
   def _restore_data(self, step: int) -> None:
     data = self.manager.restore(step, {DATA_ITEM: None})[DATA_ITEM]

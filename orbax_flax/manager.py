@@ -263,7 +263,8 @@ class CheckpointManager:
     else:
       saving.save(path, items, custom_metadata=custom)
       handle = None
-    thread = threading.Thread(target=self._after_save, args=(step, handle, start),
+    info = policy_lib.StepInfo(step, now, custom["metrics"], decided)
+    thread = threading.Thread(target=self._after_save, args=(info, handle, start),
                               name=f"orbax_flax-commit-{step}")
     self._inflight = _InFlight(step, handle, thread)
     thread.start()
@@ -272,11 +273,15 @@ class CheckpointManager:
       self._finish_inflight()
     return True
 
-  def _after_save(self, step: int, handle: saving.AsyncSave | None, start: float) -> None:
+  def _after_save(self, info: policy_lib.StepInfo, handle: saving.AsyncSave | None,
+                  start: float) -> None:
+    step = info.step
     try:
       if handle is not None:
         handle.wait()
-      info = self._record_commit(step)
+      with self._lock:
+        self._steps.add(step)
+        self._infos[step] = info
       blocking = handle.blocking_s if handle is not None else time.perf_counter() - start
       total = time.perf_counter() - start
       nbytes = handle.nbytes if handle is not None else 0
@@ -309,14 +314,6 @@ class CheckpointManager:
   def coordination_key(self) -> str:
     """A key prefix in the coordination service unique to this manager, same on every process."""
     return self._key
-
-  def _record_commit(self, step: int) -> policy_lib.StepInfo:
-    summary = restoring.read_summary(self._dir.join(str(step)))
-    info = _info_from_summary(step, summary)
-    with self._lock:
-      self._steps.add(step)
-      self._infos[step] = info
-    return info
 
   def _keep_inputs(self) -> list[policy_lib.StepInfo]:
     """What keep rules need: step numbers, plus metadata only if a rule reads it."""
