@@ -230,6 +230,14 @@ def delete_prefix(loc: Location, sub: str, context: ts.Context | None = None) ->
     raise _storage_error(loc, f"deleting {sub!r}", e) from e
 
 
+def write_local_durably(path: str, data: bytes) -> None:
+  """Writes a new local file and fsyncs it."""
+  with open(path, "xb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def fsync_dir(path: str) -> None:
   fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
   try:

@@ -121,11 +121,6 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
-  if "--" in argv:
-    split = argv.index("--")
-    ours, script = argv[:split], argv[split + 1:]
-  else:
-    ours, script = [], argv
   p = argparse.ArgumentParser(prog="python -m orbax_flax.launch", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("-n", "--num_processes", type=int, required=True)
@@ -133,7 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                  help="simulated CPU devices per process (sets XLA_FLAGS)")
   p.add_argument("--grace", type=float, default=10.0,
                  help="seconds between SIGTERM and SIGKILL when stopping the others")
-  args = p.parse_args(ours)
+  if "--" in argv:
+    split = argv.index("--")
+    args, script = p.parse_args(argv[:split]), argv[split + 1:]
+  else:
+    args, script = p.parse_known_args(argv)
   if not script:
     p.error("give the script after --, e.g. -- examples/train.py --workdir=/tmp/run")
   if args.num_processes < 1:

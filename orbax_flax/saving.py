@@ -324,8 +324,10 @@ def _commit(plan: _planning.Plan, target: Location, gen: str) -> None:
     if old is not None:
       _delete_generation(final, _manifest.decode(old, str(final)), keep=gen)
     return
-  _location.write_key(target, _manifest.MANIFEST_KEY, data)
-  _location.fsync_tree(target.local_path)
+  # Every writer fsync'd its own files and directories; the manifest and the
+  # directory that holds it are the last things made durable before the rename.
+  _location.write_local_durably(os.path.join(target.local_path, _manifest.MANIFEST_KEY), data)
+  _location.fsync_dir(target.local_path)
   tmp, dst = target.local_path, final.local_path
   replaced = os.path.isdir(dst) and _location.exchange(tmp, dst)
   if not replaced:
