@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import math
+import mmap
 import os
 import re
 import time
@@ -259,8 +260,11 @@ def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me
     if start not in views:
       src = local[start]
       views[start] = src if isinstance(src, np.ndarray) else np.asarray(src.data)
-    shard_box = tuple((s, s + n) for s, n in zip(start, shard_shape))
-    data = views[start][_layout.relative(box, shard_box)]
+    if chunk_shape == shard_shape:  # the common case: one chunk per shard
+      data = views[start]
+    else:
+      shard_box = tuple((s, s + n) for s, n in zip(start, shard_shape))
+      data = views[start][_layout.relative(box, shard_box)]
     write.pieces.append(Piece(_layout.box_to_slices(box), data))
   return rec, write
 
@@ -287,18 +291,38 @@ def fill_packs(plan: Plan) -> None:
 _copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
+def _arena(nbytes: int) -> np.ndarray:
+  """Fresh anonymous memory for one save's host copy, returned to the OS as a whole.
+
+  One mapping instead of thousands of allocations: steadier copy times (no
+  transparent-huge-page compaction, which made copies up to 2x slower on the
+  VMs we measured) and an exact return to the baseline when the save ends.
+  """
+  return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+
+
 def copy_pieces(plan: Plan) -> None:
   """Copies every chunk to fresh host memory, in parallel threads."""
   global _copy_pool
-  pieces = [p for a in plan.arrays for p in a.pieces]
+  pieces = sorted((p for a in plan.arrays for p in a.pieces), key=lambda p: -p.data.nbytes)
   if not pieces:
     return
   if _copy_pool is None:
     _copy_pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="orbax_flax-copy")
+  sizes = [-(-p.data.nbytes // 64) * 64 for p in pieces]
+  arena = _arena(sum(sizes))
+  jobs = []
+  offset = 0
+  for p, size in zip(pieces, sizes):
+    dst = arena[offset:offset + p.data.nbytes].view(p.data.dtype).reshape(p.data.shape)
+    jobs.append((p, dst))
+    offset += size
 
-  def copy(p: Piece) -> None:
-    p.data = np.array(p.data, copy=True, order="C")
+  def copy(job: tuple[Piece, np.ndarray]) -> None:
+    piece, dst = job
+    np.copyto(dst, piece.data)
+    piece.data = dst
 
-  for f in [_copy_pool.submit(copy, p) for p in sorted(pieces, key=lambda p: -p.data.nbytes)]:
+  for f in [_copy_pool.submit(copy, j) for j in jobs]:
     f.result()

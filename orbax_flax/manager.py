@@ -65,7 +65,7 @@ class _InFlight:
   step: int
   handle: saving.AsyncSave | None
   thread: threading.Thread
-  abandoned: bool = False
+  abandoned: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class CheckpointManager:
@@ -247,10 +247,14 @@ class CheckpointManager:
     if exists or (self._inflight is not None and self._inflight.step == step):
       log.warning("step %d is already saved in %s; not saving it again", step, self._dir)
       return False
-    if self._inflight is not None and self._inflight.thread.is_alive():
-      if self.policy.if_busy == "skip" and decided not in ("forced", "final", "preemption", "exception"):
-        log.info("skipping the %s save of step %d: step %d is still being written", decided, step,
-                 self._inflight.step)
+    if self.policy.if_busy == "skip" and decided not in ("forced", "final", "preemption", "exception"):
+      busy = self._inflight is not None and self._inflight.thread.is_alive()
+      if _multihost.process_count() > 1:  # every process must skip the same steps
+        votes = _multihost.all_gather(f"{self._key}/busy/{step}", "1" if busy else "0")
+        busy = "1" in votes
+      if busy:
+        log.info("skipping the %s save of step %d: the previous save is still being written",
+                 decided, step)
         return False
     self._finish_inflight()
     now = self._clock()
@@ -264,9 +268,10 @@ class CheckpointManager:
       saving.save(path, items, custom_metadata=custom)
       handle = None
     info = policy_lib.StepInfo(step, now, custom["metrics"], decided)
-    thread = threading.Thread(target=self._after_save, args=(info, handle, start),
+    abandoned = threading.Event()
+    thread = threading.Thread(target=self._after_save, args=(info, handle, start, abandoned),
                               name=f"orbax_flax-commit-{step}")
-    self._inflight = _InFlight(step, handle, thread)
+    self._inflight = _InFlight(step, handle, thread, abandoned)
     thread.start()
     self._last_step, self._last_time = step, now
     if handle is None:
@@ -274,7 +279,7 @@ class CheckpointManager:
     return True
 
   def _after_save(self, info: policy_lib.StepInfo, handle: saving.AsyncSave | None,
-                  start: float) -> None:
+                  start: float, abandoned: threading.Event) -> None:
     step = info.step
     try:
       if handle is not None:
@@ -296,8 +301,7 @@ class CheckpointManager:
       if (doomed or self._leftovers) and _multihost.process_index() == 0:
         self._deletions.append(self._deleter.submit(self._delete_steps, doomed))
     except BaseException as e:  # pylint: disable=broad-except  # Raised on the next call.
-      inflight = self._inflight
-      if inflight is not None and inflight.step == step and inflight.abandoned:
+      if abandoned.is_set():
         log.warning("abandoned save of step %d ended without committing: %s", step, e)
       else:
         self._error = e
@@ -337,12 +341,12 @@ class CheckpointManager:
     """
     inflight = self._inflight
     if inflight is not None and inflight.thread.is_alive() and inflight.handle is not None:
-      inflight.abandoned = True
+      inflight.abandoned.set()
       inflight.handle.cancel()
 
   def _finish_inflight(self) -> None:
     if self._inflight is not None:
-      if not self._inflight.abandoned:
+      if not self._inflight.abandoned.is_set():
         self._inflight.thread.join()
       self._inflight = None
     self._raise_error()
