@@ -358,23 +358,22 @@ def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[A
   for w in chunked:
     for owner in set(w.rec["owners"]):
       reader.open_array(w, owner)
+  # Packed arrays: one read per (item, process) of the byte range they span.
   ranges: dict[tuple[str, int], list[int]] = {}
+  names: dict[tuple[str, int], list[str]] = {}
   for w in packed:
+    k = (w.item, w.rec["owners"][0])
     lo, hi = w.rec["packed_offset"], w.rec["packed_offset"] + w.rec["nbytes"]
-    r = ranges.setdefault((w.item, w.rec["owners"][0]), [lo, hi])
+    r = ranges.setdefault(k, [lo, hi])
     r[0], r[1] = min(r[0], lo), max(r[1], hi)
-  packed_names: dict[tuple[str, int], list[str]] = {}
-  for w in packed:
-    packed_names.setdefault((w.item, w.rec["owners"][0]), []).append(_tree.path_str(tuple(w.rec["path"])))
+    names.setdefault(k, []).append(_tree.path_str(tuple(w.rec["path"])))
   packed_what = {k: f"{len(v)} packed small array(s) ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
-                 for k, v in packed_names.items()}
+                 for k, v in names.items()}
+  opened = {k: reader.open_packed(*k) for k in ranges}
   packed_reads = {}
-  for (item, owner), (lo, hi) in ranges.items():
-    opened = reader.open_packed(item, owner)
-    packed_reads[item, owner] = (lo, opened, None)
-  for k, (lo, opened, _) in packed_reads.items():
-    st = reader.resolve(opened, k[0], packed_what[k], k[1])
-    packed_reads[k] = (lo, st[lo:ranges[k][1]].read(), None)
+  for k, (lo, hi) in ranges.items():
+    st = reader.resolve(opened[k], k[0], packed_what[k], k[1])
+    packed_reads[k] = (lo, st[lo:hi].read())
 
   box_reads: dict[int, list[tuple[np.ndarray, list[tuple[Any, int]]]]] = {}
   for w in chunked:
@@ -400,7 +399,7 @@ def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[A
     box_reads[id(w)] = per_box
 
   packed_bytes = {k: reader.resolve(f, k[0], packed_what[k], k[1])
-                  for k, (lo, f, _) in packed_reads.items()}
+                  for k, (_, f) in packed_reads.items()}
   datas: dict[int, list[np.ndarray]] = {}
   for w in wants:
     rec = w.rec
