@@ -37,5 +37,5 @@ __all__ = [
     "CheckpointError", "CheckpointManager", "CheckpointPolicy", "LogProgress", "Trainer",
     "CheckpointExistsError", "CheckpointMetadata", "CheckpointNotFoundError",
     "ItemMetadata", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
-    "metadata", "restore", "save", "save_async", "verify",
+    "metadata", "restore", "save", "save_async", "verify", "__version__",
 ]

@@ -30,7 +30,6 @@ import jax
 from orbax_flax import _multihost
 from orbax_flax import _tree
 from orbax_flax import callbacks
-from orbax_flax import errors
 from orbax_flax import preemption
 from orbax_flax import restoring
 from orbax_flax import state_items

@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 
 from orbax_flax import errors
-from orbax_flax import manager as manager_lib
 from orbax_flax import describe as metadata_lib
 from orbax_flax import restoring
+from orbax_flax import step_dir
 from orbax_flax import verifying as verify_lib
 from orbax_flax._location import Location
 from orbax_flax.config import CheckpointPolicy
@@ -38,7 +38,7 @@ def _when(t: float) -> str:
 
 def cmd_list(directory: str, out) -> int:
   loc = Location.parse(directory)
-  steps, leftovers = manager_lib._list(loc)  # pylint: disable=protected-access
+  steps, leftovers = step_dir.list_steps(loc)
   if not steps and not leftovers:
     print(f"no checkpoints in {loc}", file=out)
     return EXIT_MISSING

@@ -17,37 +17,25 @@ import dataclasses
 import hashlib
 import logging
 import math
-import os
-import shutil
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 
-from orbax_flax import _location
-from orbax_flax import _manifest
 from orbax_flax import _multihost
 from orbax_flax import errors
 from orbax_flax import describe as metadata_lib
 from orbax_flax import policy as policy_lib
 from orbax_flax import restoring
 from orbax_flax import saving
+from orbax_flax import step_dir
 from orbax_flax._location import Location
-from orbax_flax._planning import TMP_MARKER
 from orbax_flax.config import CheckpointPolicy
 
 log = logging.getLogger("orbax_flax")
-
-
-@dataclasses.dataclass(frozen=True)
-class Leftover:
-  """Debris of an interrupted save or delete: safe to remove when nothing writes it."""
-  name: str
-  step: int | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +121,7 @@ class CheckpointManager:
 
   def reload(self) -> None:
     """Re-lists the directory (other jobs may have changed it)."""
-    steps, leftovers = _list(self._dir)
+    steps, leftovers = step_dir.list_steps(self._dir)
     with self._lock:
       self._steps = set(steps)
       self._infos = {s: i for s, i in self._infos.items() if s in self._steps}
@@ -153,7 +141,7 @@ class CheckpointManager:
     steps = self.all_steps()
     return steps[-1] if steps else None
 
-  def leftovers(self) -> list[Leftover]:
+  def leftovers(self) -> list[step_dir.Leftover]:
     """Debris of interrupted saves that is still on storage."""
     return list(self._leftovers)
 
@@ -330,7 +318,7 @@ class CheckpointManager:
   def _delete_steps(self, steps: list[int]) -> None:
     for step in steps:
       log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
-      _delete_step(self._dir, step)
+      step_dir.delete_step(self._dir, step)
     self._remove_leftovers()
 
   def abandon_inflight(self) -> None:
@@ -433,7 +421,7 @@ class CheckpointManager:
     Those can no longer be written by this job: its own save in flight is
     always newer than the latest committed step.
     """
-    _, leftovers = _list(self._dir)
+    _, leftovers = step_dir.list_steps(self._dir)
     committed = self._committed()
     latest = committed[-1] if committed else None
     for l in leftovers:
@@ -442,8 +430,8 @@ class CheckpointManager:
       if self._inflight is not None and self._inflight.step == l.step:
         continue
       log.info("removing leftover %s of an interrupted save or delete", l.name)
-      _remove(self._dir, l.name)
-    _, self._leftovers = _list(self._dir)
+      step_dir.remove(self._dir, l.name)
+    _, self._leftovers = step_dir.list_steps(self._dir)
 
 
 _instances: dict[str, int] = {}
@@ -452,59 +440,6 @@ _instances: dict[str, int] = {}
 def _next_instance(digest: str) -> int:
   _instances[digest] = _instances.get(digest, 0) + 1
   return _instances[digest]
-
-
-def _list(loc: Location) -> tuple[list[int], list[Leftover]]:
-  """Committed steps and leftovers under ``loc``, from one listing."""
-  steps, leftovers = [], []
-  if loc.is_local:
-    try:
-      names = os.listdir(loc.local_path)
-    except FileNotFoundError:
-      return [], []
-    for name in names:
-      if name.isdigit():
-        steps.append(int(name))
-      elif TMP_MARKER in name:
-        head = name.split(".", 1)[0]
-        leftovers.append(Leftover(name, int(head) if head.isdigit() else None))
-    return sorted(steps), sorted(leftovers, key=lambda l: l.name)
-  try:
-    keys = _location.list_keys(loc)
-  except errors.StorageError:
-    raise
-  committed, prefixes = set(), set()
-  for k in keys:
-    head, _, rest = k.partition("/")
-    if head.isdigit():
-      prefixes.add(head)
-      if rest == _manifest.MANIFEST_KEY:
-        committed.add(head)
-  steps = sorted(int(h) for h in committed)
-  leftovers = [Leftover(h + "/", int(h)) for h in sorted(prefixes - committed, key=int)]
-  return steps, leftovers
-
-
-def _remove(loc: Location, name: str) -> None:
-  if loc.is_local:
-    shutil.rmtree(os.path.join(loc.local_path, name), ignore_errors=True)
-  else:
-    _location.delete_prefix(loc, name)
-
-
-def _delete_step(loc: Location, step: int) -> None:
-  """Uncommits ``step`` atomically first, then removes its data."""
-  name = str(step)
-  if loc.is_local:
-    doomed = f"{name}{TMP_MARKER}delete-{uuid.uuid4().hex[:8]}"
-    try:
-      os.rename(os.path.join(loc.local_path, name), os.path.join(loc.local_path, doomed))
-    except FileNotFoundError:
-      return
-    shutil.rmtree(os.path.join(loc.local_path, doomed), ignore_errors=True)
-    return
-  _location.delete_key(loc.join(name), _manifest.MANIFEST_KEY)
-  _location.delete_prefix(loc, name + "/")
 
 
 def _info_from_summary(step: int, summary: Mapping[str, Any]) -> policy_lib.StepInfo:

@@ -75,7 +75,6 @@ class S3Server:
     self._wait_ready()
 
   def _wait_ready(self, timeout: float = 60) -> None:
-    import boto3  # pylint: disable=g-import-not-at-top
     deadline = time.monotonic() + timeout
     last = None
     while time.monotonic() < deadline:
