@@ -17,6 +17,7 @@ from orbax_flax.errors import CheckpointCorruptedError
 from orbax_flax.errors import CheckpointError
 from orbax_flax.errors import CheckpointExistsError
 from orbax_flax.errors import CheckpointNotFoundError
+from orbax_flax.errors import SaveCancelledError
 from orbax_flax.errors import StorageError
 from orbax_flax.errors import TreeMismatchError
 from orbax_flax.errors import UnsupportedLeafError
@@ -36,6 +37,6 @@ __all__ = [
     "ArrayMetadata", "AsyncSave", "Callback", "CheckpointCallback", "CheckpointCorruptedError",
     "CheckpointError", "CheckpointManager", "CheckpointPolicy", "LogProgress", "Trainer",
     "CheckpointExistsError", "CheckpointMetadata", "CheckpointNotFoundError",
-    "ItemMetadata", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
+    "ItemMetadata", "SaveCancelledError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
     "metadata", "restore", "save", "save_async", "verify", "__version__",
 ]

@@ -30,6 +30,7 @@ import jax
 from orbax_flax import _multihost
 from orbax_flax import _tree
 from orbax_flax import callbacks
+from orbax_flax import errors
 from orbax_flax import preemption
 from orbax_flax import restoring
 from orbax_flax import state_items
@@ -194,11 +195,19 @@ class CheckpointCallback(callbacks.Callback):
       inflight.thread.join(left)
       if inflight.thread.is_alive():
         self.manager.abandon_inflight()
-        log.error("preemption save of step %d did not commit within the %.0f s grace period;"
-                  " abandoned (never committed). The job resumes from step %s.", step, grace,
+        log.error("preemption save of step %d did not commit within the %g s grace period;"
+                  " cancelled: it is not committed unless its commit was already under way"
+                  " (then it is complete). The last committed step is %s.", step, grace,
                   self.manager.latest_step())
         return
-    self.manager.wait()
+    try:
+      self.manager.wait()
+    except errors.SaveCancelledError as e:
+      # Another process ran out of grace period and cancelled the save: the
+      # job is still preempted; stop cleanly like that process does.
+      log.error("preemption save of step %d was not committed: %s The last committed step"
+                " is %s.", step, e, self.manager.latest_step())
+      return
     self._flush_events()
     log.info("preempted: step %d is committed; stopping", step)
 

@@ -48,5 +48,13 @@ class UnsupportedLeafError(CheckpointError, TypeError):
   """A pytree leaf has a type that cannot be saved."""
 
 
+class SaveCancelledError(CheckpointError):
+  """A save was cancelled, on this process or another, before it committed.
+
+  Nothing was committed; the step's data, if any was written, is a leftover.
+  Raised when a preemption grace period runs out on some process.
+  """
+
+
 class StorageError(CheckpointError, OSError):
   """The storage backend failed or could not be reached."""

@@ -87,7 +87,9 @@ class AsyncSave:
     """Makes sure this save never commits (if it has not already).
 
     The background phase stops before the commit and ``wait()`` raises
-    ``CheckpointError``. Used when a preemption grace period runs out.
+    ``SaveCancelledError``, here and, in a multi-process save, on every other
+    process. Used when a preemption grace period runs out. A process other than
+    0 that cancels after it finished writing cannot stop process 0's commit.
     """
     self._cancelled.set()
 
@@ -242,6 +244,8 @@ def _write_and_commit(plan: _planning.Plan) -> None:
     if error is not None:
       raise error
     verdict = _multihost.fetch(f"{key}/verdict")
+    if verdict.startswith(_CANCELLED):
+      raise errors.SaveCancelledError(verdict[len(_CANCELLED):])
     if verdict != "ok":
       raise errors.StorageError(verdict[7:])
     return
@@ -255,17 +259,28 @@ def _write_and_commit(plan: _planning.Plan) -> None:
     if error is not None:
       raise error
     failed = [f"process {p}: {s[7:]}" for p, s in enumerate(statuses) if s != "ok"]
+    cancelled = [f for f in failed if f.split(": ", 2)[1] == errors.SaveCancelledError.__name__]
+    if cancelled:
+      raise errors.SaveCancelledError(f"save to {final} was cancelled on "
+                                      + ", ".join(f.split(":")[0] for f in cancelled)
+                                      + "; nothing was committed.")
     if failed:
       raise errors.StorageError(f"save to {final} failed, nothing was committed: "
                                 + "; ".join(failed))
     _commit(plan, target, gen)
   except BaseException as e:
-    verdict = f"error: save to {final} failed on process 0, nothing was committed: {e}"
+    if isinstance(e, errors.SaveCancelledError):
+      verdict = f"{_CANCELLED}{e}"
+    else:
+      verdict = f"error: save to {final} failed on process 0, nothing was committed: {e}"
     if final.is_local and os.path.isdir(target.local_path):
       shutil.rmtree(target.local_path, ignore_errors=True)
     raise
   finally:
     _multihost.publish(f"{key}/verdict", verdict)
+
+
+_CANCELLED = "cancelled: "  # verdict prefix: some process cancelled the save
 
 
 def _target(final: Location, gen: str) -> Location:
@@ -275,8 +290,9 @@ def _target(final: Location, gen: str) -> Location:
 
 def _check_cancelled(plan: _planning.Plan) -> None:
   if plan.cancelled is not None and plan.cancelled.is_set():
-    raise errors.CheckpointError(f"save to {plan.loc} was cancelled before it committed;"
-                                 " nothing was committed.")
+    raise errors.SaveCancelledError(
+        f"save to {plan.loc} was cancelled on process {_multihost.process_index()} before it"
+        " committed; nothing was committed.")
 
 
 def _write_arrays(plan: _planning.Plan, target: Location, gen: str) -> None:

@@ -77,6 +77,18 @@ def test_only_one_save_in_flight(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["a", "b"]
 
 
+def test_cancelled_save_never_commits_and_keeps_the_old_checkpoint(tmp_path):
+  path = str(tmp_path / "ckpt")
+  ofx.save(path, {"state": {"x": np.arange(3)}})
+  handle = ofx.save_async(path, {"state": _state(64)}, overwrite=True)
+  handle.cancel()
+  with pytest.raises(ofx.SaveCancelledError, match="cancelled on process 0"):
+    handle.wait()
+  np.testing.assert_array_equal(ofx.restore(path)["state"]["x"], np.arange(3))
+  assert os.listdir(tmp_path) == ["ckpt"]  # no temporary leftover either
+  ofx.save(path, {"state": {"x": np.arange(4)}}, overwrite=True)  # not raised again
+
+
 def test_background_error_raised_on_wait_and_on_next_save(tmp_path):
   with small_disk(str(tmp_path / "disk")) as disk:
     ofx.save(os.path.join(disk, "small"), {"state": {"x": np.arange(10)}})

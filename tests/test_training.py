@@ -1,6 +1,7 @@
 """The training plugin in-process: hooks, Linen and NNX states, iterators, errors."""
 
 import os
+import re
 import signal
 
 import flax.linen as nn
@@ -14,6 +15,7 @@ from clu import periodic_actions
 from flax import nnx
 from flax.training import train_state
 
+import jobs
 import orbax_flax as ofx
 
 
@@ -241,6 +243,20 @@ def test_grace_period_abandons_a_save_that_cannot_commit(tmp_path):
   assert ckpt.preempted
   assert ckpt.manager.all_steps() == [1]  # step 2 was abandoned, never committed
   assert not any(n == "2" for n in os.listdir(tmp_path / "checkpoints"))
+
+
+def test_grace_period_runs_out_on_one_process_only(tmp_path):
+  """Process 0 cancels its save; process 1, which would wait, stops cleanly too."""
+  res = jobs.run("grace_worker.py", [f"--dir={tmp_path}"], 2, 2).check()
+  results = [re.findall(r"RESULT preempted=(\w+) stopped_at=(\d+) committed=(.*)", o)
+             for o in res.outputs]
+  assert all(len(r) == 1 for r in results), res.outputs
+  (p0,), (p1,) = results
+  assert p0[0] == p1[0] == "True" and p0[1] == p1[1], results  # same step, both stopped
+  assert p0[2] == p1[2] == "[]", results                        # nothing committed
+  assert "grace period" in res.outputs[0]
+  assert "was cancelled on process 0" in res.outputs[1], res.outputs[1][-3000:]
+  assert not any(n.isdigit() for n in os.listdir(tmp_path / "checkpoints"))
 
 
 def test_clu_periodic_actions_and_metric_writer(tmp_path):
