@@ -3,7 +3,20 @@
 Meant for a machine with accelerators; on a 2-core CPU a step takes seconds.
 """
 
-from configs import default
+import importlib.util
+import os
+
+
+def _load_default():
+  """configs/default.py, found next to this file (works from any directory)."""
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
+  spec = importlib.util.spec_from_file_location("orbax_flax_configs_default", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+default = _load_default()
 
 
 def get_config():

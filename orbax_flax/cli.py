@@ -43,11 +43,14 @@ def cmd_list(directory: str, out) -> int:
     print(f"no checkpoints in {loc}", file=out)
     return EXIT_MISSING
   rows = []
+  damaged = 0
   for step in steps:
     try:
       s = restoring.read_summary(loc.join(str(step)))
-    except errors.CheckpointCorruptedError as e:
-      rows.append([str(step), "?", "CORRUPTED", "?", str(e)[:60]])
+    except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
+      damaged += 1
+      state = "CORRUPTED" if isinstance(e, errors.CheckpointCorruptedError) else "NO MANIFEST"
+      rows.append([str(step), "?", state, "?", "?", str(e)[:80]])
       continue
     custom = s.get("custom", {})
     metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -61,6 +64,10 @@ def cmd_list(directory: str, out) -> int:
   for l in leftovers:
     print(f"leftover of an interrupted save or delete (safe to delete once no job writes"
           f" here): {l.name}", file=out)
+  if damaged:
+    print(f"{damaged} step(s) cannot be read; `python -m orbax_flax verify {loc}/STEP` tells"
+          " more", file=out)
+    return EXIT_CORRUPT
   return EXIT_OK
 
 
@@ -114,18 +121,22 @@ def cmd_plan(argv: list[str], out) -> int:
   flags.DEFINE_bool("all", False, "List every save instead of a summary.", flag_values=fv)
   try:
     fv(["plan"] + argv)
-  except flags.Error as e:
+    if fv.config is None:
+      raise ValueError("plan needs --config=PATH (e.g. configs/default.py)")
+    config = fv.config
+    block = config.checkpoint if "checkpoint" in config else config
+    policy = CheckpointPolicy.from_config(block)
+    steps = fv.steps if fv.steps is not None else int(config.get("num_steps", 0))
+  except (flags.Error, ValueError, TypeError, AttributeError, KeyError, OSError,
+          ImportError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_MISSING
-  if fv.config is None:
-    print("error: plan needs --config=PATH (e.g. configs/default.py)", file=sys.stderr)
-    return EXIT_MISSING
-  config = fv.config
-  block = config.checkpoint if "checkpoint" in config else config
-  policy = CheckpointPolicy.from_config(block)
-  steps = fv.steps if fv.steps is not None else int(config.get("num_steps", 0))
   if steps <= 0:
     print("error: give --steps=N or set num_steps in the config", file=sys.stderr)
+    return EXIT_MISSING
+  if fv.start_step >= steps:
+    print(f"error: --start_step={fv.start_step} leaves nothing to plan in a run of {steps}"
+          " steps; give a smaller --start_step or more --steps", file=sys.stderr)
     return EXIT_MISSING
   plan = policy.plan(steps, seconds_per_step=fv.seconds_per_step, start_step=fv.start_step)
   print(f"policy over steps {fv.start_step + 1}..{steps} ({fv.seconds_per_step:g} s per step):", file=out)
@@ -168,6 +179,6 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
   except errors.CheckpointCorruptedError as e:
     print(f"CORRUPTED: {e}", file=sys.stderr)
     return EXIT_CORRUPT
-  except errors.StorageError as e:
+  except (errors.StorageError, NotADirectoryError) as e:
     print(f"error: {e}", file=sys.stderr)
     return EXIT_MISSING

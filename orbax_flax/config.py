@@ -129,6 +129,9 @@ class CheckpointPolicy:
     if self.keep_best and not self.best_metric:
       _fail("keep_best", self.keep_best, "needs best_metric; set checkpoint.best_metric to the"
             " metric name (e.g. 'loss') or set keep_best=0")
+    if self.save_on_preemption and not self.preemption_signals:
+      _fail("preemption_signals", self.preemption_signals, "is empty while save_on_preemption"
+            " is on; name the signals (e.g. ('SIGTERM',)) or set save_on_preemption=False")
     for name in self.preemption_signals:
       if not name.startswith("SIG") or not hasattr(signal.Signals, name):
         _fail("preemption_signals", self.preemption_signals,
@@ -173,12 +176,13 @@ class CheckpointPolicy:
     triggers: list[policy_lib.Trigger] = []
     if self.save_interval_steps:
       triggers.append(policy_lib.EveryNSteps(self.save_interval_steps))
-    if self.save_interval_seconds:
-      triggers.append(policy_lib.EveryNSeconds(self.save_interval_seconds))
     if self.save_on_steps:
       triggers.append(policy_lib.OnSteps(frozenset(self.save_on_steps)))
     if self.save_first_step:
       triggers.append(policy_lib.FirstStep())
+    # Last: step-based reasons win, as in CheckpointManager.should_save.
+    if self.save_interval_seconds:
+      triggers.append(policy_lib.EveryNSeconds(self.save_interval_seconds))
     return policy_lib.any_of(*triggers)
 
   @property

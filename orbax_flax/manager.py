@@ -99,6 +99,7 @@ class CheckpointManager:
     self._error: BaseException | None = None
     self._lock = threading.Lock()
     self._steps: set[int] = set()
+    self._deleting: set[int] = set()  # uncommitted by this manager, deletion pending
     self._infos: dict[int, policy_lib.StepInfo] = {}
     self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-delete")
     self._deletions: list[concurrent.futures.Future] = []
@@ -123,7 +124,7 @@ class CheckpointManager:
     """Re-lists the directory (other jobs may have changed it)."""
     steps, leftovers = step_dir.list_steps(self._dir)
     with self._lock:
-      self._steps = set(steps)
+      self._steps = set(steps) - self._deleting
       self._infos = {s: i for s, i in self._infos.items() if s in self._steps}
       self._leftovers = leftovers
 
@@ -164,9 +165,22 @@ class CheckpointManager:
     missing = [s for s in steps if s not in self._infos]
     if missing:
       with concurrent.futures.ThreadPoolExecutor(8 if not self._dir.is_local else 1) as ex:
-        list(ex.map(self.step_info, missing))
+        list(ex.map(self._info_or_unknown, missing))
     with self._lock:
       return [self._infos[s] for s in steps if s in self._infos]
+
+  def _info_or_unknown(self, step: int) -> None:
+    """Loads ``step``'s info; a damaged manifest counts as no metrics (and is logged)."""
+    try:
+      self.step_info(step)
+    except errors.CheckpointNotFoundError:
+      pass  # deleted meanwhile
+    except (errors.CheckpointCorruptedError, ValueError) as e:
+      log.warning("step %d: cannot read its metadata (%s); keep rules treat it as having no"
+                  " metrics. `python -m orbax_flax verify %s` checks it.", step, e,
+                  self.step_path(step))
+      with self._lock:
+        self._infos[step] = policy_lib.StepInfo(step, 0.0, {}, "unknown")
 
   def best_step(self) -> int | None:
     """The committed step with the best ``policy.best_metric``; None if none has it."""
@@ -177,7 +191,7 @@ class CheckpointManager:
 
   def metadata(self, step: int | None = None) -> metadata_lib.CheckpointMetadata:
     """The engine metadata of ``step`` (default: latest)."""
-    return metadata_lib.metadata(self.step_path(self._resolve(step)))
+    return metadata_lib.metadata(self._dir.join(str(self._resolve(step))))
 
   # -------------------------------------------------------------------- saving
 
@@ -250,11 +264,22 @@ class CheckpointManager:
               "mesh": _mesh_of(items), "user": dict(custom_metadata or {})}
     path = self._dir.join(str(step))
     start = time.perf_counter()
-    if self.policy.async_save:
-      handle = saving.save_async(path, items, custom_metadata=custom)
-    else:
-      saving.save(path, items, custom_metadata=custom)
-      handle = None
+    _set_writing(str(self._dir), step, True)
+    try:
+      if not self._dir.is_local and _multihost.process_index() == 0:
+        # An interrupted save of this very step left data under its prefix; it
+        # would stay there, unreferenced, inside the new checkpoint.
+        for l in [l for l in self._leftovers if l.step == step]:
+          log.info("removing leftover %s of an interrupted save of step %d", l.name, step)
+          step_dir.remove(self._dir, l.name)
+      if self.policy.async_save:
+        handle = saving.save_async(path, items, custom_metadata=custom)
+      else:
+        saving.save(path, items, custom_metadata=custom)
+        handle = None
+    except BaseException:
+      _set_writing(str(self._dir), step, False)
+      raise
     info = policy_lib.StepInfo(step, now, custom["metrics"], decided)
     abandoned = threading.Event()
     thread = threading.Thread(target=self._after_save, args=(info, handle, start, abandoned),
@@ -286,6 +311,7 @@ class CheckpointManager:
       doomed = policy_lib.to_delete(self._keep_inputs(), self._rules)
       with self._lock:
         self._steps -= set(doomed)
+        self._deleting |= set(doomed)
       if (doomed or self._leftovers) and _multihost.process_index() == 0:
         self._deletions.append(self._deleter.submit(self._delete_steps, doomed))
     except BaseException as e:  # pylint: disable=broad-except  # Raised on the next call.
@@ -293,6 +319,8 @@ class CheckpointManager:
         log.warning("abandoned save of step %d ended without committing: %s", step, e)
       else:
         self._error = e
+    finally:
+      _set_writing(str(self._dir), step, False)
 
   def pop_events(self) -> list[SaveEvent]:
     """Saves committed since the last call (for metric writers)."""
@@ -319,6 +347,8 @@ class CheckpointManager:
     for step in steps:
       log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
       step_dir.delete_step(self._dir, step)
+      with self._lock:
+        self._deleting.discard(step)
     self._remove_leftovers()
 
   def abandon_inflight(self) -> None:
@@ -399,7 +429,7 @@ class CheckpointManager:
       raise errors.CheckpointNotFoundError(
           f"step {step} is not a committed checkpoint in {self._dir}; committed steps:"
           f" {_short(self.all_steps())}")
-    out = restoring.restore(self.step_path(step), target, partial=partial)
+    out = restoring.restore(self._dir.join(str(step)), target, partial=partial)
     self._last_step, self._last_time = step, self._clock()
     return out
 
@@ -418,16 +448,20 @@ class CheckpointManager:
   def _remove_leftovers(self) -> None:
     """Removes leftovers of steps at or below the latest committed step.
 
-    Those can no longer be written by this job: its own save in flight is
-    always newer than the latest committed step.
+    No job saves those any more: a save in flight is newer than the latest
+    committed step, including another job's (an evaluator reading this
+    directory must not remove what the trainer is writing). Steps whose save a
+    manager of this process has started and not finished are never touched
+    (a save below the latest step, after restoring an older one).
     """
-    _, leftovers = step_dir.list_steps(self._dir)
-    committed = self._committed()
+    committed = self._committed()  # before listing: a step committing meanwhile is not debris
     latest = committed[-1] if committed else None
+    _, leftovers = step_dir.list_steps(self._dir)
+    writing = _being_written(str(self._dir))
     for l in leftovers:
-      if l.step is None or latest is None or l.step > latest:
+      if l.step is None or l.step in writing:
         continue
-      if self._inflight is not None and self._inflight.step == l.step:
+      if latest is None or l.step > latest:
         continue
       log.info("removing leftover %s of an interrupted save or delete", l.name)
       step_dir.remove(self._dir, l.name)
@@ -435,6 +469,25 @@ class CheckpointManager:
 
 
 _instances: dict[str, int] = {}
+
+# Steps whose save has started and not yet ended, per directory, for every
+# manager in this process: leftover sweeps never touch them.
+_writing: dict[str, set[int]] = {}
+_writing_lock = threading.Lock()
+
+
+def _set_writing(directory: str, step: int, on: bool) -> None:
+  with _writing_lock:
+    steps = _writing.setdefault(directory, set())
+    if on:
+      steps.add(step)
+    else:
+      steps.discard(step)
+
+
+def _being_written(directory: str) -> set[int]:
+  with _writing_lock:
+    return set(_writing.get(directory, ()))
 
 
 def _next_instance(digest: str) -> int:

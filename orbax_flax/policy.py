@@ -165,8 +165,12 @@ class KeepBest:
     # Ties go to the newer step.
     best = sorted(scored, key=lambda s: (sign * s.metrics[self.metric], -s.step))[:self.n]
     kept = {s.step for s in best}
+    unscored = sorted((s.step for s in steps if not _finite(s.metrics.get(self.metric))),
+                      reverse=True)
     if self.missing == "keep":
-      kept |= {s.step for s in steps if not _finite(s.metrics.get(self.metric))}
+      kept |= set(unscored)
+    else:  # ranked after every scored step: they fill free places, newest first
+      kept |= set(unscored[:self.n - len(best)])
     return kept
 
 
@@ -188,7 +192,7 @@ def _finite(x: object) -> bool:
 
 def best_step(steps: Sequence[StepInfo], metric: str, mode: str = "min") -> int | None:
   """The step with the best ``metric``; None if no step has it."""
-  kept = KeepBest(metric, mode, 1).keep(steps)
+  kept = KeepBest(metric, mode, 1).keep([s for s in steps if _finite(s.metrics.get(metric))])
   return next(iter(kept)) if kept else None
 
 

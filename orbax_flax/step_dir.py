@@ -34,18 +34,21 @@ def list_steps(loc: Location) -> tuple[list[int], list[Leftover]]:
       names = os.listdir(loc.local_path)
     except FileNotFoundError:
       return [], []
+    except NotADirectoryError:
+      raise NotADirectoryError(f"{loc} is a file; checkpoint steps live in a directory: pass"
+                               " the directory that holds (or will hold) the steps.") from None
     for name in names:
-      if name.isdigit():
+      if _is_step(name):
         steps.append(int(name))
       elif TMP_MARKER in name:
         head = name.split(".", 1)[0]
-        leftovers.append(Leftover(name, int(head) if head.isdigit() else None))
+        leftovers.append(Leftover(name, int(head) if _is_step(head) else None))
     return sorted(steps), sorted(leftovers, key=lambda l: l.name)
   keys = _location.list_keys(loc)
   committed, prefixes = set(), set()
   for k in keys:
     head, _, rest = k.partition("/")
-    if head.isdigit():
+    if _is_step(head):
       prefixes.add(head)
       if rest == _manifest.MANIFEST_KEY:
         committed.add(head)
@@ -54,11 +57,20 @@ def list_steps(loc: Location) -> tuple[list[int], list[Leftover]]:
   return steps, leftovers
 
 
+def _is_step(name: str) -> bool:
+  return name.isascii() and name.isdigit()
+
+
 def remove(loc: Location, name: str) -> None:
-  """Removes a leftover (a directory or a key prefix) entirely."""
+  """Removes a leftover (a directory or a key prefix) entirely.
+
+  On an object store a prefix whose manifest exists by now (its save committed
+  since the listing) is left alone.
+  """
   if loc.is_local:
     shutil.rmtree(os.path.join(loc.local_path, name), ignore_errors=True)
-  else:
+  elif _location.read_key(loc.join(name.rstrip("/")), _manifest.MANIFEST_KEY,
+                          max_bytes=1) is None:
     _location.delete_prefix(loc, name)
 
 

@@ -72,6 +72,20 @@ def test_verify_reports_corruption_and_missing_steps(tmp_path):
   assert rc == 2
   rc, out = run("list", str(tmp_path / "nothing"))
   assert rc == 2 and "no checkpoints" in out
+  # A damaged manifest: the listing still shows every step, and exits 1.
+  manifest = os.path.join(d, "20", "_CHECKPOINT")
+  raw = bytearray(open(manifest, "rb").read())
+  raw[30] ^= 0x01
+  open(manifest, "wb").write(bytes(raw))
+  rc, out = run("list", d)
+  assert rc == 1 and "CORRUPTED" in out and "latest 30" in out, out
+  # A step directory without a manifest (made by hand) is reported, not a crash.
+  os.makedirs(os.path.join(d, "50"))
+  rc, out = run("list", d)
+  assert rc == 1 and "NO MANIFEST" in out and "Traceback" not in out, out
+  (tmp_path / "file").write_text("x")
+  rc, out = run("list", str(tmp_path / "file"))
+  assert rc == 2 and "is a file" in out and "Traceback" not in out, out
 
 
 def test_plan_with_config_overrides():
@@ -84,7 +98,18 @@ def test_plan_with_config_overrides():
   rc, out = run("plan", "--config=configs/default.py", "--config.checkpoint.max_to_kep=2")
   assert rc != 0 and "max_to_kep" in out
   rc, out = run("plan", "--config=configs/default.py", "--config.checkpoint.save_interval_steps=-5")
-  assert rc != 0 and "save_interval_steps=-5: must be >= 0" in out
+  assert rc == 2 and "save_interval_steps=-5: must be >= 0" in out and "Traceback" not in out
+  rc, out = run("plan", "--config=configs/missing.py")
+  assert rc == 2 and "missing.py" in out and "Traceback" not in out
+  rc, out = run("plan", "--config=configs/default.py", "--steps=10", "--start_step=20")
+  assert rc == 2 and "--start_step=20 leaves nothing to plan" in out
+
+
+def test_variant_configs_load_from_any_directory(tmp_path):
+  for name in ("large", "preemptible"):
+    r = subprocess.run([*CLI, "plan", f"--config={os.path.join(jobs.ROOT, 'configs', name + '.py')}"],
+                       capture_output=True, text=True, env=jobs.env_for(1), cwd=tmp_path, check=False)
+    assert r.returncode == 0 and "saves" in r.stdout, r.stdout + r.stderr
 
 
 def test_dataclass_config_with_overrides():

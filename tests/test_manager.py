@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import threading
 
 import jax
 import numpy as np
@@ -11,6 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import orbax_flax as ofx
 from orbax_flax import policy as policy_lib
+from orbax_flax import saving
+from orbax_flax import step_dir
 
 
 class FakeClock:
@@ -177,6 +180,86 @@ def test_leftovers_reported_and_removed_at_startup(tmp_path):
   mngr.save(20, {"state": state(20)})
   mngr.close()
   assert sorted(os.listdir(d)) == ["10", "15", "20", "5"]
+
+
+def test_sweep_spares_a_save_below_the_latest_step(tmp_path, monkeypatch):
+  """After going back to an older step, its new save is not mistaken for debris."""
+  d = str(tmp_path)
+  mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy())
+  for step in (10, 20, 30):
+    mngr.save(step, {"state": state(step)}, force=True)
+  mngr.wait()
+  mngr.restore(10)
+  # Hold step 15's save after its data is written, just before it commits.
+  written, go_on = threading.Event(), threading.Event()
+  commit = saving._commit  # pylint: disable=protected-access
+
+  def held_commit(*args):
+    written.set()
+    go_on.wait(60)
+    commit(*args)
+
+  monkeypatch.setattr(saving, "_commit", held_commit)
+  assert mngr.save(15, {"state": state(15)}, force=True)
+  assert written.wait(60)
+  # Another manager on the directory sweeps leftovers at start-up meanwhile.
+  ofx.CheckpointManager(d, ofx.CheckpointPolicy()).close()
+  go_on.set()
+  mngr.wait()
+  assert mngr.all_steps() == [10, 15, 20, 30] == on_disk(d)
+  np.testing.assert_array_equal(mngr.restore(15)["state"]["w"], state(15)["w"])
+  mngr.close()
+
+
+def test_reload_does_not_bring_back_a_step_being_deleted(tmp_path, monkeypatch):
+  d = str(tmp_path)
+  go_on = threading.Event()
+  delete = step_dir.delete_step
+  monkeypatch.setattr(step_dir, "delete_step", lambda *a: (go_on.wait(60), delete(*a)))
+  mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(max_to_keep=1))
+  mngr.save(1, {"state": state(1)}, force=True)
+  mngr.save(2, {"state": state(2)}, force=True)
+  mngr._finish_inflight()  # pylint: disable=protected-access  # step 2 committed, 1 doomed
+  assert on_disk(d) == [1, 2]  # its deletion is held
+  mngr.reload()
+  assert mngr.all_steps() == [2]
+  go_on.set()
+  mngr.close()
+  assert on_disk(d) == [2]
+
+
+def test_unreadable_step_metadata_does_not_stop_retention(tmp_path, caplog):
+  d = str(tmp_path)
+  policy = ofx.CheckpointPolicy(keep_best=1, best_metric="loss")
+  with ofx.CheckpointManager(d, policy) as mngr:
+    mngr.save(1, {"state": state(1)}, metrics={"loss": 1.0}, force=True)
+  manifest = os.path.join(d, "1", "_CHECKPOINT")
+  data = bytearray(open(manifest, "rb").read())
+  data[40] ^= 0x01
+  open(manifest, "wb").write(bytes(data))
+  with ofx.CheckpointManager(d, policy) as mngr:
+    for step, loss in ((2, 0.5), (3, 0.7)):
+      mngr.save(step, {"state": state(step)}, metrics={"loss": loss}, force=True)
+    mngr.wait()
+  # Step 1 ranks as having no loss: 2 is the best, 3 the newest.
+  assert on_disk(d) == [2, 3]
+  assert "cannot read its metadata" in caplog.text
+
+
+def test_manager_with_a_kvstore_spec_dict(tmp_path):
+  spec = {"driver": "file", "path": str(tmp_path / "run")}
+  with ofx.CheckpointManager(spec, ofx.CheckpointPolicy(save_interval_steps=1)) as mngr:
+    mngr.save(1, {"state": state(1)})
+    mngr.wait()
+    np.testing.assert_array_equal(mngr.restore()["state"]["w"], state(1)["w"])
+    assert mngr.metadata().items["state"].nbytes > 0
+
+
+def test_a_file_is_not_a_checkpoint_directory(tmp_path):
+  f = tmp_path / "file"
+  f.write_text("x")
+  with pytest.raises(NotADirectoryError, match="is a file; checkpoint steps live in a directory"):
+    ofx.CheckpointManager(str(f))
 
 
 def test_discovery_of_many_steps_reads_no_metadata(tmp_path):

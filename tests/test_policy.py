@@ -52,6 +52,8 @@ def infos(*steps, metric=None, times=None):
     # Steps without the metric: ranked worst (deleted unless newest) or kept.
     ([P.KeepBest("loss", "min", 1)], infos(1, 2, 3, metric=[None, 0.1, None]), [1]),
     ([P.KeepBest("loss", "min", 1, missing="keep")], infos(1, 2, 3, 4, metric=[None, 0.1, 0.5, 0.2]), [3]),
+    # Ranked worst, but still ranked: they fill places the scored steps leave free.
+    ([P.KeepBest("loss", "min", 3)], infos(1, 2, 3, 4, 5, metric=[0.2, None, 0.1, None, None]), [2, 4]),
     # NaN is not a score.
     ([P.KeepBest("loss", "min", 1)], infos(1, 2, 3, metric=[float("nan"), 0.3, 0.4]), [1]),
     # Union of rules: last 1 plus best 1.
@@ -88,6 +90,7 @@ def test_best_step():
     ({"async_save": 1}, TypeError, r"async_save=1: must be True or False"),
     ({"save_on_steps": [1, -2]}, ValueError, r"save_on_steps.*must be >= 0"),
     ({"save_on_steps": ["a"]}, TypeError, r"save_on_steps.*list of integers"),
+    ({"preemption_signals": ()}, ValueError, r"preemption_signals=\(\): is empty while save_on_preemption"),
 ])
 def test_from_config_validates(values, error, match):
   with pytest.raises(error, match=match):
