@@ -97,9 +97,19 @@ def choose_chunk_shape(shard_shape: Sequence[int], itemsize: int,
                        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES) -> tuple[int, ...]:
   """Splits a shard shape along leading dims until a chunk fits the limit.
 
+  A chunk must divide the shard, so a dimension is only split by one of its
+  divisors. A dimension whose divisors are all far below what would fit (a prime
+  length) is left whole and the next one is split instead; if none can be, the
+  chunk stays larger than the limit rather than becoming tiny (millions of
+  4-byte chunks would take hours to write).
+
   Example:
     >>> choose_chunk_shape((1024, 1024), 4, max_chunk_bytes=1 << 20)
     (256, 1024)
+    >>> choose_chunk_shape((32003, 4096), 4, max_chunk_bytes=32 << 20)  # 32003 is prime
+    (32003, 256)
+    >>> choose_chunk_shape((8388617,), 4, max_chunk_bytes=32 << 20)
+    (8388617,)
   """
   chunk = [max(1, int(s)) for s in shard_shape]
   for d in range(len(chunk)):
@@ -107,7 +117,11 @@ def choose_chunk_shape(shard_shape: Sequence[int], itemsize: int,
     if nbytes <= max_chunk_bytes:
       break
     row_bytes = nbytes // chunk[d]
-    chunk[d] = _largest_divisor_at_most(chunk[d], max_chunk_bytes // max(row_bytes, 1))
+    fits = max_chunk_bytes // max(row_bytes, 1)
+    divisor = _largest_divisor_at_most(chunk[d], fits)
+    if fits >= 1 and divisor * 16 < fits:
+      continue  # only far too small divisors: keep this dimension whole
+    chunk[d] = divisor
   return tuple(chunk)
 
 

@@ -170,6 +170,13 @@ def make_plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
       kind = _tree.leaf_kind(leaf)
       if kind is None:
         raise _tree.unsupported_leaf_error(item, path, leaf)
+      if kind == "jax" and leaf.is_deleted():
+        raise errors.UnsupportedLeafError(
+            f"Cannot save leaf {item}/{_tree.path_str(path)}: its jax.Array was deleted"
+            " (donated to a jitted function?). Save the state before donating it, or save"
+            " the arrays the function returned.")
+      if kind == "numpy" and not leaf.dtype.isnative:
+        leaf = leaf.astype(leaf.dtype.newbyteorder("="))  # stored little-endian, as named
       if kind == "value":
         records.append({"path": list(path), "kind": "value", "value": _tree.encode_value(leaf)})
         continue

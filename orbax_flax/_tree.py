@@ -60,6 +60,8 @@ def dtype_from_name(name: str) -> np.dtype:
 def is_supported_dtype(dtype: np.dtype) -> bool:
   """True for bool, integer, float and complex dtypes, ml_dtypes included."""
   dtype = np.dtype(dtype)
+  if dtype.kind == "f" and dtype.itemsize > 8 or dtype.kind == "c" and dtype.itemsize > 16:
+    return False  # long double: neither JAX nor zarr has it
   return dtype.kind in "biufc" or hasattr(ml_dtypes, dtype.name)
 
 
@@ -71,6 +73,8 @@ def leaf_kind(leaf: Any) -> str | None:
     return "jax"
   if isinstance(leaf, np.ndarray):
     return "numpy" if is_supported_dtype(leaf.dtype) else None
+  if isinstance(leaf, (str, bytes)):  # np.str_ and np.bytes_ too
+    return "value"
   if isinstance(leaf, np.generic):
     return "value" if is_supported_dtype(leaf.dtype) else None
   if isinstance(leaf, _INLINE_TYPES):
@@ -94,9 +98,14 @@ def unsupported_leaf_error(item: str, path: Path, leaf: Any) -> errors.Unsupport
 
 def encode_value(value: Any) -> dict:
   """Encodes an inline scalar exactly as tagged JSON."""
+  if isinstance(value, np.str_):
+    value = str(value)
+  elif isinstance(value, np.bytes_):
+    value = bytes(value)
   if isinstance(value, np.generic):
+    native = value.astype(value.dtype.newbyteorder("="))  # the bytes are read as native
     return {"t": "np", "dtype": value.dtype.name,
-            "b64": base64.b64encode(value.tobytes()).decode()}
+            "b64": base64.b64encode(native.tobytes()).decode()}
   if isinstance(value, bool):
     return {"t": "bool", "v": value}
   if isinstance(value, int):

@@ -288,6 +288,24 @@ def _restore_all(loc: Location, manifest: dict[str, Any], items: list[str] | Non
           for item, saved_item in chosen.items()}
 
 
+def _packed_in_chunk(manifest: dict[str, Any], item: str, owner: int, message: str) -> str | None:
+  """The packed arrays inside the chunk an error names (``packed/c/<k>``), if it names one."""
+  m = _tsio._KEY_IN_ERROR.search(message)  # pylint: disable=protected-access
+  if not m or not m.group(1).startswith(f"{_planning.PACKED}/c/"):
+    return None
+  size = manifest["items"][item]["packed"][str(owner)]
+  chunk = min(size, _planning.PACK_CHUNK_BYTES)
+  k = int(m.group(1).rsplit("/", 1)[1])
+  lo, hi = k * chunk, (k + 1) * chunk
+  names = [_tree.path_str(tuple(r["path"])) for r in manifest["items"][item]["leaves"]
+           if "packed_offset" in r and r["owners"][0] == owner
+           and r["packed_offset"] < hi and r["packed_offset"] + r["nbytes"] > lo]
+  if not names:
+    return None
+  return names[0] if len(names) == 1 else (
+      f"one of {', '.join(names)} (packed together; they share the damaged chunk)")
+
+
 def _read_error(loc: Location, item: str, path: str, db: str, e: Exception) -> Exception:
   if _tsio.is_corruption(e):
     return _tsio.corrupted(item, path, loc, db, e)
@@ -398,8 +416,13 @@ def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[A
       per_box.append((buf, futs))
     box_reads[id(w)] = per_box
 
-  packed_bytes = {k: reader.resolve(f, k[0], packed_what[k], k[1])
-                  for k, (_, f) in packed_reads.items()}
+  packed_bytes = {}
+  for k, (_, f) in packed_reads.items():
+    try:
+      packed_bytes[k] = f.result()
+    except ValueError as e:
+      what = _packed_in_chunk(manifest, k[0], k[1], str(e)) or packed_what[k]
+      raise _read_error(loc, k[0], what, reader.db(*k), e) from e
   datas: dict[int, list[np.ndarray]] = {}
   for w in wants:
     rec = w.rec

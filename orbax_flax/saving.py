@@ -22,6 +22,7 @@ does not name it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import shutil
 import threading
@@ -90,6 +91,7 @@ class AsyncSave:
     ``SaveCancelledError``, here and, in a multi-process save, on every other
     process. Used when a preemption grace period runs out. A process other than
     0 that cancels after it finished writing cannot stop process 0's commit.
+    The next save does not raise this cancellation again.
     """
     self._cancelled.set()
 
@@ -128,7 +130,8 @@ def _finish_inflight() -> None:
     return
   if prev._thread is not None:
     prev._thread.join()
-  if prev._error is not None and not prev._reported:
+  asked = isinstance(prev._error, errors.SaveCancelledError) and prev._cancelled.is_set()
+  if prev._error is not None and not prev._reported and not asked:  # cancel() expects it
     prev._reported = True
     prev._error.add_note(f"(raised by the earlier save_async to {prev.path}, which nobody"
                          " waited for)")
@@ -345,21 +348,56 @@ def _commit(plan: _planning.Plan, target: Location, gen: str) -> None:
   _location.write_local_durably(os.path.join(target.local_path, _manifest.MANIFEST_KEY), data)
   _location.fsync_dir(target.local_path)
   tmp, dst = target.local_path, final.local_path
-  replaced = os.path.isdir(dst) and _location.exchange(tmp, dst)
-  if not replaced:
-    if os.path.isdir(dst) and os.listdir(dst):
-      if not plan.overwrite:
-        raise errors.CheckpointExistsError(f"a checkpoint appeared at {dst} during the save;"
-                                           " nothing was overwritten.")
-      old = final.sibling(f"{final.name}{TMP_MARKER}{gen}-old").local_path
-      os.rename(dst, old)
+  committed = os.path.exists(os.path.join(dst, _manifest.MANIFEST_KEY))
+  if not committed:
+    # Nothing there, or an empty directory (replaced). Whatever appeared at dst
+    # since the plan was checked makes the rename fail: it is never replaced.
+    try:
       os.rename(tmp, dst)
-      shutil.rmtree(old, ignore_errors=True)
-    else:
-      os.rename(tmp, dst)
-  _location.fsync_dir(os.path.dirname(dst))
-  if replaced:
+    except OSError as e:
+      if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+        raise
+      raise errors.CheckpointExistsError(
+          f"{dst} was created by someone else during the save; nothing was overwritten."
+          " Choose another path.") from e
+    _location.fsync_dir(os.path.dirname(dst))
+    return
+  if not plan.overwrite:
+    raise errors.CheckpointExistsError(f"a checkpoint appeared at {dst} during the save;"
+                                       " nothing was overwritten.")
+  if _location.exchange(tmp, dst):
+    _location.fsync_dir(os.path.dirname(dst))
     shutil.rmtree(tmp, ignore_errors=True)  # Now holds the old checkpoint.
+    return
+  _replace_in_place(tmp, dst, gen, data)
+
+
+def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:
+  """Overwrites a local checkpoint where paths cannot be swapped atomically (NFS).
+
+  The new generation's databases move into the old checkpoint next to the old
+  ones (new names: nothing is replaced), then one atomic ``os.replace`` of the
+  manifest switches from the old generation to the new. Killed before that, the
+  old checkpoint is intact; after it, the new one is complete.
+  """
+  old = _manifest.decode(open(os.path.join(dst, _manifest.MANIFEST_KEY), "rb").read(), dst)
+  for item in os.listdir(tmp):
+    if not os.path.isdir(os.path.join(tmp, item)):
+      continue
+    os.makedirs(os.path.join(dst, item), exist_ok=True)
+    for db in os.listdir(os.path.join(tmp, item)):
+      os.rename(os.path.join(tmp, item, db), os.path.join(dst, item, db))
+    _location.fsync_dir(os.path.join(dst, item))
+  staged = os.path.join(dst, f"{_manifest.MANIFEST_KEY}{TMP_MARKER}{gen}")
+  _location.write_local_durably(staged, manifest)
+  os.replace(staged, os.path.join(dst, _manifest.MANIFEST_KEY))
+  _location.fsync_dir(dst)
+  _delete_generation(Location.parse(dst), old, keep=gen)
+  for item in old["items"]:  # items the new checkpoint no longer has
+    path = os.path.join(dst, item)
+    if item not in os.listdir(tmp) and os.path.isdir(path) and not os.listdir(path):
+      os.rmdir(path)
+  shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _delete_generation(loc: Location, old_manifest: dict[str, Any], keep: str) -> None:

@@ -92,6 +92,19 @@ def test_flipped_chunk_byte_names_item_key_path_and_file(ckpt_dir):
   np.testing.assert_array_equal(b["state"]["params"]["b"], state["params"]["b"])
 
 
+def test_flipped_byte_in_packed_arrays_names_the_arrays_of_that_chunk(ckpt_dir):
+  tree = {f"layer{i}": {"w": np.full((300, 300), i, np.float32)} for i in range(24)}  # packed
+  ofx.save(ckpt_dir, {"s": tree})
+  data = max(_data_files(ckpt_dir), key=os.path.getsize)
+  raw = bytearray(open(data, "rb").read())
+  raw[raw.find(np.full(8, 1, np.float32).tobytes()) + 100] ^= 0x10  # inside layer1/w
+  open(data, "wb").write(bytes(raw))
+  with pytest.raises(ofx.CheckpointCorruptedError) as e:
+    ofx.restore(ckpt_dir)
+  msg = str(e.value)
+  assert "layer1/w" in msg and "layer23/w" not in msg and data in msg, msg
+
+
 def test_flipped_manifest_byte(ckpt_dir):
   ofx.save(ckpt_dir, {"state": _state()})
   manifest = os.path.join(ckpt_dir, "_CHECKPOINT")

@@ -229,6 +229,22 @@ def test_containers_and_scalars_round_trip_without_target(ckpt_dir):
   assert set(got["ints"]) == {1, 2} and got["ints"][2] == "b"
 
 
+def test_byte_order_and_numpy_strings(ckpt_dir):
+  big_endian = {"small": np.arange(4, dtype=">f4"), "large": np.arange(1 << 19, dtype=">i4"),
+                "scalar": np.dtype(">f8").type(1.5), "name": np.str_("abc"), "raw": np.bytes_(b"xy")}
+  ofx.save(ckpt_dir, {"s": big_endian})
+  got = ofx.restore(ckpt_dir)["s"]
+  np.testing.assert_array_equal(got["small"], np.arange(4, dtype=np.float32))
+  np.testing.assert_array_equal(got["large"], np.arange(1 << 19, dtype=np.int32))
+  assert got["scalar"] == 1.5 and got["name"] == "abc" and got["raw"] == b"xy"
+
+
+def test_prime_length_arrays_are_not_cut_into_tiny_chunks(ckpt_dir):
+  x = np.arange(8388617, dtype=np.float32)  # a prime number of elements, > one chunk
+  ofx.save(ckpt_dir, {"s": {"x": x}})
+  np.testing.assert_array_equal(ofx.restore(ckpt_dir)["s"]["x"], x)
+
+
 def test_partial_restore_reads_only_named_items(ckpt_dir):
   ofx.save(ckpt_dir, {"state": {"a": np.ones(3), "b": np.zeros(2)}, "extra": {"epoch": 3}})
   # Destroy the data of "state": restoring "extra" alone still works.

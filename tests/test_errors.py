@@ -1,6 +1,7 @@
 """Bad input fails loudly, before anything is written, read or deleted."""
 
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_flax as ofx
+from orbax_flax import _location
+from orbax_flax import saving
 
 
 def _tree_files(path):
@@ -58,7 +61,72 @@ def test_unsupported_leaf_names_key_path_and_writes_nothing(tmp_path, ckpt_dir):
     ofx.save(ckpt_dir, {"s": {"x": np.array(["a"])}})
   with pytest.raises(TypeError, match=r"s/abstract.*ShapeDtypeStruct"):
     ofx.save(ckpt_dir, {"s": {"abstract": jax.ShapeDtypeStruct((2,), jnp.float32)}})
+  with pytest.raises(TypeError, match=r"s/x: numpy value of dtype float128"):
+    ofx.save(ckpt_dir, {"s": {"x": np.ones((1 << 17,), np.longdouble)}})
+  donated = jnp.ones(4)
+  jax.jit(lambda x: x + 1, donate_argnums=0)(donated)
+  with pytest.raises(ofx.UnsupportedLeafError, match=r"s/w: its jax.Array was deleted"):
+    ofx.save(ckpt_dir, {"s": {"w": donated}})
   assert os.listdir(tmp_path) == []
+
+
+def _hold_after_writing(monkeypatch, action):
+  """Runs ``action`` after a save wrote its data, before it commits."""
+  write = saving._write_arrays  # pylint: disable=protected-access
+
+  def write_then_act(*args):
+    write(*args)
+    action()
+
+  monkeypatch.setattr(saving, "_write_arrays", write_then_act)
+
+
+def test_what_appears_during_a_save_is_never_replaced(tmp_path, monkeypatch):
+  path = str(tmp_path / "ckpt")
+  other = str(tmp_path / "other")
+  ofx.save(other, {"s": {"who": "someone else"}})
+  _hold_after_writing(monkeypatch, lambda: shutil.copytree(other, path))
+  with pytest.raises(ofx.CheckpointExistsError, match="appeared at .* during the save"):
+    ofx.save(path, {"s": {"who": "me"}})
+  assert ofx.restore(path)["s"]["who"] == "someone else"
+
+  monkeypatch.undo()
+  foreign = str(tmp_path / "foreign")
+  ofx.save(foreign, {"s": {"who": "me"}})
+  precious = os.path.join(foreign, "precious.txt")
+
+  def replace_with_foreign_files():
+    shutil.rmtree(foreign)
+    os.makedirs(foreign)
+    open(precious, "w").write("keep me")
+
+  _hold_after_writing(monkeypatch, replace_with_foreign_files)
+  with pytest.raises(ofx.CheckpointExistsError, match="created by someone else"):
+    ofx.save(foreign, {"s": {"who": "me again"}}, overwrite=True)
+  assert open(precious).read() == "keep me"
+  assert sorted(os.listdir(tmp_path)) == ["ckpt", "foreign", "other"]  # no temporary left
+
+
+def test_overwrite_without_atomic_exchange(tmp_path, monkeypatch):
+  """Where paths cannot be swapped (NFS), the manifest is: old or new, never neither."""
+  path = str(tmp_path / "ckpt")
+  monkeypatch.setattr(_location, "exchange", lambda a, b: False)
+  ofx.save(path, {"s": {"x": np.arange(4)}, "gone": {"y": np.ones(3)}})
+  old_dbs = sorted(os.listdir(os.path.join(path, "s")))
+
+  def crash(*args):
+    raise OSError("killed before the manifest was replaced")
+
+  monkeypatch.setattr(saving.os, "replace", crash)
+  with pytest.raises(OSError, match="killed"):
+    ofx.save(path, {"s": {"x": np.arange(5)}}, overwrite=True)
+  np.testing.assert_array_equal(ofx.restore(path)["s"]["x"], np.arange(4))  # old, intact
+  monkeypatch.undo()
+  monkeypatch.setattr(_location, "exchange", lambda a, b: False)
+  ofx.save(path, {"s": {"x": np.arange(6)}}, overwrite=True)
+  np.testing.assert_array_equal(ofx.restore(path)["s"]["x"], np.arange(6))
+  assert not set(os.listdir(os.path.join(path, "s"))) & set(old_dbs)  # old generation gone
+  assert "gone" not in os.listdir(path) and os.listdir(tmp_path) == ["ckpt"]
 
 
 def test_failed_overwrite_keeps_the_old_checkpoint(ckpt_dir):
