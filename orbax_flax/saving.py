@@ -338,7 +338,11 @@ def _commit(plan: _planning.Plan, target: Location, gen: str) -> None:
   manifest = dict(plan.manifest, generation=gen)
   data = _manifest.encode(manifest)
   if not final.is_local:
-    old = _location.read_key(final, _manifest.MANIFEST_KEY) if plan.overwrite else None
+    old = _location.read_key(final, _manifest.MANIFEST_KEY)
+    if old is not None and not plan.overwrite:
+      _delete_generation(final, manifest, keep="")  # ours, written next to theirs
+      raise errors.CheckpointExistsError(f"a checkpoint appeared at {final} during the save;"
+                                         " nothing was overwritten.")
     _location.write_key(final, _manifest.MANIFEST_KEY, data)
     if old is not None:
       _delete_generation(final, _manifest.decode(old, str(final)), keep=gen)

@@ -8,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import jobs
 import orbax_flax as ofx
+from orbax_flax import saving
 
 
 def _state(seed):
@@ -89,3 +90,20 @@ def test_two_processes_save_to_s3(s3_server, s3_bucket):
   res = jobs.run("engine_worker.py", ["--mode=restore", f"--path={url}", "--mesh=4,2"], 4, 2,
                  env=s3_server.env()).check()
   assert all("RESTORED" in o for o in res.outputs)
+
+
+def test_checkpoint_appearing_during_a_save_is_kept_on_s3(s3_server, s3_bucket, monkeypatch):
+  url = f"s3://{s3_bucket}/race"
+  write = saving._write_arrays  # pylint: disable=protected-access
+
+  def write_then_someone_else_commits(*args):
+    write(*args)
+    monkeypatch.setattr(saving, "_write_arrays", write)
+    ofx.save(url, {"state": {"who": "someone else", "x": np.ones(3)}})
+
+  monkeypatch.setattr(saving, "_write_arrays", write_then_someone_else_commits)
+  with pytest.raises(ofx.CheckpointExistsError, match="appeared .* during the save"):
+    ofx.save(url, {"state": _state(2)})
+  assert ofx.restore(url)["state"]["who"] == "someone else"
+  gens = {k.split("/")[2] for k in _keys(s3_server, s3_bucket, "race/state/")}
+  assert len(gens) == 1, gens  # our data was removed again
