@@ -255,10 +255,11 @@ def _write_and_commit(plan: _planning.Plan) -> None:
 
   verdict = "ok"
   try:
-    if _multihost.process_count() > 1:
-      _multihost.delete(f"orbax_flax/save/{plan.seq - 1}")
     statuses = [status] + [_multihost.fetch(f"{key}/status/{p}")
                            for p in range(1, _multihost.process_count())]
+    if _multihost.process_count() > 1:
+      # Every process has reported on this save, so each has read the previous verdict.
+      _multihost.delete(f"orbax_flax/save/{plan.seq - 1}")
     if error is not None:
       raise error
     failed = [f"process {p}: {s[7:]}" for p, s in enumerate(statuses) if s != "ok"]
