@@ -31,7 +31,8 @@ from ml_collections import config_flags  # noqa: E402
 from orbax_flax import launch  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and logs.", required=True)
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/default.py", "Training config file.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(_HERE), "configs", "default.py"), "Training config file.")
 
 
 def params_digest(params) -> str:

@@ -132,7 +132,11 @@ class Trainer:
     """
     for cb in self.callbacks:
       state = cb.on_train_start(state, data)
-    step = state_items.step_of(state) or 0
+    step = state_items.step_of(state)
+    if step is None:  # a state without a step counter: where a restore left off, or 0
+      restored = [cb.restored_step for cb in self.callbacks
+                  if getattr(cb, "restored_step", None) is not None]
+      step = restored[0] if restored else 0
     try:
       while step < num_steps:
         batch = next(data)
@@ -146,7 +150,11 @@ class Trainer:
           break
     except BaseException as e:
       for cb in self.callbacks:
-        cb.on_exception(step, state, e)
+        try:
+          cb.on_exception(step, state, e)
+        except Exception:  # pylint: disable=broad-except  # The training error comes first.
+          log.exception("%s.on_exception failed while handling %s", type(cb).__name__,
+                        type(e).__name__)
       raise
     for cb in self.callbacks:
       cb.on_train_end(step, state)

@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from orbax_flax import _multihost
 from orbax_flax import _tree
@@ -34,6 +35,7 @@ from orbax_flax import errors
 from orbax_flax import preemption
 from orbax_flax import restoring
 from orbax_flax import state_items
+from orbax_flax import step_dir
 from orbax_flax._location import Location
 from orbax_flax.config import CheckpointPolicy
 from orbax_flax.manager import CheckpointManager
@@ -59,6 +61,31 @@ def _targets(items: Mapping[str, Any]) -> dict[str, Any]:
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
     return x
   return {k: jax.tree.map(abstract, v) for k, v in items.items()}
+
+
+_CURRENT = object()  # _items: take the data iterator's state now
+_FAILED_AGREEMENT_S = 30.0  # how long an exception save waits for the other processes
+
+
+def _checkpoint_in(source: str) -> Location:
+  """``init_from``: a checkpoint, or a run's step directory or workdir (its latest step)."""
+  loc = Location.parse(source)
+  for candidate in (loc, loc.join("checkpoints")):
+    try:
+      restoring.read_summary(candidate)
+      return candidate
+    except errors.CheckpointNotFoundError:
+      pass
+    try:
+      steps, _ = step_dir.list_steps(candidate)
+    except NotADirectoryError:
+      break
+    if steps:
+      return candidate.join(str(steps[-1]))
+  raise errors.CheckpointNotFoundError(
+      f"init_from={source!r}: no committed checkpoint there, nor a step directory (or a run"
+      " with a checkpoints/ directory) holding one; point it at a checkpoint such as"
+      " <workdir>/checkpoints/<step>, or at the run's workdir.")
 
 
 class CheckpointCallback(callbacks.Callback):
@@ -89,6 +116,7 @@ class CheckpointCallback(callbacks.Callback):
     self._last: tuple[int, Any] | None = None
     self.preempted = False
     self.restored_step: int | None = None
+    self._data_after_last: tuple[int, Any] | None = None
     self._closed = False
 
   # ------------------------------------------------------------------ resume
@@ -102,7 +130,12 @@ class CheckpointCallback(callbacks.Callback):
     ``data_iterator`` (anything with ``get_state()``/``set_state()``) is moved
     to where the restored run stopped, and saved with every checkpoint.
     """
+    self._check_open()
     self._data = data_iterator if hasattr(data_iterator, "get_state") else None
+    if data_iterator is not None and self._data is None:
+      log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
+                  " checkpointed, so a resumed run restarts it (grain iterators have both)",
+                  type(data_iterator).__name__)
     step = self.manager.latest_step()
     if step is None:
       if self.policy.init_from:
@@ -124,7 +157,7 @@ class CheckpointCallback(callbacks.Callback):
     return state
 
   def _init_from(self, state: Any) -> Any:
-    source = self.policy.init_from
+    source = _checkpoint_in(self.policy.init_from)
     items = state_items.to_items(state)
     name = "params" if "params" in items else "state"
     target = _targets({name: items[name]})
@@ -135,7 +168,12 @@ class CheckpointCallback(callbacks.Callback):
     return state_items.from_items(state, items)
 
   def _restore_data(self, step: int) -> None:
-    data = self.manager.restore(step, {DATA_ITEM: None})[DATA_ITEM]
+    try:
+      data = self.manager.restore(step, {DATA_ITEM: None})[DATA_ITEM]
+    except errors.TreeMismatchError:
+      log.warning("step %d holds no data iterator position (it was saved without one); the"
+                  " iterator starts where it is", step)
+      return
     states = data.get("processes", [])
     me, n = jax.process_index(), jax.process_count()
     if len(states) == n:
@@ -156,24 +194,43 @@ class CheckpointCallback(callbacks.Callback):
 
   # ------------------------------------------------------------------ saving
 
-  def _items(self, step: int, state: Any) -> dict[str, Any]:
+  def _items(self, step: int, state: Any, data_state: Any = _CURRENT) -> dict[str, Any]:
     items = state_items.to_items(state)
-    if self._data is not None:
+    if data_state is _CURRENT and self._data is not None:
+      data_state = self._data.get_state()
+    if data_state is not _CURRENT and data_state is not None:
       # One iterator state per process, gathered so that every process saves all.
       key = f"{self.manager.coordination_key}/data/{step}"
-      states = _multihost.all_gather(key, _encode(self._data.get_state()))
+      states = _multihost.all_gather(key, _encode(data_state))
       items[DATA_ITEM] = {"processes": [_decode(s) for s in states]}
     if self.metadata:
       items[META_ITEM] = {"json": json.dumps(self.metadata, sort_keys=True)}
     return items
 
-  def _save(self, step: int, state: Any, metrics: Any, reason: str | None) -> bool:
-    return self.manager.save(step, self._items(step, state), metrics=metrics, reason=reason,
-                             custom_metadata=self.metadata)
+  def _save(self, step: int, state: Any, metrics: Any, reason: str | None,
+            data_state: Any = _CURRENT) -> bool:
+    return self.manager.save(step, self._items(step, state, data_state), metrics=metrics,
+                             reason=reason, custom_metadata=self.metadata)
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError("this CheckpointCallback is closed (its run ended, so its manager and"
+                         " signal handlers are gone); create a new CheckpointCallback for"
+                         " another run")
 
   def on_step_end(self, step: int, state: Any, metrics: Any = None) -> bool:
     """Saves if due; returns True when preempted (saved, committed: stop now)."""
+    if self._closed:
+      self._check_open()
+    if not isinstance(step, (int, np.integer)):
+      raise TypeError(f"on_step_end needs the step as a Python int (your loop counter), got"
+                      f" {type(step).__name__}; reading a jax.Array step would force a"
+                      " device-to-host sync every step")
     self._last = (step, state)
+    if self._data is not None and self.policy.save_on_exception:
+      # Where the data stood after this step: an exception save must not record
+      # the batch the failing step had already taken.
+      self._data_after_last = (step, self._data.get_state())
     self._flush_events()
     if self._watcher is not None and self._watcher.reached(step):
       self._save_preemption(step, state, metrics)
@@ -218,11 +275,27 @@ class CheckpointCallback(callbacks.Callback):
     if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
       log.error("training failed at step %d; the last state's buffers were donated, so it"
                 " cannot be saved", step)
-    elif step not in self.manager.all_steps():
+    elif not self.manager.has_step(step) and self._every_process_failed(step):
       log.error("training failed after step %d (%s: %s); saving that step", step,
                 type(error).__name__, error)
-      self._save(step, state, None, "exception")
+      data_state = None  # no position known for this step: saved without one
+      if self._data_after_last is not None and self._data_after_last[0] == step:
+        data_state = self._data_after_last[1]
+      self._save(step, state, None, "exception", data_state)
     self._close(save_final=False)
+
+  def _every_process_failed(self, step: int) -> bool:
+    """A save needs every process; one that did not fail is still training."""
+    if jax.process_count() == 1:
+      return True
+    try:
+      _multihost.all_gather(f"{self.manager.coordination_key}/failed/{step}", "1",
+                            timeout_s=_FAILED_AGREEMENT_S)
+      return True
+    except TimeoutError:
+      log.error("training failed after step %d on this process but not on every process; no"
+                " exception save (it needs all of them)", step)
+      return False
 
   def on_train_end(self, step: int, state: Any) -> None:
     self._last = (step, state)
@@ -235,7 +308,7 @@ class CheckpointCallback(callbacks.Callback):
     try:
       if save_final and self._last is not None and self.policy.save_final_step and not self.preempted:
         step, state = self._last
-        if step not in self.manager.all_steps():
+        if not self.manager.has_step(step):
           self._save(step, state, None, "final")
       self.manager.close()
       self._flush_events()

@@ -15,6 +15,7 @@ exits with the failing process's code.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import socket
@@ -32,6 +33,11 @@ def initialize_from_env(initialization_timeout: int = 300, heartbeat_timeout_sec
   Reads ``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES`` and
   ``JAX_PROCESS_ID`` (as set by this launcher, or by hand). Returns whether it
   initialised. Call it before touching any device.
+
+  With several processes, an uncaught exception then ends the process at once
+  (after printing it, exit code 1) instead of waiting in jax.distributed's
+  shutdown barrier for processes that are still training: the launcher sees the
+  failure and stops the others.
   """
   address = os.environ.get("JAX_COORDINATOR_ADDRESS")
   if not address:
@@ -43,7 +49,17 @@ def initialize_from_env(initialization_timeout: int = 300, heartbeat_timeout_sec
   jax.distributed.initialize(address, num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
                              process_id=int(os.environ["JAX_PROCESS_ID"]),
                              initialization_timeout=initialization_timeout, **kwargs)
+  if int(os.environ["JAX_NUM_PROCESSES"]) > 1:
+    sys.excepthook = _exit_on_uncaught
   return True
+
+
+def _exit_on_uncaught(exc_type, exc, tb) -> None:
+  sys.__excepthook__(exc_type, exc, tb)
+  logging.shutdown()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(1)  # pylint: disable=protected-access  # skip the shutdown barrier
 
 
 def _free_port() -> int:

@@ -137,6 +137,14 @@ class CheckpointManager:
     with self._lock:
       return sorted(self._steps)
 
+  def has_step(self, step: int) -> bool:
+    """True if ``step`` is committed or its save is in flight (so saving it again is moot)."""
+    inflight = self._inflight
+    if inflight is not None and inflight.step == step and not inflight.abandoned.is_set():
+      return True
+    with self._lock:
+      return step in self._steps
+
   def latest_step(self) -> int | None:
     """The newest committed step, or None."""
     steps = self.all_steps()

@@ -3,6 +3,9 @@
 import os
 import re
 import signal
+import subprocess
+import sys
+import time
 
 import flax.linen as nn
 import grain
@@ -204,6 +207,12 @@ def test_exception_saves_last_good_state_and_reraises(tmp_path):
     ofx.Trainer(failing_step, [ckpt]).fit(linen_state(), Dataset(), num_steps=20)
   assert ckpt.manager.all_steps() == [4, 6]
   assert ckpt.manager.step_info(6).reason == "exception"
+  # The failing step had taken batch 7; the save records the position after step 6.
+  data = Dataset()
+  again = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 4})
+  state = again.restore_or_init(linen_state(), data_iterator=data)
+  again.close()
+  assert int(state.step) == 6 and data.i == 6
   off = ofx.CheckpointCallback(str(tmp_path / "off"), {"save_interval_steps": 4, "save_on_exception": False})
   with pytest.raises(RuntimeError):
     ofx.Trainer(failing_step, [off]).fit(linen_state(), Dataset(), num_steps=20)
@@ -259,6 +268,22 @@ def test_grace_period_runs_out_on_one_process_only(tmp_path):
   assert not any(n.isdigit() for n in os.listdir(tmp_path / "checkpoints"))
 
 
+def test_exception_on_one_process_reraises_it_without_a_save(tmp_path):
+  start = time.monotonic()
+  r = subprocess.run([sys.executable, "-m", "orbax_flax.launch", "-n", "2", "--grace=5", "--",
+                      os.path.join(jobs.HERE, "exception_worker.py"), str(tmp_path)],
+                     capture_output=True, text=True, env=jobs.env_for(2), cwd=jobs.ROOT,
+                     timeout=300, check=False)
+  out = r.stdout + r.stderr
+  assert r.returncode != 0, out[-3000:]
+  assert "RuntimeError: boom on process 1" in out, out[-3000:]
+  assert "not on every process; no exception save" in out, out[-3000:]
+  assert "TimeoutError" not in out, out[-3000:]
+  assert time.monotonic() - start < 200
+  d = tmp_path / "checkpoints"
+  assert not d.exists() or not any(n.isdigit() for n in os.listdir(d))
+
+
 def test_clu_periodic_actions_and_metric_writer(tmp_path):
 
   class Writer:  # duck-typed clu MetricWriter
@@ -290,6 +315,41 @@ def test_clu_periodic_actions_and_metric_writer(tmp_path):
     ofx.Trainer(linen_step, [object()])
 
 
+def test_misuse_is_reported(tmp_path):
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2})
+  state = ckpt.restore_or_init(linen_state())
+  with pytest.raises(TypeError, match="step as a Python int"):
+    ckpt.on_step_end(jnp.asarray(1), state)
+  ckpt.close()
+  with pytest.raises(RuntimeError, match="CheckpointCallback is closed"):
+    ckpt.on_step_end(1, state)
+  with pytest.raises(RuntimeError, match="CheckpointCallback is closed"):
+    ofx.Trainer(linen_step, [ckpt]).fit(state, Dataset(), 4)
+
+
+def test_state_without_step_counter_resumes_where_it_stopped(tmp_path):
+  def step_fn(s, batch):
+    return {"w": s["w"] + batch[0, 0]}, {}
+
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2})
+  ofx.Trainer(step_fn, [ckpt]).fit({"w": jnp.zeros(())}, Dataset(), num_steps=4)
+  data = Dataset()
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2})
+  out = ofx.Trainer(step_fn, [ckpt]).fit({"w": jnp.zeros(())}, data, num_steps=6)
+  assert data.i == 6 and float(out["w"]) == sum(range(1, 7))  # batches 5 and 6, once each
+
+
+def test_checkpoint_without_data_position_resumes_with_a_warning(tmp_path, caplog):
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2})
+  ofx.Trainer(linen_step, [ckpt]).fit(linen_state(), (b for b in Dataset()), num_steps=2)
+  assert "has no get_state()/set_state()" in caplog.text
+  data = Dataset()
+  again = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2})
+  state = again.restore_or_init(linen_state(), data_iterator=data)
+  again.close()
+  assert int(state.step) == 2 and data.i == 0 and "holds no data iterator position" in caplog.text
+
+
 def test_init_from_another_run_params_only(tmp_path):
   donor = linen_state(seed=5)
   ckpt = ofx.CheckpointCallback(str(tmp_path / "donor"), {"save_interval_steps": 1})
@@ -302,3 +362,12 @@ def test_init_from_another_run_params_only(tmp_path):
   leaves_equal(state.params, trained)
   assert int(state.step) == 0  # only the params came from the donor
   leaves_equal(state.opt_state, linen_state(seed=1).opt_state)
+  # The donor's workdir works too: its latest step.
+  fine = ofx.CheckpointCallback(str(tmp_path / "fine2"), {"init_from": str(tmp_path / "donor")})
+  state = fine.restore_or_init(linen_state(seed=1))
+  fine.close()
+  leaves_equal(state.params, trained)
+  bad = ofx.CheckpointCallback(str(tmp_path / "fine3"), {"init_from": str(tmp_path / "nothing")})
+  with pytest.raises(ofx.CheckpointNotFoundError, match="init_from=.*point it at a checkpoint"):
+    bad.restore_or_init(linen_state(seed=1))
+  bad.close()
