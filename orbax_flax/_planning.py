@@ -298,14 +298,35 @@ def fill_packs(plan: Plan) -> None:
 _copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-def _arena(nbytes: int) -> np.ndarray:
-  """Fresh anonymous memory for one save's host copy, returned to the OS as a whole.
+def pack_chunk_bytes(size: int) -> int:
+  """The chunk length of a packed buffer of ``size`` bytes (its checksum granularity)."""
+  return min(size, PACK_CHUNK_BYTES)
 
-  One mapping instead of thousands of allocations: steadier copy times (no
-  transparent-huge-page compaction, which made copies up to 2x slower on the
-  VMs we measured) and an exact return to the baseline when the save ends.
+
+def aligned_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
+  """Uninitialised 64-byte aligned arrays of (shape, dtype), carved from one fresh mapping.
+
+  One anonymous mapping instead of thousands of allocations: steadier copy times
+  (no transparent-huge-page compaction, which made copies up to 2x slower on the
+  VMs we measured) and an exact return to the OS once every array is freed.
+  64-byte alignment lets JAX's CPU client adopt a buffer without copying it.
+
+  Example:
+    >>> a, b = aligned_arrays([((3,), np.dtype(np.float32)), ((2, 2), np.dtype(np.int8))])
+    >>> a.shape, b.dtype, b.ctypes.data % 64
+    ((3,), dtype('int8'), 0)
   """
-  return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+  nbytes = [math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in specs]
+  sizes = [-(-n // 64) * 64 for n in nbytes]
+  if not sum(sizes):
+    return [np.empty(shape, dtype) for shape, dtype in specs]
+  arena = np.frombuffer(mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                        np.uint8)
+  out, offset = [], 0
+  for (shape, dtype), n, size in zip(specs, nbytes, sizes):
+    out.append(arena[offset:offset + n].view(dtype).reshape(shape))
+    offset += size
+  return out
 
 
 def copy_pieces(plan: Plan) -> None:
@@ -317,14 +338,7 @@ def copy_pieces(plan: Plan) -> None:
   if _copy_pool is None:
     _copy_pool = concurrent.futures.ThreadPoolExecutor(
         max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="orbax_flax-copy")
-  sizes = [-(-p.data.nbytes // 64) * 64 for p in pieces]
-  arena = _arena(sum(sizes))
-  jobs = []
-  offset = 0
-  for p, size in zip(pieces, sizes):
-    dst = arena[offset:offset + p.data.nbytes].view(p.data.dtype).reshape(p.data.shape)
-    jobs.append((p, dst))
-    offset += size
+  jobs = list(zip(pieces, aligned_arrays([(p.data.shape, p.data.dtype) for p in pieces])))
 
   def copy(job: tuple[Piece, np.ndarray]) -> None:
     piece, dst = job

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import mmap
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -294,7 +292,7 @@ def _packed_in_chunk(manifest: dict[str, Any], item: str, owner: int, message: s
   if not m or not m.group(1).startswith(f"{_planning.PACKED}/c/"):
     return None
   size = manifest["items"][item]["packed"][str(owner)]
-  chunk = min(size, _planning.PACK_CHUNK_BYTES)
+  chunk = _planning.pack_chunk_bytes(size)
   k = int(m.group(1).rsplit("/", 1)[1])
   lo, hi = k * chunk, (k + 1) * chunk
   names = [_tree.path_str(tuple(r["path"])) for r in manifest["items"][item]["leaves"]
@@ -310,26 +308,6 @@ def _read_error(loc: Location, item: str, path: str, db: str, e: Exception) -> E
   if _tsio.is_corruption(e):
     return _tsio.corrupted(item, path, loc, db, e)
   return _location._storage_error(loc, f"reading {item}/{path}", e)
-
-
-def _aligned_buffers(shapes: list[tuple[int, ...]], dtype: np.dtype) -> list[np.ndarray]:
-  """Uninitialised 64-byte aligned arrays, carved from one fresh anonymous mapping.
-
-  JAX's CPU client uses an aligned buffer in place (``may_alias``) instead of
-  copying it, which saves one pass over the restored bytes. One mapping per
-  array keeps allocation cheap and steady; it is returned to the OS when the
-  array's last shard is deleted.
-  """
-  sizes = [-(-math.prod(s) * dtype.itemsize // 64) * 64 for s in shapes]
-  if not sum(sizes):
-    return [np.empty(s, dtype) for s in shapes]
-  arena = np.frombuffer(mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
-                        np.uint8)
-  out, offset = [], 0
-  for shape, size in zip(shapes, sizes):
-    out.append(arena[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape))
-    offset += size
-  return out
 
 
 class _Reader:
@@ -353,7 +331,7 @@ class _Reader:
   def open_packed(self, item: str, owner: int) -> Any:
     size = self.manifest["items"][item]["packed"][str(owner)]
     return self.open(item, owner, _planning.PACKED, (size,), "uint8",
-                     (min(size, _planning.PACK_CHUNK_BYTES),))
+                     (_planning.pack_chunk_bytes(size),))
 
   def open_array(self, want: _Want, owner: int) -> Any:
     rec = want.rec
@@ -399,7 +377,7 @@ def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[A
     chunking = _layout.Chunking(tuple(rec["shape"]), tuple(rec["chunk_shape"]))
     stored = _tree.dtype_from_name(rec["stored_dtype"])
     per_box = []
-    bufs = _aligned_buffers([_layout.box_shape(b) for b in w.boxes], stored)
+    bufs = _planning.aligned_arrays([(_layout.box_shape(b), stored) for b in w.boxes])
     for box, buf in zip(w.boxes, bufs):
       dst = ts.array(buf, copy=False, write=True).translate_to[tuple(lo for lo, _ in box)]
       chunks = chunking.chunks_in_box(box)

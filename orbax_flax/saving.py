@@ -312,7 +312,7 @@ def _write_arrays(plan: _planning.Plan, target: Location, gen: str) -> None:
     return writers[db]
 
   for pack in plan.packs:
-    chunk = min(pack.size, _planning.PACK_CHUNK_BYTES)
+    chunk = _planning.pack_chunk_bytes(pack.size)
     writer(pack.item).add(_planning.PACKED, (pack.size,), "uint8", (chunk,),
                           [((slice(0, pack.size),), pack.buffer)])
   for a in plan.arrays:
@@ -386,9 +386,8 @@ def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:
   old checkpoint is intact; after it, the new one is complete.
   """
   old = _manifest.decode(open(os.path.join(dst, _manifest.MANIFEST_KEY), "rb").read(), dst)
-  for item in os.listdir(tmp):
-    if not os.path.isdir(os.path.join(tmp, item)):
-      continue
+  items = [i for i in os.listdir(tmp) if os.path.isdir(os.path.join(tmp, i))]
+  for item in items:
     os.makedirs(os.path.join(dst, item), exist_ok=True)
     for db in os.listdir(os.path.join(tmp, item)):
       os.rename(os.path.join(tmp, item, db), os.path.join(dst, item, db))
@@ -400,7 +399,7 @@ def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:
   _delete_generation(Location.parse(dst), old, keep=gen)
   for item in old["items"]:  # items the new checkpoint no longer has
     path = os.path.join(dst, item)
-    if item not in os.listdir(tmp) and os.path.isdir(path) and not os.listdir(path):
+    if item not in items and os.path.isdir(path) and not os.listdir(path):
       os.rmdir(path)
   shutil.rmtree(tmp, ignore_errors=True)
 
