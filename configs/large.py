@@ -3,24 +3,15 @@
 Meant for a machine with accelerators; on a 2-core CPU a step takes seconds.
 """
 
-import importlib.util
 import os
+import runpy
 
-
-def _load_default():
-  """configs/default.py, found next to this file (works from any directory)."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
-  spec = importlib.util.spec_from_file_location("orbax_flax_configs_default", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-default = _load_default()
+# configs/default.py, found next to this file (works from any working directory).
+_DEFAULT = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
 
 
 def get_config():
-  config = default.get_config()
+  config = _DEFAULT["get_config"]()
   config.num_steps = 2000
   config.batch_size = 32
   config.seq_len = 256

@@ -5,24 +5,15 @@ the newest step, so a preempted job loses at most ~30 s of work and uses the
 disk of one checkpoint. SIGTERM and SLURM's SIGUSR1 both count as preemption.
 """
 
-import importlib.util
 import os
+import runpy
 
-
-def _load_default():
-  """configs/default.py, found next to this file (works from any directory)."""
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py")
-  spec = importlib.util.spec_from_file_location("orbax_flax_configs_default", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-default = _load_default()
+# configs/default.py, found next to this file (works from any working directory).
+_DEFAULT = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
 
 
 def get_config():
-  config = default.get_config()
+  config = _DEFAULT["get_config"]()
   config.num_steps = 1000
   c = config.checkpoint
   c.save_interval_steps = 0          # no step-based saves

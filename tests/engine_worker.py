@@ -15,6 +15,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jobs
 import orbax_flax as ofx
 
 SPECS = {
@@ -83,16 +84,11 @@ def check_shards(restored, reference):
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--coordinator")
-  p.add_argument("--num_processes", type=int)
-  p.add_argument("--process_id", type=int)
   p.add_argument("--mode", choices=["save", "restore"])
   p.add_argument("--path")
   p.add_argument("--mesh", default="2,4")
   p.add_argument("--async_save", action="store_true")
-  a = p.parse_args()
-  jax.distributed.initialize(a.coordinator, num_processes=a.num_processes, process_id=a.process_id,
-                             initialization_timeout=60, heartbeat_timeout_seconds=10)
+  a = jobs.join(p)
   mesh = make_mesh(tuple(int(x) for x in a.mesh.split(",")))
   state = build_state(mesh)
   if a.mode == "save":

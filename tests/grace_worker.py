@@ -16,18 +16,14 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jobs
 import orbax_flax as ofx
 
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--coordinator")
-  p.add_argument("--num_processes", type=int)
-  p.add_argument("--process_id", type=int)
   p.add_argument("--dir")
-  a = p.parse_args()
-  jax.distributed.initialize(a.coordinator, num_processes=a.num_processes, process_id=a.process_id,
-                             initialization_timeout=60, heartbeat_timeout_seconds=10)
+  a = jobs.join(p)
   mesh = jax.make_mesh((jax.device_count(),), ("data",))
   sharding = NamedSharding(mesh, P("data"))
   # 64 MB: far more than process 0 can write in its 1 ms grace period.

@@ -7,6 +7,7 @@ JAX aborts (it does not raise) when a process never joins.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import socket
@@ -44,6 +45,22 @@ def env_for(devices_per_process: int, extra: dict[str, str] | None = None) -> di
   env["PYTHONPATH"] = ROOT + os.pathsep + HERE + os.pathsep + env.get("PYTHONPATH", "")
   env.update(extra or {})
   return env
+
+
+def join(parser: argparse.ArgumentParser) -> argparse.Namespace:
+  """In a worker script: parses the flags :func:`start` passes, then joins the job.
+
+  ``parser`` holds the worker's own flags; --coordinator, --num_processes and
+  --process_id are added here.
+  """
+  import jax  # pylint: disable=g-import-not-at-top  # only worker processes need it
+  parser.add_argument("--coordinator")
+  parser.add_argument("--num_processes", type=int)
+  parser.add_argument("--process_id", type=int)
+  a = parser.parse_args()
+  jax.distributed.initialize(a.coordinator, num_processes=a.num_processes, process_id=a.process_id,
+                             initialization_timeout=60, heartbeat_timeout_seconds=10)
+  return a
 
 
 def start(script: str, args: list[str], num_processes: int, devices_per_process: int,

@@ -13,19 +13,15 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jobs
 import orbax_flax as ofx
 
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--coordinator")
-  p.add_argument("--num_processes", type=int)
-  p.add_argument("--process_id", type=int)
   p.add_argument("--dir")
   p.add_argument("--steps", type=int, default=40)
-  a = p.parse_args()
-  jax.distributed.initialize(a.coordinator, num_processes=a.num_processes, process_id=a.process_id,
-                             initialization_timeout=60, heartbeat_timeout_seconds=10)
+  a = jobs.join(p)
   mesh = jax.make_mesh((a.num_processes, 2), ("data", "model"))
   # Process i: origin 1000 * i, (1 + 2 i) seconds per step.
   clock_t = [1000.0 * a.process_id]
