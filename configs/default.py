@@ -50,6 +50,12 @@ def get_checkpoint_config() -> ml_collections.ConfigDict:
   c.save_on_exception = True
   # Initialise params from this checkpoint when there is nothing to resume ("": off).
   c.init_from = ""
+  # Budget for host memory of one save or restore, in bytes (0: none); larger saves stage in rounds.
+  c.max_host_bytes = 0
+  # Keep the host staging copy between async saves (fast blocking phase); False releases it each save.
+  c.keep_staging_memory = True
+  # Seconds a process waits for the others at each rendezvous of a multi-process save.
+  c.coordination_timeout_seconds = 600.0
   return c
 
 

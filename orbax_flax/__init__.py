@@ -12,6 +12,7 @@ from orbax_flax.callbacks import Callback
 from orbax_flax.callbacks import LogProgress
 from orbax_flax.callbacks import Trainer
 from orbax_flax.checkpoint_callback import CheckpointCallback
+from orbax_flax.checkpointer import Checkpointer
 from orbax_flax.config import CheckpointPolicy
 from orbax_flax.errors import CheckpointCorruptedError
 from orbax_flax.errors import CheckpointError
@@ -26,16 +27,16 @@ from orbax_flax.describe import ArrayMetadata
 from orbax_flax.describe import CheckpointMetadata
 from orbax_flax.describe import ItemMetadata
 from orbax_flax.describe import metadata
-from orbax_flax.restoring import restore
+from orbax_flax.checkpointer import restore
 from orbax_flax.saving import AsyncSave
 from orbax_flax._planning import LIBRARY_VERSION as __version__
-from orbax_flax.saving import save
-from orbax_flax.saving import save_async
+from orbax_flax.checkpointer import save
+from orbax_flax.checkpointer import save_async
 from orbax_flax.verifying import verify
 
 __all__ = [
     "ArrayMetadata", "AsyncSave", "Callback", "CheckpointCallback", "CheckpointCorruptedError",
-    "CheckpointError", "CheckpointManager", "CheckpointPolicy", "LogProgress", "Trainer",
+    "CheckpointError", "CheckpointManager", "Checkpointer", "CheckpointPolicy", "LogProgress", "Trainer",
     "CheckpointExistsError", "CheckpointMetadata", "CheckpointNotFoundError",
     "ItemMetadata", "SaveCancelledError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
     "metadata", "restore", "save", "save_async", "verify", "__version__",

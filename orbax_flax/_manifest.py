@@ -15,6 +15,7 @@ parsed.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from typing import Any
@@ -95,8 +96,9 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
   return manifest
 
 
+@functools.lru_cache(maxsize=1024)
 def describe_sharding(sharding: Any) -> dict[str, Any]:
-  """A JSON description of a sharding, for humans and for metadata()."""
+  """A JSON description of a sharding, for humans and for metadata() (shared: do not modify)."""
   if sharding is None:
     return {"type": "host", "text": "numpy (host)"}
   if isinstance(sharding, jax.sharding.NamedSharding):

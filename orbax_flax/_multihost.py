@@ -4,14 +4,40 @@ A single-process job needs none of this: every function short-circuits. In a
 job started with ``jax.distributed.initialize`` the key-value store of the
 coordination service carries small messages (sub-millisecond on loopback,
 no compilation), so the background thread of an async save can use it.
+
+Every wait has a timeout, and a wait that times out names the processes that
+did not arrive. The number of round trips of each helper is constant: it does
+not grow with the number of processes (the cost of a 1,000-host job is the
+cost of a 2-host job plus the service's own fan-in).
+
+Names in the key space: the coordination service is one per job, so the names
+handed out in it (:func:`namespace`) are counted per process, in creation
+order. Objects that coordinate (checkpointers, managers) must therefore be
+created in the same order on every process, as collectives are called.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+
 import jax
 
-# How long a process waits for the others at a save's rendezvous points.
+# How long a process waits for the others at a rendezvous, unless told otherwise.
 DEFAULT_TIMEOUT_S = 600.0
+
+_namespaces: dict[str, itertools.count] = {}
+
+
+def namespace(kind: str) -> str:
+  """A key prefix unique to the ``n``-th object of ``kind`` made by this process.
+
+  Example:
+    >>> namespace("doc-example"), namespace("doc-example")
+    ('orbax_flax/doc-example/1', 'orbax_flax/doc-example/2')
+  """
+  n = next(_namespaces.setdefault(kind, itertools.count(1)))
+  return f"orbax_flax/{kind}/{n}"
 
 
 def process_index() -> int:
@@ -30,6 +56,18 @@ def client():
   return global_state.client
 
 
+class CoordinationTimeoutError(TimeoutError):
+  """A process waited longer than the coordination timeout for others.
+
+  Attributes:
+    missing: the processes that had not arrived, when known.
+  """
+
+  def __init__(self, message: str, missing: Sequence[int] = ()):
+    super().__init__(message)
+    self.missing = list(missing)
+
+
 def publish(key: str, value: str) -> None:
   """Sets ``key`` for every process to read."""
   c = client()
@@ -37,14 +75,59 @@ def publish(key: str, value: str) -> None:
     c.key_value_set(key, value, allow_overwrite=True)
 
 
-def fetch(key: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
-  """Waits for ``key`` to be published and returns its value."""
+def claim(key: str, value: str) -> str:
+  """Sets ``key`` to ``value`` unless it is set already; returns the value that won.
+
+  The coordination service decides who was first, so every process that
+  claims (or later reads) ``key`` sees the same value.
+  """
+  c = client()
+  if c is None:
+    return value
+  try:
+    c.key_value_set(key, value, allow_overwrite=False)
+    return value
+  except Exception as e:  # The client raises XlaRuntimeError subclasses.  pylint: disable=broad-except
+    if "ALREADY_EXISTS" not in str(e):
+      raise
+    return c.key_value_try_get(key)
+
+
+def fetch(key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, waiting_for: str = "the other"
+          " processes", missing: Sequence[int] = ()) -> str:
+  """Waits for ``key`` to be published and returns its value.
+
+  Raises:
+    CoordinationTimeoutError: after ``timeout_s``, naming what was awaited.
+  """
   c = client()
   try:
-    return c.blocking_key_value_get(key, int(timeout_s * 1000))
-  except Exception as e:  # The client raises XlaRuntimeError subclasses.
-    raise TimeoutError(f"process {process_index()} waited {timeout_s:.0f} s for {key!r}"
-                       f" from the other processes: {e}") from e
+    return c.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+  except Exception as e:  # pylint: disable=broad-except
+    if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
+      raise
+    raise CoordinationTimeoutError(
+        f"process {process_index()} waited {timeout_s:g} s for {waiting_for} ({key!r});"
+        " raise coordination_timeout_seconds if they are only slow.", missing) from e
+
+
+def try_fetch(key: str) -> str | None:
+  """``key``'s value if published, else None, without waiting."""
+  c = client()
+  try:
+    return c.key_value_try_get(key)
+  except Exception as e:  # pylint: disable=broad-except
+    if "NOT_FOUND" in str(e):
+      return None
+    raise
+
+
+def dir_get(prefix: str) -> dict[str, str]:
+  """Every key under ``prefix/`` (relative names) with its value, in one round trip."""
+  c = client()
+  prefix = prefix.rstrip("/") + "/"
+  return {k[len(prefix):] if k.startswith(prefix) else k: v
+          for k, v in c.key_value_dir_get(prefix)}
 
 
 def delete(prefix: str) -> None:
@@ -61,12 +144,50 @@ def broadcast(key: str, value: str | None, timeout_s: float = DEFAULT_TIMEOUT_S)
   if process_index() == 0:
     publish(key, value)
     return value
-  return fetch(key, timeout_s)
+  return fetch(key, timeout_s, waiting_for="process 0", missing=[0])
 
 
-def all_gather(key: str, value: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+def arrive(key: str, value: str = "") -> None:
+  """Reports this process at the rendezvous ``key`` (see :func:`gather`)."""
+  c = client()
+  if c is None:
+    return
+  c.key_value_set(f"{key}/v/{process_index()}", value, allow_overwrite=True)
+  if c.key_value_increment(f"{key}/n", 1) == process_count():
+    c.key_value_set(f"{key}/all", "1", allow_overwrite=True)
+
+
+def gather(key: str, timeout_s: float = DEFAULT_TIMEOUT_S, *, what: str = "report") -> list[str]:
+  """Waits until every process :func:`arrive`-d at ``key``; their values in process order.
+
+  Four round trips whatever the number of processes. On timeout the error
+  names the processes that have not arrived.
+  """
+  c = client()
+  if c is None:
+    raise RuntimeError("gather() needs a multi-process job")
+  try:
+    fetch(f"{key}/all", timeout_s)
+  except CoordinationTimeoutError as e:
+    missing = absent(key)
+    raise CoordinationTimeoutError(
+        f"process {process_index()} waited {timeout_s:g} s for every process to {what};"
+        f" process(es) {missing} did not (slow, hung or dead). Raise"
+        " coordination_timeout_seconds if they are only slow.", missing) from e
+  values = dir_get(f"{key}/v")
+  return [values[str(p)] for p in range(process_count())]
+
+
+def absent(key: str) -> list[int]:
+  """The processes that have not arrived at ``key`` yet."""
+  present = dir_get(f"{key}/v")
+  return [p for p in range(process_count()) if str(p) not in present]
+
+
+def all_gather(key: str, value: str, timeout_s: float = DEFAULT_TIMEOUT_S,
+               *, what: str = "report") -> list[str]:
   """Every process publishes ``value``; returns all values in process order."""
   if client() is None:
     return [value]
-  publish(f"{key}/{process_index()}", value)
-  return [fetch(f"{key}/{p}", timeout_s) for p in range(process_count())]
+  arrive(key, value)
+  return gather(key, timeout_s, what=what)

@@ -11,18 +11,20 @@ talking to the others. Two layouts:
   hundreds of tiny writes and reads into one each: per-leaf overhead is what
   makes small checkpoints slow.
 
-The plan also records the manifest (everything but the generation id, which is
-chosen when the background phase starts).
+A plan lists this process's :class:`Piece`s: blocks of bytes, each bound for
+one region of one stored array, and where their bytes come from (device
+shards, numpy arrays). Planning reads no array data; :mod:`orbax_flax.saving`
+brings the bytes to the host (as views, or as a snapshot copy). The plan also
+records the manifest (everything but the generation id, which is chosen when
+the background phase starts).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import json
 import math
-import mmap
 import os
 import re
 import time
@@ -45,52 +47,69 @@ LIBRARY_VERSION = "0.1.0"
 TMP_MARKER = ".ofx-tmp-"
 PACK_MAX_BYTES = 1 << 20      # arrays up to this size are packed
 PACK_CHUNK_BYTES = 4 << 20    # checksum granularity of a packed buffer
+PACK_PIECE_BYTES = 32 << 20   # a packed buffer is staged and written in pieces of at most this
 PACKED = "packed"             # name of the packed zarr3 array in each database
 _PACK_ALIGN = 16
 _ITEM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
 
 
-@dataclasses.dataclass
-class Piece:
-  """One chunk this process writes: where it goes and its host data."""
-  slices: tuple[slice, ...]
-  data: np.ndarray
-
-
-@dataclasses.dataclass
-class ArrayWrite:
-  """A chunked array: the chunks of it that this process writes."""
+@dataclasses.dataclass(frozen=True)
+class StoredArray:
+  """A zarr3 array of one process's database: where pieces are written."""
   item: str
   name: str
   shape: tuple[int, ...]
-  dtype: str
+  dtype: str                 # the stored (zarr3) dtype
   chunk_shape: tuple[int, ...]
-  pieces: list[Piece]
 
 
 @dataclasses.dataclass
-class PackWrite:
-  """This process's packed buffer for one item."""
-  item: str
-  size: int
-  sources: list[tuple[int, np.dtype, tuple[int, ...], Any]]  # offset, dtype, shape, leaf
-  buffer: np.ndarray | None = None
+class Source:
+  """Where some of a piece's bytes come from.
+
+  ``value`` is a numpy array or a single-device ``jax.Array`` (one shard).
+  An array piece has one source, ``value[within]`` (``within`` None: all of
+  it). A packed piece has one source per shard of each small leaf: the
+  leaf's bytes start ``offset`` bytes into the piece, the leaf has
+  ``leaf_shape``/``leaf_dtype``, and this source fills ``leaf[index]``.
+  """
+  value: Any
+  within: tuple[slice, ...] | None = None
+  offset: int | None = None
+  leaf_shape: tuple[int, ...] = ()
+  leaf_dtype: Any = None
+  index: tuple[slice, ...] = ()
+
+
+@dataclasses.dataclass
+class Piece:
+  """One block this process writes into ``array[slices]``."""
+  array: StoredArray
+  slices: tuple[slice, ...]
+  shape: tuple[int, ...]
+  dtype: np.dtype            # of the host data (the user's dtype; stored bits may differ)
+  sources: list[Source]
+  data: np.ndarray | None = None
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * self.dtype.itemsize
+
+  @property
+  def packed(self) -> bool:
+    return self.sources[0].offset is not None if self.sources else True
 
 
 @dataclasses.dataclass
 class Plan:
   loc: Location
   manifest: dict[str, Any]
-  arrays: list[ArrayWrite]
-  packs: list[PackWrite]
+  pieces: list[Piece]
   overwrite: bool
-  seq: int
-  cancelled: Any = None  # a threading.Event set by AsyncSave.cancel()
 
   @property
   def nbytes(self) -> int:
-    return (sum(p.data.nbytes for a in self.arrays for p in a.pieces)
-            + sum(p.size for p in self.packs))
+    return sum(p.nbytes for p in self.pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +136,10 @@ def check_items(items: Any) -> None:
     raise TypeError(f"items must be a non-empty dict mapping item names to pytrees, e.g."
                     f" {{'state': state, 'extra': {{'epoch': 3}}}}; got {type(items).__name__}")
   for name in items:
-    if not isinstance(name, str) or not _ITEM_NAME.match(name):
+    if not isinstance(name, str) or not _ITEM_NAME.match(name) or name == _manifest.MANIFEST_KEY:
       raise ValueError(f"invalid item name {name!r}: use letters, digits, '_', '.', '-',"
-                       " starting with a letter or digit (e.g. 'state').")
+                       f" starting with a letter or digit (e.g. 'state'), other than"
+                       f" {_manifest.MANIFEST_KEY!r}.")
 
 
 def check_destination(loc: Location, overwrite: bool) -> None:
@@ -149,8 +169,8 @@ def check_destination(loc: Location, overwrite: bool) -> None:
 
 
 def make_plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
-              custom_metadata: Mapping[str, Any] | None, seq: int) -> Plan:
-  """Validates everything and plans this process's writes. Writes nothing."""
+              custom_metadata: Mapping[str, Any] | None) -> Plan:
+  """Validates everything and plans this process's writes. Writes and reads nothing."""
   check_items(items)
   try:
     custom = json.loads(json.dumps(dict(custom_metadata or {}), allow_nan=False))
@@ -158,14 +178,13 @@ def make_plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
     raise TypeError(f"custom_metadata must be a JSON-serialisable dict: {e}") from None
   me, nproc = _multihost.process_index(), _multihost.process_count()
   load = [0] * nproc
-  arrays: list[ArrayWrite] = []
-  packs: list[PackWrite] = []
+  pieces: list[Piece] = []
   items_meta: dict[str, Any] = {}
   for item, tree in items.items():
     structure, leaves = _tree.encode_structure(tree)
     records = []
     pack_sizes = [0] * nproc
-    pack = PackWrite(item, 0, [])
+    packed: list[Source] = []  # this process's packed leaves, by offset
     for i, (path, leaf) in enumerate(leaves):
       kind = _tree.leaf_kind(leaf)
       if kind is None:
@@ -180,13 +199,10 @@ def make_plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
       if kind == "value":
         records.append({"path": list(path), "kind": "value", "value": _tree.encode_value(leaf)})
         continue
-      rec, write = _plan_array(item, f"a{i}", path, leaf, kind, me, load, pack_sizes, pack)
+      rec = _plan_array(item, f"a{i}", path, leaf, kind, me, load, pack_sizes, packed, pieces)
       records.append(rec)
-      if write is not None and write.pieces:
-        arrays.append(write)
-    pack.size = pack_sizes[me]
-    if pack.size:
-      packs.append(pack)
+    if pack_sizes[me]:
+      pieces.extend(_pack_pieces(item, pack_sizes[me], packed))
     items_meta[item] = {"structure": structure, "leaves": records,
                         "packed": {str(p): s for p, s in enumerate(pack_sizes) if s}}
   check_destination(loc, overwrite)
@@ -194,14 +210,41 @@ def make_plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
       "format": _manifest.FORMAT, "version": _manifest.VERSION,
       "library_version": LIBRARY_VERSION, "created": time.time(),
       "process_count": nproc, "device_count": jax.device_count(),
+      "all_chunks_stored": True,
       "custom": custom, "items": items_meta,
   }
-  return Plan(loc, manifest, arrays, packs, overwrite, seq)
+  return Plan(loc, manifest, pieces, overwrite)
+
+
+def pack_chunk_bytes(size: int) -> int:
+  """The chunk length of a packed buffer of ``size`` bytes (its checksum granularity)."""
+  return min(size, PACK_CHUNK_BYTES)
+
+
+def _pack_pieces(item: str, size: int, sources: list[Source]) -> list[Piece]:
+  """This process's packed buffer, cut at leaf boundaries into pieces of bounded size."""
+  array = StoredArray(item, PACKED, (size,), "uint8", (pack_chunk_bytes(size),))
+  pieces: list[Piece] = []
+  start, group = 0, []
+
+  def close(end: int) -> None:
+    for s in group:
+      s.offset -= start
+    pieces.append(Piece(array, (slice(start, end),), (end - start,), np.dtype(np.uint8), list(group)))
+
+  for s in sorted(sources, key=lambda s: s.offset):
+    if group and s.offset - start >= PACK_PIECE_BYTES:
+      end = s.offset
+      close(end)
+      start, group = end, []
+    group.append(s)
+  close(size)
+  return pieces
 
 
 def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me: int,
-                load: list[int], pack_sizes: list[int],
-                pack: PackWrite) -> tuple[dict[str, Any], ArrayWrite | None]:
+                load: list[int], pack_sizes: list[int], packed: list[Source],
+                pieces: list[Piece]) -> dict[str, Any]:
   rec: dict[str, Any] = {"path": list(path), "kind": kind}
   if kind == "jax" and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     rec.update(key_impl=str(jax.random.key_impl(leaf)), key_shape=list(leaf.shape))
@@ -210,7 +253,7 @@ def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me
   if sharding is not None and len(load) > 1 and leaf.is_fully_addressable:
     # A process-local array (e.g. jnp.int32(0)) in a multi-process job: like a
     # numpy leaf, every process holds its own copy, assumed identical.
-    sharding, leaf = None, np.asarray(leaf)
+    sharding = None
     rec["sharding"] = {"type": "process-local", "text": "process-local (same on every process)"}
   shape = tuple(int(s) for s in leaf.shape)
   dtype = np.dtype(leaf.dtype)
@@ -220,14 +263,10 @@ def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me
   rec.setdefault("sharding", _manifest.describe_sharding(sharding))
   if nbytes == 0:
     rec.update(chunk_shape=list(shape), owners=[])
-    return rec, None
+    return rec
 
-  if sharding is None:
-    lay = None
-    full_holders = frozenset(range(len(load)))
-  else:
-    lay = _shard_layout(sharding, shape)
-    full_holders = lay.full_holders
+  lay = None if sharding is None else _shard_layout(sharding, shape)
+  full_holders = frozenset(range(len(load))) if lay is None else lay.full_holders
 
   if nbytes <= PACK_MAX_BYTES and full_holders:
     owner = _layout.assign_owners([full_holders], nbytes, load)[0]
@@ -235,8 +274,9 @@ def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me
     pack_sizes[owner] = offset + -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
     rec.update(owners=[owner], packed_offset=offset)
     if owner == me:
-      pack.sources.append((offset, dtype, shape, leaf))
-    return rec, None
+      for value, index in _unique_shards(leaf, kind):
+        packed.append(Source(value, None, offset, shape, dtype, index))
+    return rec
 
   shard_shape = shape if lay is None else lay.shard_shape
   # A shard held by k processes is cut into at least k chunks, so that its
@@ -251,99 +291,45 @@ def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me
   holders = [full_holders if lay is None else lay.holders[s] for s in starts]
   owners = _layout.assign_owners(holders, math.prod(chunk_shape) * dtype.itemsize, load)
   rec.update(chunk_shape=list(chunk_shape), owners=owners)
-  write = ArrayWrite(item, name, shape, rec["stored_dtype"], chunk_shape, [])
   if me not in owners:
-    return rec, write
-  if lay is None:
-    local = {tuple(0 for _ in shape): leaf}
-  else:
-    local = {}
-    for shard in leaf.addressable_shards:
-      local.setdefault(tuple(s.start or 0 for s in shard.index), shard)
-  views: dict[tuple[int, ...], np.ndarray] = {}
+    return rec
+  array = StoredArray(item, name, shape, rec["stored_dtype"], chunk_shape)
+  local = {tuple(0 for _ in shape): leaf} if lay is None else {
+      tuple(s.start or 0 for s in index): value for value, index in _unique_shards(leaf, kind)}
   for box, start, owner in zip(chunk_boxes, starts, owners):
     if owner != me:
       continue
-    if start not in views:
-      src = local[start]
-      views[start] = src if isinstance(src, np.ndarray) else np.asarray(src.data)
-    if chunk_shape == shard_shape:  # the common case: one chunk per shard
-      data = views[start]
-    else:
-      shard_box = tuple((s, s + n) for s, n in zip(start, shard_shape))
-      data = views[start][_layout.relative(box, shard_box)]
-    write.pieces.append(Piece(_layout.box_to_slices(box), data))
-  return rec, write
+    within = None
+    if chunk_shape != shard_shape:
+      within = _layout.relative(box, tuple((s, s + n) for s, n in zip(start, shard_shape)))
+    pieces.append(Piece(array, _layout.box_to_slices(box), chunk_shape, dtype,
+                        [Source(local[start], within)]))
+  return rec
 
 
-def fill_packs(plan: Plan) -> None:
-  """Copies every packed leaf of this process into its item's buffer."""
-  for pack in plan.packs:
-    buf = np.zeros(pack.size, np.uint8)
-    for offset, dtype, shape, leaf in pack.sources:
-      dst = buf[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
-      if isinstance(leaf, np.ndarray):
-        dst[...] = leaf
-        continue
-      seen = set()
-      for shard in leaf.addressable_shards:
-        start = tuple(s.start or 0 for s in shard.index)
-        if start not in seen:
-          seen.add(start)
-          dst[shard.index] = np.asarray(shard.data)
-    pack.buffer = buf
-    pack.sources = []
+def _unique_shards(leaf: Any, kind: str) -> list[tuple[Any, tuple[slice, ...]]]:
+  """(data, index) of each distinct shard this process holds (numpy: the array itself)."""
+  if kind == "numpy" or not isinstance(leaf, jax.Array):
+    return [(leaf, ())]
+  return [(leaf.addressable_data(k), index)
+          for k, index in _distinct_shards(leaf.sharding, tuple(leaf.shape))]
 
 
-_copy_pool: concurrent.futures.ThreadPoolExecutor | None = None
+@functools.lru_cache(maxsize=1024)
+def _distinct_shards(sharding: jax.sharding.Sharding,
+                     shape: tuple[int, ...]) -> tuple[tuple[int, tuple[slice, ...]], ...]:
+  """(position among the addressable shards, index) of each distinct shard of a layout.
 
-
-def pack_chunk_bytes(size: int) -> int:
-  """The chunk length of a packed buffer of ``size`` bytes (its checksum granularity)."""
-  return min(size, PACK_CHUNK_BYTES)
-
-
-def aligned_arrays(specs: list[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
-  """Uninitialised 64-byte aligned arrays of (shape, dtype), carved from one fresh mapping.
-
-  One anonymous mapping instead of thousands of allocations: steadier copy times
-  (no transparent-huge-page compaction, which made copies up to 2x slower on the
-  VMs we measured) and an exact return to the OS once every array is freed.
-  64-byte alignment lets JAX's CPU client adopt a buffer without copying it.
-
-  Example:
-    >>> a, b = aligned_arrays([((3,), np.dtype(np.float32)), ((2, 2), np.dtype(np.int8))])
-    >>> a.shape, b.dtype, b.ctypes.data % 64
-    ((3,), dtype('int8'), 0)
+  jax orders an array's addressable shards by its sharding's device
+  assignment, so the positions hold for every array of that sharding.
   """
-  nbytes = [math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in specs]
-  sizes = [-(-n // 64) * 64 for n in nbytes]
-  if not sum(sizes):
-    return [np.empty(shape, dtype) for shape, dtype in specs]
-  arena = np.frombuffer(mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
-                        np.uint8)
-  out, offset = [], 0
-  for (shape, dtype), n, size in zip(specs, nbytes, sizes):
-    out.append(arena[offset:offset + n].view(dtype).reshape(shape))
-    offset += size
-  return out
-
-
-def copy_pieces(plan: Plan) -> None:
-  """Copies every chunk to fresh host memory, in parallel threads."""
-  global _copy_pool
-  pieces = sorted((p for a in plan.arrays for p in a.pieces), key=lambda p: -p.data.nbytes)
-  if not pieces:
-    return
-  if _copy_pool is None:
-    _copy_pool = concurrent.futures.ThreadPoolExecutor(
-        max_workers=max(2, os.cpu_count() or 1), thread_name_prefix="orbax_flax-copy")
-  jobs = list(zip(pieces, aligned_arrays([(p.data.shape, p.data.dtype) for p in pieces])))
-
-  def copy(job: tuple[Piece, np.ndarray]) -> None:
-    piece, dst = job
-    np.copyto(dst, piece.data)
-    piece.data = dst
-
-  for f in [_copy_pool.submit(copy, j) for j in jobs]:
-    f.result()
+  indices = sharding.addressable_devices_indices_map(shape)
+  devices = sharding._addressable_device_assignment  # pylint: disable=protected-access
+  out, seen = [], set()
+  for k, device in enumerate(devices):
+    index = indices[device]
+    start = tuple(s.start or 0 for s in index)
+    if start not in seen:
+      seen.add(start)
+      out.append((k, index))
+  return tuple(out)

@@ -10,6 +10,7 @@ transaction, so the database's manifest is written once, at commit.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ _ZARR3_DTYPES = frozenset({
 _CODECS = [{"name": "bytes"}, {"name": "crc32c"}]
 
 
+@functools.lru_cache(maxsize=None)
 def stored_dtype(dtype: np.dtype) -> str:
   """The zarr3 dtype an array is stored as (raw unsigned bits if unsupported)."""
   dtype = np.dtype(dtype)
@@ -63,6 +65,9 @@ def array_spec(loc: Location, db: str, name: str, shape: Sequence[int], dtype: s
   return {
       "driver": "zarr3",
       "kvstore": {**db_spec(loc, db), "path": name + "/"},
+      # Every chunk is stored, zeros too: a chunk missing from a checkpoint is
+      # then damage, never an all-zero chunk left out.
+      "store_data_equal_to_fill_value": True,
       "metadata": {
           "shape": list(shape),
           "data_type": dtype,
@@ -78,35 +83,67 @@ def as_stored(data: np.ndarray, dtype: str) -> np.ndarray:
 
 
 class DatabaseWriter:
-  """Writes chunks of several arrays into one OCDBT database, then commits."""
+  """Writes blocks of several arrays into one OCDBT database, one transaction per batch.
+
+  ``add`` queues writes; ``flush`` issues every queued write (tensorstore runs
+  them concurrently) and starts committing them as one OCDBT version, without
+  waiting: batches overlap, and :meth:`wait` (or the next-but-one ``flush``)
+  waits for them. The data handed to ``add`` must stay unchanged until its
+  batch is committed (tensorstore references it, without a copy).
+  """
 
   def __init__(self, loc: Location, db: str, ctx: ts.Context):
     self._loc, self._db, self._ctx = loc, db, ctx
-    self._txn = ts.Transaction(atomic=False)
-    self._pending: list[tuple[Any, list[tuple[Any, np.ndarray]]]] = []
-    self._futures: list[Any] = []
+    self._pending: list[tuple[Any, Any, np.ndarray]] = []
+    self._stores: dict[str, Any] = {}
+    self._commits: list[Any] = []
 
   def add(self, name: str, shape: Sequence[int], dtype: str, chunk_shape: Sequence[int],
-          pieces: list[tuple[Any, np.ndarray]]) -> None:
-    """Queues the array ``name`` with ``(slices, data)`` pieces to write."""
-    spec = array_spec(self._loc, self._db, name, shape, dtype, chunk_shape)
-    opened = ts.open(spec, create=True, context=self._ctx, transaction=self._txn)
-    self._pending.append((opened, [(s, as_stored(d, dtype)) for s, d in pieces]))
+          slices: Any, data: np.ndarray) -> None:
+    """Queues ``data`` for ``array[slices]`` of the array ``name``."""
+    self._pending.append(((name, tuple(shape), dtype, tuple(chunk_shape)), slices,
+                          as_stored(data, dtype)))
 
-  def start(self) -> None:
-    """Issues every write; tensorstore runs them concurrently."""
-    for opened, pieces in self._pending:
-      store = opened.result()
-      for slices, data in pieces:
-        self._futures.append(
-            store[slices].write(data, can_reference_source_data_indefinitely=True))
+  def flush(self, depth: int = 2) -> None:
+    """Issues and starts committing everything queued; at most ``depth`` batches in flight.
+
+    A batch that creates arrays commits before anything else is issued (later
+    batches open what it created).
+    """
+    if not self._pending:
+      return
+    pending, self._pending = self._pending, []
+    txn = ts.Transaction(atomic=False)
+    new = {key[0]: key[1:] for key, _, _ in pending if key[0] not in self._stores}
+    if new:
+      self.wait()
+    created = {n: ts.open(array_spec(self._loc, self._db, n, *a), create=True, context=self._ctx,
+                          transaction=txn) for n, a in new.items()}
+    stores = {n: f.result() for n, f in created.items()}
+    writes = [(stores[key[0]] if key[0] in stores else self._stores[key[0]].with_transaction(txn))
+              [slices].write(data, can_reference_source_data_indefinitely=True)
+              for key, slices, data in pending]
+    for w in writes:  # staged in the transaction (no I/O yet)
+      w.result()
+    commit = txn.commit_async()
+    if new:
+      commit.result()
+      opened = {n: ts.open(array_spec(self._loc, self._db, n, *a), open=True, context=self._ctx)
+                for n, a in new.items()}
+      self._stores.update({n: f.result() for n, f in opened.items()})
+      return
+    self._commits.append(commit)
+    while len(self._commits) > max(0, depth - 1):
+      self._commits.pop(0).result()
+
+  def wait(self) -> None:
+    """Waits until every batch is committed."""
+    while self._commits:
+      self._commits.pop(0).result()
+
+  def abort(self) -> None:
+    """Drops what is queued; batches being committed still finish."""
     self._pending = []
-
-  def commit(self) -> None:
-    for f in self._futures:
-      f.result()
-    self._futures = []
-    self._txn.commit_async().result()
 
 
 _KEY_IN_ERROR = re.compile(r'Error reading "([^"]+)"')

@@ -85,6 +85,16 @@ class CheckpointPolicy:
     directory: where checkpoints go ("": ``<workdir>/checkpoints``).
     init_from: a checkpoint to initialise params from when there is nothing
       to resume (fine-tuning); "": off.
+    max_host_bytes: budget for the host memory of one save or restore, in
+      bytes (0: none). A larger async save stages in rounds (the caller waits
+      for all but the last); a restore reads in rounds.
+    keep_staging_memory: keep the host staging copy between async saves, so
+      that the blocking phase is a copy into memory already touched (False:
+      release it after every save, for memory-tight hosts; saves then block
+      longer).
+    coordination_timeout_seconds: how long a process waits for the others at
+      each rendezvous of a multi-process save; the error names the processes
+      that did not arrive.
   """
   save_interval_steps: int = 0
   save_interval_seconds: float = 0.0
@@ -106,6 +116,9 @@ class CheckpointPolicy:
   save_on_exception: bool = True
   directory: str = ""
   init_from: str = ""
+  max_host_bytes: int = 0
+  keep_staging_memory: bool = True
+  coordination_timeout_seconds: float = 600.0
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -113,13 +126,16 @@ class CheckpointPolicy:
       fixed = _check_type(f.name, f.type, value)
       if fixed is not value:
         object.__setattr__(self, f.name, fixed)
-    for name in ("save_interval_steps", "max_to_keep", "keep_period", "keep_best"):
+    for name in ("save_interval_steps", "max_to_keep", "keep_period", "keep_best", "max_host_bytes"):
       if getattr(self, name) < 0:
         _fail(name, getattr(self, name), "must be >= 0 (0 turns it off)")
     for name in ("save_interval_seconds", "keep_time_interval_seconds", "preemption_grace_seconds"):
       v = getattr(self, name)
       if v < 0 or not math.isfinite(v):
         _fail(name, v, "must be a finite number >= 0 (0 turns it off)")
+    if self.coordination_timeout_seconds <= 0 or not math.isfinite(self.coordination_timeout_seconds):
+      _fail("coordination_timeout_seconds", self.coordination_timeout_seconds,
+            "must be a finite number of seconds > 0 (e.g. 600)")
     bad = [s for s in self.save_on_steps if s < 0]
     if bad:
       _fail("save_on_steps", self.save_on_steps, f"steps must be >= 0, got {bad}")

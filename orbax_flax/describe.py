@@ -11,8 +11,8 @@ import datetime
 from typing import Any
 
 from orbax_flax import _tree
+from orbax_flax import checkpointer
 from orbax_flax import restoring
-from orbax_flax import saving
 from orbax_flax._location import Location
 
 
@@ -156,5 +156,5 @@ def metadata(path: Any) -> CheckpointMetadata:
     ('w', (2, 3), 'float32', 24)
   """
   loc = Location.parse(path)
-  saving.wait_for_inflight_save(loc)
+  checkpointer.wait_for_inflight(loc)
   return from_manifest(str(loc), restoring.read_manifest(loc))

@@ -26,6 +26,7 @@ from typing import Any
 import jax
 
 from orbax_flax import _multihost
+from orbax_flax import checkpointer as checkpointer_lib
 from orbax_flax import errors
 from orbax_flax import describe as metadata_lib
 from orbax_flax import policy as policy_lib
@@ -106,7 +107,12 @@ class CheckpointManager:
     self._events: list[SaveEvent] = []
     self._closed = False
     digest = hashlib.sha1(str(self._dir).encode()).hexdigest()[:12]
-    self._key = f"orbax_flax/manager/{digest}/{_next_instance(digest)}"
+    self._key = _multihost.namespace(f"manager/{digest}")
+    self._ckptr = checkpointer_lib.Checkpointer(
+        max_host_bytes=self.policy.max_host_bytes,
+        keep_staging_memory=self.policy.keep_staging_memory,
+        coordination_timeout_seconds=self.policy.coordination_timeout_seconds,
+        coordination_key=f"{self._key}/save")
     self.reload()
     self._startup_cleanup()
 
@@ -281,9 +287,9 @@ class CheckpointManager:
           log.info("removing leftover %s of an interrupted save of step %d", l.name, step)
           step_dir.remove(self._dir, l.name)
       if self.policy.async_save:
-        handle = saving.save_async(path, items, custom_metadata=custom)
+        handle = self._ckptr.save_async(path, items, custom_metadata=custom)
       else:
-        saving.save(path, items, custom_metadata=custom)
+        self._ckptr.save(path, items, custom_metadata=custom)
         handle = None
     except BaseException:
       _set_writing(str(self._dir), step, False)
@@ -398,6 +404,7 @@ class CheckpointManager:
     finally:
       self._closed = True
       self._deleter.shutdown(wait=True)
+      self._ckptr.close()
 
   def __enter__(self) -> CheckpointManager:
     return self
@@ -437,7 +444,7 @@ class CheckpointManager:
       raise errors.CheckpointNotFoundError(
           f"step {step} is not a committed checkpoint in {self._dir}; committed steps:"
           f" {_short(self.all_steps())}")
-    out = restoring.restore(self._dir.join(str(step)), target, partial=partial)
+    out = self._ckptr.restore(self._dir.join(str(step)), target, partial=partial)
     self._last_step, self._last_time = step, self._clock()
     return out
 
@@ -476,8 +483,6 @@ class CheckpointManager:
     _, self._leftovers = step_dir.list_steps(self._dir)
 
 
-_instances: dict[str, int] = {}
-
 # Steps whose save has started and not yet ended, per directory, for every
 # manager in this process: leftover sweeps never touch them.
 _writing: dict[str, set[int]] = {}
@@ -496,11 +501,6 @@ def _set_writing(directory: str, step: int, on: bool) -> None:
 def _being_written(directory: str) -> set[int]:
   with _writing_lock:
     return set(_writing.get(directory, ()))
-
-
-def _next_instance(digest: str) -> int:
-  _instances[digest] = _instances.get(digest, 0) + 1
-  return _instances[digest]
 
 
 def _info_from_summary(step: int, summary: Mapping[str, Any]) -> policy_lib.StepInfo:

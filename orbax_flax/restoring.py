@@ -19,27 +19,27 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
-import tensorstore as ts
 
 from orbax_flax import _layout
 from orbax_flax import _location
 from orbax_flax import _manifest
-from orbax_flax import _planning
+from orbax_flax import _reading
+from orbax_flax import _staging
 from orbax_flax import _tree
-from orbax_flax import _tsio
 from orbax_flax import errors
-from orbax_flax import saving
 from orbax_flax._location import Location
+from orbax_flax._planning import TMP_MARKER
 
 
 def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
-  if saving.TMP_MARKER in loc.name:
+  if TMP_MARKER in loc.name:
     return errors.CheckpointNotFoundError(
         f"{loc} is the temporary directory of an unfinished or replaced save, not a"
         " committed checkpoint; it is safe to delete.")
@@ -52,7 +52,7 @@ def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
 
 def read_manifest(loc: Location) -> dict[str, Any]:
   """The committed manifest at ``loc``; CheckpointNotFoundError if none."""
-  data = None if saving.TMP_MARKER in loc.name else _location.read_key(loc, _manifest.MANIFEST_KEY)
+  data = None if TMP_MARKER in loc.name else _location.read_key(loc, _manifest.MANIFEST_KEY)
   if data is None:
     raise _not_found(loc)
   return _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
@@ -61,7 +61,7 @@ def read_manifest(loc: Location) -> dict[str, Any]:
 def read_summary(loc: Location) -> dict[str, Any]:
   """The manifest's summary (time, sizes, custom metadata), reading a few KB."""
   where = f"{loc}/{_manifest.MANIFEST_KEY}"
-  if saving.TMP_MARKER in loc.name:
+  if TMP_MARKER in loc.name:
     raise _not_found(loc)
   data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
   if data is None:
@@ -84,7 +84,8 @@ class _Want:
   boxes: dict[_layout.Box, list[Any]]  # distinct boxes to read -> devices that get them
 
 
-def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False) -> dict[str, Any]:
+def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
+            max_host_bytes: int = 0) -> dict[str, Any]:
   """Restores a checkpoint, resharded onto the target's shardings.
 
   Args:
@@ -97,6 +98,9 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
       keys as single-device key arrays).
     partial: restore only the leaves the target names. Otherwise a leaf in the
       checkpoint that the target lacks is an error.
+    max_host_bytes: a budget for host memory beyond the restored arrays
+      (0: none): arrays are read and placed in rounds of at most this many
+      bytes, and temporary buffers stay within it (plus one chunk).
 
   Returns:
     item name -> restored pytree, with the target's structure.
@@ -116,10 +120,9 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     Array([0., 1., 2., 3.], dtype=float32)
   """
   loc = Location.parse(path)
-  saving.wait_for_inflight_save(loc)
   manifest = read_manifest(loc)
   if target is None:
-    return _restore_all(loc, manifest)
+    return _restore_all(loc, manifest, max_host_bytes=max_host_bytes)
   if not isinstance(target, Mapping):
     raise TypeError(f"target must be a dict of item name -> pytree (e.g. {{'state':"
                     f" abstract_state}}) or None; got {type(target).__name__}")
@@ -172,10 +175,10 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
                      " dimension to divide evenly); change the PartitionSpec or mesh:\n  "
                      + "\n  ".join(bad_shardings))
 
-  arrays = _read(loc, manifest, [w for w, _, _ in wants])
+  arrays = read_arrays(loc, manifest, [w for w, _, _ in wants], max_host_bytes)
   for (_, item, i), value in zip(wants, arrays):
     results[item][1][i] = value
-  out = _restore_all(loc, manifest, whole) if whole else {}
+  out = _restore_all(loc, manifest, whole, max_host_bytes) if whole else {}
   out.update({item: jax.tree_util.tree_unflatten(treedef, leaves)
               for item, (treedef, leaves) in results.items()})
   return {item: out[item] for item in target if item in out}
@@ -264,7 +267,8 @@ def _boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[_lay
   return boxes
 
 
-def _restore_all(loc: Location, manifest: dict[str, Any], items: list[str] | None = None) -> dict[str, Any]:
+def _restore_all(loc: Location, manifest: dict[str, Any], items: list[str] | None = None,
+                 max_host_bytes: int = 0) -> dict[str, Any]:
   """Items (default: all) as host numpy arrays, in the saved structure."""
   wants, slots = [], []
   values: dict[str, list[Any]] = {}
@@ -280,147 +284,66 @@ def _restore_all(loc: Location, manifest: dict[str, Any], items: list[str] | Non
       wants.append(_Want(item, rec, np.dtype(_tree.dtype_from_name(rec["dtype"])), None, shape,
                          rec.get("key_impl"), {tuple((0, s) for s in shape): []}))
       slots.append((item, i))
-  for (item, i), value in zip(slots, _read(loc, manifest, wants)):
+  for (item, i), value in zip(slots, read_arrays(loc, manifest, wants, max_host_bytes)):
     values[item][i] = value
   return {item: _tree.decode_structure(saved_item["structure"], values[item])
           for item, saved_item in chosen.items()}
 
 
-def _packed_in_chunk(manifest: dict[str, Any], item: str, owner: int, message: str) -> str | None:
-  """The packed arrays inside the chunk an error names (``packed/c/<k>``), if it names one."""
-  m = _tsio._KEY_IN_ERROR.search(message)  # pylint: disable=protected-access
-  if not m or not m.group(1).startswith(f"{_planning.PACKED}/c/"):
-    return None
-  size = manifest["items"][item]["packed"][str(owner)]
-  chunk = _planning.pack_chunk_bytes(size)
-  k = int(m.group(1).rsplit("/", 1)[1])
-  lo, hi = k * chunk, (k + 1) * chunk
-  names = [_tree.path_str(tuple(r["path"])) for r in manifest["items"][item]["leaves"]
-           if "packed_offset" in r and r["owners"][0] == owner
-           and r["packed_offset"] < hi and r["packed_offset"] + r["nbytes"] > lo]
-  if not names:
-    return None
-  return names[0] if len(names) == 1 else (
-      f"one of {', '.join(names)} (packed together; they share the damaged chunk)")
+def _windows(wants: list[_Want], budget: int) -> list[list[int]]:
+  """Indices of ``wants`` in rounds of at most ``budget`` bytes of host data (0: one round)."""
+  if not budget:
+    return [list(range(len(wants)))]
+  rounds: list[list[int]] = [[]]
+  used = 0
+  for i, w in enumerate(wants):
+    n = sum(math.prod(_layout.box_shape(b)) for b in w.boxes) * np.dtype(w.dtype).itemsize
+    if rounds[-1] and used + n > budget:
+      rounds.append([])
+      used = 0
+    rounds[-1].append(i)
+    used += n
+  return rounds
 
 
-def _read_error(loc: Location, item: str, path: str, db: str, e: Exception) -> Exception:
-  if _tsio.is_corruption(e):
-    return _tsio.corrupted(item, path, loc, db, e)
-  return _location._storage_error(loc, f"reading {item}/{path}", e)
+def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
+                max_host_bytes: int = 0) -> list[Any]:
+  """Reads the wanted arrays into fresh buffers, then builds host or device arrays.
 
-
-class _Reader:
-  """Opens each (item, process database, array) once and issues reads."""
-
-  def __init__(self, loc: Location, manifest: dict[str, Any]):
-    self.loc, self.manifest = loc, manifest
-    self.ctx = _tsio.context()
-    self._stores: dict[tuple[str, int, str], Any] = {}
-
-  def db(self, item: str, owner: int) -> str:
-    return f"{item}/p{owner}-{self.manifest['generation']}"
-
-  def open(self, item: str, owner: int, name: str, shape: Any, dtype: str, chunk_shape: Any) -> Any:
-    k = (item, owner, name)
-    if k not in self._stores:
-      spec = _tsio.array_spec(self.loc, self.db(item, owner), name, shape, dtype, chunk_shape)
-      self._stores[k] = ts.open(spec, open=True, context=self.ctx)
-    return self._stores[k]
-
-  def open_packed(self, item: str, owner: int) -> Any:
-    size = self.manifest["items"][item]["packed"][str(owner)]
-    return self.open(item, owner, _planning.PACKED, (size,), "uint8",
-                     (_planning.pack_chunk_bytes(size),))
-
-  def open_array(self, want: _Want, owner: int) -> Any:
-    rec = want.rec
-    return self.open(want.item, owner, rec["name"], rec["shape"], rec["stored_dtype"], rec["chunk_shape"])
-
-  def resolve(self, fut: Any, item: str, what: str, owner: int) -> Any:
-    """Waits for a tensorstore future; ``what`` names the arrays for errors."""
-    try:
-      return fut.result()
-    except ValueError as e:
-      raise _read_error(self.loc, item, what, self.db(item, owner), e) from e
-
-
-def _read(loc: Location, manifest: dict[str, Any], wants: list[_Want]) -> list[Any]:
-  """Issues every read at once, then builds host or device arrays."""
-  reader = _Reader(loc, manifest)
-  packed = [w for w in wants if "packed_offset" in w.rec]
-  chunked = [w for w in wants if "packed_offset" not in w.rec and w.rec["owners"]]
-  # Open every array first so that the opens run concurrently.
-  for w in chunked:
-    for owner in set(w.rec["owners"]):
-      reader.open_array(w, owner)
-  # Packed arrays: one read per (item, process) of the byte range they span.
-  ranges: dict[tuple[str, int], list[int]] = {}
-  names: dict[tuple[str, int], list[str]] = {}
-  for w in packed:
-    k = (w.item, w.rec["owners"][0])
-    lo, hi = w.rec["packed_offset"], w.rec["packed_offset"] + w.rec["nbytes"]
-    r = ranges.setdefault(k, [lo, hi])
-    r[0], r[1] = min(r[0], lo), max(r[1], hi)
-    names.setdefault(k, []).append(_tree.path_str(tuple(w.rec["path"])))
-  packed_what = {k: f"{len(v)} packed small array(s) ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
-                 for k, v in names.items()}
-  opened = {k: reader.open_packed(*k) for k in ranges}
-  packed_reads = {}
-  for k, (lo, hi) in ranges.items():
-    st = reader.resolve(opened[k], k[0], packed_what[k], k[1])
-    packed_reads[k] = (lo, st[lo:hi].read())
-
-  box_reads: dict[int, list[tuple[np.ndarray, list[tuple[Any, int]]]]] = {}
-  for w in chunked:
-    rec = w.rec
-    chunking = _layout.Chunking(tuple(rec["shape"]), tuple(rec["chunk_shape"]))
-    stored = _tree.dtype_from_name(rec["stored_dtype"])
-    per_box = []
-    bufs = _planning.aligned_arrays([(_layout.box_shape(b), stored) for b in w.boxes])
-    for box, buf in zip(w.boxes, bufs):
-      dst = ts.array(buf, copy=False, write=True).translate_to[tuple(lo for lo, _ in box)]
-      chunks = chunking.chunks_in_box(box)
-      owners = {rec["owners"][c] for c in chunks}
-      if len(owners) == 1:
-        pieces = [(box, owners.pop())]
+  Every box is read straight into the memory that becomes the result (one
+  mapping per array, so that each array frees its memory on its own); small
+  packed arrays get buffers of their own. With a budget, arrays are read and
+  placed in rounds.
+  """
+  reader = _reading.Reader(loc, manifest, max_host_bytes)
+  out: list[Any] = [None] * len(wants)
+  for window in _windows(wants, max_host_bytes):
+    fills, packed = [], []
+    datas: dict[int, list[np.ndarray]] = {}
+    for i in window:
+      w = wants[i]
+      rec = w.rec
+      saved = _tree.dtype_from_name(rec["dtype"])
+      if "packed_offset" in rec:
+        buf = np.empty(rec["nbytes"], np.uint8)
+        lo = rec["packed_offset"]
+        packed.append(_reading.PackedFill(w.item, rec["owners"][0], lo, lo + rec["nbytes"], buf,
+                                          _tree.path_str(tuple(rec["path"]))))
+        datas[id(w)] = [buf.view(saved).reshape(w.shape)]  # whole, whatever boxes are needed
+      elif not rec["owners"]:
+        datas[id(w)] = [np.zeros(_layout.box_shape(b), saved) for b in w.boxes]
       else:
-        pieces = [(_layout.intersect(chunking.chunk_box(c), box), rec["owners"][c]) for c in chunks]
-      futs = []
-      for piece, owner in pieces:
-        st = reader.resolve(reader.open_array(w, owner), w.item, _tree.path_str(tuple(rec["path"])), owner)
-        sl = _layout.box_to_slices(piece)
-        futs.append((dst[sl].write(st[sl]), owner))
-      per_box.append((buf, futs))
-    box_reads[id(w)] = per_box
-
-  packed_bytes = {}
-  for k, (_, f) in packed_reads.items():
-    try:
-      packed_bytes[k] = f.result()
-    except ValueError as e:
-      what = _packed_in_chunk(manifest, k[0], k[1], str(e)) or packed_what[k]
-      raise _read_error(loc, k[0], what, reader.db(*k), e) from e
-  datas: dict[int, list[np.ndarray]] = {}
-  for w in wants:
-    rec = w.rec
-    saved = _tree.dtype_from_name(rec["dtype"])
-    if "packed_offset" in rec:
-      owner = rec["owners"][0]
-      lo = packed_reads[w.item, owner][0]
-      off = rec["packed_offset"] - lo
-      # The whole (small) array, whatever boxes the target needs.
-      boxes = [packed_bytes[w.item, owner][off:off + rec["nbytes"]].view(saved).reshape(w.shape)]
-    elif not rec["owners"]:
-      boxes = [np.zeros(_layout.box_shape(b), saved) for b in w.boxes]
-    else:
-      boxes = []
-      for buf, futs in box_reads[id(w)]:
-        for fut, owner in futs:
-          reader.resolve(fut, w.item, _tree.path_str(tuple(rec["path"])), owner)
-        boxes.append(buf if buf.dtype == saved else buf.view(saved))
-    datas[id(w)] = [b if b.dtype == w.dtype else b.astype(w.dtype) for b in boxes]
-  return _assemble(wants, datas)
+        stored = _tree.dtype_from_name(rec["stored_dtype"])
+        bufs = _staging.fresh_arrays([(_layout.box_shape(b), stored) for b in w.boxes])
+        fills += [_reading.Fill(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
+        datas[id(w)] = [buf if buf.dtype == saved else buf.view(saved) for buf in bufs]
+    reader.read(fills, packed)
+    for i in window:
+      w = wants[i]
+      datas[id(w)] = [b if b.dtype == w.dtype else b.astype(w.dtype) for b in datas[id(w)]]
+    for i, value in zip(window, _assemble([wants[i] for i in window], datas)):
+      out[i] = value
+  return out
 
 
 def _assemble(wants: list[_Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:

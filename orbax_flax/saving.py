@@ -1,15 +1,18 @@
-"""Saving a checkpoint: ``save`` (blocking) and ``save_async`` (two-phase).
+"""Saving a checkpoint: host copies, writes, agreement between processes, commit.
 
-A save runs in two phases.
+A save runs in two phases (see :class:`orbax_flax.Checkpointer`).
 
-1. Blocking, in the caller's thread: validate the items, plan which chunks
-   this process writes (every process computes the same plan from the
-   shardings), and, for ``save_async``, copy those chunks to host memory. After
-   this the caller may donate or overwrite its arrays.
-2. Background: write this process's chunks into its own OCDBT database with
-   tensorstore, fsync, then commit. With several processes the commit is
-   agreed through the coordination service: process 0 writes the manifest only
-   after every process reported success, then publishes the verdict.
+1. Blocking, in the caller's thread: validate the items and plan which blocks
+   this process writes (:mod:`orbax_flax._planning`), then, for an async save,
+   take a snapshot the caller cannot change any more: on CPU a copy into the
+   checkpointer's reused staging memory (:func:`snapshot`); on GPU/TPU a
+   device-to-host transfer into pinned host memory that is only *started*
+   here (:func:`to_pinned_host`): XLA orders it before any later computation
+   that donates the arrays.
+2. Background: write this process's blocks into its own OCDBT database with
+   tensorstore (in batches, so that a cancellation stops the writing within
+   about a second), fsync, then commit. With several processes the commit is
+   agreed through the coordination service (:class:`SaveRun`).
 
 Commit is atomic. On a local file system the checkpoint is written to a
 sibling ``<name>.ofx-tmp-<generation>`` directory that is renamed into place
@@ -21,24 +24,33 @@ does not name it.
 
 from __future__ import annotations
 
-import ctypes
 import errno
+import logging
+import math
 import os
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable
+from collections.abc import Sequence
 from typing import Any
+
+import jax
+import numpy as np
 
 from orbax_flax import _location
 from orbax_flax import _manifest
 from orbax_flax import _multihost
 from orbax_flax import _planning
+from orbax_flax import _staging
 from orbax_flax import _tsio
 from orbax_flax import errors
 from orbax_flax._location import Location
+from orbax_flax._planning import Piece
 from orbax_flax._planning import TMP_MARKER
+
+log = logging.getLogger("orbax_flax")
 
 
 class AsyncSave:
@@ -46,8 +58,7 @@ class AsyncSave:
 
   ``wait()`` blocks until the checkpoint is committed on every process and
   re-raises any error of the background phase. An error that nobody waited
-  for is raised by the next ``save``/``save_async`` call instead: it is never
-  lost.
+  for is raised by the checkpointer's next call instead: it is never lost.
 
   Attributes:
     path: where the checkpoint is written.
@@ -56,44 +67,50 @@ class AsyncSave:
     nbytes: bytes of array data this process writes.
   """
 
-  def __init__(self, plan: _planning.Plan, blocking_s: float, start: float):
-    self.path = str(plan.loc)
-    self.blocking_s = blocking_s
+  def __init__(self, path: Location, nbytes: int, start: float):
+    self.path = str(path)
+    self.loc = path
+    self.nbytes = nbytes
+    self.blocking_s = 0.0
     self.total_s: float | None = None
-    self.nbytes = plan.nbytes
-    self._loc = plan.loc
-    self._plan: _planning.Plan | None = plan
     self._start = start
     self._error: BaseException | None = None
     self._reported = False
     self._thread: threading.Thread | None = None
-    self._cancelled = threading.Event()
-    plan.cancelled = self._cancelled
+    self.cancelled = threading.Event()
 
-  def _run(self) -> None:
-    try:
-      _write_and_commit(self._plan)
-    except BaseException as e:  # pylint: disable=broad-except  # Re-raised in wait().
-      self._error = e
-    finally:
-      self._plan = None  # Frees the host copy.
-      _release_memory()
-      self.total_s = time.perf_counter() - self._start
-
-  def _start_background(self) -> None:
-    self._thread = threading.Thread(target=self._run, name=f"orbax_flax-save-{self.path}")
+  def run_in_background(self, work: Callable[[], None]) -> None:
+    """Runs ``work`` in a daemon thread (the checkpointer waits for it at exit)."""
+    def body() -> None:
+      try:
+        work()
+      except BaseException as e:  # pylint: disable=broad-except  # Re-raised in wait().
+        self._error = e
+      finally:
+        self.total_s = time.perf_counter() - self._start
+    self._thread = threading.Thread(target=body, name=f"orbax_flax-save-{self.path}", daemon=True)
     self._thread.start()
 
-  def cancel(self) -> None:
-    """Makes sure this save never commits (if it has not already).
+  def run_here(self, work: Callable[[], None]) -> None:
+    """Runs ``work`` in the caller's thread (a blocking save)."""
+    try:
+      work()
+    except BaseException as e:  # pylint: disable=broad-except
+      self._error = e
+    self.total_s = time.perf_counter() - self._start
 
-    The background phase stops before the commit and ``wait()`` raises
+  def cancel(self) -> None:
+    """Makes sure this save never commits (if it has not already), and stops its writing.
+
+    The background phase stops within about a second (it writes in batches and
+    checks between them), before the commit, and ``wait()`` raises
     ``SaveCancelledError``, here and, in a multi-process save, on every other
     process. Used when a preemption grace period runs out. A process other than
     0 that cancels after it finished writing cannot stop process 0's commit.
-    The next save does not raise this cancellation again.
+    A cancelled save never keeps the process from exiting. The next save does
+    not raise this cancellation again.
     """
-    self._cancelled.set()
+    self.cancelled.set()
 
   def done(self) -> bool:
     """True once the background phase finished (committed or failed)."""
@@ -113,268 +130,467 @@ class AsyncSave:
       self._reported = True
       raise self._error
 
+  def join(self) -> None:
+    """Blocks until the background phase ends, without raising or reporting its error."""
+    if self._thread is not None:
+      self._thread.join()
+
+  def unreported_error(self) -> BaseException | None:
+    """The error nobody has seen (a cancellation someone asked for does not count)."""
+    if self._error is None or self._reported:
+      return None
+    if isinstance(self._error, errors.SaveCancelledError) and self.cancelled.is_set():
+      return None
+    return self._error
+
+  def mark_reported(self) -> None:
+    self._reported = True
+
   def __repr__(self) -> str:
     state = "running" if not self.done() else ("failed" if self._error else "committed")
     return f"AsyncSave({self.path!r}, {state})"
 
 
-_inflight: AsyncSave | None = None
-_seq = 0
+# ----------------------------------------------------------------------------
+# Phase 1: bringing the bytes to the host.
 
 
-def _finish_inflight() -> None:
-  """Waits for the previous save; raises its error if nobody has seen it."""
-  global _inflight
-  prev, _inflight = _inflight, None
-  if prev is None:
-    return
-  if prev._thread is not None:
-    prev._thread.join()
-  asked = isinstance(prev._error, errors.SaveCancelledError) and prev._cancelled.is_set()
-  if prev._error is not None and not prev._reported and not asked:  # cancel() expects it
-    prev._reported = True
-    prev._error.add_note(f"(raised by the earlier save_async to {prev.path}, which nobody"
-                         " waited for)")
-    raise prev._error
+def _host(value: Any) -> np.ndarray:
+  return value if isinstance(value, np.ndarray) else np.asarray(value)
 
 
-def wait_for_inflight_save(loc: Location | None = None) -> None:
-  """Blocks until a running save (to ``loc``, if given) is done. No raise."""
-  prev = _inflight
-  if prev is not None and (loc is None or prev._loc == loc) and prev._thread is not None:
-    prev._thread.join()
+def _start_transfers(pieces: Sequence[Piece]) -> None:
+  """Starts every device-to-host copy at once (nothing to do on the CPU backend)."""
+  for p in pieces:
+    for s in p.sources:
+      v = s.value
+      if isinstance(v, jax.Array) and v.sharding.memory_kind != "pinned_host":
+        if next(iter(v.devices())).platform == "cpu":
+          return  # host memory already: views are free
+        v.copy_to_host_async()
 
 
-def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
-         custom_metadata: Mapping[str, Any] | None = None) -> None:
-  """Saves ``items`` as one checkpoint and returns once it is committed.
+def _fill_pairs(piece: Piece, buf: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(source, destination) copies that fill ``buf`` with ``piece``'s bytes."""
+  if not piece.packed:
+    s = piece.sources[0]
+    src = _host(s.value)
+    return [(src if s.within is None else src[s.within], buf)]
+  pairs = []
+  for s in piece.sources:
+    n = math.prod(s.leaf_shape) * s.leaf_dtype.itemsize
+    leaf = buf[s.offset:s.offset + n].view(s.leaf_dtype).reshape(s.leaf_shape)
+    pairs.append((_host(s.value), leaf[s.index] if s.index else leaf))
+  return pairs
 
-  Args:
-    path: a local directory path, a URL (``s3://bucket/prefix``,
-      ``gs://bucket/prefix``) or a tensorstore kvstore spec dict.
-    items: item name -> pytree. Each item is stored separately and can be
-      restored alone. Leaves: ``jax.Array`` (any sharding, typed PRNG keys
-      included), numpy arrays, Python/numpy scalars, str, bytes, None.
-    overwrite: replace an existing committed checkpoint at ``path``. The old
-      one stays valid until the new one commits.
-    custom_metadata: JSON-serialisable dict stored with the checkpoint and
-      returned by :func:`orbax_flax.metadata`.
 
-  Raises:
-    CheckpointExistsError: a committed checkpoint exists and not overwrite.
-    UnsupportedLeafError: a leaf cannot be saved (names its key path).
+def host_views(pieces: Sequence[Piece], staging: _staging.Staging | None = None) -> None:
+  """Host data for a blocking save: views where possible (one host copy per shard at most).
+
+  Array blocks are views of the device buffers (zero-copy on CPU; one
+  device-to-host copy each on accelerators, all started at once); packed
+  buffers are assembled in ``staging``'s memory, or fresh memory.
+  """
+  _start_transfers(pieces)
+  packed = [p for p in pieces if p.packed]
+  specs = [(p.shape, p.dtype) for p in packed]
+  bufs = staging.arrays(specs) if staging is not None else _staging.fresh_arrays(specs)
+  pairs = []
+  for p, buf in zip(packed, bufs):
+    pairs += _fill_pairs(p, buf)
+    p.data = buf
+  _staging.copy_all(pairs)
+  for p in pieces:
+    if not p.packed:
+      (src, _), = _fill_pairs(p, None)
+      p.data = src
+
+
+def snapshot(pieces: Sequence[Piece], staging: _staging.Staging) -> None:
+  """Copies every block into ``staging``'s memory (the CPU path of an async save)."""
+  _start_transfers(pieces)
+  bufs = staging.arrays([(p.shape, p.dtype) for p in pieces])
+  pairs = []
+  for p, buf in zip(pieces, bufs):
+    pairs += _fill_pairs(p, buf)
+    p.data = buf
+  staging.copy(pairs)
+
+
+def to_pinned_host(pieces: Sequence[Piece]) -> None:
+  """Starts a copy of every device source into pinned host memory, all in one call.
+
+  The accelerator path of an async save: it returns before the copies finish.
+  XLA orders each copy before any later computation that donates or
+  overwrites the source, so the snapshot is exact. numpy sources (which the
+  caller could change) are copied now. :func:`host_views` later turns the
+  pinned arrays into host views, without another copy.
+  """
+  sources = [s for p in pieces for s in p.sources]
+  device = [s for s in sources if isinstance(s.value, jax.Array)]
+  if device:
+    shardings = [s.value.sharding.with_memory_kind("pinned_host") for s in device]
+    for s, pinned in zip(device, jax.device_put([s.value for s in device], shardings)):
+      s.value = pinned
+  for s in sources:
+    if isinstance(s.value, np.ndarray):
+      s.value = np.array(s.value)
+
+
+def split_rounds(pieces: Sequence[Piece], budget: int) -> list[list[Piece]]:
+  """Groups pieces into rounds of at most ``budget`` bytes (a larger piece is alone).
 
   Example:
-    >>> import numpy as np, orbax_flax as ofx, tempfile, os
-    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
-    >>> ofx.save(path, {"state": {"w": np.ones(3)}, "extra": {"epoch": 3}})
-    >>> ofx.restore(path)["extra"]
-    {'epoch': 3}
+    >>> from orbax_flax._planning import StoredArray
+    >>> a = StoredArray("i", "a0", (8,), "uint8", (8,))
+    >>> ps = [Piece(a, (), (n,), np.dtype(np.uint8), []) for n in (4, 4, 9, 1)]
+    >>> [[p.nbytes for p in r] for r in split_rounds(ps, 8)]
+    [[4, 4], [9], [1]]
   """
-  save_async(path, items, overwrite=overwrite, custom_metadata=custom_metadata,
-             _copy=False).wait()
-
-
-def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
-               custom_metadata: Mapping[str, Any] | None = None,
-               _copy: bool = True) -> AsyncSave:
-  """Starts a save and returns once the state is copied to host memory.
-
-  Arguments are those of :func:`save`. The caller may then donate or change
-  its arrays. Only one save runs at a time per process: this call first waits
-  for the previous one, and raises its error if nobody called ``wait()``.
-
-  Returns:
-    An :class:`AsyncSave`; ``wait()`` blocks until committed.
-
-  Example:
-    >>> import numpy as np, orbax_flax as ofx, tempfile, os
-    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
-    >>> handle = ofx.save_async(path, {"state": {"w": np.ones(3)}})
-    >>> handle.wait()
-    >>> float(ofx.restore(path)["state"]["w"].sum())
-    3.0
-  """
-  global _inflight, _seq
-  _finish_inflight()
-  start = time.perf_counter()
-  _seq += 1
-  plan = _planning.make_plan(Location.parse(path), items, overwrite, custom_metadata, _seq)
-  _planning.fill_packs(plan)
-  if _copy:
-    _planning.copy_pieces(plan)
-  handle = AsyncSave(plan, time.perf_counter() - start, start)
-  if _copy:
-    handle._start_background()
-    _inflight = handle
-  else:
-    handle._run()
-  return handle
+  if not budget:
+    return [list(pieces)]
+  rounds: list[list[Piece]] = [[]]
+  used = 0
+  for p in pieces:
+    if rounds[-1] and used + p.nbytes > budget:
+      rounds.append([])
+      used = 0
+    rounds[-1].append(p)
+    used += p.nbytes
+  return rounds
 
 
 # ----------------------------------------------------------------------------
 # Phase 2: write, agree, commit.
 
+# Writes go out in batches of about half a second each (two in flight), so that a
+# cancelled save stops writing within about a second.
+_FIRST_BATCH_BYTES = 128 << 20
+_MIN_BATCH_BYTES = 64 << 20
+_MAX_BATCH_BYTES = 4 << 30
+_BATCH_SECONDS = 0.5
 
-def _write_and_commit(plan: _planning.Plan) -> None:
-  me = _multihost.process_index()
-  key = f"orbax_flax/save/{plan.seq}"
-  final = plan.loc
-  if me == 0:
-    try:
-      gen = uuid.uuid4().hex[:16]
-      if final.is_local:
-        os.makedirs(os.path.dirname(final.local_path), exist_ok=True)
-        os.makedirs(_target(final, gen).local_path)
-      _multihost.publish(f"{key}/gen", gen)
-    except BaseException as e:
-      _multihost.publish(f"{key}/gen", f"error: {e}")
-      raise
-  else:
-    gen = _multihost.fetch(f"{key}/gen")
-    if gen.startswith("error: "):
-      raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
-  target = _target(final, gen)
 
-  error: BaseException | None = None
-  try:
-    _write_arrays(plan, target, gen)
-  except BaseException as e:  # pylint: disable=broad-except  # Shared, then re-raised.
-    error = e
-  status = "ok" if error is None else f"error: {type(error).__name__}: {error}"
-  if me != 0:
-    _multihost.publish(f"{key}/status/{me}", status)
-    if error is not None:
-      raise error
-    verdict = _multihost.fetch(f"{key}/verdict")
-    if verdict.startswith(_CANCELLED):
-      raise errors.SaveCancelledError(verdict[len(_CANCELLED):])
-    if verdict != "ok":
-      raise errors.StorageError(verdict[7:])
-    return
+class SaveRun:
+  """One save on one process: agree on a generation, write, agree on the verdict, commit.
 
-  verdict = "ok"
-  try:
-    statuses = [status] + [_multihost.fetch(f"{key}/status/{p}")
-                           for p in range(1, _multihost.process_count())]
-    if _multihost.process_count() > 1:
-      # Every process has reported on this save, so each has read the previous verdict.
-      _multihost.delete(f"orbax_flax/save/{plan.seq - 1}")
-    if error is not None:
-      raise error
-    failed = [f"process {p}: {s[7:]}" for p, s in enumerate(statuses) if s != "ok"]
-    cancelled = [f for f in failed if f.split(": ", 2)[1] == errors.SaveCancelledError.__name__]
-    if cancelled:
-      raise errors.SaveCancelledError(f"save to {final} was cancelled on "
-                                      + ", ".join(f.split(":")[0] for f in cancelled)
-                                      + "; nothing was committed.")
-    if failed:
-      raise errors.StorageError(f"save to {final} failed, nothing was committed: "
-                                + "; ".join(failed))
-    _commit(plan, target, gen)
-  except BaseException as e:
-    if isinstance(e, errors.SaveCancelledError):
-      verdict = f"{_CANCELLED}{e}"
+  The verdict is one key of the coordination service that can be set only
+  once (process 0's "commit", or an abort from whichever process gives up
+  first), so every process learns the same outcome. A process that stops
+  waiting never deletes data another process may still be writing.
+
+  Args:
+    plan: the plan of the save.
+    key: a coordination-service prefix unique to this save, same on every process.
+    timeout_s: how long a process waits for another at each rendezvous.
+    cancelled: set by ``AsyncSave.cancel()``.
+  """
+
+  def __init__(self, plan: _planning.Plan, key: str, timeout_s: float,
+               cancelled: threading.Event, previous_key: str | None = None):
+    self.plan, self.key, self.timeout_s, self.cancelled = plan, key, timeout_s, cancelled
+    self.previous_key = previous_key
+    self.me, self.nproc = _multihost.process_index(), _multihost.process_count()
+    self.gen: str | None = None
+    self.target: Location | None = None
+    self.writers: dict[str, _tsio.DatabaseWriter] = {}
+    self._ctx = None
+    self.bytes_written = 0
+
+  # ---------------------------------------------------------------- writing
+
+  def begin(self) -> None:
+    """Agrees on the generation id and creates the temporary directory (process 0)."""
+    if self.gen is not None:
+      return
+    final = self.plan.loc
+    if self.me == 0:
+      try:
+        gen = uuid.uuid4().hex[:16]
+        if final.is_local:
+          os.makedirs(os.path.dirname(final.local_path), exist_ok=True)
+          os.makedirs(_target(final, gen).local_path)
+        _multihost.publish(f"{self.key}/gen", gen)
+      except BaseException as e:
+        _multihost.publish(f"{self.key}/gen", f"error: {e}")
+        raise
     else:
-      verdict = f"error: save to {final} failed on process 0, nothing was committed: {e}"
-    if final.is_local and os.path.isdir(target.local_path):
-      shutil.rmtree(target.local_path, ignore_errors=True)
-    raise
-  finally:
-    _multihost.publish(f"{key}/verdict", verdict)
+      gen = _multihost.fetch(f"{self.key}/gen", self.timeout_s,
+                             waiting_for=f"process 0 to start the save to {final}", missing=[0])
+      if gen.startswith("error: "):
+        raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
+    self.gen, self.target = gen, _target(final, gen)
+    self._ctx = _tsio.context()
+
+  def _writer(self, item: str) -> _tsio.DatabaseWriter:
+    db = f"{item}/p{self.me}-{self.gen}"
+    if db not in self.writers:
+      self.writers[db] = _tsio.DatabaseWriter(self.target, db, self._ctx)
+    return self.writers[db]
+
+  def write(self, pieces: Sequence[Piece], materialize: Callable[[Sequence[Piece]], None] | None = None,
+            max_batch_bytes: int = 0) -> None:
+    """Writes the pieces (host data ready, or made by ``materialize`` per batch).
+
+    Batches take about half a second of writing each (at most
+    ``max_batch_bytes``, if given), two in flight; a cancellation is noticed
+    between them.
+    """
+    self.begin()
+    cap = max_batch_bytes or _MAX_BATCH_BYTES
+    limit = min(cap, _FIRST_BATCH_BYTES)
+    pieces = list(pieces)
+    in_flight: list[list[Piece]] = []  # batches still being committed, oldest first
+    i = 0
+    start = time.perf_counter()
+    try:
+      while i < len(pieces):
+        self.check_cancelled()
+        batch, size = [], 0
+        while i < len(pieces) and (not batch or size + pieces[i].nbytes <= limit):
+          batch.append(pieces[i])
+          size += pieces[i].nbytes
+          i += 1
+        if materialize is not None:
+          materialize(batch)
+        for p in batch:
+          a = p.array
+          self._writer(a.item).add(a.name, a.shape, a.dtype, a.chunk_shape, p.slices, p.data)
+        # Two batches in flight: the next one is issued while this one commits.
+        for w in self.writers.values():
+          w.flush(depth=2)
+        in_flight.append(batch)
+        if len(in_flight) > 1:  # the oldest batch is committed by now
+          done = in_flight.pop(0)
+          self._done(done)
+          self.bytes_written += sum(p.nbytes for p in done)
+          rate = self.bytes_written / max(time.perf_counter() - start, 1e-3)
+          limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
+      for w in self.writers.values():
+        w.wait()
+    except ValueError as e:
+      raise _location._storage_error(self.target, "writing array data", e) from e  # pylint: disable=protected-access
+    for batch in in_flight:
+      self._done(batch)
+      self.bytes_written += sum(p.nbytes for p in batch)
+
+  @staticmethod
+  def _done(batch: Sequence[Piece]) -> None:
+    for p in batch:
+      p.data = None  # committed: a view or host copy is no longer needed
+
+  def check_cancelled(self) -> None:
+    if self.cancelled.is_set():
+      raise errors.SaveCancelledError(
+          f"save to {self.plan.loc} was cancelled on process {self.me} before it"
+          " committed; nothing was committed.")
+
+  def _sync(self) -> None:
+    if self.target is None or not self.target.is_local:
+      return
+    for db in self.writers:
+      path = os.path.join(self.target.local_path, db)
+      if os.path.isdir(path):
+        _location.fsync_tree(path)
+    for item in {db.split("/")[0] for db in self.writers}:
+      path = os.path.join(self.target.local_path, item)
+      if os.path.isdir(path):
+        _location.fsync_dir(path)
+
+  # ---------------------------------------------------------------- the verdict
+
+  def finish(self, error: BaseException | None) -> None:
+    """Reports this process's result, learns the job's verdict; process 0 commits.
+
+    Raises the local error, or the verdict's error, on every process alike.
+    """
+    if error is None:
+      try:
+        self._sync()
+      except OSError as e:
+        error = e
+    if self.nproc == 1:
+      if error is None:
+        try:
+          self.check_cancelled()
+          self._commit()
+          return
+        except BaseException as e:
+          error = e
+      self._discard()
+      raise error
+    status = "ok" if error is None else _describe(error)
+    _multihost.arrive(f"{self.key}/status", status)
+    if self.me != 0:
+      self._follow(error)
+    else:
+      self._lead(error)
+
+  def _follow(self, error: BaseException | None) -> None:
+    try:
+      decision = _multihost.fetch(f"{self.key}/decision", self.timeout_s,
+                                  waiting_for="process 0's commit decision", missing=[0])
+    except _multihost.CoordinationTimeoutError:
+      missing = _multihost.absent(f"{self.key}/status")
+      who = (f"process(es) {missing} did not finish writing" if missing
+             else "process 0 did not decide")
+      decision = _multihost.claim(
+          f"{self.key}/decision",
+          f"failed: save to {self.plan.loc} aborted by process {self.me} after waiting"
+          f" {self.timeout_s:g} s (coordination_timeout_seconds): {who}; nothing was committed.")
+    if error is not None:
+      raise error
+    if decision == "commit":
+      try:
+        outcome = _multihost.fetch(f"{self.key}/outcome", self.timeout_s,
+                                   waiting_for="process 0 to commit", missing=[0])
+      except _multihost.CoordinationTimeoutError as e:
+        raise errors.StorageError(
+            f"process 0 began committing {self.plan.loc} but did not report within"
+            f" {self.timeout_s:g} s; the checkpoint may or may not be committed (`python -m"
+            " orbax_flax verify` tells).") from e
+      if outcome != "ok":
+        raise errors.StorageError(outcome)
+      return
+    _raise_verdict(decision)
+
+  def _lead(self, error: BaseException | None) -> None:
+    final = self.plan.loc
+    try:
+      statuses = _multihost.gather(f"{self.key}/status", self.timeout_s,
+                                   what=f"finish writing its part of {final}")
+    except _multihost.CoordinationTimeoutError as e:
+      decision = _multihost.claim(
+          f"{self.key}/decision",
+          f"failed: save to {final} aborted by process 0: {e} Nothing was committed; the data"
+          " written so far is a leftover, removed by a later save or manager.")
+      # Never delete here: a process that did not report may still be writing.
+      if error is not None:
+        raise error
+      _raise_verdict(decision)
+    if self.previous_key:
+      # Every process has reported on this save, so each has read the previous verdict.
+      _multihost.delete(self.previous_key)
+    failed = [(p, s) for p, s in enumerate(statuses) if s != "ok"]
+    if not failed and self.cancelled.is_set():  # cancelled after writing, before the decision
+      failed = [(0, _CANCELLED)]
+    if failed:
+      cancelled = [p for p, s in failed if s.startswith(_CANCELLED)]
+      if cancelled:
+        text = (f"cancelled: save to {final} was cancelled on process"
+                f" {', '.join(map(str, cancelled))}; nothing was committed.")
+      else:
+        text = (f"failed: save to {final} failed, nothing was committed: "
+                + "; ".join(f"process {p}: {s}" for p, s in failed))
+      decision = _multihost.claim(f"{self.key}/decision", text)
+    else:
+      decision = _multihost.claim(f"{self.key}/decision", "commit")
+    if decision != "commit":
+      self._discard()  # every process reported: nobody writes any more
+      if error is not None:
+        raise error
+      _raise_verdict(decision)
+    try:
+      self._commit()
+    except BaseException as e:
+      _multihost.publish(f"{self.key}/outcome",
+                         f"save to {final} failed on process 0, nothing was committed: {e}")
+      self._discard()
+      raise
+    _multihost.publish(f"{self.key}/outcome", "ok")
+
+  # ---------------------------------------------------------------- the commit
+
+  def _discard(self) -> None:
+    """Removes this save's uncommitted data (only when no process writes any more)."""
+    if self.target is None:
+      return
+    try:
+      if self.target.is_local:
+        if self.me == 0 and os.path.isdir(self.target.local_path):
+          shutil.rmtree(self.target.local_path, ignore_errors=True)
+      elif self.me == 0:
+        _delete_generations(self.plan.loc,
+                            _databases(self.plan.manifest["items"], self.nproc, self.gen))
+    except (OSError, errors.StorageError) as e:
+      log.warning("could not remove the data of the failed save to %s: %s", self.plan.loc, e)
+
+  def _commit(self) -> None:
+    """Process 0: write the manifest last, then make it visible atomically."""
+    plan, gen, target = self.plan, self.gen, self.target
+    if gen is None:  # nothing to write at all, e.g. only scalars: still a checkpoint
+      self.begin()
+      gen, target = self.gen, self.target
+    final = plan.loc
+    manifest = dict(plan.manifest, generation=gen)
+    data = _manifest.encode(manifest)
+    if not final.is_local:
+      old = _location.read_key(final, _manifest.MANIFEST_KEY)
+      if old is not None and not plan.overwrite:
+        _delete_generations(final, _databases(manifest["items"], self.nproc, gen))  # ours
+        raise errors.CheckpointExistsError(f"a checkpoint appeared at {final} during the save;"
+                                           " nothing was overwritten.")
+      _location.write_key(final, _manifest.MANIFEST_KEY, data)
+      # Committed. What follows is cleanup: it may fail without undoing the commit.
+      if old is not None:
+        try:
+          previous = _manifest.decode(old, str(final))
+          dbs = _databases(previous["items"], previous["process_count"], previous["generation"])
+        except (errors.CheckpointCorruptedError, KeyError, ValueError):
+          dbs = None  # a damaged old manifest: remove every other generation
+        try:
+          _delete_generations(final, dbs, keep=gen)
+        except errors.StorageError as e:
+          log.warning("checkpoint %s committed; removing the previous generation failed: %s",
+                      final, e)
+      return
+    # Every writer fsync'd its own files and directories; the manifest and the
+    # directory that holds it are the last things made durable before the rename.
+    _location.write_local_durably(os.path.join(target.local_path, _manifest.MANIFEST_KEY), data)
+    _location.fsync_dir(target.local_path)
+    tmp, dst = target.local_path, final.local_path
+    committed = os.path.exists(os.path.join(dst, _manifest.MANIFEST_KEY))
+    if not committed:
+      # Nothing there, or an empty directory (replaced). Whatever appeared at dst
+      # since the plan was checked makes the rename fail: it is never replaced.
+      try:
+        os.rename(tmp, dst)
+      except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+          raise
+        raise errors.CheckpointExistsError(
+            f"{dst} was created by someone else during the save; nothing was overwritten."
+            " Choose another path.") from e
+      _location.fsync_dir(os.path.dirname(dst))
+      return
+    if not plan.overwrite:
+      raise errors.CheckpointExistsError(f"a checkpoint appeared at {dst} during the save;"
+                                         " nothing was overwritten.")
+    if _location.exchange(tmp, dst):
+      _location.fsync_dir(os.path.dirname(dst))
+      shutil.rmtree(tmp, ignore_errors=True)  # Now holds the old checkpoint.
+      return
+    _replace_in_place(tmp, dst, gen, data)
 
 
-_CANCELLED = "cancelled: "  # verdict prefix: some process cancelled the save
+_CANCELLED = "cancelled: "  # a status or decision: some process cancelled the save
+
+
+def _describe(error: BaseException) -> str:
+  if isinstance(error, errors.SaveCancelledError):
+    return f"{_CANCELLED}{error}"
+  return f"error: {type(error).__name__}: {error}"
+
+
+def _raise_verdict(decision: str) -> None:
+  if decision.startswith(_CANCELLED):
+    raise errors.SaveCancelledError(decision[len(_CANCELLED):])
+  raise errors.StorageError(decision.split(": ", 1)[1] if ": " in decision else decision)
 
 
 def _target(final: Location, gen: str) -> Location:
   """Where data is written: a temporary sibling directory, or in place on object stores."""
   return final.sibling(f"{final.name}{TMP_MARKER}{gen}") if final.is_local else final
-
-
-def _check_cancelled(plan: _planning.Plan) -> None:
-  if plan.cancelled is not None and plan.cancelled.is_set():
-    raise errors.SaveCancelledError(
-        f"save to {plan.loc} was cancelled on process {_multihost.process_index()} before it"
-        " committed; nothing was committed.")
-
-
-def _write_arrays(plan: _planning.Plan, target: Location, gen: str) -> None:
-  _check_cancelled(plan)
-  me = _multihost.process_index()
-  ctx = _tsio.context()
-  writers: dict[str, _tsio.DatabaseWriter] = {}
-
-  def writer(item: str) -> _tsio.DatabaseWriter:
-    db = f"{item}/p{me}-{gen}"
-    if db not in writers:
-      writers[db] = _tsio.DatabaseWriter(target, db, ctx)
-    return writers[db]
-
-  for pack in plan.packs:
-    chunk = _planning.pack_chunk_bytes(pack.size)
-    writer(pack.item).add(_planning.PACKED, (pack.size,), "uint8", (chunk,),
-                          [((slice(0, pack.size),), pack.buffer)])
-  for a in plan.arrays:
-    writer(a.item).add(a.name, a.shape, a.dtype, a.chunk_shape,
-                       [(p.slices, p.data) for p in a.pieces])
-  try:
-    for w in writers.values():
-      w.start()
-    for w in writers.values():
-      w.commit()
-  except ValueError as e:
-    raise _location._storage_error(target, "writing array data", e) from e
-  if target.is_local:
-    for db in writers:
-      _location.fsync_tree(os.path.join(target.local_path, db))
-    for item in {db.split('/')[0] for db in writers}:
-      _location.fsync_dir(os.path.join(target.local_path, item))
-
-
-def _commit(plan: _planning.Plan, target: Location, gen: str) -> None:
-  """Process 0: write the manifest last, then make it visible atomically."""
-  final = plan.loc
-  _check_cancelled(plan)
-  manifest = dict(plan.manifest, generation=gen)
-  data = _manifest.encode(manifest)
-  if not final.is_local:
-    old = _location.read_key(final, _manifest.MANIFEST_KEY)
-    if old is not None and not plan.overwrite:
-      _delete_generation(final, manifest, keep="")  # ours, written next to theirs
-      raise errors.CheckpointExistsError(f"a checkpoint appeared at {final} during the save;"
-                                         " nothing was overwritten.")
-    _location.write_key(final, _manifest.MANIFEST_KEY, data)
-    if old is not None:
-      _delete_generation(final, _manifest.decode(old, str(final)), keep=gen)
-    return
-  # Every writer fsync'd its own files and directories; the manifest and the
-  # directory that holds it are the last things made durable before the rename.
-  _location.write_local_durably(os.path.join(target.local_path, _manifest.MANIFEST_KEY), data)
-  _location.fsync_dir(target.local_path)
-  tmp, dst = target.local_path, final.local_path
-  committed = os.path.exists(os.path.join(dst, _manifest.MANIFEST_KEY))
-  if not committed:
-    # Nothing there, or an empty directory (replaced). Whatever appeared at dst
-    # since the plan was checked makes the rename fail: it is never replaced.
-    try:
-      os.rename(tmp, dst)
-    except OSError as e:
-      if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-        raise
-      raise errors.CheckpointExistsError(
-          f"{dst} was created by someone else during the save; nothing was overwritten."
-          " Choose another path.") from e
-    _location.fsync_dir(os.path.dirname(dst))
-    return
-  if not plan.overwrite:
-    raise errors.CheckpointExistsError(f"a checkpoint appeared at {dst} during the save;"
-                                       " nothing was overwritten.")
-  if _location.exchange(tmp, dst):
-    _location.fsync_dir(os.path.dirname(dst))
-    shutil.rmtree(tmp, ignore_errors=True)  # Now holds the old checkpoint.
-    return
-  _replace_in_place(tmp, dst, gen, data)
 
 
 def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:
@@ -385,7 +601,6 @@ def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:
   manifest switches from the old generation to the new. Killed before that, the
   old checkpoint is intact; after it, the new one is complete.
   """
-  old = _manifest.decode(open(os.path.join(dst, _manifest.MANIFEST_KEY), "rb").read(), dst)
   items = [i for i in os.listdir(tmp) if os.path.isdir(os.path.join(tmp, i))]
   for item in items:
     os.makedirs(os.path.join(dst, item), exist_ok=True)
@@ -396,26 +611,28 @@ def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:
   _location.write_local_durably(staged, manifest)
   os.replace(staged, os.path.join(dst, _manifest.MANIFEST_KEY))
   _location.fsync_dir(dst)
-  _delete_generation(Location.parse(dst), old, keep=gen)
-  for item in old["items"]:  # items the new checkpoint no longer has
+  # Committed; the rest removes the old generation (and items the new one lacks).
+  for item in os.listdir(dst):
     path = os.path.join(dst, item)
-    if item not in items and os.path.isdir(path) and not os.listdir(path):
+    if not os.path.isdir(path):
+      continue
+    for db in os.listdir(path):
+      if not db.endswith(f"-{gen}"):
+        shutil.rmtree(os.path.join(path, db), ignore_errors=True)
+    if item not in items and not os.listdir(path):
       os.rmdir(path)
   shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _delete_generation(loc: Location, old_manifest: dict[str, Any], keep: str) -> None:
-  old_gen = old_manifest.get("generation")
-  if not old_gen or old_gen == keep:
-    return
-  for item in old_manifest["items"]:
-    for p in range(old_manifest["process_count"]):
-      _location.delete_prefix(loc, f"{item}/p{p}-{old_gen}/")
+def _databases(items: Any, process_count: int, gen: str) -> list[str]:
+  """The process databases ``<item>/p<i>-<gen>`` of one generation."""
+  return [f"{item}/p{p}-{gen}" for item in items for p in range(process_count)]
 
 
-def _release_memory() -> None:
-  """Hands freed staging memory back to the OS (glibc keeps it otherwise)."""
-  try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-  except (OSError, AttributeError):
-    pass
+def _delete_generations(loc: Location, dbs: Sequence[str] | None, keep: str | None = None) -> None:
+  """Deletes the given databases, or (``dbs`` None) every one not of generation ``keep``."""
+  if dbs is None:
+    found = {"/".join(k.split("/", 2)[:2]) for k in _location.list_keys(loc) if k.count("/") >= 2}
+    dbs = [d for d in found if d.split("/")[1].startswith("p") and not d.endswith(f"-{keep}")]
+  for db in sorted(dbs):
+    _location.delete_prefix(loc, db + "/")

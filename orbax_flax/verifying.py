@@ -1,8 +1,8 @@
 """Re-reading a whole checkpoint to check every checksum.
 
-Restores check the chunks they read; :func:`verify` reads them all, one array
-at a time (so memory stays bounded by the largest array), and reports every
-damaged array, not just the first.
+Restores check the chunks they read; :func:`verify` reads them all, a few
+chunks at a time (so memory stays bounded), and reports every damaged array,
+not just the first.
 """
 
 from __future__ import annotations
@@ -11,11 +11,16 @@ from typing import Any
 
 import numpy as np
 
+from orbax_flax import _layout
+from orbax_flax import _planning
+from orbax_flax import _reading
 from orbax_flax import _tree
+from orbax_flax import checkpointer
 from orbax_flax import errors
 from orbax_flax import restoring
-from orbax_flax import saving
 from orbax_flax._location import Location
+
+_BATCH_BYTES = 256 << 20
 
 
 def verify(path: Any) -> int:
@@ -39,32 +44,67 @@ def verify(path: Any) -> int:
     64
   """
   loc = Location.parse(path)
-  saving.wait_for_inflight_save(loc)
+  checkpointer.wait_for_inflight(loc)
   manifest = restoring.read_manifest(loc)  # checks the manifest's own hashes
+  reader = _reading.Reader(loc, manifest, _BATCH_BYTES)
   problems: list[str] = []
   verified = 0
+  for batch, nbytes in _batches(manifest):
+    try:
+      reader.read([f for f in batch if isinstance(f, _reading.Fill)],
+                  [f for f in batch if isinstance(f, _reading.PackedFill)])
+      verified += nbytes
+    except errors.CheckpointCorruptedError as e:
+      if len(batch) > 1:  # find every damaged one
+        for f in batch:
+          try:
+            reader.read(*(([f], []) if isinstance(f, _reading.Fill) else ([], [f])))
+            verified += f.out.nbytes
+          except errors.CheckpointCorruptedError as e1:
+            problems.append(str(e1))
+      else:
+        problems.append(str(e))
+  if problems:
+    unique = list(dict.fromkeys(problems))
+    raise errors.CheckpointCorruptedError(
+        f"{len(unique)} damaged chunk group(s) in {loc}:\n  " + "\n  ".join(unique))
+  return verified
+
+
+def _batches(manifest: dict[str, Any]):
+  """Fills for every stored chunk, in batches of about ``_BATCH_BYTES`` (buffers included)."""
+  batch: list[Any] = []
+  used = 0
   for item, saved in manifest["items"].items():
-    batches: list[list[restoring._Want]] = []  # pylint: disable=protected-access
-    packed: list[restoring._Want] = []  # pylint: disable=protected-access
+    packed: dict[int, list[dict[str, Any]]] = {}
     for rec in saved["leaves"]:
       if rec["kind"] == "value" or not rec["owners"]:
         continue
-      shape = tuple(rec["shape"])
-      want = restoring._Want(item, rec, np.dtype(_tree.dtype_from_name(rec["dtype"])), None,  # pylint: disable=protected-access
-                             shape, None, {tuple((0, s) for s in shape): []})
       if "packed_offset" in rec:
-        packed.append(want)      # small arrays: read together
-      else:
-        batches.append([want])   # one large array at a time
-    if packed:
-      batches.insert(0, packed)
-    for batch in batches:
-      try:
-        restoring._read(loc, manifest, batch)  # pylint: disable=protected-access
-        verified += sum(w.rec["nbytes"] for w in batch)
-      except errors.CheckpointCorruptedError as e:
-        problems.append(str(e))
-  if problems:
-    raise errors.CheckpointCorruptedError(
-        f"{len(problems)} damaged array group(s) in {loc}:\n  " + "\n  ".join(problems))
-  return verified
+        packed.setdefault(rec["owners"][0], []).append(rec)
+        continue
+      chunking = _layout.Chunking(tuple(rec["shape"]), tuple(rec["chunk_shape"]))
+      stored = _tree.dtype_from_name(rec["stored_dtype"])
+      for c in range(chunking.num_chunks):
+        box = chunking.chunk_box(c)
+        out = np.empty(_layout.box_shape(box), stored)
+        batch.append(_reading.Fill(item, rec, box, out))
+        used += out.nbytes
+        if used >= _BATCH_BYTES:
+          yield batch, used
+          batch, used = [], 0
+    for owner, recs in packed.items():
+      size = saved["packed"][str(owner)]
+      chunk = _planning.pack_chunk_bytes(size)
+      for lo in range(0, size, chunk):
+        hi = min(size, lo + chunk)
+        names = [_tree.path_str(tuple(r["path"])) for r in recs
+                 if r["packed_offset"] < hi and r["packed_offset"] + r["nbytes"] > lo]
+        name = names[0] if len(names) == 1 else f"one of {', '.join(names[:4])} (packed together)"
+        batch.append(_reading.PackedFill(item, owner, lo, hi, np.empty(hi - lo, np.uint8), name))
+        used += hi - lo
+        if used >= _BATCH_BYTES:
+          yield batch, used
+          batch, used = [], 0
+  if batch:
+    yield batch, used

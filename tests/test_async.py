@@ -58,15 +58,15 @@ def test_arrays_can_be_donated_and_deleted_once_save_async_returns(ckpt_dir):
 
 
 def test_snapshot_does_not_alias_device_buffers(ckpt_dir):
-  from orbax_flax import _planning  # pylint: disable=g-import-not-at-top
+  from orbax_flax import _planning, _staging, saving  # pylint: disable=g-import-not-at-top
   from orbax_flax._location import Location  # pylint: disable=g-import-not-at-top
   state = _state(8)
-  plan = _planning.make_plan(Location.parse(ckpt_dir), {"state": state}, False, None, 0)
-  _planning.copy_pieces(plan)
+  plan = _planning.make_plan(Location.parse(ckpt_dir), {"state": state}, False, None)
+  saving.snapshot(plan.pieces, _staging.Staging())
   views = [np.asarray(s.data) for s in state["w"].addressable_shards]
-  for a in plan.arrays:
-    for piece in a.pieces:
-      assert not any(np.shares_memory(piece.data, v) for v in views)
+  assert plan.pieces
+  for piece in plan.pieces:
+    assert not any(np.shares_memory(piece.data, v) for v in views)
 
 
 def test_only_one_save_in_flight(tmp_path):

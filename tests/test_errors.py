@@ -72,13 +72,13 @@ def test_unsupported_leaf_names_key_path_and_writes_nothing(tmp_path, ckpt_dir):
 
 def _hold_after_writing(monkeypatch, action):
   """Runs ``action`` after a save wrote its data, before it commits."""
-  write = saving._write_arrays  # pylint: disable=protected-access
+  commit = saving.SaveRun._commit  # pylint: disable=protected-access
 
-  def write_then_act(*args):
-    write(*args)
+  def act_then_commit(run):
     action()
+    commit(run)
 
-  monkeypatch.setattr(saving, "_write_arrays", write_then_act)
+  monkeypatch.setattr(saving.SaveRun, "_commit", act_then_commit)
 
 
 def test_what_appears_during_a_save_is_never_replaced(tmp_path, monkeypatch):

@@ -94,14 +94,14 @@ def test_two_processes_save_to_s3(s3_server, s3_bucket):
 
 def test_checkpoint_appearing_during_a_save_is_kept_on_s3(s3_server, s3_bucket, monkeypatch):
   url = f"s3://{s3_bucket}/race"
-  write = saving._write_arrays  # pylint: disable=protected-access
+  commit = saving.SaveRun._commit  # pylint: disable=protected-access
 
-  def write_then_someone_else_commits(*args):
-    write(*args)
-    monkeypatch.setattr(saving, "_write_arrays", write)
+  def someone_else_commits_first(run):
+    monkeypatch.setattr(saving.SaveRun, "_commit", commit)
     ofx.save(url, {"state": {"who": "someone else", "x": np.ones(3)}})
+    commit(run)
 
-  monkeypatch.setattr(saving, "_write_arrays", write_then_someone_else_commits)
+  monkeypatch.setattr(saving.SaveRun, "_commit", someone_else_commits_first)
   with pytest.raises(ofx.CheckpointExistsError, match="appeared .* during the save"):
     ofx.save(url, {"state": _state(2)})
   assert ofx.restore(url)["state"]["who"] == "someone else"

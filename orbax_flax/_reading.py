@@ -1,0 +1,484 @@
+"""Reading stored array bytes into the caller's final buffers.
+
+A restore knows, for every box of every array it builds, the host buffer the
+bytes must end up in (:class:`Fill`). This module brings them there:
+
+* **Local checkpoints**: the OCDBT index of each process database (read
+  through tensorstore) says in which data file, at which offset, each chunk
+  lies. A chunk that covers a contiguous part of one destination is read with
+  ``preadv`` straight into it, and its zarr3 CRC-32C checked there: one copy,
+  no intermediate buffer, which is what makes a restore run at the speed of
+  the disk and take no more memory than the state. A chunk needed by several
+  destinations, or only in part (another mesh), is read once into a reused
+  temporary buffer, checked, and copied out.
+* **Object stores** (or anything the index cannot describe): tensorstore
+  reads the chunks and checks them, copying into the destinations.
+
+Either way the format is tensorstore's own (zarr3 chunks with the ``crc32c``
+codec inside OCDBT), so tensorstore reads these checkpoints too. Temporary
+memory is bounded by the budget (``max_host_bytes``, or 256 MiB), plus one
+chunk.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import tensorstore as ts
+
+from orbax_flax import _layout
+from orbax_flax import _location
+from orbax_flax import _planning
+from orbax_flax import _tree
+from orbax_flax import _tsio
+from orbax_flax import errors
+from orbax_flax._location import Location
+
+_DEFAULT_TEMP_BYTES = 256 << 20
+_THREADS = 8  # deep queues help cold reads; the copies release the GIL
+
+
+@dataclasses.dataclass
+class Fill:
+  """``box`` of a chunked array, to land in ``out`` (the box's shape, stored dtype)."""
+  item: str
+  rec: dict[str, Any]
+  box: _layout.Box
+  out: np.ndarray
+
+
+@dataclasses.dataclass
+class PackedFill:
+  """A small array packed in process ``owner``'s buffer: bytes ``[lo, hi)`` into ``out``."""
+  item: str
+  owner: int
+  lo: int
+  hi: int
+  out: np.ndarray  # uint8, hi - lo bytes
+  name: str        # key path, for errors
+
+
+@dataclasses.dataclass(frozen=True)
+class _Located:
+  file: str | None   # data file, or None for a value stored inline in the index
+  offset: int
+  length: int
+  inline: bytes | None = None
+
+
+def _chunk_key(name: str, coords: Sequence[int]) -> str:
+  return name + "/c" + "".join(f"/{c}" for c in coords)
+
+
+class _Index:
+  """Chunk locations of the process databases of one checkpoint, loaded on first use."""
+
+  def __init__(self, loc: Location, generation: str):
+    self.loc, self.gen = loc, generation
+    self._dbs: dict[tuple[str, int], dict[bytes, _Located] | None] = {}
+    self._lock = threading.Lock()
+
+  def db(self, item: str, owner: int) -> str:
+    return f"{item}/p{owner}-{self.gen}"
+
+  def load(self, keys: Sequence[tuple[str, int]]) -> None:
+    todo = [k for k in dict.fromkeys(keys) if k not in self._dbs]
+    if todo:
+      with concurrent.futures.ThreadPoolExecutor(min(8, len(todo))) as ex:
+        for k, v in zip(todo, ex.map(self._load_one, todo)):
+          self._dbs[k] = v
+
+  def get(self, item: str, owner: int) -> dict[bytes, _Located] | None:
+    return self._dbs.get((item, owner))
+
+  def _load_one(self, key: tuple[str, int]) -> dict[bytes, _Located] | None:
+    """The index of one database; None if it cannot be described (tensorstore then reads)."""
+    db = self.db(*key)
+    base = os.path.join(self.loc.local_path, db)
+    try:
+      store = ts.KvStore.open({"driver": "file", "path": base + "/"},
+                              context=_location.default_context()).result()
+      dump = ts.ocdbt.dump(store).result()
+      out: dict[bytes, _Located] = {}
+      root = dump["versions"][-1]["root"].get("location")
+      stack = [root] if root else []
+      while stack:
+        node = ts.ocdbt.dump(store, stack.pop()).result()
+        for entry in node.get("entries", []):
+          child = entry.get("node") or entry.get("location")
+          if isinstance(child, str) and child.startswith("btreenode::"):
+            stack.append(child)
+          elif "indirect_value" in entry:
+            file, offset, length = str(entry["indirect_value"]).split("::", 1)[1].rsplit(":", 2)
+            out[bytes(entry["key"])] = _Located(os.path.join(base, file), int(offset), int(length))
+          elif "inline_value" in entry:
+            value = bytes(entry["inline_value"])
+            out[bytes(entry["key"])] = _Located(None, 0, len(value), value)
+      return out
+    except ValueError as e:
+      if _tsio.is_corruption(e):
+        raise errors.CheckpointCorruptedError(
+            f"checkpoint data is corrupted: the index of database {base} cannot be read: {e}."
+            " Restore from another checkpoint.") from e
+      raise _location._storage_error(self.loc, f"reading the index of {db}", e) from e  # pylint: disable=protected-access
+    except (KeyError, TypeError, IndexError, AttributeError):
+      return None  # an index layout this reader does not know: let tensorstore read
+
+
+class _TempPool:
+  """Reused temporary buffers, at most ``limit`` bytes out at once (one larger alone)."""
+
+  def __init__(self, limit: int):
+    self.limit = limit
+    self._free: list[np.ndarray] = []
+    self._out = 0
+    self._cond = threading.Condition()
+
+  def get(self, n: int) -> np.ndarray:
+    with self._cond:
+      while self._out and self._out + n > self.limit:
+        self._cond.wait()
+      self._out += n
+      fits = [i for i, b in enumerate(self._free) if b.nbytes >= n]
+      if fits:
+        return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+      return np.empty(n, np.uint8)
+
+  def put(self, buf: np.ndarray, n: int) -> None:
+    with self._cond:
+      self._out -= n
+      self._free.append(buf)
+      while sum(b.nbytes for b in self._free) > self.limit and self._free:
+        self._free.pop(0)
+      self._cond.notify_all()
+
+
+def _contiguous(inner: _layout.Box, outer: _layout.Box) -> bool:
+  """True if ``inner`` is one contiguous run of ``outer``'s C-order buffer."""
+  sizes = _layout.box_shape(inner)
+  full = _layout.box_shape(outer)
+  d = next((i for i, s in enumerate(sizes) if s > 1), len(sizes))
+  return all(sizes[j] == full[j] for j in range(d + 1, len(sizes)))
+
+
+def _flat_view(out: np.ndarray, inner: _layout.Box, outer: _layout.Box) -> np.ndarray:
+  """The bytes of ``inner`` inside ``out`` (which holds ``outer``), as a flat uint8 view."""
+  view = out[_layout.relative(inner, outer)]
+  return view.reshape(-1).view(np.uint8)
+
+
+def _direct_ok(rec: dict[str, Any]) -> bool:
+  dtype = _tree.dtype_from_name(rec["stored_dtype"])
+  return sys.byteorder == "little" and dtype.name not in _SUB_BYTE
+
+
+_SUB_BYTE = frozenset({"int2", "int4", "uint2", "uint4", "float4_e2m1fn"})
+
+
+class Reader:
+  """Fills destination buffers from one checkpoint's stored chunks.
+
+  Args:
+    loc: the checkpoint.
+    manifest: its decoded manifest.
+    max_host_bytes: bound on temporary memory (0: 256 MiB).
+  """
+
+  def __init__(self, loc: Location, manifest: dict[str, Any], max_host_bytes: int = 0):
+    self.loc, self.manifest = loc, manifest
+    self.index = _Index(loc, manifest["generation"]) if loc.is_local else None
+    self.temps = _TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
+    self.bytes_read = 0
+    self._lock = threading.Lock()
+
+  def db(self, item: str, owner: int) -> str:
+    return f"{item}/p{owner}-{self.manifest['generation']}"
+
+  # ------------------------------------------------------------------ entry point
+
+  def read(self, fills: Sequence[Fill], packed: Sequence[PackedFill] = ()) -> None:
+    """Fills every ``out``; raises CheckpointCorruptedError / StorageError naming the array."""
+    if self.index is not None:
+      self.index.load([(f.item, o) for f in fills for o in set(f.rec["owners"])]
+                      + [(p.item, p.owner) for p in packed])
+    jobs: list[tuple[tuple, Any]] = []   # (sort key, callable)
+    slow: list[Fill] = []
+    chunk_needs: dict[tuple[str, int, str, int], list[tuple[Fill, _layout.Box]]] = {}
+    for f in fills:
+      rec = f.rec
+      chunking = _layout.Chunking(tuple(rec["shape"]), tuple(rec["chunk_shape"]))
+      direct = self.index is not None and _direct_ok(rec) and all(
+          self.index.get(f.item, o) is not None for o in set(rec["owners"]))
+      if not direct:
+        slow.append(f)
+        continue
+      for c in chunking.chunks_in_box(f.box):
+        inner = _layout.intersect(chunking.chunk_box(c), f.box)
+        chunk_needs.setdefault((f.item, rec["owners"][c], rec["name"], c), []).append((f, inner))
+    for (item, owner, name, c), dests in chunk_needs.items():
+      f0 = dests[0][0]
+      chunking = _layout.Chunking(tuple(f0.rec["shape"]), tuple(f0.rec["chunk_shape"]))
+      coords = chunking.chunk_coords(c)
+      located = self.index.get(item, owner).get(_chunk_key(name, coords).encode())
+      if located is None:
+        if not self.manifest.get("all_chunks_stored"):
+          continue  # written before every chunk was stored: an absent chunk is all zeros
+        raise self._corrupted(item, _tree.path_str(tuple(f0.rec["path"])), owner,
+                              f"chunk {_chunk_key(name, coords)} is missing from the database")
+      chunk_box = chunking.chunk_box(c)
+      order = (located.file or "", located.offset)
+      if (len(dests) == 1 and dests[0][1] == chunk_box and located.file is not None
+          and _contiguous(chunk_box, dests[0][0].box)):
+        f, inner = dests[0]
+        jobs.append((order, (self._read_into, (f, inner, located, owner))))
+      else:
+        jobs.append((order, (self._read_scatter, (dests, chunk_box, located, owner))))
+    for item, owner, k, lo, hi, stored, pfs in _packed_groups(packed, self.manifest):
+      if self.index is not None and self.index.get(item, owner) is not None:
+        key = f"{_planning.PACKED}/c/{k}".encode()
+        located = self.index.get(item, owner).get(key)
+        if located is None:
+          if not self.manifest.get("all_chunks_stored"):
+            for p in pfs:  # older checkpoints: an all-zero chunk was left out
+              a, b = max(p.lo, lo), min(p.hi, hi)
+              p.out[a - p.lo:b - p.lo] = 0
+            continue
+          raise self._corrupted(item, _packed_names(pfs), owner,
+                                f"chunk {key.decode()} is missing from the database")
+        jobs.append(((located.file or "", located.offset),
+                     (self._read_packed, (pfs, lo, hi, stored, located, owner))))
+      else:
+        jobs.append((("~", 0), (self._read_packed_ts, (pfs, lo, hi, owner))))
+    jobs.sort(key=lambda j: j[0])
+    fds = _Files()
+    try:
+      self._run([(fn, args + (fds,)) for _, (fn, args) in jobs])
+    finally:
+      fds.close()
+    if slow:
+      self._read_with_tensorstore(slow)
+
+  def _run(self, calls: list[tuple[Any, tuple]]) -> None:
+    if not calls:
+      return
+    if len(calls) == 1:
+      fn, args = calls[0]
+      fn(*args)
+      return
+    with concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(calls)),
+                                               thread_name_prefix="orbax_flax-read") as ex:
+      futures = [ex.submit(fn, *args) for fn, args in calls]
+      for fut in futures:
+        fut.result()
+
+  # ------------------------------------------------------------------ direct reads
+
+  def _pread(self, fds: _Files, item: str, what: str, owner: int, located: _Located,
+             into: np.ndarray | None) -> tuple[np.ndarray, int]:
+    """Reads a chunk value into ``into`` (its data part) or a temp; returns (data, stored crc)."""
+    n = located.length - 4
+    if located.inline is not None:
+      value = located.inline
+      data = np.frombuffer(value, np.uint8, n)
+      if into is not None:
+        np.copyto(into, data)
+        data = into
+      return data, int.from_bytes(value[n:], "little")
+    crc = bytearray(4)
+    dst = into if into is not None else self.temps.get(n)[:n]
+    try:
+      got = os.preadv(fds.get(located.file), [memoryview(dst), crc], located.offset)
+    except FileNotFoundError as e:
+      raise self._corrupted(item, what, owner, f"data file {located.file} is missing") from e
+    except OSError as e:
+      raise _location._storage_error(self.loc, f"reading {located.file}", e) from e  # pylint: disable=protected-access
+    if got != located.length:
+      raise self._corrupted(item, what, owner, f"data file {located.file} is shorter than its"
+                            f" index says ({got} of {located.length} bytes at {located.offset}:"
+                            " truncated?)")
+    with self._lock:
+      self.bytes_read += got
+    return dst, int.from_bytes(crc, "little")
+
+  def _check(self, data: np.ndarray, stored: int, item: str, what: str, owner: int,
+             located: _Located) -> None:
+    if google_crc32c.value(data) != stored:
+      where = "inline in the index" if located.file is None else (
+          f"{located.file}, bytes {located.offset}+{located.length}")
+      raise self._corrupted(item, what, owner, f"the stored CRC-32C does not match the bytes"
+                            f" read ({where})")
+
+  def _expect(self, item: str, what: str, owner: int, located: _Located, n: int) -> None:
+    if located.length != n + 4:
+      raise self._corrupted(item, what, owner, f"a chunk holds {located.length - 4} bytes where"
+                            f" {n} are expected")
+
+  def _read_into(self, f: Fill, inner: _layout.Box, located: _Located, owner: int,
+                 fds: _Files) -> None:
+    what = _tree.path_str(tuple(f.rec["path"]))
+    view = _flat_view(f.out, inner, f.box)
+    self._expect(f.item, what, owner, located, view.nbytes)
+    data, crc = self._pread(fds, f.item, what, owner, located, view)
+    self._check(data, crc, f.item, what, owner, located)
+
+  def _read_scatter(self, dests: list[tuple[Fill, _layout.Box]], chunk_box: _layout.Box,
+                    located: _Located, owner: int, fds: _Files) -> None:
+    f0 = dests[0][0]
+    what = _tree.path_str(tuple(f0.rec["path"]))
+    shape = _layout.box_shape(chunk_box)
+    n = math.prod(shape) * f0.out.dtype.itemsize
+    self._expect(f0.item, what, owner, located, n)
+    data, crc = self._pread(fds, f0.item, what, owner, located, None)
+    try:
+      self._check(data, crc, f0.item, what, owner, located)
+      chunk = data.view(f0.out.dtype).reshape(shape)
+      for f, inner in dests:
+        np.copyto(f.out[_layout.relative(inner, f.box)], chunk[_layout.relative(inner, chunk_box)])
+    finally:
+      if located.inline is None:
+        self.temps.put(data.base if data.base is not None else data, n)
+
+  def _read_packed(self, pfs: list[PackedFill], lo: int, hi: int, stored: int,
+                   located: _Located, owner: int, fds: _Files) -> None:
+    """One chunk of a packed buffer (``stored`` bytes; ``[lo, hi)`` of the buffer are real)."""
+    item = pfs[0].item
+    what = _packed_names(pfs)
+    self._expect(item, what, owner, located, stored)
+    data, crc = self._pread(fds, item, what, owner, located, None)
+    try:
+      self._check(data, crc, item, what, owner, located)
+      for p in pfs:
+        a, b = max(p.lo, lo), min(p.hi, hi)
+        p.out[a - p.lo:b - p.lo] = data[a - lo:b - lo]
+    finally:
+      if located.inline is None:
+        self.temps.put(data.base if data.base is not None else data, stored)
+
+  # ------------------------------------------------------------------ through tensorstore
+
+  def _open(self, item: str, owner: int, name: str, shape: Any, dtype: str, chunk: Any,
+            ctx: ts.Context) -> Any:
+    spec = _tsio.array_spec(self.loc, self.db(item, owner), name, shape, dtype, chunk)
+    return ts.open(spec, open=True, context=ctx)
+
+  def _resolve(self, fut: Any, item: str, what: str, owner: int) -> Any:
+    try:
+      return fut.result()
+    except ValueError as e:
+      raise _read_error(self.loc, item, what, self.db(item, owner), e) from e
+
+  def _read_packed_ts(self, pfs: list[PackedFill], lo: int, hi: int, owner: int,
+                      fds: _Files) -> None:
+    del fds
+    item = pfs[0].item
+    size = self.manifest["items"][item]["packed"][str(owner)]
+    st = self._resolve(self._open(item, owner, _planning.PACKED, (size,), "uint8",
+                                  (_planning.pack_chunk_bytes(size),), _tsio.context()),
+                       item, _packed_names(pfs), owner)
+    data = self._resolve(st[lo:hi].read(), item, _packed_names(pfs), owner)
+    for p in pfs:
+      a, b = max(p.lo, lo), min(p.hi, hi)
+      p.out[a - p.lo:b - p.lo] = data[a - lo:b - lo]
+
+  def _read_with_tensorstore(self, fills: Sequence[Fill]) -> None:
+    """Tensorstore reads (object stores): every chunk checked, copied into ``out``."""
+    ctx = _tsio.context()
+    stores = {}
+    for f in fills:
+      for owner in set(f.rec["owners"]):
+        k = (f.item, owner, f.rec["name"])
+        if k not in stores:
+          r = f.rec
+          stores[k] = self._open(f.item, owner, r["name"], r["shape"], r["stored_dtype"],
+                                 r["chunk_shape"], ctx)
+    window, used = [], 0
+    for f in list(fills) + [None]:
+      if f is not None and (not window or used + f.out.nbytes <= self.temps.limit):
+        window.append(f)
+        used += f.out.nbytes
+        continue
+      futures = []
+      for g in window:
+        rec = g.rec
+        chunking = _layout.Chunking(tuple(rec["shape"]), tuple(rec["chunk_shape"]))
+        dst = ts.array(g.out, copy=False, write=True).translate_to[tuple(lo for lo, _ in g.box)]
+        chunks = chunking.chunks_in_box(g.box)
+        owners = {rec["owners"][c] for c in chunks}
+        pieces = ([(g.box, owners.pop())] if len(owners) == 1 else
+                  [(_layout.intersect(chunking.chunk_box(c), g.box), rec["owners"][c]) for c in chunks])
+        what = _tree.path_str(tuple(rec["path"]))
+        for piece, owner in pieces:
+          st = self._resolve(stores[g.item, owner, rec["name"]], g.item, what, owner)
+          sl = _layout.box_to_slices(piece)
+          futures.append((dst[sl].write(st[sl]), g.item, what, owner))
+      for fut, item, what, owner in futures:
+        self._resolve(fut, item, what, owner)
+      with self._lock:
+        self.bytes_read += used
+      window, used = ([f], f.out.nbytes) if f is not None else ([], 0)
+
+  # ------------------------------------------------------------------ errors
+
+  def _corrupted(self, item: str, what: str, owner: int, problem: str) -> errors.CheckpointCorruptedError:
+    return errors.CheckpointCorruptedError(
+        f"checkpoint data is corrupted: item {item!r}, array {what}, database"
+        f" {self.loc.join(self.db(item, owner))}: {problem}. Restore from another checkpoint.")
+
+
+class _Files:
+  """Open read-only file descriptors, shared by the reading threads."""
+
+  def __init__(self):
+    self._fds: dict[str, int] = {}
+    self._lock = threading.Lock()
+
+  def get(self, path: str) -> int:
+    with self._lock:
+      if path not in self._fds:
+        self._fds[path] = os.open(path, os.O_RDONLY)
+      return self._fds[path]
+
+  def close(self) -> None:
+    with self._lock:
+      for fd in self._fds.values():
+        os.close(fd)
+      self._fds = {}
+
+
+def _packed_names(pfs: Sequence[PackedFill]) -> str:
+  names = [p.name for p in pfs]
+  if len(names) == 1:
+    return names[0]
+  return f"one of {', '.join(names[:4])}{', ...' if len(names) > 4 else ''} (packed together)"
+
+
+def _packed_groups(packed: Sequence[PackedFill], manifest: dict[str, Any]):
+  """Per packed chunk needed: (item, owner, chunk index, lo, hi, stored bytes, its fills).
+
+  A packed buffer's last chunk is stored full length (zarr pads edge chunks).
+  """
+  groups: dict[tuple[str, int, int], list[PackedFill]] = {}
+  for p in packed:
+    size = manifest["items"][p.item]["packed"][str(p.owner)]
+    chunk = _planning.pack_chunk_bytes(size)
+    for k in range(p.lo // chunk, (p.hi - 1) // chunk + 1):
+      groups.setdefault((p.item, p.owner, k), []).append(p)
+  for (item, owner, k), pfs in groups.items():
+    size = manifest["items"][item]["packed"][str(owner)]
+    chunk = _planning.pack_chunk_bytes(size)
+    yield item, owner, k, k * chunk, min(size, (k + 1) * chunk), chunk, pfs
+
+
+def _read_error(loc: Location, item: str, path: str, db: str, e: Exception) -> Exception:
+  if _tsio.is_corruption(e):
+    return _tsio.corrupted(item, path, loc, db, e)
+  return _location._storage_error(loc, f"reading {item}/{path}", e)  # pylint: disable=protected-access

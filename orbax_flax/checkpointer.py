@@ -1,0 +1,372 @@
+"""The engine as an object: saves and restores, with its staging memory and its save in flight.
+
+:class:`Checkpointer` owns what outlives one call: the host memory an async
+save stages into (kept between saves, so that from the second save on the
+blocking phase is a copy into memory already touched), the save in flight
+(one at a time; its error is raised by the next call if nobody waited), and
+the coordination-service names its saves use. The module functions
+:func:`save`, :func:`save_async` and :func:`restore` use a default
+checkpointer that keeps no staging memory between saves.
+
+Host memory, in short: an async save holds one staging copy of what this
+process writes (or ``max_host_bytes``, whichever is smaller) from its first
+save until :meth:`Checkpointer.close`, or only during each save with
+``keep_staging_memory=False``. A state larger than ``max_host_bytes`` is
+staged in rounds: all but the last round are written while the caller
+waits, so the blocking phase is longer, and peak extra host memory is the
+budget plus the largest chunk. A restore streams under the same budget.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from orbax_flax import _multihost
+from orbax_flax import _planning
+from orbax_flax import _staging
+from orbax_flax import restoring
+from orbax_flax import saving
+from orbax_flax._location import Location
+
+HOST_TRANSFERS = ("auto", "memcpy", "pinned_host")
+
+
+class Checkpointer:
+  """Saves and restores checkpoints, keeping staging memory between async saves.
+
+  Args:
+    max_host_bytes: a budget for the host memory of one save or restore
+      (0: none). A larger async save stages in rounds, blocking the caller
+      longer; a restore reads in rounds. Peak extra host memory stays at most
+      the budget plus the largest chunk (32 MiB by default).
+    keep_staging_memory: keep the staging copy between async saves (fast
+      blocking phase from the second save on). False releases it after every
+      save, for memory-tight hosts; each save then copies into fresh pages.
+    coordination_timeout_seconds: how long a process waits for the others at
+      each rendezvous of a multi-process save; the error names who is missing.
+    host_transfer: how an async save snapshots device arrays: "memcpy" (copy
+      into the staging memory; the default on CPU, where device buffers are
+      host memory), "pinned_host" (a device-to-host transfer into pinned
+      memory, started for every shard at once and ordered by XLA before any
+      later donation; the default on GPU/TPU), or "auto".
+    coordination_key: a coordination-service prefix for this checkpointer's
+      saves, the same on every process. Default: one per Checkpointer, in the
+      order they are created (create them in the same order on every process).
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile, os
+    >>> root = tempfile.mkdtemp()
+    >>> with ofx.Checkpointer() as ckptr:
+    ...   for step in range(3):
+    ...     _ = ckptr.save_async(os.path.join(root, str(step)), {"state": {"w": np.full(4, step)}})
+    ...   ckptr.wait()
+    ...   ckptr.restore(os.path.join(root, "2"))["state"]["w"]
+    array([2, 2, 2, 2])
+  """
+
+  def __init__(self, *, max_host_bytes: int = 0, keep_staging_memory: bool = True,
+               coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S,
+               host_transfer: str = "auto", coordination_key: str | None = None):
+    if isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int) or max_host_bytes < 0:
+      raise ValueError(f"max_host_bytes={max_host_bytes!r}: must be an int >= 0 (bytes; 0: no"
+                       " budget), e.g. 8 << 30 for 8 GiB.")
+    if not coordination_timeout_seconds or coordination_timeout_seconds <= 0:
+      raise ValueError(f"coordination_timeout_seconds={coordination_timeout_seconds!r}: must be"
+                       " > 0 (seconds a process waits for the others).")
+    if host_transfer not in HOST_TRANSFERS:
+      raise ValueError(f"host_transfer={host_transfer!r}: must be one of {HOST_TRANSFERS}.")
+    self.max_host_bytes = max_host_bytes
+    self.keep_staging_memory = keep_staging_memory
+    self.coordination_timeout_seconds = float(coordination_timeout_seconds)
+    self.host_transfer = host_transfer
+    self._key = coordination_key or _multihost.namespace("checkpointer")
+    self._seq = 0
+    self._staging = _staging.Staging()
+    self._inflight: saving.AsyncSave | None = None
+    self._lock = threading.Lock()
+    self._closed = False
+    ref = weakref.ref(self)
+    atexit.register(lambda: ref() is not None and ref()._finish_at_exit())
+
+  # ------------------------------------------------------------------ state
+
+  @property
+  def staging_bytes(self) -> int:
+    """Host memory held for staging now (0 after ``close()``)."""
+    return self._staging.nbytes
+
+  @property
+  def inflight(self) -> saving.AsyncSave | None:
+    """The async save still running, if any."""
+    h = self._inflight
+    return h if h is not None and not h.done() else None
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError("this Checkpointer is closed; create a new one")
+
+  def _finish_inflight(self) -> None:
+    """Waits for the previous save; raises its error if nobody has seen it."""
+    prev, self._inflight = self._inflight, None
+    if prev is None:
+      return
+    prev.join()
+    error = prev.unreported_error()
+    if error is not None:
+      prev.mark_reported()
+      error.add_note(f"(raised by the earlier save_async to {prev.path}, which nobody waited for)")
+      raise error
+
+  def wait(self) -> None:
+    """Blocks until the save in flight is committed; raises its error if nobody has seen it."""
+    self._finish_inflight()
+
+  def close(self) -> None:
+    """Waits for the save in flight, then releases the staging memory and threads."""
+    if self._closed:
+      return
+    try:
+      self._finish_inflight()
+    finally:
+      self._closed = True
+      self._staging.close()
+
+  def __enter__(self) -> Checkpointer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _finish_at_exit(self) -> None:
+    """At interpreter exit, a save someone started (and did not cancel) still commits."""
+    h = self._inflight
+    if h is not None and not h.done() and not h.cancelled.is_set():
+      h.join()
+
+  # ------------------------------------------------------------------ saving
+
+  def save(self, path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
+           custom_metadata: Mapping[str, Any] | None = None) -> None:
+    """Saves ``items`` and returns once committed on every process.
+
+    Writes straight from the device buffers (views on CPU; one device-to-host
+    copy per shard on accelerators, all started at once); holds no staging
+    memory. Arguments as for :func:`orbax_flax.save`.
+    """
+    self._check_open()
+    self._finish_inflight()
+    plan, run, handle = self._prepare(path, items, overwrite, custom_metadata)
+
+    def work() -> None:
+      error = None
+      try:
+        # Packed small arrays are assembled in the staging memory (kept warm if
+        # the checkpointer keeps it); everything else is written from views.
+        materialize = lambda ps: saving.host_views(ps, self._staging)  # noqa: E731
+        for r in saving.split_rounds(plan.pieces, self.max_host_bytes):
+          run.write(r, materialize=materialize, max_batch_bytes=self.max_host_bytes)
+      except BaseException as e:  # pylint: disable=broad-except  # shared, then raised
+        error = e
+      run.finish(error)
+
+    try:
+      handle.run_here(work)
+    finally:
+      self._after_save()
+    handle.wait()
+
+  def save_async(self, path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
+                 custom_metadata: Mapping[str, Any] | None = None) -> saving.AsyncSave:
+    """Starts a save; returns once the caller may change or donate its arrays.
+
+    The blocking phase is a snapshot: a copy into this checkpointer's staging
+    memory (CPU), or a transfer into pinned host memory that XLA orders
+    before any later donation (GPU/TPU). Only one save runs at a time: this
+    call first waits for the previous one, and raises its error if nobody
+    called ``wait()``. Arguments as for :func:`orbax_flax.save`.
+
+    Returns:
+      An :class:`AsyncSave`; ``wait()`` blocks until committed.
+    """
+    self._check_open()
+    self._finish_inflight()
+    plan, run, handle = self._prepare(path, items, overwrite, custom_metadata)
+    budget = self.max_host_bytes
+    try:
+      if self._transfer(plan) == "pinned_host" and not budget:
+        saving.to_pinned_host(plan.pieces)
+        last, materialize = plan.pieces, saving.host_views
+      else:
+        stage = (saving.host_views if self._transfer(plan) == "pinned_host"
+                 else lambda ps: saving.snapshot(ps, self._staging))
+        rounds = saving.split_rounds(plan.pieces, budget)
+        for r in rounds[:-1]:  # over the budget: written while the caller waits
+          stage(r)
+          run.write(r)
+        stage(rounds[-1])
+        last, materialize = rounds[-1], None
+    except BaseException as e:
+      handle.run_here(lambda: run.finish(e))  # tells the other processes, then raises
+      self._after_save()
+      handle.wait()
+      raise
+    handle.blocking_s = time.perf_counter() - handle._start  # pylint: disable=protected-access
+
+    def work() -> None:
+      try:
+        error = None
+        try:
+          run.write(last, materialize=materialize)
+        except BaseException as e:  # pylint: disable=broad-except
+          error = e
+        run.finish(error)
+      finally:
+        self._after_save()
+
+    self._inflight = handle
+    handle.run_in_background(work)
+    return handle
+
+  def _prepare(self, path: Any, items: Mapping[str, Any], overwrite: bool,
+               custom_metadata: Mapping[str, Any] | None):
+    start = time.perf_counter()
+    plan = _planning.make_plan(Location.parse(path), items, overwrite, custom_metadata)
+    with self._lock:
+      self._seq += 1
+      seq = self._seq
+    handle = saving.AsyncSave(plan.loc, plan.nbytes, start)
+    run = saving.SaveRun(plan, f"{self._key}/{seq}", self.coordination_timeout_seconds,
+                         handle.cancelled, f"{self._key}/{seq - 1}" if seq > 1 else None)
+    return plan, run, handle
+
+  def _transfer(self, plan: _planning.Plan) -> str:
+    if self.host_transfer != "auto":
+      return self.host_transfer
+    for p in plan.pieces:
+      for s in p.sources:
+        if isinstance(s.value, jax.Array):
+          return "memcpy" if s.value.devices().pop().platform == "cpu" else "pinned_host"
+    return "memcpy"
+
+  def _after_save(self) -> None:
+    if not self.keep_staging_memory:
+      self._staging.release()
+
+  # ------------------------------------------------------------------ restoring
+
+  def restore(self, path: Any, target: Mapping[str, Any] | None = None, *,
+              partial: bool = False, max_host_bytes: int | None = None) -> dict[str, Any]:
+    """Restores a checkpoint (see :func:`orbax_flax.restore`).
+
+    A save of this checkpointer to the same path still in flight is waited
+    for first. ``max_host_bytes`` defaults to the checkpointer's budget.
+    """
+    loc = Location.parse(path)
+    self.wait_for(loc)
+    budget = self.max_host_bytes if max_host_bytes is None else max_host_bytes
+    return restoring.restore(loc, target, partial=partial, max_host_bytes=budget)
+
+  def wait_for(self, path: Any) -> None:
+    """Blocks until this checkpointer's save to ``path``, if in flight, is done. Never raises:
+    its error is raised by the next save or ``wait()``."""
+    loc = Location.parse(path)
+    h = self._inflight
+    if h is not None and h.loc == loc:
+      h.join()
+
+
+_default: list[Checkpointer] = []
+
+
+def default() -> Checkpointer:
+  """The checkpointer behind the module functions (no staging memory kept between saves)."""
+  if not _default:
+    _default.append(Checkpointer(keep_staging_memory=False,
+                                 coordination_key="orbax_flax/checkpointer/default"))
+  return _default[0]
+
+
+def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
+         custom_metadata: Mapping[str, Any] | None = None) -> None:
+  """Saves ``items`` as one checkpoint and returns once it is committed.
+
+  Args:
+    path: a local directory path, a URL (``s3://bucket/prefix``,
+      ``gs://bucket/prefix``) or a tensorstore kvstore spec dict.
+    items: item name -> pytree. Each item is stored separately and can be
+      restored alone. Leaves: ``jax.Array`` (any sharding, typed PRNG keys
+      included), numpy arrays, Python/numpy scalars, str, bytes, None.
+    overwrite: replace an existing committed checkpoint at ``path``. The old
+      one stays valid until the new one commits.
+    custom_metadata: JSON-serialisable dict stored with the checkpoint and
+      returned by :func:`orbax_flax.metadata`.
+
+  Raises:
+    CheckpointExistsError: a committed checkpoint exists and not overwrite.
+    UnsupportedLeafError: a leaf cannot be saved (names its key path).
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> ofx.save(path, {"state": {"w": np.ones(3)}, "extra": {"epoch": 3}})
+    >>> ofx.restore(path)["extra"]
+    {'epoch': 3}
+  """
+  default().save(path, items, overwrite=overwrite, custom_metadata=custom_metadata)
+
+
+def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
+               custom_metadata: Mapping[str, Any] | None = None) -> saving.AsyncSave:
+  """Starts a save and returns once the state is copied to host memory.
+
+  Arguments are those of :func:`save`. The caller may then donate or change
+  its arrays. Only one save of the module functions runs at a time: this
+  call first waits for the previous one, and raises its error if nobody
+  called ``wait()``. The host copy goes into fresh memory, released when the
+  save ends; for repeated saves a :class:`Checkpointer` (or
+  :class:`orbax_flax.CheckpointManager`) keeps it, and blocks much less.
+
+  Returns:
+    An :class:`AsyncSave`; ``wait()`` blocks until committed.
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> handle = ofx.save_async(path, {"state": {"w": np.ones(3)}})
+    >>> handle.wait()
+    >>> float(ofx.restore(path)["state"]["w"].sum())
+    3.0
+  """
+  return default().save_async(path, items, overwrite=overwrite, custom_metadata=custom_metadata)
+
+
+def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
+            max_host_bytes: int = 0) -> dict[str, Any]:
+  """Restores a checkpoint, resharded onto the target's shardings.
+
+  See :func:`orbax_flax.restoring.restore` for the arguments; a
+  ``save_async`` of the module functions to the same path still in flight is
+  waited for first.
+
+  Example:
+    >>> import jax, numpy as np, orbax_flax as ofx, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> ofx.save(path, {"state": {"w": np.arange(4.0), "b": np.zeros(2)}})
+    >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> target = {"state": {"w": jax.ShapeDtypeStruct((4,), np.float32, sharding=sharding)}}
+    >>> ofx.restore(path, target, partial=True)["state"]["w"]
+    Array([0., 1., 2., 3.], dtype=float32)
+  """
+  return default().restore(path, target, partial=partial, max_host_bytes=max_host_bytes)
+
+
+def wait_for_inflight(path: Any) -> None:
+  """Blocks until a module-function save to ``path`` still in flight is done. Never raises."""
+  default().wait_for(path)
