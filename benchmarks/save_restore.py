@@ -1,14 +1,31 @@
-"""Save and restore speed: orbax_flax against orbax-checkpoint, torch DCP and the hardware.
+"""Save and restore speed and host memory: orbax_flax against orbax-checkpoint, torch DCP and the hardware.
 
-    python benchmarks/save_restore.py --size=2gb --reps=3
-    python benchmarks/save_restore.py --size=50mb --reps=5
+    python benchmarks/save_restore.py --size=2gb --reps=3 --json=run.json
+    python benchmarks/save_restore.py --size=50mb --reps=5 --json=run50.json
+    python benchmarks/save_restore.py --size=2gb --memory         # + peak host memory per phase
+    python benchmarks/save_restore.py --size=2gb --processes=1,2,4  # multi-process scaling
+    python benchmarks/report.py run_a.json run_b.json             # tables, targets, chart
 
-One run measures every contender on the same state, interleaved (rep 1 of
-each, then rep 2 of each, ...), and reports medians. Each trial starts from
-the same state: previous checkpoints deleted, freed memory handed back
+Timing: one run measures every contender on the same state, interleaved (rep
+1 of each, then rep 2 of each, ...), and reports medians. Each trial starts
+from the same state: previous checkpoints deleted, freed memory handed back
 (malloc_trim), fresh device arrays, then a fixed pause (this VM returns freed
 memory to its host within seconds, and pages it must hand back are slow to
-touch again). Cold reads drop the page cache first (root only).
+touch again). Cold reads drop the page cache first (root only). Savers are
+built once and reused, as in a training job: orbax_flax's ``Checkpointer``
+(its staging memory stays warm from the second save on; the first save is
+reported on its own), orbax-checkpoint's ``StandardCheckpointer`` and DCP with
+one ``DefaultStager`` (which caches its staging copy).
+
+Memory (``--memory``): each contender and phase runs in a fresh process that
+builds the state, warms the library up on a tiny checkpoint, resets VmHWM with
+``/proc/self/clear_refs`` and reports how far VmHWM rose above VmRSS during
+one call (a restore counts the memory it allocates for the restored state).
+
+Multi-process (``--processes``): the same global state saved and restored by
+N local processes joined by jax.distributed (8/N simulated devices each);
+aggregate GB/s, and the coordination-service round trips of one save and one
+restore (the most any process made), which must not grow with N.
 
 Contenders:
   * limit: numpy writes with fsync spread over 8 threads (buffered, and
@@ -30,9 +47,11 @@ import argparse
 import concurrent.futures
 import ctypes
 import gc
+import json
 import os
 import platform
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +70,7 @@ import orbax_flax as ofx  # noqa: E402
 
 SIZES = {
     # LLaMA-like: 12 layers, Adam (params, mu, nu): 334 leaves.
+    "20gb": dict(vocab=128000, d=2048, ff=5632, layers=16),
     "2gb": dict(vocab=32000, d=896, ff=2368, layers=12),
     "50mb": dict(vocab=4096, d=144, ff=384, layers=12),
 }
@@ -86,8 +106,14 @@ def spec_for(x):
   return P()                    # norms and the step count replicated
 
 
+def mesh_for(devices=None):
+  devices = devices if devices is not None else jax.devices()
+  return jax.make_mesh((2, len(devices) // 2), ("data", "model"), devices=devices)
+
+
 def device_state(host, mesh):
-  return jax.tree.map(lambda x: jax.device_put(x, NamedSharding(mesh, spec_for(x))), host)
+  return jax.tree.map(lambda x: jax.make_array_from_callback(
+      x.shape, NamedSharding(mesh, spec_for(x)), lambda i, x=x: x[i]), host)
 
 
 def abstract(state, mesh=None):
@@ -132,6 +158,17 @@ def unique_shards(state):
   return out
 
 
+def torch_state(host):
+  import torch  # pylint: disable=g-import-not-at-top
+  flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(host)[0]}
+  return {k: torch.from_numpy(np.array(v)) for k, v in flat.items()}
+
+
+def torch_empty_like(sd):
+  import torch  # pylint: disable=g-import-not-at-top
+  return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in sd.items()}
+
+
 # ----------------------------------------------------------------------------- limits
 
 _THREADS = 8
@@ -164,23 +201,21 @@ def limit_write(state, root, direct=False):
       for a in bucket:
         view[pos:pos + a.nbytes] = a.reshape(-1).view(np.uint8)
         pos += a.nbytes
-      t0 = time.perf_counter()
       fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)
       try:
         os.write(fd, view)
         os.fsync(fd)
       finally:
         os.close(fd)
-      return time.perf_counter() - t0
+      return
     with open(path, "wb") as f:
       for a in bucket:
         f.write(memoryview(a.reshape(-1)).cast("B"))
       f.flush()
       os.fsync(f.fileno())
-    return 0.0
 
   with concurrent.futures.ThreadPoolExecutor(_THREADS) as ex:
-    return list(ex.map(write, enumerate(_spread(shards))))
+    list(ex.map(write, enumerate(_spread(shards))))
 
 
 def limit_read(root):
@@ -195,13 +230,23 @@ def limit_read(root):
 
 
 def limit_memcpy(shards, dests):
-  def copy(pair):
-    np.copyto(pair[1], pair[0])
+  """One memcpy of every shard, in 8 balanced groups (one task per thread, not per shard)."""
+  groups = [[] for _ in range(_THREADS)]
+  loads = [0] * _THREADS
+  for pair in sorted(zip(shards, dests), key=lambda p: -p[0].nbytes):
+    i = loads.index(min(loads))
+    groups[i].append(pair)
+    loads[i] += pair[0].nbytes
+
+  def copy(group):
+    for src, dst in group:
+      np.copyto(dst, src)
+
   with concurrent.futures.ThreadPoolExecutor(_THREADS) as ex:
-    list(ex.map(copy, zip(shards, dests)))
+    list(ex.map(copy, groups))
 
 
-# ----------------------------------------------------------------------------- runner
+# ----------------------------------------------------------------------------- timing runner
 
 
 class Bench:
@@ -209,13 +254,17 @@ class Bench:
   def __init__(self, size, reps, pause, root):
     self.size, self.reps, self.pause, self.root = size, reps, pause, root
     self.results: dict[str, list[float]] = {}
-    self.mesh = jax.make_mesh((2, 4), ("data", "model"))
+    self.mesh = mesh_for()
     self.other_mesh = jax.make_mesh((4,), ("model",), devices=jax.devices()[:4])
     self.host = host_state(size)
     self.state = device_state(self.host, self.mesh)
     self.nbytes = sum(x.nbytes for x in jax.tree.leaves(self.host))
     self.leaves = len(jax.tree.leaves(self.host))
     self.can_drop = drop_caches()
+    self.ofx = ofx.Checkpointer()  # kept across reps, as a training job keeps its manager
+    self._orbax = None
+    self._dcp_stager = None
+    self._sd = None
 
   def record(self, name, seconds):
     self.results.setdefault(name, []).append(seconds)
@@ -231,8 +280,6 @@ class Bench:
   def settle(self):
     time.sleep(self.pause)
 
-  # Each contender writes its checkpoint, then reads it back.
-
   def run_limit(self):
     self.clean("np")
     state = fresh(self.state)
@@ -243,8 +290,7 @@ class Bench:
     self.clean("np_direct")
     self.settle()
     t0 = time.perf_counter()
-    io = limit_write(state, self.path("np_direct"), direct=True)
-    del io
+    limit_write(state, self.path("np_direct"), direct=True)
     self.record("limit: O_DIRECT write+fsync, 8 threads", time.perf_counter() - t0)
     self.clean("np_direct")
     self.settle()
@@ -276,28 +322,43 @@ class Bench:
     self.clean("np")
 
   def run_ours(self):
+    first = "orbax_flax: async save" not in " ".join(self.results)
     self.clean("ofx")
     state = fresh(self.state)
     self.settle()
     t0 = time.perf_counter()
-    ofx.save(self.path("ofx"), {"state": state})
+    self.ofx.save(self.path("ofx"), {"state": state})
     self.record("orbax_flax: save", time.perf_counter() - t0)
     self.clean("ofx")
     state = fresh(self.state)
     self.settle()
     t0 = time.perf_counter()
-    handle = ofx.save_async(self.path("ofx"), {"state": state})
-    self.record("orbax_flax: async blocking", time.perf_counter() - t0)
+    handle = self.ofx.save_async(self.path("ofx"), {"state": state})
+    blocking = time.perf_counter() - t0
     handle.wait()
-    self.record("orbax_flax: async total", time.perf_counter() - t0)
+    total = time.perf_counter() - t0
+    if first:  # staging memory not touched yet: reported on its own
+      self.record("orbax_flax: first async save, blocking", blocking)
+      self.record("orbax_flax: first async save, total", total)
+      self.clean("ofx")
+      state = fresh(self.state)
+      self.settle()
+      t0 = time.perf_counter()
+      handle = self.ofx.save_async(self.path("ofx"), {"state": state})
+      blocking = time.perf_counter() - t0
+      handle.wait()
+      total = time.perf_counter() - t0
+    self.record("orbax_flax: async save, blocking", blocking)
+    self.record("orbax_flax: async save, total", total)
     del state
     target = {"state": abstract(self.state)}
-    self._restore("orbax_flax: restore warm", lambda: ofx.restore(self.path("ofx"), target))
+    self._restore("orbax_flax: restore warm", lambda: self.ofx.restore(self.path("ofx"), target))
     if self.can_drop:
-      self._restore("orbax_flax: restore cold", lambda: ofx.restore(self.path("ofx"), target), cold=True)
+      self._restore("orbax_flax: restore cold", lambda: self.ofx.restore(self.path("ofx"), target),
+                    cold=True)
     other = {"state": abstract(self.state, self.other_mesh)}
     self._restore("orbax_flax: restore onto 4-device mesh, warm",
-                  lambda: ofx.restore(self.path("ofx"), other))
+                  lambda: self.ofx.restore(self.path("ofx"), other))
     self.clean("ofx")
 
   def _restore(self, name, fn, cold=False):
@@ -313,15 +374,17 @@ class Bench:
 
   def run_orbax(self):
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    if self._orbax is None:
+      self._orbax = ocp.StandardCheckpointer()
+    ckptr = self._orbax
     self.clean("orbax")
     state = fresh(self.state)
-    ckptr = ocp.StandardCheckpointer()
     self.settle()
     t0 = time.perf_counter()
     ckptr.save(self.path("orbax"), state)
-    self.record("orbax-checkpoint: async blocking", time.perf_counter() - t0)
+    self.record("orbax-checkpoint: async save, blocking", time.perf_counter() - t0)
     ckptr.wait_until_finished()
-    self.record("orbax-checkpoint: save (total)", time.perf_counter() - t0)
+    self.record("orbax-checkpoint: async save, total", time.perf_counter() - t0)
     del state
     target = abstract(self.state)
     self._restore("orbax-checkpoint: restore warm", lambda: ckptr.restore(self.path("orbax"), target))
@@ -331,14 +394,16 @@ class Bench:
     other = abstract(self.state, self.other_mesh)
     self._restore("orbax-checkpoint: restore onto 4-device mesh, warm",
                   lambda: ckptr.restore(self.path("orbax"), other))
-    ckptr.close()
     self.clean("orbax")
 
   def run_dcp(self):
-    import torch  # pylint: disable=g-import-not-at-top
     import torch.distributed.checkpoint as dcp  # pylint: disable=g-import-not-at-top
-    flat = {jax.tree_util.keystr(p): v for p, v in jax.tree_util.tree_flatten_with_path(self.host)[0]}
-    sd = {k: torch.from_numpy(np.array(v)) for k, v in flat.items()}
+    from torch.distributed.checkpoint import staging  # pylint: disable=g-import-not-at-top
+    if self._sd is None:
+      self._sd = torch_state(self.host)
+      # One stager for the run: it caches its staging copy between saves.
+      self._dcp_stager = staging.DefaultStager(staging.StagingOptions(False, False, False, False))
+    sd = self._sd
     self.clean("dcp")
     self.settle()
     t0 = time.perf_counter()
@@ -347,15 +412,13 @@ class Bench:
     self.clean("dcp")
     self.settle()
     t0 = time.perf_counter()
-    fut = dcp.async_save(sd, checkpoint_id=self.path("dcp"))
-    self.record("DCP: async blocking", time.perf_counter() - t0)
+    fut = dcp.async_save(sd, checkpoint_id=self.path("dcp"), async_stager=self._dcp_stager)
+    self.record("DCP: async save, blocking", time.perf_counter() - t0)
     fut.result()
-    self.record("DCP: async total", time.perf_counter() - t0)
-    del sd
+    self.record("DCP: async save, total", time.perf_counter() - t0)
 
     def load():
-      target = {k: torch.empty(v.shape, dtype=torch.float32 if v.dtype == np.float32 else torch.int32)
-                for k, v in flat.items()}
+      target = torch_empty_like(sd)
       dcp.load(target, checkpoint_id=self.path("dcp"))
       return target
 
@@ -371,51 +434,226 @@ class Bench:
       for c in contenders:
         t0 = time.perf_counter()
         runners[c]()
-        print(f"  rep {rep + 1}/{self.reps} {c}: {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+        print(f"  rep {rep + 1}/{self.reps} {c}: {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+              flush=True)
     return {k: statistics.median(v) for k, v in self.results.items()}
 
 
-# ----------------------------------------------------------------------------- report
+# ----------------------------------------------------------------------------- memory
 
 
-def _fmt(x):
-  return "-" if x is None else f"{x:.3f}"
+def _status(field):
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024
+  raise KeyError(field)
 
 
-def _ratio(a, b):
-  return "-" if a is None or b is None else f"{a / b:.2f}x"
+def _measure(fn):
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+  before = _status("VmRSS")
+  out = fn()
+  return _status("VmHWM") - before, out
 
 
-def report(b: Bench, med: dict[str, float]) -> str:
-  gb = b.nbytes / 1e9
-  g = med.get
-  lines = [f"### {b.size}: {gb:.2f} GB, {b.leaves} leaves, 8 CPU devices (mesh 2x4), "
-           f"median of {b.reps} interleaved runs", ""]
-  lines += ["| measurement | seconds | GB/s |", "|---|---:|---:|"]
-  for k, v in med.items():
-    lines.append(f"| {k} | {v:.3f} | {gb / v:.2f} |")
-  limit_w = g("limit: numpy write+fsync, 8 threads")
-  rows = [
-      ("blocking save", g("orbax_flax: save"), limit_w, g("orbax-checkpoint: save (total)"), g("DCP: save")),
-      ("async: blocking time", g("orbax_flax: async blocking"),
-       g("limit: memcpy of the state (touched memory)"), g("orbax-checkpoint: async blocking"),
-       g("DCP: async blocking")),
-      ("async: total", g("orbax_flax: async total"), limit_w, g("orbax-checkpoint: save (total)"),
-       g("DCP: async total")),
-      ("restore warm", g("orbax_flax: restore warm"), g("limit: numpy read, warm"),
-       g("orbax-checkpoint: restore warm"), g("DCP: load warm")),
-      ("restore cold", g("orbax_flax: restore cold"), g("limit: numpy read, cold"),
-       g("orbax-checkpoint: restore cold"), g("DCP: load cold")),
-      ("restore onto 4-device mesh (warm)", g("orbax_flax: restore onto 4-device mesh, warm"),
-       g("orbax_flax: restore warm"), g("orbax-checkpoint: restore onto 4-device mesh, warm"), None),
-  ]
-  lines += ["", "| orbax_flax | seconds | vs its limit | orbax-checkpoint / ours | DCP / ours |",
-            "|---|---:|---:|---:|---:|"]
-  for name, ours, limit, orbax, dcp in rows:
-    lines.append(f"| {name} | {_fmt(ours)} | {_ratio(ours, limit)} | {_ratio(orbax, ours)} | {_ratio(dcp, ours)} |")
-  lines += ["", "Limits: save vs numpy write+fsync; async blocking vs one memcpy into touched memory;"
-            " restore vs numpy read (warm/cold); other mesh vs our same-mesh warm restore."]
-  return "\n".join(lines)
+def memory_case(size, contender, phase, root):
+  """In a fresh process: peak extra host memory of one call, as bytes."""
+  mesh = mesh_for()
+  host = host_state(size)
+  small = {"w": np.ones((4096, 64), np.float32)}
+  path = os.path.join(root, f"{contender}")
+  warm = os.path.join(root, f"warm-{contender}-{phase}-{os.getpid()}")
+  if contender == "orbax_flax":
+    ckptr = ofx.Checkpointer()
+    ckptr.save_async(warm, {"state": small}).wait()
+    ckptr.restore(warm)
+    ckptr.close()
+    ckptr = ofx.Checkpointer()
+    if phase == "restore":
+      target = {"state": abstract(device_state(host, mesh))}
+      del host
+      release_memory()
+      return _measure(lambda: jax.block_until_ready(ckptr.restore(path, target)))[0]
+    state = device_state(host, mesh)
+    del host
+    release_memory()
+    if phase == "save":
+      return _measure(lambda: ckptr.save(path, {"state": state}))[0]
+    return _measure(lambda: ckptr.save_async(path + "-async", {"state": state}).wait())[0]
+  if contender == "orbax":
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(warm, small)
+    ckptr.wait_until_finished()
+    ckptr.restore(warm)
+    if phase == "restore":
+      target = abstract(device_state(host, mesh))
+      del host
+      release_memory()
+      return _measure(lambda: jax.block_until_ready(ckptr.restore(path, target)))[0]
+    state = device_state(host, mesh)
+    del host
+    release_memory()
+    dest = path if phase == "save" else path + "-async"
+    def save():
+      ckptr.save(dest, state)
+      ckptr.wait_until_finished()
+    return _measure(save)[0]
+  if contender == "dcp":
+    import torch  # pylint: disable=g-import-not-at-top
+    import torch.distributed.checkpoint as dcp  # pylint: disable=g-import-not-at-top
+    from torch.distributed.checkpoint import staging  # pylint: disable=g-import-not-at-top
+    tiny = {"w": torch.ones(4096, 64)}
+    dcp.save(tiny, checkpoint_id=warm)
+    dcp.load(torch_empty_like(tiny), checkpoint_id=warm)
+    if phase == "restore":
+      flat = jax.tree_util.tree_flatten_with_path(host)[0]
+      shapes = {jax.tree_util.keystr(k): (v.shape, torch.from_numpy(v.reshape(-1)[:0]).dtype)
+                for k, v in flat}
+      del host, flat
+      release_memory()
+
+      def load():
+        target = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
+        dcp.load(target, checkpoint_id=path)
+        return target
+      return _measure(load)[0]
+    sd = torch_state(host)
+    del host
+    release_memory()
+    if phase == "save":
+      return _measure(lambda: dcp.save(sd, checkpoint_id=path))[0]
+    stager = staging.DefaultStager(staging.StagingOptions(False, False, False, False))
+    return _measure(lambda: dcp.async_save(sd, checkpoint_id=path + "-async",
+                                           async_stager=stager).result())[0]
+  raise ValueError(contender)
+
+
+def run_memory(size, contenders, root):
+  """Every (contender, phase) in its own process; save first (its checkpoint is restored)."""
+  out = {}
+  state_bytes = sum(x.nbytes for x in jax.tree.leaves(host_state(size)))
+  for c in contenders:
+    if c == "limit":
+      continue
+    for phase in ("save", "save_async", "restore"):
+      r = subprocess.run([sys.executable, __file__, f"--size={size}", f"--memory_case={c}:{phase}",
+                          f"--dir={root}"], capture_output=True, text=True, check=False)
+      lines = [l for l in r.stdout.splitlines() if l.startswith("MEMORY ")]
+      if r.returncode or not lines:
+        print(f"memory case {c}:{phase} failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}",
+              file=sys.stderr)
+        continue
+      extra = int(lines[-1].split()[1])
+      out[f"{c}: {phase}"] = extra / state_bytes
+      print(f"  memory {c}:{phase}: +{extra / 2**20:.0f} MiB = {extra / state_bytes:.2f}x the state",
+            file=sys.stderr, flush=True)
+  for c in contenders:
+    shutil.rmtree(os.path.join(root, c), ignore_errors=True)
+    shutil.rmtree(os.path.join(root, c + "-async"), ignore_errors=True)
+  return out
+
+
+# ----------------------------------------------------------------------------- multi-process
+
+
+class _CountingClient:
+  """Wraps the coordination-service client and counts the calls that go to the service."""
+
+  CALLS = ("key_value_set", "key_value_set_bytes", "blocking_key_value_get",
+           "blocking_key_value_get_bytes", "key_value_try_get", "key_value_try_get_bytes",
+           "key_value_dir_get", "key_value_dir_get_bytes", "key_value_delete",
+           "key_value_increment", "wait_at_barrier")
+
+  def __init__(self, inner):
+    self._inner, self.count = inner, 0
+
+  def __getattr__(self, name):
+    attr = getattr(self._inner, name)
+    if name in self.CALLS:
+      def counted(*a, **k):
+        self.count += 1
+        return attr(*a, **k)
+      return counted
+    return attr
+
+
+def mp_worker(size, root, coordinator, nproc, pid, reps):
+  jax.distributed.initialize(coordinator, num_processes=nproc, process_id=pid,
+                             initialization_timeout=120, heartbeat_timeout_seconds=30)
+  mesh = mesh_for(jax.devices())  # starts the backend (it needs the real client)
+  from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
+  counter = _CountingClient(global_state.client)
+  global_state.client = counter
+  host = host_state(size)
+  state = device_state(host, mesh)
+  del host
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  target = {"state": abstract(state)}
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  ckptr = ofx.Checkpointer()
+  res = {"save": [], "restore": [], "save_trips": [], "restore_trips": []}
+  for rep in range(reps):
+    path = os.path.join(root, f"mp{nproc}-{rep}")
+    multihost_utils.sync_global_devices(f"save{rep}")
+    before = counter.count
+    t0 = time.perf_counter()
+    ckptr.save(path, {"state": state})
+    res["save"].append(time.perf_counter() - t0)
+    res["save_trips"].append(counter.count - before)
+    multihost_utils.sync_global_devices(f"restore{rep}")
+    release_memory()
+    before = counter.count
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(ckptr.restore(path, target))
+    res["restore"].append(time.perf_counter() - t0)
+    res["restore_trips"].append(counter.count - before)
+    del out
+    release_memory()
+  res["nbytes"] = nbytes
+  print("MP " + json.dumps(res), flush=True)
+  multihost_utils.sync_global_devices("done")
+  ckptr.close()
+
+
+def run_multiprocess(size, counts, root, reps):
+  rows = []
+  for n in counts:
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+    procs = []
+    for i in range(n):
+      env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // n}",
+                 JAX_PLATFORMS="cpu")
+      procs.append(subprocess.Popen(
+          [sys.executable, __file__, f"--size={size}", f"--dir={root}",
+           f"--mp_worker=127.0.0.1:{port},{n},{i}", f"--reps={reps}"],
+          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env))
+    outs = [p.communicate(timeout=1800)[0] for p in procs]
+    results = []
+    for i, o in enumerate(outs):
+      lines = [l for l in o.splitlines() if l.startswith("MP ")]
+      if not lines:
+        raise RuntimeError(f"process {i} of {n} failed:\n{o[-3000:]}")
+      results.append(json.loads(lines[-1][3:]))
+    save = statistics.median(max(r["save"][k] for r in results) for k in range(reps))
+    restore = statistics.median(max(r["restore"][k] for r in results) for k in range(reps))
+    nbytes = results[0]["nbytes"]
+    rows.append({"processes": n, "devices_per_process": 8 // n, "save_s": save,
+                 "restore_s": restore, "save_gbps": nbytes / save / 1e9,
+                 "restore_gbps": nbytes / restore / 1e9,
+                 "save_round_trips": max(max(r["save_trips"]) for r in results),
+                 "restore_round_trips": max(max(r["restore_trips"]) for r in results)})
+    print(f"  {n} process(es): {rows[-1]}", file=sys.stderr, flush=True)
+    for rep in range(reps):
+      shutil.rmtree(os.path.join(root, f"mp{n}-{rep}"), ignore_errors=True)
+  return rows
+
+
+# ----------------------------------------------------------------------------- main
 
 
 def machine() -> str:
@@ -427,8 +665,14 @@ def machine() -> str:
   except (OSError, StopIteration):
     pass
   import importlib.metadata as md  # pylint: disable=g-import-not-at-top
-  vers = ", ".join(f"{p} {md.version(p)}" for p in ("jax", "tensorstore", "orbax-checkpoint", "torch"))
-  return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.system()} {platform.release()}; {vers}"
+  vers = []
+  for p in ("jax", "tensorstore", "orbax-checkpoint", "torch"):
+    try:
+      vers.append(f"{p} {md.version(p)}")
+    except md.PackageNotFoundError:
+      pass
+  devices = f"{jax.device_count()} {jax.devices()[0].platform} devices"
+  return f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, {devices}; {', '.join(vers)}"
 
 
 def main():
@@ -436,20 +680,46 @@ def main():
   p.add_argument("--size", choices=sorted(SIZES), default="50mb")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--pause", type=float, default=3.0, help="seconds of rest before each trial")
-  p.add_argument("--dir", default=None, help="where to write (default: a temp dir on /tmp's disk)")
+  p.add_argument("--dir", default=None, help="where to write (default: a temp dir on /var/tmp's disk)")
   p.add_argument("--contenders", default="limit,orbax_flax,orbax,dcp")
+  p.add_argument("--memory", action="store_true", help="also measure peak host memory per phase")
+  p.add_argument("--processes", default="", help="e.g. 1,2,4: multi-process mode (orbax_flax)")
+  p.add_argument("--no_timing", action="store_true", help="skip the timing runs")
+  p.add_argument("--json", default=None, help="write the results here (for report.py)")
+  p.add_argument("--memory_case", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--mp_worker", default=None, help=argparse.SUPPRESS)
   a = p.parse_args()
   root = a.dir or tempfile.mkdtemp(prefix="ofx-bench-", dir="/var/tmp")
   os.makedirs(root, exist_ok=True)
+  if a.memory_case:
+    contender, phase = a.memory_case.split(":")
+    print(f"MEMORY {memory_case(a.size, contender, phase, root)}", flush=True)
+    return
+  if a.mp_worker:
+    coordinator, n, i = a.mp_worker.split(",")
+    mp_worker(a.size, root, coordinator, int(n), int(i), a.reps)
+    return
+  contenders = a.contenders.split(",")
+  out = {"size": a.size, "machine": machine(), "date": time.strftime("%Y-%m-%d"), "reps": a.reps}
   try:
-    b = Bench(a.size, a.reps, a.pause, root)
-    med = b.run(a.contenders.split(","))
-    print(f"Machine: {machine()}; writing to {root}" + ("" if b.can_drop else " (cannot drop caches: no cold reads)"))
-    print()
-    print(report(b, med))
+    if not a.no_timing:
+      b = Bench(a.size, a.reps, a.pause, root)
+      out.update(nbytes=b.nbytes, leaves=b.leaves, can_drop=b.can_drop,
+                 times=b.run(contenders), raw=b.results)
+      b.ofx.close()
+    if a.memory:
+      out["memory"] = run_memory(a.size, contenders, root)
+    if a.processes:
+      out["multiprocess"] = run_multiprocess(a.size, [int(n) for n in a.processes.split(",")],
+                                             root, a.reps)
   finally:
     if a.dir is None:
       shutil.rmtree(root, ignore_errors=True)
+  text = json.dumps(out, indent=1)
+  if a.json:
+    with open(a.json, "w") as f:
+      f.write(text)
+  print(text)
 
 
 if __name__ == "__main__":

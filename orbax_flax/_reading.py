@@ -16,7 +16,7 @@ bytes must end up in (:class:`Fill`). This module brings them there:
 
 Either way the format is tensorstore's own (zarr3 chunks with the ``crc32c``
 codec inside OCDBT), so tensorstore reads these checkpoints too. Temporary
-memory is bounded by the budget (``max_host_bytes``, or 256 MiB), plus one
+memory is bounded by the budget (``max_host_bytes``, or 64 MiB), plus one
 chunk.
 """
 
@@ -43,7 +43,8 @@ from orbax_flax import _tsio
 from orbax_flax import errors
 from orbax_flax._location import Location
 
-_DEFAULT_TEMP_BYTES = 256 << 20
+_DEFAULT_TEMP_BYTES = 64 << 20
+_PACKED_SLICE = 512 << 10  # packed chunks are streamed in slices of this size
 _THREADS = 8  # deep queues help cold reads; the copies release the GIL
 
 
@@ -58,13 +59,44 @@ class Fill:
 
 @dataclasses.dataclass
 class PackedFill:
-  """A small array packed in process ``owner``'s buffer: bytes ``[lo, hi)`` into ``out``."""
+  """A small array packed in process ``owner``'s buffer at bytes ``[lo, hi)``.
+
+  Once read, ``out[...] = array[index]`` for every ``(index, out)`` of
+  ``dests``; the array has ``dtype`` and ``shape``.
+  """
   item: str
   owner: int
   lo: int
   hi: int
-  out: np.ndarray  # uint8, hi - lo bytes
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  dests: list[tuple[tuple[slice, ...], np.ndarray]]
   name: str        # key path, for errors
+  _partial: np.ndarray | None = None  # the bytes, while an array spanning two chunks is read
+  _missing: int = 0
+
+  @property
+  def nbytes(self) -> int:
+    return self.hi - self.lo
+
+  def deliver(self, lo: int, data: np.ndarray, lock: threading.Lock) -> None:
+    """Takes bytes ``[lo, lo + len(data))`` of the packed buffer (those it covers of itself)."""
+    a, b = max(self.lo, lo), min(self.hi, lo + data.nbytes)
+    part = data[a - lo:b - lo]
+    if a == self.lo and b == self.hi:
+      whole = part
+    else:
+      with lock:
+        if self._partial is None:
+          self._partial, self._missing = np.empty(self.nbytes, np.uint8), self.nbytes
+        self._partial[a - self.lo:b - self.lo] = part
+        self._missing -= b - a
+        if self._missing:
+          return
+        whole, self._partial = self._partial, None
+    array = whole.view(self.dtype).reshape(self.shape)
+    for index, out in self.dests:
+      np.copyto(out, array[index] if index else array)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +222,7 @@ class Reader:
   Args:
     loc: the checkpoint.
     manifest: its decoded manifest.
-    max_host_bytes: bound on temporary memory (0: 256 MiB).
+    max_host_bytes: bound on temporary memory (0: 64 MiB).
   """
 
   def __init__(self, loc: Location, manifest: dict[str, Any], max_host_bytes: int = 0):
@@ -248,9 +280,9 @@ class Reader:
         located = self.index.get(item, owner).get(key)
         if located is None:
           if not self.manifest.get("all_chunks_stored"):
-            for p in pfs:  # older checkpoints: an all-zero chunk was left out
-              a, b = max(p.lo, lo), min(p.hi, hi)
-              p.out[a - p.lo:b - p.lo] = 0
+            zeros = np.zeros(hi - lo, np.uint8)  # older checkpoints left all-zero chunks out
+            for p in pfs:
+              p.deliver(lo, zeros, self._lock)
             continue
           raise self._corrupted(item, _packed_names(pfs), owner,
                                 f"chunk {key.decode()} is missing from the database")
@@ -353,15 +385,46 @@ class Reader:
     item = pfs[0].item
     what = _packed_names(pfs)
     self._expect(item, what, owner, located, stored)
-    data, crc = self._pread(fds, item, what, owner, located, None)
-    try:
+    if located.inline is not None:
+      data, crc = self._pread(fds, item, what, owner, located, None)
       self._check(data, crc, item, what, owner, located)
       for p in pfs:
-        a, b = max(p.lo, lo), min(p.hi, hi)
-        p.out[a - p.lo:b - p.lo] = data[a - lo:b - lo]
-    finally:
-      if located.inline is None:
-        self.temps.put(data.base if data.base is not None else data, stored)
+        p.deliver(lo, data[:hi - lo], self._lock)
+      return
+    # Streamed in slices: the bytes go to their arrays as they arrive, the
+    # checksum is extended slice by slice and compared at the end (a mismatch
+    # fails the restore, so nothing read is ever handed out). Temporary memory
+    # is one slice, not one chunk.
+    fd = fds.get(located.file)
+    crc = 0
+    pos = 0
+    while pos < stored:
+      n = min(_PACKED_SLICE, stored - pos)
+      buf = self.temps.get(n)
+      try:
+        data = buf[:n]
+        got = os.preadv(fd, [memoryview(data)], located.offset + pos)
+        if got != n:
+          raise self._corrupted(item, what, owner, f"data file {located.file} is shorter than"
+                                f" its index says (truncated at {located.offset + pos + got})")
+        crc = google_crc32c.extend(crc, data)
+        if pos < hi - lo:
+          real = data[:min(n, hi - lo - pos)]
+          for p in pfs:
+            if p.lo < lo + pos + real.nbytes and p.hi > lo + pos:
+              p.deliver(lo + pos, real, self._lock)
+      finally:
+        self.temps.put(buf, n)
+      pos += n
+    tail = os.pread(fd, 4, located.offset + stored)
+    if len(tail) != 4:
+      raise self._corrupted(item, what, owner, f"data file {located.file} is shorter than its"
+                            " index says (truncated?)")
+    with self._lock:
+      self.bytes_read += stored + 4
+    if crc != int.from_bytes(tail, "little"):
+      raise self._corrupted(item, what, owner, "the stored CRC-32C does not match the bytes read"
+                            f" ({located.file}, bytes {located.offset}+{located.length})")
 
   # ------------------------------------------------------------------ through tensorstore
 
@@ -386,8 +449,7 @@ class Reader:
                        item, _packed_names(pfs), owner)
     data = self._resolve(st[lo:hi].read(), item, _packed_names(pfs), owner)
     for p in pfs:
-      a, b = max(p.lo, lo), min(p.hi, hi)
-      p.out[a - p.lo:b - p.lo] = data[a - lo:b - lo]
+      p.deliver(lo, data, self._lock)
 
   def _read_with_tensorstore(self, fills: Sequence[Fill]) -> None:
     """Tensorstore reads (object stores): every chunk checked, copied into ``out``."""

@@ -306,14 +306,22 @@ def _windows(wants: list[_Want], budget: int) -> list[list[int]]:
   return rounds
 
 
+def _box_buffers(want: _Want, dtype: np.dtype) -> list[np.ndarray]:
+  """The array's boxes, 64-byte aligned in one mapping of its own.
+
+  JAX's CPU client adopts aligned buffers without a copy, and each restored
+  array frees its memory on its own.
+  """
+  return _staging.fresh_arrays([(_layout.box_shape(b), dtype) for b in want.boxes])
+
+
 def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
                 max_host_bytes: int = 0) -> list[Any]:
   """Reads the wanted arrays into fresh buffers, then builds host or device arrays.
 
   Every box is read straight into the memory that becomes the result (one
-  mapping per array, so that each array frees its memory on its own); small
-  packed arrays get buffers of their own. With a budget, arrays are read and
-  placed in rounds.
+  mapping per array, so that each array frees its memory on its own), small
+  packed arrays included. With a budget, arrays are read and placed in rounds.
   """
   reader = _reading.Reader(loc, manifest, max_host_bytes)
   out: list[Any] = [None] * len(wants)
@@ -325,16 +333,17 @@ def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
       rec = w.rec
       saved = _tree.dtype_from_name(rec["dtype"])
       if "packed_offset" in rec:
-        buf = np.empty(rec["nbytes"], np.uint8)
+        # A small array: each box it is needed in gets a buffer of its own.
+        bufs = _box_buffers(w, saved)
         lo = rec["packed_offset"]
-        packed.append(_reading.PackedFill(w.item, rec["owners"][0], lo, lo + rec["nbytes"], buf,
-                                          _tree.path_str(tuple(rec["path"]))))
-        datas[id(w)] = [buf.view(saved).reshape(w.shape)]  # whole, whatever boxes are needed
+        dests = [(_layout.box_to_slices(b), buf) for b, buf in zip(w.boxes, bufs)]
+        packed.append(_reading.PackedFill(w.item, rec["owners"][0], lo, lo + rec["nbytes"],
+                                          saved, w.shape, dests, _tree.path_str(tuple(rec["path"]))))
+        datas[id(w)] = bufs
       elif not rec["owners"]:
         datas[id(w)] = [np.zeros(_layout.box_shape(b), saved) for b in w.boxes]
       else:
-        stored = _tree.dtype_from_name(rec["stored_dtype"])
-        bufs = _staging.fresh_arrays([(_layout.box_shape(b), stored) for b in w.boxes])
+        bufs = _box_buffers(w, _tree.dtype_from_name(rec["stored_dtype"]))
         fills += [_reading.Fill(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
         datas[id(w)] = [buf if buf.dtype == saved else buf.view(saved) for buf in bufs]
     reader.read(fills, packed)
@@ -349,24 +358,15 @@ def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
 def _assemble(wants: list[_Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:
   """Host arrays as they are; device arrays placed with one batched device_put.
 
-  ``datas`` holds, per want, one array per box of ``want.boxes``, except for
-  packed arrays, which come whole.
+  ``datas`` holds, per want, one array per box of ``want.boxes``.
   """
   out: list[Any] = [None] * len(wants)
-  whole: list[int] = []                # packed arrays: the whole value is on the host
   sharded: list[tuple[int, int]] = []  # (want index, number of shards)
   values, targets, alias = [], [], []
-  single_process = jax.process_count() == 1
   for i, w in enumerate(wants):
     boxes = datas[id(w)]
     if w.sharding is None:
       out[i] = boxes[0]
-    elif "packed_offset" in w.rec:
-      full = boxes[0]
-      if single_process:
-        whole.append(i)  # jax slices it per device in one call
-      else:
-        out[i] = jax.make_array_from_callback(w.shape, w.sharding, lambda idx, f=full: f[idx])
     else:
       n = 0
       for devices, data in zip(w.boxes.values(), boxes):
@@ -378,19 +378,12 @@ def _assemble(wants: list[_Want], datas: dict[int, list[np.ndarray]]) -> list[An
           alias.append(j == 0)
           n += 1
       sharded.append((i, n))
-  for i in whole:
-    values.append(datas[id(wants[i])][0])
-    targets.append(wants[i].sharding)
-    alias.append(False)
   placed = jax.device_put(values, targets, may_alias=alias) if values else []
   k = 0
   for i, n in sharded:
     w = wants[i]
     out[i] = jax.make_array_from_single_device_arrays(w.shape, w.sharding, placed[k:k + n])
     k += n
-  for i in whole:
-    out[i] = placed[k]
-    k += 1
   for i, w in enumerate(wants):
     if w.key_impl:
       out[i] = jax.random.wrap_key_data(out[i], impl=w.key_impl)

@@ -59,7 +59,7 @@ def verify(path: Any) -> int:
         for f in batch:
           try:
             reader.read(*(([f], []) if isinstance(f, _reading.Fill) else ([], [f])))
-            verified += f.out.nbytes
+            verified += f.out.nbytes if isinstance(f, _reading.Fill) else f.nbytes
           except errors.CheckpointCorruptedError as e1:
             problems.append(str(e1))
       else:
@@ -101,7 +101,7 @@ def _batches(manifest: dict[str, Any]):
         names = [_tree.path_str(tuple(r["path"])) for r in recs
                  if r["packed_offset"] < hi and r["packed_offset"] + r["nbytes"] > lo]
         name = names[0] if len(names) == 1 else f"one of {', '.join(names[:4])} (packed together)"
-        batch.append(_reading.PackedFill(item, owner, lo, hi, np.empty(hi - lo, np.uint8), name))
+        batch.append(_reading.PackedFill(item, owner, lo, hi, np.dtype(np.uint8), (hi - lo,), [], name))
         used += hi - lo
         if used >= _BATCH_BYTES:
           yield batch, used

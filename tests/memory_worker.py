@@ -1,0 +1,128 @@
+"""Measures the peak host memory of one save or restore, in a fresh process.
+
+    python memory_worker.py MODE --dir=DIR [--mb=256] [--budget_mb=0]
+
+Prints one line ``RESULT {json}`` with ``extra`` (VmHWM after resetting it with
+``/proc/self/clear_refs``, minus VmRSS just before the call), the state's
+bytes and, for restores, the restored bytes. A fresh process per case: freed
+memory that the allocator keeps would make a later case look cheaper.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import orbax_flax as ofx  # noqa: E402
+
+
+def _status(field: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024
+  raise KeyError(field)
+
+
+def measure(fn):
+  """(extra peak bytes, result) of ``fn()``."""
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+  before = _status("VmRSS")
+  out = fn()
+  return _status("VmHWM") - before, out
+
+
+def state(mb: int, mesh):
+  """``mb`` MiB of float32 in 8 arrays sharded over the mesh, plus small ones."""
+  rng = np.random.default_rng(0)
+  rows = mb * (1 << 20) // 8 // 4 // 1024
+  s = {f"w{i}": jax.device_put(rng.standard_normal((rows, 1024), dtype=np.float32),
+                               NamedSharding(mesh, P("data", "model"))) for i in range(8)}
+  s.update({f"b{i}": jax.device_put(rng.standard_normal((1024,), dtype=np.float32),
+                                    NamedSharding(mesh, P())) for i in range(16)})
+  return s
+
+
+def nbytes(tree) -> int:
+  return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+def restored_bytes(tree) -> int:
+  """Bytes of the restored arrays' distinct shards (replicas share host memory on CPU)."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    seen = set()
+    for s in x.addressable_shards:
+      start = tuple(i.start for i in s.index)
+      if start not in seen:
+        seen.add(start)
+        total += s.data.nbytes
+  return total
+
+
+def largest_chunk(path) -> int:
+  from orbax_flax import restoring  # pylint: disable=g-import-not-at-top
+  manifest = restoring.read_manifest(ofx._location.Location.parse(path))  # pylint: disable=protected-access
+  return max(int(np.prod(r["chunk_shape"])) * np.dtype(r["dtype"]).itemsize
+             for item in manifest["items"].values() for r in item["leaves"] if "chunk_shape" in r)
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("mode", choices=["save", "save_async", "restore", "restore_other_mesh"])
+  p.add_argument("--dir", required=True)
+  p.add_argument("--mb", type=int, default=256)
+  p.add_argument("--budget_mb", type=int, default=0)
+  a = p.parse_args()
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  budget = a.budget_mb << 20
+  path = os.path.join(a.dir, "ckpt")
+  result = {"mode": a.mode, "budget": budget}
+  # Warm up: the first call of a process initialises tensorstore and JAX
+  # (tens of MB, once); that is not memory of the call being measured.
+  warm = os.path.join(a.dir, "warmup")
+  if not os.path.exists(warm):
+    ofx.save(warm, {"s": {"w": np.ones((4096, 64), np.float32), "b": np.ones(3)}})
+  ofx.restore(warm, {"s": {"w": jax.ShapeDtypeStruct(
+      (4096, 64), np.float32, sharding=NamedSharding(mesh, P("data", "model"))),
+      "b": np.zeros(3)}})
+  if a.mode.startswith("save"):
+    s = state(a.mb, mesh)
+    result["state"] = nbytes(s)
+    ckptr = ofx.Checkpointer(max_host_bytes=budget)
+    ckptr.save_async(os.path.join(a.dir, f"warmup-{os.getpid()}"), {"s": {"w": np.ones((4096, 64), np.float32)}}).wait()
+    ckptr.close()
+    ckptr = ofx.Checkpointer(max_host_bytes=budget)
+    if a.mode == "save":
+      extra, _ = measure(lambda: ckptr.save(path, {"s": s}))
+    else:
+      extra, _ = measure(lambda: ckptr.save_async(path, {"s": s}).wait())
+    result["extra"] = extra
+  else:
+    if a.mode == "restore":  # the saved layout
+      target_mesh, spec = mesh, P("data", "model")
+    else:  # another mesh: every chunk is needed in part by two devices
+      target_mesh, spec = jax.make_mesh((4,), ("model",), devices=jax.devices()[:4]), P("model")
+    meta = ofx.metadata(path).items["s"]
+    target = {"s": {m.path: jax.ShapeDtypeStruct(
+        m.shape, np.dtype(m.dtype), sharding=NamedSharding(target_mesh, spec if len(m.shape) == 2 else P()))
+        for m in meta.arrays}}
+    extra, out = measure(lambda: jax.block_until_ready(
+        ofx.restore(path, target, max_host_bytes=budget)))
+    result.update(state=meta.nbytes, restored=restored_bytes(out), extra=extra,
+                  largest_chunk=largest_chunk(path))
+    np.testing.assert_array_equal(np.asarray(out["s"]["w3"]), state(a.mb, mesh)["w3"])
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
