@@ -56,6 +56,12 @@ def get_checkpoint_config() -> ml_collections.ConfigDict:
   c.keep_staging_memory = True
   # Seconds a process waits for the others at each rendezvous of a multi-process save.
   c.coordination_timeout_seconds = 600.0
+  # Latest step unreadable on resume: "fallback" to the newest step that restores, or "raise".
+  c.on_unreadable_checkpoint = "fallback"
+  # A failed save (e.g. disk full): "raise" stops training, "warn" logs it and goes on.
+  c.on_save_error = "raise"
+  # A save or restore running longer than this logs its phase, bytes, RSS and thread stacks (0: off).
+  c.watchdog_seconds = 600.0
   return c
 
 

@@ -154,6 +154,15 @@ def default_context() -> ts.Context:
 
 
 def _storage_error(loc: Location, what: str, e: Exception) -> errors.StorageError:
+  text = str(e)
+  if ("No space left" in text or "os_error_code=28" in text or "ENOSPC" in text
+      or getattr(e, "errno", None) == errno.ENOSPC):
+    return errors.StorageError(
+        f"{what} at {loc} failed: the store is full (no space left on device): {e}. Fix: free"
+        " space there (e.g. keep fewer checkpoints: max_to_keep), or save elsewhere.")
+  if "QuotaExceeded" in text or "quota" in text.lower():
+    return errors.StorageError(f"{what} at {loc} failed: the store's quota is exhausted: {e}."
+                               " Fix: free space in the bucket or raise its quota.")
   hint = ("check that the directory is writable and the disk is not full" if loc.is_local
           else "check the endpoint, bucket name, credentials (AWS_ACCESS_KEY_ID/"
                "AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS) and network")

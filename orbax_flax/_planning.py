@@ -170,41 +170,30 @@ def check_destination(loc: Location, overwrite: bool) -> None:
 
 def make_plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
               custom_metadata: Mapping[str, Any] | None) -> Plan:
-  """Validates everything and plans this process's writes. Writes and reads nothing."""
+  """Validates everything and plans this process's writes. Writes and reads nothing.
+
+  The layout of a tree depends only on its structure, shapes, dtypes and
+  shardings, so it is worked out once per layout (:class:`_Template`) and
+  each save binds its arrays to it: planning a 300-leaf state takes about a
+  millisecond from the second save on.
+  """
   check_items(items)
   try:
     custom = json.loads(json.dumps(dict(custom_metadata or {}), allow_nan=False))
   except (TypeError, ValueError) as e:
     raise TypeError(f"custom_metadata must be a JSON-serialisable dict: {e}") from None
   me, nproc = _multihost.process_index(), _multihost.process_count()
-  load = [0] * nproc
-  pieces: list[Piece] = []
-  items_meta: dict[str, Any] = {}
-  for item, tree in items.items():
-    structure, leaves = _tree.encode_structure(tree)
-    records = []
-    pack_sizes = [0] * nproc
-    packed: list[Source] = []  # this process's packed leaves, by offset
-    for i, (path, leaf) in enumerate(leaves):
-      kind = _tree.leaf_kind(leaf)
-      if kind is None:
-        raise _tree.unsupported_leaf_error(item, path, leaf)
-      if kind == "jax" and leaf.is_deleted():
-        raise errors.UnsupportedLeafError(
-            f"Cannot save leaf {item}/{_tree.path_str(path)}: its jax.Array was deleted"
-            " (donated to a jitted function?). Save the state before donating it, or save"
-            " the arrays the function returned.")
-      if kind == "numpy" and not leaf.dtype.isnative:
-        leaf = leaf.astype(leaf.dtype.newbyteorder("="))  # stored little-endian, as named
-      if kind == "value":
-        records.append({"path": list(path), "kind": "value", "value": _tree.encode_value(leaf)})
-        continue
-      rec = _plan_array(item, f"a{i}", path, leaf, kind, me, load, pack_sizes, packed, pieces)
-      records.append(rec)
-    if pack_sizes[me]:
-      pieces.extend(_pack_pieces(item, pack_sizes[me], packed))
-    items_meta[item] = {"structure": structure, "leaves": records,
-                        "packed": {str(p): s for p, s in enumerate(pack_sizes) if s}}
+  flat = {item: jax.tree_util.tree_flatten(tree) for item, tree in items.items()}
+  key = (me, nproc, tuple((item, treedef, tuple(_signature(l) for l in leaves))
+                          for item, (leaves, treedef) in flat.items()))
+  template = _TEMPLATES.get(key)
+  if template is None:
+    template = _Template.build(items, me, nproc)
+    if template.cacheable(flat):
+      if len(_TEMPLATES) >= 16:
+        _TEMPLATES.pop(next(iter(_TEMPLATES)))
+      _TEMPLATES[key] = template
+  items_meta, pieces = template.bind({item: leaves for item, (leaves, _) in flat.items()})
   check_destination(loc, overwrite)
   manifest = {
       "format": _manifest.FORMAT, "version": _manifest.VERSION,
@@ -214,6 +203,119 @@ def make_plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
       "custom": custom, "items": items_meta,
   }
   return Plan(loc, manifest, pieces, overwrite)
+
+
+def _signature(leaf: Any) -> tuple:
+  """What the layout of a leaf depends on (hashable)."""
+  if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+    return ("jax", leaf.shape, leaf.dtype, leaf.sharding)
+  if isinstance(leaf, np.ndarray):
+    return ("numpy", leaf.shape, leaf.dtype.str)
+  return ("other", type(leaf))
+
+
+# Layouts already worked out, by what they depend on (a memo of pure results).
+_TEMPLATES: dict[tuple, "_Template"] = {}
+
+
+@dataclasses.dataclass
+class _Ref:
+  """A source of a piece, by position: leaf ``leaf`` of item ``item``, addressable shard ``k``."""
+  item: str
+  leaf: int
+  k: int | None  # None: the leaf itself (numpy, or a process-local jax.Array)
+
+
+class _Template:
+  """The plan of one layout, with references in place of arrays."""
+
+  def __init__(self, items_meta, pieces, value_slots, leaf_paths):
+    self.items_meta = items_meta        # item -> {structure, leaves (records), packed}
+    self.pieces = pieces                # Pieces whose Source.value are _Refs
+    self.value_slots = value_slots      # item -> [(record index, leaf index)] of inline values
+    self.leaf_paths = leaf_paths        # item -> [key path] of every leaf, in flatten order
+
+  @classmethod
+  def build(cls, items: Mapping[str, Any], me: int, nproc: int) -> _Template:
+    load = [0] * nproc
+    pieces: list[Piece] = []
+    items_meta: dict[str, Any] = {}
+    value_slots: dict[str, list[tuple[int, int]]] = {}
+    leaf_paths: dict[str, list[Any]] = {}
+    for item, tree in items.items():
+      structure, leaves = _tree.encode_structure(tree)
+      leaf_paths[item] = [path for path, _ in leaves]
+      records = []
+      pack_sizes = [0] * nproc
+      packed: list[Source] = []  # this process's packed leaves, by offset
+      value_slots[item] = []
+      for i, (path, leaf) in enumerate(leaves):
+        kind = _tree.leaf_kind(leaf)
+        if kind is None:
+          raise _tree.unsupported_leaf_error(item, path, leaf)
+        if kind == "value":
+          value_slots[item].append((len(records), i))
+          records.append(None)
+          continue
+        if kind == "numpy" and not leaf.dtype.isnative:
+          leaf = leaf.astype(leaf.dtype.newbyteorder("="))  # stored little-endian, as named
+        rec = _plan_array(item, f"a{i}", path, leaf, kind, me, load, pack_sizes, packed, pieces,
+                          lambda k, item=item, i=i: _Ref(item, i, k))
+        records.append(rec)
+      if pack_sizes[me]:
+        pieces.extend(_pack_pieces(item, pack_sizes[me], packed))
+      items_meta[item] = {"structure": structure, "leaves": records,
+                          "packed": {str(p): s for p, s in enumerate(pack_sizes) if s}}
+    return cls(items_meta, pieces, value_slots, leaf_paths)
+
+  def cacheable(self, flat: Mapping[str, Any]) -> bool:
+    """True if jax's flatten order is the one the template was built in (it always is for
+    dicts, lists, tuples, namedtuples and registered nodes)."""
+    return all(len(leaves) == len(self.leaf_paths[item]) for item, (leaves, _) in flat.items())
+
+  def bind(self, leaves: Mapping[str, list[Any]]) -> tuple[dict[str, Any], list[Piece]]:
+    """The manifest items and pieces of one save of this layout."""
+    for item, values in leaves.items():
+      for i, leaf in enumerate(values):
+        if isinstance(leaf, jax.Array) and leaf.is_deleted():
+          raise errors.UnsupportedLeafError(
+              f"Cannot save leaf {item}/{_tree.path_str(self.leaf_paths[item][i])}: its jax.Array"
+              " was deleted (donated to a jitted function?). Save the state before donating it,"
+              " or save the arrays the function returned.")
+    items_meta = {}
+    for item, meta in self.items_meta.items():
+      records = list(meta["leaves"])
+      for r, i in self.value_slots[item]:
+        value = leaves[item][i]
+        if _tree.leaf_kind(value) != "value":  # same type signature, other kind (cannot happen)
+          raise TypeError(f"{item}/{_tree.path_str(self.leaf_paths[item][i])}: unexpected leaf")
+        records[r] = {"path": list(self.leaf_paths[item][i]), "kind": "value",
+                      "value": _tree.encode_value(value)}
+      items_meta[item] = dict(meta, leaves=records)
+    shards: dict[tuple[str, int], Any] = {}  # (item, leaf) -> the leaf, or its addressable shards
+
+    def resolve(ref: _Ref) -> Any:
+      got = shards.get((ref.item, ref.leaf))
+      if got is None:
+        leaf = leaves[ref.item][ref.leaf]
+        if isinstance(leaf, np.ndarray):
+          if not leaf.dtype.isnative:
+            leaf = leaf.astype(leaf.dtype.newbyteorder("="))  # stored little-endian, as named
+        elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+          leaf = jax.random.key_data(leaf)
+        replicated = isinstance(leaf, jax.Array) and leaf.is_fully_replicated
+        got = shards[(ref.item, ref.leaf)] = (leaf, replicated)
+      leaf, replicated = got
+      if ref.k is None:
+        return leaf
+      return leaf.addressable_data(0 if replicated else ref.k)
+
+    pieces = []
+    for p in self.pieces:
+      sources = [Source(resolve(s.value), s.within, s.offset, s.leaf_shape, s.leaf_dtype, s.index)
+                 for s in p.sources]
+      pieces.append(Piece(p.array, p.slices, p.shape, p.dtype, sources))
+    return items_meta, pieces
 
 
 def pack_chunk_bytes(size: int) -> int:
@@ -244,7 +346,8 @@ def _pack_pieces(item: str, size: int, sources: list[Source]) -> list[Piece]:
 
 def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me: int,
                 load: list[int], pack_sizes: list[int], packed: list[Source],
-                pieces: list[Piece]) -> dict[str, Any]:
+                pieces: list[Piece], ref: Any) -> dict[str, Any]:
+  """The record of one array, and this process's pieces of it (sources as ``ref(k)``)."""
   rec: dict[str, Any] = {"path": list(path), "kind": kind}
   if kind == "jax" and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     rec.update(key_impl=str(jax.random.key_impl(leaf)), key_shape=list(leaf.shape))
@@ -274,8 +377,8 @@ def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me
     pack_sizes[owner] = offset + -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
     rec.update(owners=[owner], packed_offset=offset)
     if owner == me:
-      for value, index in _unique_shards(leaf, kind):
-        packed.append(Source(value, None, offset, shape, dtype, index))
+      for k, index in _unique_shards(leaf, kind, sharding):
+        packed.append(Source(ref(k), None, offset, shape, dtype, index))
     return rec
 
   shard_shape = shape if lay is None else lay.shard_shape
@@ -294,8 +397,8 @@ def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me
   if me not in owners:
     return rec
   array = StoredArray(item, name, shape, rec["stored_dtype"], chunk_shape)
-  local = {tuple(0 for _ in shape): leaf} if lay is None else {
-      tuple(s.start or 0 for s in index): value for value, index in _unique_shards(leaf, kind)}
+  local = {tuple(0 for _ in shape): None} if lay is None else {
+      tuple(s.start or 0 for s in index): k for k, index in _unique_shards(leaf, kind, sharding)}
   for box, start, owner in zip(chunk_boxes, starts, owners):
     if owner != me:
       continue
@@ -303,16 +406,16 @@ def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me
     if chunk_shape != shard_shape:
       within = _layout.relative(box, tuple((s, s + n) for s, n in zip(start, shard_shape)))
     pieces.append(Piece(array, _layout.box_to_slices(box), chunk_shape, dtype,
-                        [Source(local[start], within)]))
+                        [Source(ref(local[start]), within)]))
   return rec
 
 
-def _unique_shards(leaf: Any, kind: str) -> list[tuple[Any, tuple[slice, ...]]]:
-  """(data, index) of each distinct shard this process holds (numpy: the array itself)."""
-  if kind == "numpy" or not isinstance(leaf, jax.Array):
-    return [(leaf, ())]
-  return [(leaf.addressable_data(k), index)
-          for k, index in _distinct_shards(leaf.sharding, tuple(leaf.shape))]
+def _unique_shards(leaf: Any, kind: str, sharding: Any) -> list[tuple[int | None, tuple[slice, ...]]]:
+  """(shard position, index) of each distinct shard this process holds; (None, ()) for the
+  leaf itself (numpy, or a process-local jax.Array)."""
+  if kind == "numpy" or sharding is None:
+    return [(None, ())]
+  return list(_distinct_shards(leaf.sharding, tuple(leaf.shape)))
 
 
 @functools.lru_cache(maxsize=1024)

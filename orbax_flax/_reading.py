@@ -31,10 +31,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import tensorstore as ts
 
+from orbax_flax import _crc
 from orbax_flax import _layout
 from orbax_flax import _location
 from orbax_flax import _planning
@@ -225,8 +225,10 @@ class Reader:
     max_host_bytes: bound on temporary memory (0: 64 MiB).
   """
 
-  def __init__(self, loc: Location, manifest: dict[str, Any], max_host_bytes: int = 0):
+  def __init__(self, loc: Location, manifest: dict[str, Any], max_host_bytes: int = 0,
+               progress: Any = None):
     self.loc, self.manifest = loc, manifest
+    self.progress = progress  # an orbax_flax._progress.Progress, or None
     self.index = _Index(loc, manifest["generation"]) if loc.is_local else None
     self.temps = _TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
     self.bytes_read = 0
@@ -290,10 +292,20 @@ class Reader:
                      (self._read_packed, (pfs, lo, hi, stored, located, owner))))
       else:
         jobs.append((("~", 0), (self._read_packed_ts, (pfs, lo, hi, owner))))
-    jobs.sort(key=lambda j: j[0])
+    # One task per data file, its chunks in file order: each thread reads files
+    # sequentially, as the kernel's readahead likes (cold reads), largest first.
+    by_file: dict[str, list[tuple[tuple, Any]]] = {}
+    for job in jobs:
+      by_file.setdefault(job[0][0], []).append(job)
+    tasks = []
+    per_task = max(1, -(-len(jobs) // _THREADS))  # few files: each split into contiguous runs
+    for file_jobs in by_file.values():
+      file_jobs.sort(key=lambda j: j[0])
+      tasks += [file_jobs[i:i + per_task] for i in range(0, len(file_jobs), per_task)]
+    tasks.sort(key=len, reverse=True)
     fds = _Files()
     try:
-      self._run([(fn, args + (fds,)) for _, (fn, args) in jobs])
+      self._run([(_run_in_order, ([(fn, args + (fds,)) for _, (fn, args) in t],)) for t in tasks])
     finally:
       fds.close()
     if slow:
@@ -337,13 +349,12 @@ class Reader:
       raise self._corrupted(item, what, owner, f"data file {located.file} is shorter than its"
                             f" index says ({got} of {located.length} bytes at {located.offset}:"
                             " truncated?)")
-    with self._lock:
-      self.bytes_read += got
+    self._count(got)
     return dst, int.from_bytes(crc, "little")
 
   def _check(self, data: np.ndarray, stored: int, item: str, what: str, owner: int,
              located: _Located) -> None:
-    if google_crc32c.value(data) != stored:
+    if _crc.value(data) != stored:
       where = "inline in the index" if located.file is None else (
           f"{located.file}, bytes {located.offset}+{located.length}")
       raise self._corrupted(item, what, owner, f"the stored CRC-32C does not match the bytes"
@@ -407,7 +418,7 @@ class Reader:
         if got != n:
           raise self._corrupted(item, what, owner, f"data file {located.file} is shorter than"
                                 f" its index says (truncated at {located.offset + pos + got})")
-        crc = google_crc32c.extend(crc, data)
+        crc = _crc.extend(crc, data)
         if pos < hi - lo:
           real = data[:min(n, hi - lo - pos)]
           for p in pfs:
@@ -420,8 +431,7 @@ class Reader:
     if len(tail) != 4:
       raise self._corrupted(item, what, owner, f"data file {located.file} is shorter than its"
                             " index says (truncated?)")
-    with self._lock:
-      self.bytes_read += stored + 4
+    self._count(stored + 4)
     if crc != int.from_bytes(tail, "little"):
       raise self._corrupted(item, what, owner, "the stored CRC-32C does not match the bytes read"
                             f" ({located.file}, bytes {located.offset}+{located.length})")
@@ -484,9 +494,14 @@ class Reader:
           futures.append((dst[sl].write(st[sl]), g.item, what, owner))
       for fut, item, what, owner in futures:
         self._resolve(fut, item, what, owner)
-      with self._lock:
-        self.bytes_read += used
+      self._count(used)
       window, used = ([f], f.out.nbytes) if f is not None else ([], 0)
+
+  def _count(self, n: int) -> None:
+    with self._lock:
+      self.bytes_read += n
+    if self.progress is not None:
+      self.progress.add(n)
 
   # ------------------------------------------------------------------ errors
 
@@ -494,6 +509,11 @@ class Reader:
     return errors.CheckpointCorruptedError(
         f"checkpoint data is corrupted: item {item!r}, array {what}, database"
         f" {self.loc.join(self.db(item, owner))}: {problem}. Restore from another checkpoint.")
+
+
+def _run_in_order(calls: list[tuple[Any, tuple]]) -> None:
+  for fn, args in calls:
+    fn(*args)
 
 
 class _Files:

@@ -136,15 +136,14 @@ class CheckpointCallback(callbacks.Callback):
       log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
                   " checkpointed, so a resumed run restarts it (grain iterators have both)",
                   type(data_iterator).__name__)
-    step = self.manager.latest_step()
-    if step is None:
+    steps = self.manager.all_steps()
+    if not steps:
       if self.policy.init_from:
         return self._init_from(state)
       log.info("no checkpoint in %s: starting from scratch", self.manager.directory)
       return state
     items = state_items.to_items(state)
-    summary = restoring.read_summary(Location.parse(self.manager.step_path(step)))
-    restored = self.manager.restore(step, _targets(items))
+    step, summary, restored = self._restore_newest(steps, _targets(items))
     state = state_items.from_items(state, restored)
     if self._data is not None:
       self._restore_data(step)
@@ -155,6 +154,44 @@ class CheckpointCallback(callbacks.Callback):
              self.manager.step_path(step), f"mesh {saved_mesh}" if saved_mesh else "no mesh",
              summary["process_count"], _mesh_text(items), jax.process_count())
     return state
+
+  def _restore_newest(self, steps: list[int], target: dict[str, Any]):
+    """(step, summary, items) of the newest step that restores; never silently starts fresh.
+
+    A step whose bytes are damaged or missing is reported loudly; with
+    ``on_unreadable_checkpoint="fallback"`` the next older step is tried. If
+    committed steps exist but none restores, this raises.
+    """
+    failures = []
+    for step in reversed(steps):
+      try:
+        summary = restoring.read_summary(Location.parse(self.manager.step_path(step)))
+        restored = self.manager.restore(step, target)
+        error = None
+      except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
+        error = e
+      if jax.process_count() > 1:  # every process resumes from the same step, or none does
+        votes = _multihost.all_gather(f"{self.manager.coordination_key}/resume/{step}",
+                                      "ok" if error is None else f"{type(error).__name__}: {error}",
+                                      timeout_s=self.policy.coordination_timeout_seconds,
+                                      what=f"restore step {step}")
+        bad = [f"process {p}: {v}" for p, v in enumerate(votes) if v != "ok"]
+        if bad and error is None:
+          error = errors.CheckpointCorruptedError("; ".join(bad))
+      if error is None:
+        return step, summary, restored
+      failures.append(f"step {step}: {error}")
+      log.error("CANNOT RESUME FROM STEP %d of %s: %s", step, self.manager.directory, error)
+      if self.policy.on_unreadable_checkpoint == "raise":
+        raise error
+      older = [s for s in steps if s < step]
+      if older:
+        log.error("falling back to the next older committed step, %d; `python -m orbax_flax"
+                  " verify %s` tells what is damaged", older[-1], self.manager.step_path(step))
+    raise errors.CheckpointCorruptedError(
+        f"{len(steps)} committed step(s) in {self.manager.directory}, and none of them restores;"
+        " refusing to start from scratch over them. Move the directory away to start fresh, or"
+        " repair it:\n  " + "\n  ".join(failures))
 
   def _init_from(self, state: Any) -> Any:
     source = _checkpoint_in(self.policy.init_from)
@@ -209,8 +246,21 @@ class CheckpointCallback(callbacks.Callback):
 
   def _save(self, step: int, state: Any, metrics: Any, reason: str | None,
             data_state: Any = _CURRENT) -> bool:
-    return self.manager.save(step, self._items(step, state, data_state), metrics=metrics,
-                             reason=reason, custom_metadata=self.metadata)
+    items = self._items(step, state, data_state)
+    for _ in range(2):  # a failure of the previous (background) save surfaces here first
+      try:
+        return self.manager.save(step, items, metrics=metrics, reason=reason,
+                                 custom_metadata=self.metadata)
+      except errors.StorageError as e:
+        self._save_failed(e)
+    return False
+
+  def _save_failed(self, e: errors.StorageError) -> None:
+    """A save failed: raise it, or (``on_save_error="warn"``) log it and go on training."""
+    if self.policy.on_save_error != "warn":
+      raise e
+    log.error("CHECKPOINT SAVE FAILED, training goes on (on_save_error='warn'); the last"
+              " committed step is %s: %s", self.manager.latest_step(), e)
 
   def _check_open(self) -> None:
     if self._closed:
@@ -222,10 +272,11 @@ class CheckpointCallback(callbacks.Callback):
     """Saves if due; returns True when preempted (saved, committed: stop now)."""
     if self._closed:
       self._check_open()
-    if not isinstance(step, (int, np.integer)):
+    if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
       raise TypeError(f"on_step_end needs the step as a Python int (your loop counter), got"
                       f" {type(step).__name__}; reading a jax.Array step would force a"
                       " device-to-host sync every step")
+    step = int(step)
     self._last = (step, state)
     if self._data is not None and self.policy.save_on_exception:
       # Where the data stood after this step: an exception save must not record
@@ -245,12 +296,10 @@ class CheckpointCallback(callbacks.Callback):
     start = time.monotonic()
     self._save(step, state, metrics, "preemption")
     grace = self.policy.preemption_grace_seconds
-    inflight = self.manager._inflight  # pylint: disable=protected-access
-    if grace and inflight is not None and inflight.handle is not None:
+    if grace:
       since = start - (self._watcher.signal_time or start)
       left = max(0.0, grace - since - (time.monotonic() - start))
-      inflight.thread.join(left)
-      if inflight.thread.is_alive():
+      if not self.manager.wait_for_save(left):
         self.manager.abandon_inflight()
         log.error("preemption save of step %d did not commit within the %g s grace period;"
                   " cancelled: it is not committed unless its commit was already under way"
@@ -269,9 +318,27 @@ class CheckpointCallback(callbacks.Callback):
     log.info("preempted: step %d is committed; stopping", step)
 
   def on_exception(self, step: int, state: Any, error: BaseException) -> None:
-    if not self.policy.save_on_exception or self.preempted:
+    """Saves the last good state (if the policy says so) and closes; never raises.
+
+    The training error is what the loop raises: a failure of this save, or of
+    a background save, is logged and attached to it as a note.
+    """
+    try:
+      if self.policy.save_on_exception and not self.preempted:
+        self._save_exception(step, state, error)
+    except Exception as e:  # pylint: disable=broad-except  # the training error comes first
+      log.error("the exception save of step %d failed too: %s: %s", step, type(e).__name__, e)
+      error.add_note(f"orbax_flax: saving step {step} after this error failed too:"
+                     f" {type(e).__name__}: {e}")
+    try:
       self._close(save_final=False)
-      return
+    except Exception as e:  # pylint: disable=broad-except
+      log.error("closing the checkpoint callback after the error failed: %s: %s",
+                type(e).__name__, e)
+      error.add_note(f"orbax_flax: closing the checkpoint callback failed too:"
+                     f" {type(e).__name__}: {e}")
+
+  def _save_exception(self, step: int, state: Any, error: BaseException) -> None:
     if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
       log.error("training failed at step %d; the last state's buffers were donated, so it"
                 " cannot be saved", step)
@@ -282,7 +349,6 @@ class CheckpointCallback(callbacks.Callback):
       if self._data_after_last is not None and self._data_after_last[0] == step:
         data_state = self._data_after_last[1]
       self._save(step, state, None, "exception", data_state)
-    self._close(save_final=False)
 
   def _every_process_failed(self, step: int) -> bool:
     """A save needs every process; one that did not fail is still training."""
@@ -306,11 +372,16 @@ class CheckpointCallback(callbacks.Callback):
       return
     self._closed = True
     try:
-      if save_final and self._last is not None and self.policy.save_final_step and not self.preempted:
-        step, state = self._last
-        if not self.manager.has_step(step):
-          self._save(step, state, None, "final")
-      self.manager.close()
+      try:
+        if save_final and self._last is not None and self.policy.save_final_step and not self.preempted:
+          step, state = self._last
+          if not self.manager.has_step(step):
+            self._save(step, state, None, "final")
+      finally:
+        try:
+          self.manager.close()  # always: its threads and staging memory go
+        except errors.StorageError as e:
+          self._save_failed(e)
       self._flush_events()
     finally:
       if self._watcher is not None:
@@ -326,10 +397,14 @@ class CheckpointCallback(callbacks.Callback):
   def __exit__(self, exc_type, exc, tb) -> None:
     if exc is None:
       self.close()
-    elif self._last is not None:
+    elif self._last is not None:  # never raises: the training error propagates (plus notes)
       self.on_exception(self._last[0], self._last[1], exc)
     else:
-      self._close(save_final=False)
+      try:
+        self._close(save_final=False)
+      except Exception as e:  # pylint: disable=broad-except
+        log.error("closing the checkpoint callback failed: %s: %s", type(e).__name__, e)
+        exc.add_note(f"orbax_flax: closing the checkpoint callback failed too: {e}")
 
   def _flush_events(self) -> None:
     events = self.manager.pop_events()

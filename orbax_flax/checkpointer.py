@@ -30,6 +30,7 @@ import jax
 
 from orbax_flax import _multihost
 from orbax_flax import _planning
+from orbax_flax import _progress
 from orbax_flax import _staging
 from orbax_flax import restoring
 from orbax_flax import saving
@@ -59,6 +60,8 @@ class Checkpointer:
     coordination_key: a coordination-service prefix for this checkpointer's
       saves, the same on every process. Default: one per Checkpointer, in the
       order they are created (create them in the same order on every process).
+    watchdog_seconds: a save or restore running longer logs its phase, bytes
+      done, RSS and (once) every thread's Python stack (0: off).
 
   Example:
     >>> import numpy as np, orbax_flax as ofx, tempfile, os
@@ -73,7 +76,8 @@ class Checkpointer:
 
   def __init__(self, *, max_host_bytes: int = 0, keep_staging_memory: bool = True,
                coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S,
-               host_transfer: str = "auto", coordination_key: str | None = None):
+               host_transfer: str = "auto", coordination_key: str | None = None,
+               watchdog_seconds: float = 600.0):
     if isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int) or max_host_bytes < 0:
       raise ValueError(f"max_host_bytes={max_host_bytes!r}: must be an int >= 0 (bytes; 0: no"
                        " budget), e.g. 8 << 30 for 8 GiB.")
@@ -86,6 +90,7 @@ class Checkpointer:
     self.keep_staging_memory = keep_staging_memory
     self.coordination_timeout_seconds = float(coordination_timeout_seconds)
     self.host_transfer = host_transfer
+    self.watchdog_seconds = watchdog_seconds
     self._key = coordination_key or _multihost.namespace("checkpointer")
     self._seq = 0
     self._staging = _staging.Staging()
@@ -177,7 +182,8 @@ class Checkpointer:
       run.finish(error)
 
     try:
-      handle.run_here(work)
+      with _progress.Monitor(run.progress, self.watchdog_seconds, terminal=False):
+        handle.run_here(work)
     finally:
       self._after_save()
     handle.wait()
@@ -221,12 +227,13 @@ class Checkpointer:
 
     def work() -> None:
       try:
-        error = None
-        try:
-          run.write(last, materialize=materialize)
-        except BaseException as e:  # pylint: disable=broad-except
-          error = e
-        run.finish(error)
+        with _progress.Monitor(run.progress, self.watchdog_seconds, terminal=False):
+          error = None
+          try:
+            run.write(last, materialize=materialize)
+          except BaseException as e:  # pylint: disable=broad-except
+            error = e
+          run.finish(error)
       finally:
         self._after_save()
 
@@ -271,7 +278,10 @@ class Checkpointer:
     loc = Location.parse(path)
     self.wait_for(loc)
     budget = self.max_host_bytes if max_host_bytes is None else max_host_bytes
-    return restoring.restore(loc, target, partial=partial, max_host_bytes=budget)
+    progress = _progress.Progress(f"restore of {loc}")
+    with _progress.Monitor(progress, self.watchdog_seconds):
+      return restoring.restore(loc, target, partial=partial, max_host_bytes=budget,
+                               progress=progress)
 
   def wait_for(self, path: Any) -> None:
     """Blocks until this checkpointer's save to ``path``, if in flight, is done. Never raises:

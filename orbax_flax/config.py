@@ -95,6 +95,17 @@ class CheckpointPolicy:
     coordination_timeout_seconds: how long a process waits for the others at
       each rendezvous of a multi-process save; the error names the processes
       that did not arrive.
+    on_unreadable_checkpoint: when the latest committed step cannot be read on
+      resume (a damaged or missing file): "fallback" logs it loudly and resumes
+      from the newest step that restores; "raise" stops. Either way, when
+      committed steps exist but none restores, resuming raises (it never
+      starts fresh).
+    on_save_error: when a save fails (e.g. the disk is full): "raise" stops
+      training with the error; "warn" logs it and goes on (the earlier steps
+      stay intact; the next save tries again).
+    watchdog_seconds: a save or restore running longer than this logs what it
+      is doing (phase, bytes done, RSS), and the Python stacks of every thread
+      once, then again every such interval (0: off).
   """
   save_interval_steps: int = 0
   save_interval_seconds: float = 0.0
@@ -119,6 +130,9 @@ class CheckpointPolicy:
   max_host_bytes: int = 0
   keep_staging_memory: bool = True
   coordination_timeout_seconds: float = 600.0
+  on_unreadable_checkpoint: str = "fallback"
+  on_save_error: str = "raise"
+  watchdog_seconds: float = 600.0
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -129,7 +143,8 @@ class CheckpointPolicy:
     for name in ("save_interval_steps", "max_to_keep", "keep_period", "keep_best", "max_host_bytes"):
       if getattr(self, name) < 0:
         _fail(name, getattr(self, name), "must be >= 0 (0 turns it off)")
-    for name in ("save_interval_seconds", "keep_time_interval_seconds", "preemption_grace_seconds"):
+    for name in ("save_interval_seconds", "keep_time_interval_seconds", "preemption_grace_seconds",
+                 "watchdog_seconds"):
       v = getattr(self, name)
       if v < 0 or not math.isfinite(v):
         _fail(name, v, "must be a finite number >= 0 (0 turns it off)")
@@ -142,6 +157,8 @@ class CheckpointPolicy:
     _check_choice("best_mode", self.best_mode, ("min", "max"))
     _check_choice("best_missing", self.best_missing, ("worst", "keep"))
     _check_choice("if_busy", self.if_busy, ("wait", "skip"))
+    _check_choice("on_unreadable_checkpoint", self.on_unreadable_checkpoint, ("fallback", "raise"))
+    _check_choice("on_save_error", self.on_save_error, ("raise", "warn"))
     if self.keep_best and not self.best_metric:
       _fail("keep_best", self.keep_best, "needs best_metric; set checkpoint.best_metric to the"
             " metric name (e.g. 'loss') or set keep_best=0")

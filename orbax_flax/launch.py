@@ -87,7 +87,8 @@ def launch(argv: list[str], num_processes: int, devices_per_process: int | None 
     if devices_per_process:
       env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                           f" --xla_force_host_platform_device_count={devices_per_process}").strip()
-    cmd = [sys.executable, *argv] if argv[0].endswith(".py") else argv
+    # A script, or python's own -m module / -c code; anything else is a program.
+    cmd = [sys.executable, *argv] if argv[0].endswith(".py") or argv[0] in ("-m", "-c") else argv
     procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, errors="replace"))
   pumps = [threading.Thread(target=_pump, args=(i, p, lock), daemon=True) for i, p in enumerate(procs)]

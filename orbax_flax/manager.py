@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from orbax_flax import _multihost
 from orbax_flax import checkpointer as checkpointer_lib
@@ -101,6 +102,13 @@ class CheckpointManager:
     self._lock = threading.Lock()
     self._steps: set[int] = set()
     self._deleting: set[int] = set()  # uncommitted by this manager, deletion pending
+    self._reading: dict[int, int] = {}  # steps a restore is reading: never deleted meanwhile
+    self._deferred: set[int] = set()    # doomed while being read: deleted once read
+    # After restore() of a step older than the latest (a rollback), the newer
+    # steps belong to the abandoned run: replaced if this run saves them again,
+    # removed once this run commits its first save.
+    self._rollback_to: int | None = None
+    self._abandoned: set[int] = set()
     self._infos: dict[int, policy_lib.StepInfo] = {}
     self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-delete")
     self._deletions: list[concurrent.futures.Future] = []
@@ -112,7 +120,7 @@ class CheckpointManager:
         max_host_bytes=self.policy.max_host_bytes,
         keep_staging_memory=self.policy.keep_staging_memory,
         coordination_timeout_seconds=self.policy.coordination_timeout_seconds,
-        coordination_key=f"{self._key}/save")
+        coordination_key=f"{self._key}/save", watchdog_seconds=self.policy.watchdog_seconds)
     self.reload()
     self._startup_cleanup()
 
@@ -149,7 +157,7 @@ class CheckpointManager:
     if inflight is not None and inflight.step == step and not inflight.abandoned.is_set():
       return True
     with self._lock:
-      return step in self._steps
+      return step in self._steps and step not in self._abandoned
 
   def latest_step(self) -> int | None:
     """The newest committed step, or None."""
@@ -251,8 +259,7 @@ class CheckpointManager:
       custom_metadata: JSON-serialisable data recorded with the step.
     """
     self._raise_error()
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-      raise ValueError(f"step must be a non-negative int, got {step!r}")
+    step = _as_step(step)
     if reason is not None and reason not in policy_lib.REASONS:
       raise ValueError(f"reason must be one of {policy_lib.REASONS}, got {reason!r}")
     decided = reason or ("forced" if force else None) or self.should_save(step)
@@ -260,8 +267,21 @@ class CheckpointManager:
       return False
     with self._lock:
       exists = step in self._steps
-    if exists or (self._inflight is not None and self._inflight.step == step):
-      log.warning("step %d is already saved in %s; not saving it again", step, self._dir)
+      replaces_abandoned = step in self._abandoned
+    if self._inflight is not None and self._inflight.step == step and not self._inflight.abandoned.is_set():
+      log.warning("step %d is being saved already in %s; not saving it again", step, self._dir)
+      return False
+    overwrite = False
+    if exists and replaces_abandoned:
+      log.info("step %d: replacing the abandoned run's checkpoint of this step (rolled back to"
+               " step %d)", step, self._rollback_to)
+      overwrite = True
+    elif exists and decided in ("forced", "final", "preemption", "exception") and reason != "final":
+      log.warning("step %d is already committed in %s; replacing it (force=True)", step, self._dir)
+      overwrite = True
+    elif exists:
+      log.warning("step %d is already saved in %s; not saving it again (force=True replaces it)",
+                  step, self._dir)
       return False
     if self.policy.if_busy == "skip" and decided not in ("forced", "final", "preemption", "exception"):
       busy = self._inflight is not None and self._inflight.thread.is_alive()
@@ -287,16 +307,18 @@ class CheckpointManager:
           log.info("removing leftover %s of an interrupted save of step %d", l.name, step)
           step_dir.remove(self._dir, l.name)
       if self.policy.async_save:
-        handle = self._ckptr.save_async(path, items, custom_metadata=custom)
+        handle = self._ckptr.save_async(path, items, custom_metadata=custom, overwrite=overwrite)
       else:
-        self._ckptr.save(path, items, custom_metadata=custom)
+        self._ckptr.save(path, items, custom_metadata=custom, overwrite=overwrite)
         handle = None
     except BaseException:
       _set_writing(str(self._dir), step, False)
       raise
     info = policy_lib.StepInfo(step, now, custom["metrics"], decided)
     abandoned = threading.Event()
-    thread = threading.Thread(target=self._after_save, args=(info, handle, start, abandoned),
+    new_run = self._rollback_to is not None
+    thread = threading.Thread(target=self._after_save,
+                              args=(info, handle, start, abandoned, new_run),
                               name=f"orbax_flax-commit-{step}")
     self._inflight = _InFlight(step, handle, thread, abandoned)
     thread.start()
@@ -306,14 +328,27 @@ class CheckpointManager:
     return True
 
   def _after_save(self, info: policy_lib.StepInfo, handle: saving.AsyncSave | None,
-                  start: float, abandoned: threading.Event) -> None:
+                  start: float, abandoned: threading.Event, new_run: bool = False) -> None:
     step = info.step
     try:
       if handle is not None:
         handle.wait()
+      gone: set[int] = set()
       with self._lock:
         self._steps.add(step)
         self._infos[step] = info
+        if new_run and self._rollback_to is not None:
+          # The first commit of the run that rolled back: the abandoned run's
+          # newer steps go, so that "latest" and the keep rules see this run only.
+          gone = self._abandoned - {step}
+          self._steps -= gone
+          self._deleting |= gone
+          self._rollback_to, self._abandoned = None, set()
+        elif self._rollback_to is not None and step > self._rollback_to:
+          self._abandoned.add(step)  # a save of the abandoned run that was in flight
+      if gone:
+        log.info("rolled back: removing step(s) %s of the abandoned run now that step %d of"
+                 " this run is committed", sorted(gone), step)
       blocking = handle.blocking_s if handle is not None else time.perf_counter() - start
       total = time.perf_counter() - start
       nbytes = handle.nbytes if handle is not None else 0
@@ -322,10 +357,11 @@ class CheckpointManager:
                total, metadata_lib.human_bytes(nbytes))
       with self._lock:
         self._events.append(SaveEvent(step, info.reason, blocking, total, nbytes))
-      doomed = policy_lib.to_delete(self._keep_inputs(), self._rules)
+      doomed = policy_lib.to_delete(self._keep_inputs(), self._rules) if not self._abandoned else []
       with self._lock:
         self._steps -= set(doomed)
         self._deleting |= set(doomed)
+      doomed = sorted(set(doomed) | gone)
       if (doomed or self._leftovers) and _multihost.process_index() == 0:
         self._deletions.append(self._deleter.submit(self._delete_steps, doomed))
     except BaseException as e:  # pylint: disable=broad-except  # Raised on the next call.
@@ -359,11 +395,26 @@ class CheckpointManager:
 
   def _delete_steps(self, steps: list[int]) -> None:
     for step in steps:
+      with self._lock:
+        if self._reading.get(step):
+          self._deferred.add(step)  # a restore is reading it: deleted when it is done
+          continue
       log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
       step_dir.delete_step(self._dir, step)
       with self._lock:
         self._deleting.discard(step)
     self._remove_leftovers()
+
+  def wait_for_save(self, timeout: float | None = None) -> bool:
+    """Waits up to ``timeout`` seconds for the save in flight; True if none is left running.
+
+    Unlike :meth:`wait` it raises nothing (errors are raised by the next call).
+    """
+    inflight = self._inflight
+    if inflight is None:
+      return True
+    inflight.thread.join(timeout)
+    return not inflight.thread.is_alive()
 
   def abandon_inflight(self) -> None:
     """Cancels the save in flight so that it never commits, and stops waiting for it.
@@ -431,21 +482,51 @@ class CheckpointManager:
               partial: bool = False) -> dict[str, Any]:
     """Restores ``step`` (default: the latest committed), resharded onto ``target``.
 
-    A save still in flight is waited for first, so the latest step includes it.
+    With ``step=None`` a save in flight is waited for first, so that the
+    latest step includes it. A given ``step`` is read as it is committed now,
+    without waiting for a save of another step, and no keep rule deletes it
+    while it is read (so ``restore(latest_step())`` always works).
+    Restoring a step older than the latest one is a rollback: this run's
+    next saves replace the newer steps of the abandoned run, which are
+    removed once this run commits its first save (see the README).
 
     Raises:
       CheckpointNotFoundError: there is no such step (or no step at all).
     """
-    self._finish_inflight()
-    step = self._resolve(step)
+    self._raise_error()
+    if step is None or (self._inflight is not None and self._inflight.step == step):
+      self._finish_inflight()
+    step = self._resolve(step if step is None else _as_step(step))
     with self._lock:
       known = step in self._steps
+      if known:
+        self._reading[step] = self._reading.get(step, 0) + 1
     if not known:
       raise errors.CheckpointNotFoundError(
           f"step {step} is not a committed checkpoint in {self._dir}; committed steps:"
           f" {_short(self.all_steps())}")
-    out = self._ckptr.restore(self._dir.join(str(step)), target, partial=partial)
+    try:
+      out = self._ckptr.restore(self._dir.join(str(step)), target, partial=partial)
+    finally:
+      with self._lock:
+        self._reading[step] -= 1
+        late = step in self._deferred and not self._reading[step]
+        if late:
+          self._deferred.discard(step)
+      if late and _multihost.process_index() == 0:
+        self._deletions.append(self._deleter.submit(self._delete_steps, [step]))
     self._last_step, self._last_time = step, self._clock()
+    with self._lock:
+      newer = {s for s in self._steps if s > step}
+      inflight = self._inflight
+      if inflight is not None and inflight.step > step and inflight.thread.is_alive():
+        newer.add(inflight.step)
+      if newer:
+        self._rollback_to, self._abandoned = step, newer
+    if newer:
+      log.info("restored step %d of %s, older than the latest (%d): saves of this run replace"
+               " the newer steps, which are removed once this run commits a save", step,
+               self._dir, max(newer))
     return out
 
   # -------------------------------------------------------------------- leftovers
@@ -528,6 +609,13 @@ def _mesh_of(items: Mapping[str, Any]) -> dict[str, int] | None:
     if isinstance(sharding, jax.sharding.NamedSharding):
       return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
   return None
+
+
+def _as_step(step: Any) -> int:
+  """A step number: a non-negative int (numpy integers welcome)."""
+  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+    raise ValueError(f"step must be a non-negative int, got {step!r} ({type(step).__name__})")
+  return int(step)
 
 
 def _short(steps: list[int]) -> str:

@@ -85,7 +85,7 @@ class _Want:
 
 
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
-            max_host_bytes: int = 0) -> dict[str, Any]:
+            max_host_bytes: int = 0, progress: Any = None) -> dict[str, Any]:
   """Restores a checkpoint, resharded onto the target's shardings.
 
   Args:
@@ -101,6 +101,7 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     max_host_bytes: a budget for host memory beyond the restored arrays
       (0: none): arrays are read and placed in rounds of at most this many
       bytes, and temporary buffers stay within it (plus one chunk).
+    progress: an ``orbax_flax._progress.Progress`` updated with the bytes read.
 
   Returns:
     item name -> restored pytree, with the target's structure.
@@ -122,7 +123,7 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   loc = Location.parse(path)
   manifest = read_manifest(loc)
   if target is None:
-    return _restore_all(loc, manifest, max_host_bytes=max_host_bytes)
+    return _restore_all(loc, manifest, max_host_bytes=max_host_bytes, progress=progress)
   if not isinstance(target, Mapping):
     raise TypeError(f"target must be a dict of item name -> pytree (e.g. {{'state':"
                     f" abstract_state}}) or None; got {type(target).__name__}")
@@ -175,10 +176,14 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
                      " dimension to divide evenly); change the PartitionSpec or mesh:\n  "
                      + "\n  ".join(bad_shardings))
 
-  arrays = read_arrays(loc, manifest, [w for w, _, _ in wants], max_host_bytes)
+  if progress is not None:
+    progress.total = sum(w.rec["nbytes"] for w, _, _ in wants) + sum(
+        r.get("nbytes", 0) for i in whole for r in manifest["items"][i]["leaves"])
+    progress.phase = "reading"
+  arrays = read_arrays(loc, manifest, [w for w, _, _ in wants], max_host_bytes, progress)
   for (_, item, i), value in zip(wants, arrays):
     results[item][1][i] = value
-  out = _restore_all(loc, manifest, whole, max_host_bytes) if whole else {}
+  out = _restore_all(loc, manifest, whole, max_host_bytes, progress) if whole else {}
   out.update({item: jax.tree_util.tree_unflatten(treedef, leaves)
               for item, (treedef, leaves) in results.items()})
   return {item: out[item] for item in target if item in out}
@@ -191,6 +196,12 @@ class _Value:
 
 def _is_key_dtype(dtype: Any) -> bool:
   return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _key_impl_name(dtype: Any) -> str | None:
+  """The PRNG implementation a key dtype names (``key<rbg>`` -> "rbg"), if jax says."""
+  impl = getattr(dtype, "_impl", None)  # jax has no public accessor on a dtype
+  return getattr(impl, "name", None)
 
 
 def _key_data_sharding(sharding: Any, where: str) -> Any:
@@ -240,6 +251,13 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
     diffs.append(f"{where}: " + ("checkpoint holds PRNG keys, target is not a key array" if saved_key
                                  else "target is a PRNG key array, checkpoint holds plain data"))
     return None
+  wanted_impl = _key_impl_name(dtype) if saved_key and dtype is not None else None
+  if wanted_impl is not None and wanted_impl != saved_key:
+    diffs.append(f"{where}: checkpoint holds {saved_key} PRNG keys, target asks for {wanted_impl}"
+                 f" keys; keys of one implementation cannot be converted exactly into another."
+                 f" Restore into {saved_key} keys (e.g. a target built with"
+                 f" jax.random.key(0, impl={saved_key!r})), or make new keys.")
+    return None
   saved_shape = _tree.array_shape(rec)
   if tuple(shape) != saved_shape:
     diffs.append(f"{where}: shape {saved_shape} in checkpoint, {tuple(shape)} in target")
@@ -268,7 +286,7 @@ def _boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[_lay
 
 
 def _restore_all(loc: Location, manifest: dict[str, Any], items: list[str] | None = None,
-                 max_host_bytes: int = 0) -> dict[str, Any]:
+                 max_host_bytes: int = 0, progress: Any = None) -> dict[str, Any]:
   """Items (default: all) as host numpy arrays, in the saved structure."""
   wants, slots = [], []
   values: dict[str, list[Any]] = {}
@@ -284,7 +302,9 @@ def _restore_all(loc: Location, manifest: dict[str, Any], items: list[str] | Non
       wants.append(_Want(item, rec, np.dtype(_tree.dtype_from_name(rec["dtype"])), None, shape,
                          rec.get("key_impl"), {tuple((0, s) for s in shape): []}))
       slots.append((item, i))
-  for (item, i), value in zip(slots, read_arrays(loc, manifest, wants, max_host_bytes)):
+  if progress is not None and not progress.total:
+    progress.total, progress.phase = sum(w.rec["nbytes"] for w in wants), "reading"
+  for (item, i), value in zip(slots, read_arrays(loc, manifest, wants, max_host_bytes, progress)):
     values[item][i] = value
   return {item: _tree.decode_structure(saved_item["structure"], values[item])
           for item, saved_item in chosen.items()}
@@ -316,14 +336,14 @@ def _box_buffers(want: _Want, dtype: np.dtype) -> list[np.ndarray]:
 
 
 def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
-                max_host_bytes: int = 0) -> list[Any]:
+                max_host_bytes: int = 0, progress: Any = None) -> list[Any]:
   """Reads the wanted arrays into fresh buffers, then builds host or device arrays.
 
   Every box is read straight into the memory that becomes the result (one
   mapping per array, so that each array frees its memory on its own), small
   packed arrays included. With a budget, arrays are read and placed in rounds.
   """
-  reader = _reading.Reader(loc, manifest, max_host_bytes)
+  reader = _reading.Reader(loc, manifest, max_host_bytes, progress)
   out: list[Any] = [None] * len(wants)
   for window in _windows(wants, max_host_bytes):
     fills, packed = [], []

@@ -43,6 +43,7 @@ from orbax_flax import _location
 from orbax_flax import _manifest
 from orbax_flax import _multihost
 from orbax_flax import _planning
+from orbax_flax import _progress
 from orbax_flax import _staging
 from orbax_flax import _tsio
 from orbax_flax import errors
@@ -296,6 +297,7 @@ class SaveRun:
     self.writers: dict[str, _tsio.DatabaseWriter] = {}
     self._ctx = None
     self.bytes_written = 0
+    self.progress = _progress.Progress(f"save to {plan.loc}", plan.nbytes)
 
   # ---------------------------------------------------------------- writing
 
@@ -303,6 +305,7 @@ class SaveRun:
     """Agrees on the generation id and creates the temporary directory (process 0)."""
     if self.gen is not None:
       return
+    self.progress.phase = "agreeing on the generation" if self.nproc > 1 else "starting"
     final = self.plan.loc
     if self.me == 0:
       try:
@@ -337,6 +340,7 @@ class SaveRun:
     between them.
     """
     self.begin()
+    self.progress.phase = "writing"
     cap = max_batch_bytes or _MAX_BATCH_BYTES
     limit = min(cap, _FIRST_BATCH_BYTES)
     pieces = list(pieces)
@@ -364,6 +368,7 @@ class SaveRun:
           done = in_flight.pop(0)
           self._done(done)
           self.bytes_written += sum(p.nbytes for p in done)
+          self.progress.add(sum(p.nbytes for p in done))
           rate = self.bytes_written / max(time.perf_counter() - start, 1e-3)
           limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
       for w in self.writers.values():
@@ -373,6 +378,7 @@ class SaveRun:
     for batch in in_flight:
       self._done(batch)
       self.bytes_written += sum(p.nbytes for p in batch)
+      self.progress.add(sum(p.nbytes for p in batch))
 
   @staticmethod
   def _done(batch: Sequence[Piece]) -> None:
@@ -420,6 +426,7 @@ class SaveRun:
       self._discard()
       raise error
     status = "ok" if error is None else _describe(error)
+    self.progress.phase = "waiting for every process to finish writing"
     _multihost.arrive(f"{self.key}/status", status)
     if self.me != 0:
       self._follow(error)
@@ -490,6 +497,7 @@ class SaveRun:
       if error is not None:
         raise error
       _raise_verdict(decision)
+    self.progress.phase = "committing"
     try:
       self._commit()
     except BaseException as e:

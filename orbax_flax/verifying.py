@@ -13,6 +13,7 @@ import numpy as np
 
 from orbax_flax import _layout
 from orbax_flax import _planning
+from orbax_flax import _progress
 from orbax_flax import _reading
 from orbax_flax import _tree
 from orbax_flax import checkpointer
@@ -46,7 +47,15 @@ def verify(path: Any) -> int:
   loc = Location.parse(path)
   checkpointer.wait_for_inflight(loc)
   manifest = restoring.read_manifest(loc)  # checks the manifest's own hashes
-  reader = _reading.Reader(loc, manifest, _BATCH_BYTES)
+  progress = _progress.Progress(f"verify {loc}", sum(
+      r.get("nbytes", 0) for item in manifest["items"].values() for r in item["leaves"]))
+  progress.phase = "reading every chunk"
+  reader = _reading.Reader(loc, manifest, _BATCH_BYTES, progress)
+  with _progress.Monitor(progress):
+    return _verify(loc, manifest, reader)
+
+
+def _verify(loc: Location, manifest: dict[str, Any], reader: _reading.Reader) -> int:
   problems: list[str] = []
   verified = 0
   for batch, nbytes in _batches(manifest):

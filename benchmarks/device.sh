@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The benchmark on a machine with one accelerator (GPU or TPU): a ~19 GB LLaMA-like
+# state with Adam moments, built on the device, saved and restored by orbax_flax,
+# orbax-checkpoint and torch DCP (CUDA tensors), against the host's limits; prints
+# the same tables as on CPU. One command, about 4 minutes on an H200 host:
+#
+#   bash benchmarks/device.sh              # SIZE=2gb for a quick smoke test
+#
+# It installs only what the machine lacks. Without network, put wheels in .whl/
+# (python3 -m pip download --no-deps -d .whl google-crc32c ml_collections clu ...)
+# and they are installed from there. Results go to $OUT (or /tmp): device-SIZE.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+SIZE=${SIZE:-20gb}
+OUTDIR=${OUT:-/tmp}
+missing=()
+for mod in google_crc32c ml_collections clu tensorstore flax optax; do
+  "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "installing: ${missing[*]}"
+  if [ -d .whl ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/ofx-site .whl/*.whl
+    export PYTHONPATH=/tmp/ofx-site:${PYTHONPATH:-}
+  else
+    "$PY" -m pip install -q google-crc32c ml_collections clu tensorstore flax optax
+  fi
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # jax and torch share the device
+unset XLA_FLAGS
+"$PY" -c "import jax; print('devices:', jax.devices())"
+"$PY" benchmarks/save_restore.py --size="$SIZE" --reps="${REPS:-1}" --pause=1 \
+  --json="$OUTDIR/device-$SIZE.json" > "$OUTDIR/device-$SIZE.log"
+"$PY" benchmarks/report.py --runs "$SIZE=$OUTDIR/device-$SIZE.json"
