@@ -26,7 +26,6 @@ import functools
 import json
 import math
 import os
-import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -50,7 +49,7 @@ PACK_CHUNK_BYTES = 4 << 20    # checksum granularity of a packed buffer
 PACK_PIECE_BYTES = 32 << 20   # a packed buffer is staged and written in pieces of at most this
 PACKED = "packed"             # name of the packed zarr3 array in each database
 _PACK_ALIGN = 16
-_ITEM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
+_ITEM_NAME = _manifest.ITEM_NAME
 
 
 @dataclasses.dataclass(frozen=True)

@@ -45,17 +45,18 @@ class Progress:
     return self._clock() - self.start
 
   def line(self) -> str:
-    """``what: phase, 1.2 of 4.0 GiB (30%), 0.8 GB/s, 4 s left``."""
+    """``what: phase, 1.20 of 4.00 GiB (30%), 0.8 GB/s, 4 s left``."""
     elapsed = max(self.elapsed(), 1e-9)
     rate = self.done / elapsed
     parts = [f"{self.what}: {self.phase}"]
+    unit, div = ("GiB", 2**30) if max(self.total, self.done) >= 2**30 else ("MiB", 2**20)
     if self.total:
       pct = 100 * self.done / self.total
-      parts.append(f"{self.done / 2**30:.2f} of {self.total / 2**30:.2f} GiB ({pct:.0f}%)")
+      parts.append(f"{self.done / div:.2f} of {self.total / div:.2f} {unit} ({pct:.0f}%)")
       if rate > 0 and self.done < self.total:
         parts.append(f"{rate / 1e9:.2f} GB/s, {(self.total - self.done) / rate:.0f} s left")
     elif self.done:
-      parts.append(f"{self.done / 2**30:.2f} GiB, {rate / 1e9:.2f} GB/s")
+      parts.append(f"{self.done / div:.2f} {unit}, {rate / 1e9:.2f} GB/s")
     return ", ".join(parts)
 
 

@@ -26,6 +26,7 @@ import concurrent.futures
 import dataclasses
 import math
 import os
+import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ from orbax_flax import errors
 from orbax_flax._location import Location
 
 _DEFAULT_TEMP_BYTES = 64 << 20
+_DATA_FILE = re.compile(r"^d/[0-9A-Za-z_-]+$")  # OCDBT data files: d/<hex>
 _PACKED_SLICE = 512 << 10  # packed chunks are streamed in slices of this size
 _THREADS = 8  # deep queues help cold reads; the copies release the GIL
 
@@ -151,6 +153,8 @@ class _Index:
             stack.append(child)
           elif "indirect_value" in entry:
             file, offset, length = str(entry["indirect_value"]).split("::", 1)[1].rsplit(":", 2)
+            if not _DATA_FILE.match(file):
+              return None  # not a name tensorstore writes: never followed outside the database
             out[bytes(entry["key"])] = _Located(os.path.join(base, file), int(offset), int(length))
           elif "inline_value" in entry:
             value = bytes(entry["inline_value"])

@@ -32,6 +32,10 @@ class CheckpointCorruptedError(CheckpointError, OSError):
   """Stored bytes do not match the checksums recorded when they were saved."""
 
 
+class CheckpointFormatError(CheckpointCorruptedError):
+  """The checkpoint was written in a format this version cannot read (e.g. a newer one)."""
+
+
 class TreeMismatchError(CheckpointError, ValueError):
   """The restore target and the checkpoint disagree (keys, shapes, kinds).
 

@@ -405,6 +405,11 @@ class CheckpointManager:
         self._deleting.discard(step)
     self._remove_leftovers()
 
+  def inflight_step(self) -> int | None:
+    """The step whose save is still being written, if any."""
+    inflight = self._inflight
+    return inflight.step if inflight is not None and inflight.thread.is_alive() else None
+
   def wait_for_save(self, timeout: float | None = None) -> bool:
     """Waits up to ``timeout`` seconds for the save in flight; True if none is left running.
 
@@ -517,9 +522,11 @@ class CheckpointManager:
         self._deletions.append(self._deleter.submit(self._delete_steps, [step]))
     self._last_step, self._last_time = step, self._clock()
     with self._lock:
+      # A rollback: committed steps newer than this one exist. A save of the
+      # abandoned run still in flight belongs to it too.
       newer = {s for s in self._steps if s > step}
       inflight = self._inflight
-      if inflight is not None and inflight.step > step and inflight.thread.is_alive():
+      if newer and inflight is not None and inflight.step > step and inflight.thread.is_alive():
         newer.add(inflight.step)
       if newer:
         self._rollback_to, self._abandoned = step, newer

@@ -446,7 +446,11 @@ class SaveRun:
           f"failed: save to {self.plan.loc} aborted by process {self.me} after waiting"
           f" {self.timeout_s:g} s (coordination_timeout_seconds): {who}; nothing was committed.")
     if error is not None:
-      raise error
+      if isinstance(error, errors.SaveCancelledError) or decision == "commit":
+        raise error
+      # The job's verdict, the same on every process; this process's own cause chained.
+      raise errors.StorageError(_verdict_text(decision) + f" (on process {self.me}:"
+                                f" {type(error).__name__}: {error})") from error
     if decision == "commit":
       try:
         outcome = _multihost.fetch(f"{self.key}/outcome", self.timeout_s,
@@ -590,10 +594,14 @@ def _describe(error: BaseException) -> str:
   return f"error: {type(error).__name__}: {error}"
 
 
+def _verdict_text(decision: str) -> str:
+  return decision.split(": ", 1)[1] if ": " in decision else decision
+
+
 def _raise_verdict(decision: str) -> None:
   if decision.startswith(_CANCELLED):
     raise errors.SaveCancelledError(decision[len(_CANCELLED):])
-  raise errors.StorageError(decision.split(": ", 1)[1] if ": " in decision else decision)
+  raise errors.StorageError(_verdict_text(decision))
 
 
 def _target(final: Location, gen: str) -> Location:

@@ -63,16 +63,29 @@ class S3Server:
     self.port = ports[2]
     data = os.path.join(self.dir, "data")
     os.makedirs(data)
-    cmd = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-           f"-master.port={ports[0]}", f"-volume.port={ports[1]}", "-filer",
-           f"-filer.port={ports[3]}", "-s3", f"-s3.port={self.port}", f"-s3.config={config}",
-           "-s3.port.lance=0", "-s3.port.iceberg=0",
-           f"-master.port.grpc={ports[4]}", "-volume.max=0", "-master.volumeSizeLimitMB=256"]
-    self.log = open(os.path.join(self.dir, "weed.log"), "w")
-    self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+    self._cmd = [weed, "server", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                 f"-master.port={ports[0]}", f"-volume.port={ports[1]}", "-filer",
+                 f"-filer.port={ports[3]}", "-s3", f"-s3.port={self.port}", f"-s3.config={config}",
+                 "-s3.port.lance=0", "-s3.port.iceberg=0",
+                 f"-master.port.grpc={ports[4]}", "-volume.max=0", "-master.volumeSizeLimitMB=256"]
+    self.log = open(os.path.join(self.dir, "weed.log"), "a")
     self.endpoint = f"http://127.0.0.1:{self.port}"
+    self.start()
+
+  def start(self) -> None:
+    """Starts the server (again, on the same data and ports after :meth:`kill`)."""
+    self.proc = subprocess.Popen(self._cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
     self._wait_ready()
+
+  def kill(self) -> None:
+    """SIGKILLs the server (a crash); its data stays for :meth:`start`."""
+    if self.proc.poll() is None:
+      os.killpg(self.proc.pid, signal.SIGKILL)
+      self.proc.wait()
+    deadline = time.monotonic() + 10
+    while _port_open(self.port) and time.monotonic() < deadline:
+      time.sleep(0.1)
 
   def _wait_ready(self, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout

@@ -1,6 +1,5 @@
 """save_async: a real snapshot, errors never lost, memory back to baseline."""
 
-import contextlib
 import gc
 import os
 import subprocess
@@ -15,20 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_flax as ofx
-
-
-@contextlib.contextmanager
-def small_disk(path, size="4m"):
-  """A real tmpfs of ``size`` mounted at ``path`` (needs root)."""
-  os.makedirs(path, exist_ok=True)
-  r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", path],
-                     capture_output=True, text=True, check=False)
-  if r.returncode != 0:
-    pytest.skip(f"cannot mount a tmpfs to fill a disk (needs root): {r.stderr.strip()}")
-  try:
-    yield path
-  finally:
-    subprocess.run(["umount", "-l", path], check=False)
+from disks import small_disk
 
 
 def _state(mb=64, seed=0):

@@ -1,0 +1,350 @@
+"""Regression tests for the defects of the reliability review (one per reproduction in shared/repros).
+
+Each test drives the real thing: real files, a real S3 server, real processes
+and signals, a real file system that fills up.
+"""
+
+import itertools
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+import psutil
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jobs
+import orbax_flax as ofx
+from disks import small_disk
+from orbax_flax import _progress
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---------------------------------------------------------------------- 1. rollback
+
+
+def _timeline_save(m, step, timeline):
+  return m.save(step, {"state": {"w": np.full(2, step), "timeline": timeline}})
+
+
+def test_rollback_continues_the_new_run(tmp_path):
+  d = str(tmp_path)
+  pol = ofx.CheckpointPolicy(save_interval_steps=10, max_to_keep=3, save_final_step=False)
+  with ofx.CheckpointManager(d, pol) as m:
+    for step in range(1, 41):
+      _timeline_save(m, step, "old")
+    m.wait()
+    assert m.all_steps() == [20, 30, 40]
+    m.restore(20)  # a loss spike: go back and train again from 20
+    saved = []
+    for step in range(21, 46):
+      if _timeline_save(m, step, "new"):
+        m.wait()
+        saved.append((step, m.all_steps()))
+  # 30 and 40 of the new run were saved (replacing the old ones), nothing of the new run deleted.
+  assert saved == [(30, [20, 30]), (40, [20, 30, 40])], saved
+  with ofx.CheckpointManager(d, pol) as m2:  # a crash, then a resume: the new run
+    assert m2.latest_step() == 40
+    assert m2.restore()["state"]["timeline"] == "new"
+
+
+def test_rollback_new_steps_survive_the_keep_rules(tmp_path):
+  d = str(tmp_path)
+  pol = ofx.CheckpointPolicy(save_interval_steps=10, max_to_keep=1, keep_period=20,
+                             save_final_step=False)
+  with ofx.CheckpointManager(d, pol) as m:
+    for step in range(1, 41):
+      _timeline_save(m, step, "old")
+    m.wait()
+    assert m.all_steps() == [20, 40]
+    m.restore(20)
+    assert m.save(25, {"state": {"w": np.full(2, 25), "timeline": "new"}}, force=True)
+    m.wait()
+    assert m.all_steps() == [20, 25] == sorted(int(n) for n in os.listdir(d))  # 40 abandoned
+    assert m.save(27, {"state": {"w": np.full(2, 27), "timeline": "new"}}, force=True)
+    m.wait()
+    assert m.all_steps() == [20, 27]  # 25 is this run's, and the keep rules now see this run
+  with ofx.CheckpointManager(d, pol) as m2:
+    assert m2.restore()["state"]["w"].tolist() == [27, 27]
+
+
+def test_restoring_an_old_step_without_saving_changes_nothing(tmp_path):
+  """An evaluator that restores an old step never removes the trainer's newer ones."""
+  d = str(tmp_path)
+  with ofx.CheckpointManager(d) as m:
+    for step in (10, 20, 30):
+      m.save(step, {"state": {"w": np.full(2, step)}}, force=True)
+  with ofx.CheckpointManager(d) as evaluator:
+    evaluator.restore(10)
+  assert sorted(os.listdir(d)) == ["10", "20", "30"]
+
+
+# ---------------------------------------------------------------------- 2. split brain
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_a_late_process_gets_the_same_verdict_and_its_data_is_not_deleted(tmp_path, slow):
+  path = str(tmp_path / "c")
+  procs = jobs.start("slow_worker.py", [f"--path={path}", f"--slow={slow}"], 2, 2)
+  ready = procs[slow].stdout.readline()
+  assert "READY" in ready, ready + procs[slow].stdout.read()
+  pid = int(ready.split("pid=")[1])
+  time.sleep(5)  # the coordination timeout is 2 s: the other process gives up meanwhile
+  os.kill(pid, signal.SIGCONT)
+  res = jobs.wait(procs, 120)
+  results = [re.findall(r"RESULT (.*)", o) for o in res.outputs]
+  assert all(len(r) == 1 for r in results), res.outputs
+  (r0,), (r1,) = results
+  # Same verdict on both: not committed, naming the late process; nobody says "ok".
+  for r in (r0, r1):
+    assert r.startswith("StorageError"), (r0, r1)
+    assert "nothing was committed" in r.lower()
+  assert r0.split(" (on process")[0] == r1.split(" (on process")[0], (r0, r1)  # one verdict
+  late = f"[{slow}]" if slow else "process 0"
+  assert late in r0 + r1, (r0, r1)
+  assert all("COMMITTED False" in o for o in res.outputs), res.outputs
+  assert not os.path.exists(path)
+  # The process kept waiting explained itself (watchdog_seconds=1).
+  waiting = res.outputs[1 - slow]
+  assert "WATCHDOG" in waiting and ("finish writing" in waiting or "generation" in waiting), waiting
+
+
+# ---------------------------------------------------------------------- 3. damaged old manifest on S3
+
+
+def test_objstore_overwrite_over_a_damaged_manifest_commits_and_cleans_up(s3_server, s3_bucket):
+  url = f"s3://{s3_bucket}/dm"
+  ofx.save(url, {"s": {"x": np.arange(3)}})
+  client = s3_server.client()
+  body = bytearray(client.get_object(Bucket=s3_bucket, Key="dm/_CHECKPOINT")["Body"].read())
+  body[-5] ^= 1  # bit rot in the old manifest
+  client.put_object(Bucket=s3_bucket, Key="dm/_CHECKPOINT", Body=bytes(body))
+  ofx.save(url, {"s": {"x": np.arange(4)}}, overwrite=True)  # returns: it committed
+  np.testing.assert_array_equal(ofx.restore(url)["s"]["x"], np.arange(4))
+  keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3_bucket, Prefix="dm/").get("Contents", [])]
+  gens = {k.split("/")[2] for k in keys if k.startswith("dm/s/")}
+  assert len(gens) == 1, keys  # the old generation is gone
+
+
+# ---------------------------------------------------------------------- 4. packed partial restores
+
+
+def test_partial_restore_of_packed_arrays_reads_little_and_owns_its_memory(tmp_path):
+  path = str(tmp_path / "c")
+  n = 120
+  ofx.save(path, {"s": {f"w{i:03d}": np.full((1 << 18,), i, np.float32) for i in range(n)}})  # 1 MiB each
+  proc = psutil.Process()
+  rss0 = proc.memory_info().rss
+  progress = _progress.Progress("restore")
+  from orbax_flax import restoring  # pylint: disable=g-import-not-at-top
+  out = restoring.restore(path, {"s": {"w000": np.zeros(1 << 18, np.float32),
+                                       f"w{n - 1:03d}": np.zeros(1 << 18, np.float32)}},
+                          partial=True, progress=progress)["s"]
+  assert progress.done <= 12 << 20, progress.done  # the chunks holding two arrays, not 120 MiB
+  assert proc.memory_info().rss - rss0 < 24 << 20
+  a = out["w000"]
+  np.testing.assert_array_equal(a, np.zeros(1 << 18) + 0)
+  np.testing.assert_array_equal(out[f"w{n - 1:03d}"], np.full(1 << 18, n - 1, np.float32))
+  owner = a if a.base is None else a.base
+  assert owner.nbytes <= (1 << 20) + 4096, owner.nbytes  # its own memory, not a shared buffer
+  assert a.flags.writeable
+
+
+# ---------------------------------------------------------------------- 5. grace period and exit
+
+
+GRACE_SCRIPT = r'''
+import itertools, os, signal, sys, time
+import numpy as np
+import orbax_flax as ofx
+def step_fn(s, batch):
+  if s["step"] == 1:
+    os.kill(os.getpid(), signal.SIGUSR1)
+  return {"w": s["w"], "step": s["step"] + 1}, {}
+cfg = {"directory": sys.argv[1], "save_interval_steps": 0, "preemption_signals": ("SIGUSR1",),
+       "preemption_grace_seconds": 0.5, "save_final_step": False}
+ckpt = ofx.CheckpointCallback("/unused", cfg)
+state = {"w": {f"w{i}": np.random.default_rng(i).standard_normal((1 << 24,), dtype=np.float32)
+               for i in range(6)}, "step": 0}
+ofx.Trainer(step_fn, [ckpt]).fit(state, itertools.repeat(None), num_steps=100)
+print("FIT_RETURNED", ckpt.preempted, flush=True)
+'''
+
+
+def test_an_abandoned_preemption_save_does_not_hold_the_exit(s3_server, s3_bucket, tmp_path):
+  """384 MiB to S3 outlives a 0.5 s grace period: the job stops, exits at once, commits nothing."""
+  script = tmp_path / "grace.py"
+  script.write_text(GRACE_SCRIPT)
+  url = f"s3://{s3_bucket}/grace"
+  env = dict(jobs.env_for(1), **s3_server.env())
+  proc = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=env)
+  out = []
+  returned_at = None
+  for line in proc.stdout:
+    out.append(line)
+    if line.startswith("FIT_RETURNED"):
+      returned_at = time.monotonic()
+  proc.wait()
+  exited_after = time.monotonic() - returned_at
+  assert returned_at is not None and "FIT_RETURNED True" in "".join(out), "".join(out)
+  assert exited_after < 3.0, (exited_after, "".join(out)[-2000:])
+  assert any("grace period" in l for l in out), "".join(out)[-2000:]
+  with pytest.raises(ofx.CheckpointNotFoundError):
+    ofx.metadata(url + "/1")
+
+
+# ---------------------------------------------------------------------- 6. restore while saving
+
+
+def test_restore_of_latest_step_while_a_save_is_in_flight(tmp_path):
+  with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(max_to_keep=1)) as m:
+    big = {"w": np.ones((16, 1 << 20), np.float32)}  # 64 MiB: the save is still running
+    m.save(1, {"s": big}, force=True)
+    m.wait()
+    m.save(2, {"s": {"w": big["w"] * 2}}, force=True)
+    step = m.latest_step()
+    assert step == 1
+    restored = m.restore(step)["s"]["w"]  # pinned: step 2's keep rule waits for this read
+    assert restored[0, 0] == 1.0
+    m.wait()
+    assert m.all_steps() == [2]
+
+
+# ---------------------------------------------------------------------- 7. failing exception save
+
+
+def test_exception_save_failure_still_closes_and_keeps_the_training_error(tmp_path):
+  with small_disk(str(tmp_path / "disk"), "2m") as disk:
+    before = signal.getsignal(signal.SIGTERM)
+
+    def step_fn(s, batch):
+      if s["step"] == 3:
+        raise RuntimeError("NaN loss at step 4")
+      return {"w": s["w"] + 1, "step": s["step"] + 1}, {}
+
+    ckpt = ofx.CheckpointCallback(disk, {"save_interval_steps": 2})
+    with pytest.raises(RuntimeError, match="NaN loss") as e:  # 4 MiB never fits in 2 MiB
+      ofx.Trainer(step_fn, [ckpt]).fit({"w": np.zeros(1 << 20), "step": 0}, itertools.repeat(None), 10)
+    assert any("failed too" in n and "full" in n for n in getattr(e.value, "__notes__", [])), \
+        getattr(e.value, "__notes__", None)
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is gone
+    with pytest.raises(RuntimeError, match="closed"):
+      ckpt.on_step_end(5, {}, None)
+
+    # The with-form: the training error is what the user sees.
+    with pytest.raises(RuntimeError, match="NaN loss"):
+      with ofx.CheckpointCallback(disk, {"save_interval_steps": 2,
+                                         "directory": os.path.join(disk, "b")}) as ck:
+        s = ck.restore_or_init({"w": np.zeros(1 << 20)})
+        for step in range(1, 10):
+          if step == 4:
+            raise RuntimeError("NaN loss at step 4")
+          ck.on_step_end(step, s, {})
+    assert signal.getsignal(signal.SIGTERM) == before
+
+
+# ---------------------------------------------------------------------- 8-10. small ones
+
+
+def test_numpy_step_counters_are_accepted(tmp_path):
+  cb = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2, "save_final_step": False})
+  state = cb.restore_or_init({"w": np.zeros(3)})
+  for step in np.arange(1, 5):
+    cb.on_step_end(step, state, {"loss": 1.0})
+  cb.close()
+  assert cb.manager.all_steps() == [2, 4]
+  with ofx.CheckpointManager(str(tmp_path)) as m:
+    assert m.save(np.int64(6), {"state": state}, force=True)
+
+
+def test_prng_key_target_of_another_implementation_is_refused(tmp_path):
+  path = str(tmp_path / "c")
+  ofx.save(path, {"s": {"k": jax.random.key(0)}})
+  mesh = jax.make_mesh((4,), ("x",), devices=jax.devices()[:4])
+  rbg = jax.ShapeDtypeStruct((), jax.random.key(0, impl="rbg").dtype, sharding=NamedSharding(mesh, P()))
+  with pytest.raises(ofx.TreeMismatchError, match=r"threefry2x32 PRNG keys, target asks for rbg"):
+    ofx.restore(path, {"s": {"k": rbg}})
+  fry = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=NamedSharding(mesh, P()))
+  k = ofx.restore(path, {"s": {"k": fry}})["s"]["k"]
+  assert (jax.random.key_data(k) == jax.random.key_data(jax.random.key(0))).all()
+
+
+def test_launcher_runs_a_module(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "orbax_flax.launch", "-n", "2", "--", "-c",
+                      "import os; print('pid', os.environ['JAX_PROCESS_ID'])"],
+                     capture_output=True, text=True, timeout=120, env=jobs.env_for(1))
+  assert r.returncode == 0, r.stdout + r.stderr
+  assert "[0] pid 0" in r.stdout and "[1] pid 1" in r.stdout
+  r = subprocess.run([sys.executable, "-m", "orbax_flax.launch", "-n", "1", "--", "-m", "json.tool",
+                      "--help"], capture_output=True, text=True, timeout=120, env=jobs.env_for(1))
+  assert r.returncode == 0 and "usage" in r.stdout, r.stdout + r.stderr
+
+
+# ---------------------------------------------------------------------- 11. resume fallback
+
+
+def _corrupt_largest_file(step_dir):
+  files = [os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs if "/d/" in os.path.join(r, f)]
+  victim = max(files, key=os.path.getsize)
+  with open(victim, "r+b") as f:
+    f.seek(os.path.getsize(victim) // 2)
+    b = f.read(1)
+    f.seek(-1, 1)
+    f.write(bytes([b[0] ^ 0xFF]))
+
+
+def _train(tmp_path, policy, steps):
+  cb = ofx.CheckpointCallback(str(tmp_path), dict(policy, save_final_step=False))
+  state = cb.restore_or_init({"w": np.zeros(1 << 18, np.float32), "step": 0})
+  start = int(state["step"])
+  for step in range(start + 1, steps + 1):
+    state = {"w": np.full(1 << 18, step, np.float32), "step": step}
+    cb.on_step_end(step, state, {})
+  cb.close()
+  return start
+
+
+def test_resume_falls_back_loudly_from_a_damaged_latest_step(tmp_path, caplog):
+  _train(tmp_path, {"save_interval_steps": 5}, 15)
+  _corrupt_largest_file(os.path.join(tmp_path, "checkpoints", "15"))
+  with caplog.at_level(logging.ERROR, logger="orbax_flax"):
+    resumed = _train(tmp_path, {"save_interval_steps": 5}, 16)
+  assert resumed == 10
+  assert "CANNOT RESUME FROM STEP 15" in caplog.text and "falling back" in caplog.text
+
+
+def test_resume_raises_when_told_or_when_nothing_restores(tmp_path):
+  _train(tmp_path, {"save_interval_steps": 5}, 10)
+  _corrupt_largest_file(os.path.join(tmp_path, "checkpoints", "10"))
+  with pytest.raises(ofx.CheckpointCorruptedError):
+    _train(tmp_path, {"save_interval_steps": 5, "on_unreadable_checkpoint": "raise"}, 11)
+  _corrupt_largest_file(os.path.join(tmp_path, "checkpoints", "5"))
+  with pytest.raises(ofx.CheckpointCorruptedError, match="none of them restores"):
+    _train(tmp_path, {"save_interval_steps": 5}, 11)  # never starts fresh over them
+
+
+# ---------------------------------------------------------------------- 12. watchdog
+
+
+def test_watchdog_reports_phase_bytes_rss_and_stacks(caplog):
+  progress = _progress.Progress("save to /somewhere", total=4 << 30)
+  progress.phase = "waiting for every process to finish writing"
+  progress.add(1 << 30)
+  with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+    with _progress.Monitor(progress, watchdog_seconds=0.2, terminal=False, interval=0.05):
+      time.sleep(0.7)
+  text = caplog.text
+  assert text.count("WATCHDOG: save to /somewhere still running") >= 2, text
+  assert "waiting for every process to finish writing" in text and "1.00 of 4.00 GiB" in text
+  assert "RSS" in text and text.count("--- thread MainThread") == 1  # the stacks, once
+  assert "test_watchdog_reports_phase_bytes_rss_and_stacks" in text  # this thread's stack
