@@ -130,8 +130,11 @@ class SyntheticText:
 
   ``get_state()`` / ``set_state()`` hold the index of the next batch; the
   batch is a pure function of (seed, index), so every process computes the same
-  global batch and any process count resumes at the same place.
+  global batch and any process count resumes at the same place; it says so with
+  ``checkpoint_state_is_global``, so a resume may change the process count.
   """
+
+  checkpoint_state_is_global = True
 
   def __init__(self, config, mesh: jax.sharding.Mesh):
     self.batch_size, self.seq_len, self.vocab = config.batch_size, config.seq_len + 1, config.vocab_size

@@ -48,17 +48,12 @@ def params_digest(params) -> str:
 
 
 def metric_writer(workdir: str):
-  """clu's default writer (TensorBoard + logs) where clu can build one, else None.
-
-  clu's metric writers need TensorFlow; without it loss and checkpoint events
-  still go to the log.
-  """
+  """TensorBoard scalars in <workdir>/tensorboard, from process 0 (no TensorFlow needed)."""
   import jax  # pylint: disable=g-import-not-at-top
-  try:
-    from clu import metric_writers  # pylint: disable=g-import-not-at-top
-  except ImportError:
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  if jax.process_index() > 0:
     return None
-  return metric_writers.create_default_writer(workdir, just_logging=jax.process_index() > 0)
+  return ofx.TensorBoardWriter(os.path.join(workdir, "tensorboard"))
 
 
 def train_and_evaluate(config, workdir: str):
@@ -86,7 +81,11 @@ def train_and_evaluate(config, workdir: str):
 
   trainer = ofx.Trainer(lm.make_train_step(mesh, state),
                         callbacks=[ckpt, LogRestored(), ofx.LogProgress(config.log_every, writer)])
-  state = trainer.fit(state, data, num_steps=config.num_steps)
+  try:
+    state = trainer.fit(state, data, num_steps=config.num_steps)
+  finally:
+    if writer is not None:
+      writer.close()
   step = int(state.step)
   digest = params_digest(state.params)
   if ckpt.preempted:
@@ -100,7 +99,12 @@ def main(argv):
   del argv
   launch.initialize_from_env(heartbeat_timeout_seconds=int(os.environ.get("OFX_HEARTBEAT_S", "100")))
   logging.getLogger("orbax_flax").setLevel(logging.INFO)
-  train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  try:
+    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+  except KeyboardInterrupt:
+    print("interrupted (Ctrl-C); rerun the same command to resume from the last committed step",
+          file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

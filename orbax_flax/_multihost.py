@@ -19,6 +19,7 @@ created in the same order on every process, as collectives are called.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -38,6 +39,26 @@ def namespace(kind: str) -> str:
   """
   n = next(_namespaces.setdefault(kind, itertools.count(1)))
   return f"orbax_flax/{kind}/{n}"
+
+
+def check_distributed() -> None:
+  """Refuses to run alone when the environment says the job has several processes.
+
+  Under ``orbax_flax.launch`` (or a cluster launcher setting JAX_NUM_PROCESSES)
+  a process that forgot ``jax.distributed.initialize`` would train alone and
+  write over the others' checkpoints.
+
+  Raises:
+    RuntimeError: JAX_NUM_PROCESSES > 1 but jax.distributed is not initialised.
+  """
+  wanted = os.environ.get("JAX_NUM_PROCESSES", "1")
+  if wanted.isdigit() and int(wanted) > 1 and jax.process_count() == 1:
+    raise RuntimeError(
+        f"JAX_NUM_PROCESSES={wanted} is set (this process was started by orbax_flax.launch or a"
+        " cluster launcher), but jax.distributed is not initialised, so this process would train"
+        " alone and write over the others' checkpoints. Call"
+        " orbax_flax.launch.initialize_from_env() (or jax.distributed.initialize()) at the top of"
+        " the script, before touching any device.")
 
 
 def process_index() -> int:

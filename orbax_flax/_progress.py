@@ -25,7 +25,20 @@ from collections.abc import Callable
 
 log = logging.getLogger("orbax_flax")
 
-SHOW_AFTER_S = 3.0  # work shorter than this shows no progress line
+SHOW_AFTER_S = float(os.environ.get("ORBAX_FLAX_PROGRESS_AFTER", "3"))  # shorter work: no line
+
+
+def say(message: str, *args) -> None:
+  """Logs an event a user expects to see (a resume, a preemption save) at INFO, and prints it
+  to stderr too when logging is not set up (Python then shows only warnings).
+
+  Example:
+    >>> say("restored step %d", 10)  # doctest: +SKIP
+    orbax_flax: restored step 10
+  """
+  log.info(message, *args)
+  if not log.hasHandlers():  # logging not set up: print what a user expects to see
+    print("orbax_flax: " + (message % args if args else message), file=sys.stderr, flush=True)
 
 
 class Progress:
@@ -116,6 +129,9 @@ class Monitor:
     self._stop.set()
     if self._thread is not None:
       self._thread.join()
+    if self.terminal and not self._drawn and self.progress.elapsed() >= SHOW_AFTER_S:
+      self.stream.write(self.progress.line())  # finished before the first tick: show it once
+      self._drawn = True
     if self._drawn:
       self.stream.write("\r\033[K")
       self.stream.flush()

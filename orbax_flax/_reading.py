@@ -273,7 +273,7 @@ class Reader:
         raise self._corrupted(item, _tree.path_str(tuple(f0.rec["path"])), owner,
                               f"chunk {_chunk_key(name, coords)} is missing from the database")
       chunk_box = chunking.chunk_box(c)
-      order = (located.file or "", located.offset)
+      order = (located.file or "", located.offset, located.length)
       if (len(dests) == 1 and dests[0][1] == chunk_box and located.file is not None
           and _contiguous(chunk_box, dests[0][0].box)):
         f, inner = dests[0]
@@ -292,10 +292,10 @@ class Reader:
             continue
           raise self._corrupted(item, _packed_names(pfs), owner,
                                 f"chunk {key.decode()} is missing from the database")
-        jobs.append(((located.file or "", located.offset),
+        jobs.append(((located.file or "", located.offset, located.length),
                      (self._read_packed, (pfs, lo, hi, stored, located, owner))))
       else:
-        jobs.append((("~", 0), (self._read_packed_ts, (pfs, lo, hi, owner))))
+        jobs.append((("", 0, 0), (self._read_packed_ts, (pfs, lo, hi, owner))))
     # One task per data file, its chunks in file order: each thread reads files
     # sequentially, as the kernel's readahead likes (cold reads), largest first.
     by_file: dict[str, list[tuple[tuple, Any]]] = {}
@@ -309,7 +309,9 @@ class Reader:
     tasks.sort(key=len, reverse=True)
     fds = _Files()
     try:
-      self._run([(_run_in_order, ([(fn, args + (fds,)) for _, (fn, args) in t],)) for t in tasks])
+      self._run([(_run_in_order, ([(fn, args + (fds,)) for _, (fn, args) in t],
+                                  t[0][0][0], t[0][0][1], t[-1][0][1] + t[-1][0][2] - t[0][0][1], fds))
+                 for t in tasks])
     finally:
       fds.close()
     if slow:
@@ -515,7 +517,18 @@ class Reader:
         f" {self.loc.join(self.db(item, owner))}: {problem}. Restore from another checkpoint.")
 
 
-def _run_in_order(calls: list[tuple[Any, tuple]]) -> None:
+def _run_in_order(calls: list[tuple[Any, tuple]], file: str, start: int, length: int,
+                  fds: _Files) -> None:
+  """Runs the reads of one contiguous span of one data file, in file order.
+
+  The kernel is told first that the whole span will be read (so that cold
+  reads stream at the disk's speed rather than chunk by chunk).
+  """
+  if file and length > 0 and hasattr(os, "posix_fadvise"):
+    try:
+      os.posix_fadvise(fds.get(file), start, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+      pass  # a missing file is reported by the read itself
   for fn, args in calls:
     fn(*args)
 

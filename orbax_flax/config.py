@@ -106,6 +106,9 @@ class CheckpointPolicy:
     watchdog_seconds: a save or restore running longer than this logs what it
       is doing (phase, bytes done, RSS), and the Python stacks of every thread
       once, then again every such interval (0: off).
+    allow_lossy_casts: resuming into a state whose dtypes lose information
+      against the checkpoint's (float32 saved, bfloat16 model) is refused
+      unless True; every dtype change made is logged either way.
   """
   save_interval_steps: int = 0
   save_interval_seconds: float = 0.0
@@ -133,6 +136,7 @@ class CheckpointPolicy:
   on_unreadable_checkpoint: str = "fallback"
   on_save_error: str = "raise"
   watchdog_seconds: float = 600.0
+  allow_lossy_casts: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -279,6 +283,18 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     _fail(name, value, f"must be one of {', '.join(repr(c) for c in choices)}")
 
 
+def _signal_name(v: Any) -> Any:
+  """15 or "15" -> "SIGTERM"; names and anything else pass through (checked later)."""
+  if isinstance(v, str) and v.strip().isdigit():
+    v = int(v)
+  if isinstance(v, int) and not isinstance(v, bool):
+    try:
+      return signal.Signals(v).name
+    except ValueError:
+      raise ValueError(f"preemption_signals: {v} is not a signal number on this system.") from None
+  return v
+
+
 def _check_type(name: str, annotation: str, value: Any) -> Any:
   """Checks (and normalises lists to tuples) one field against its annotation."""
   def bad(what: str):
@@ -303,7 +319,12 @@ def _check_type(name: str, annotation: str, value: Any) -> Any:
   elif annotation == "tuple[str, ...]":
     if isinstance(value, str):
       value = tuple(v.strip() for v in value.split(",") if v.strip())
+    if isinstance(value, int) and not isinstance(value, bool):
+      value = (value,)
+    if name == "preemption_signals" and isinstance(value, (list, tuple)):
+      value = tuple(_signal_name(v) for v in value)  # numbers (15) and names ("SIGTERM") alike
     if not isinstance(value, (list, tuple)) or any(not isinstance(v, str) for v in value):
-      bad("a list of strings")
+      bad("a list of strings" if name != "preemption_signals" else
+          "a list of signal names or numbers, e.g. ('SIGTERM', 'SIGUSR1') or (15, 10)")
     return tuple(value)
   return value

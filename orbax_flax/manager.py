@@ -307,7 +307,10 @@ class CheckpointManager:
           log.info("removing leftover %s of an interrupted save of step %d", l.name, step)
           step_dir.remove(self._dir, l.name)
       if self.policy.async_save:
-        handle = self._ckptr.save_async(path, items, custom_metadata=custom, overwrite=overwrite)
+        # A preemption save with a grace period may be cancelled: it writes in short batches.
+        cancellable = decided == "preemption" and self.policy.preemption_grace_seconds > 0
+        handle = self._ckptr.save_async(path, items, custom_metadata=custom, overwrite=overwrite,
+                                        cancellable=cancellable)
       else:
         self._ckptr.save(path, items, custom_metadata=custom, overwrite=overwrite)
         handle = None
@@ -484,7 +487,8 @@ class CheckpointManager:
     return step
 
   def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None, *,
-              partial: bool = False) -> dict[str, Any]:
+              partial: bool = False, allow_lossy_casts: bool = False,
+              casts: list | None = None) -> dict[str, Any]:
     """Restores ``step`` (default: the latest committed), resharded onto ``target``.
 
     With ``step=None`` a save in flight is waited for first, so that the
@@ -511,7 +515,8 @@ class CheckpointManager:
           f"step {step} is not a committed checkpoint in {self._dir}; committed steps:"
           f" {_short(self.all_steps())}")
     try:
-      out = self._ckptr.restore(self._dir.join(str(step)), target, partial=partial)
+      out = self._ckptr.restore(self._dir.join(str(step)), target, partial=partial,
+                                allow_lossy_casts=allow_lossy_casts, casts=casts)
     finally:
       with self._lock:
         self._reading[step] -= 1
@@ -543,8 +548,10 @@ class CheckpointManager:
     if _multihost.process_count() > 1:
       _multihost.all_gather(f"{self._key}/start", "ready")
     if self._leftovers:
-      log.warning("%s holds %d leftover(s) of interrupted saves: %s", self._dir,
-                  len(self._leftovers), ", ".join(l.name for l in self._leftovers[:5]))
+      log.warning("%s holds %d uncommitted step(s), saves in progress (of another job) or"
+                  " interrupted: %s. A save in progress becomes <step> when it commits; a training"
+                  " job here removes the interrupted ones (at or below its latest step) itself.",
+                  self._dir, len(self._leftovers), ", ".join(l.name for l in self._leftovers[:5]))
     if _multihost.process_index() == 0:
       self._remove_leftovers()
 

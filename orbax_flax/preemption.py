@@ -12,6 +12,8 @@ Two mechanisms, chosen automatically:
 * Without ``jax.distributed`` (a plain single-process run) a Python handler
   sets a flag, and the next step is the one to save.
 
+A handler the user had installed for the signal is chained: it runs after
+ours, on the first signal (if it exits the process, no checkpoint is saved).
 A second signal while the first is being handled restores the default action
 and re-sends the signal: the process dies at once. That is safe: a checkpoint
 is committed atomically, so a kill leaves no half-written step marked
@@ -86,6 +88,9 @@ class PreemptionWatcher:
       os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier tells every process.
     else:
       self._flag.set()
+    previous = self._previous.get(signal.Signals(signum))
+    if callable(previous):  # a handler the user installed before: it runs too (chained)
+      previous(signum, frame)
 
   def reached(self, step: int) -> bool:
     """True at the step every process saves after a preemption signal."""

@@ -10,8 +10,9 @@ A save runs in two phases (see :class:`orbax_flax.Checkpointer`).
    here (:func:`to_pinned_host`): XLA orders it before any later computation
    that donates the arrays.
 2. Background: write this process's blocks into its own OCDBT database with
-   tensorstore (in batches, so that a cancellation stops the writing within
-   about a second), fsync, then commit. With several processes the commit is
+   tensorstore (in batches of about half a second for a save that may be
+   cancelled, so that a cancellation stops the writing within about a
+   second), fsync, then commit. With several processes the commit is
    agreed through the coordination service (:class:`SaveRun`).
 
 Commit is atomic. On a local file system the checkpoint is written to a
@@ -332,17 +333,18 @@ class SaveRun:
     return self.writers[db]
 
   def write(self, pieces: Sequence[Piece], materialize: Callable[[Sequence[Piece]], None] | None = None,
-            max_batch_bytes: int = 0) -> None:
+            max_batch_bytes: int = 0, cancellable: bool = False) -> None:
     """Writes the pieces (host data ready, or made by ``materialize`` per batch).
 
-    Batches take about half a second of writing each (at most
-    ``max_batch_bytes``, if given), two in flight; a cancellation is noticed
-    between them.
+    One batch (one commit per database), unless ``max_batch_bytes`` bounds
+    it, or ``cancellable``: then batches take about half a second of writing
+    each, two in flight, and a cancellation is noticed between them (the
+    writing stops within about a second; a little slower overall).
     """
     self.begin()
     self.progress.phase = "writing"
-    cap = max_batch_bytes or _MAX_BATCH_BYTES
-    limit = min(cap, _FIRST_BATCH_BYTES)
+    cap = max_batch_bytes or (_MAX_BATCH_BYTES if cancellable else 1 << 62)
+    limit = min(cap, _FIRST_BATCH_BYTES) if cancellable else cap
     pieces = list(pieces)
     in_flight: list[list[Piece]] = []  # batches still being committed, oldest first
     i = 0
@@ -369,8 +371,9 @@ class SaveRun:
           self._done(done)
           self.bytes_written += sum(p.nbytes for p in done)
           self.progress.add(sum(p.nbytes for p in done))
-          rate = self.bytes_written / max(time.perf_counter() - start, 1e-3)
-          limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
+          if cancellable:
+            rate = self.bytes_written / max(time.perf_counter() - start, 1e-3)
+            limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
       for w in self.writers.values():
         w.wait()
     except ValueError as e:

@@ -136,7 +136,10 @@ def step_of(state: Any) -> int | None:
   if k == "nnx":
     _, opt = _nnx_parts(state)
     if opt is not None:
-      return int(opt.step.value if hasattr(opt.step, "value") else opt.step)
+      step = opt.step
+      if hasattr(step, "get_value"):  # an nnx Variable (``.value`` is deprecated)
+        step = step.get_value()
+      return int(step)
     return None
   step = getattr(state, "step", None)
   if step is None and isinstance(state, dict):

@@ -67,7 +67,7 @@ def test_verify_reports_corruption_and_missing_steps(tmp_path):
   rc, out = run("verify", os.path.join(d, "20"))
   assert rc == 0, out
   rc, out = run("verify", os.path.join(d, "25"))
-  assert rc == 2 and "no committed orbax_flax checkpoint" in out
+  assert rc == 2 and "no orbax_flax checkpoint at" in out and "does not exist" in out
   rc, out = run("show", os.path.join(d, "25"))
   assert rc == 2
   rc, out = run("list", str(tmp_path / "nothing"))

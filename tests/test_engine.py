@@ -118,7 +118,9 @@ def test_concrete_arrays_as_target_and_dtype_cast(ckpt_dir):
   host = _values("float32", (64, 32))
   ofx.save(ckpt_dir, {"s": {"x": jax.device_put(host, NamedSharding(mesh, P("data")))}})
   like = jnp.zeros((64, 32), jnp.bfloat16, device=NamedSharding(mesh, P("model")))
-  restored = ofx.restore(ckpt_dir, {"s": {"x": like}})["s"]["x"]
+  with pytest.raises(ofx.TreeMismatchError, match=r"s/x: float32 in checkpoint, bfloat16 in target.*allow_lossy_casts"):
+    ofx.restore(ckpt_dir, {"s": {"x": like}})
+  restored = ofx.restore(ckpt_dir, {"s": {"x": like}}, allow_lossy_casts=True)["s"]["x"]
   assert restored.dtype == jnp.bfloat16 and restored.sharding == like.sharding
   np.testing.assert_array_equal(np.asarray(restored), host.astype(jnp.bfloat16))
   as_np = ofx.restore(ckpt_dir, {"s": {"x": np.zeros((64, 32), np.float64)}})["s"]["x"]

@@ -1,0 +1,120 @@
+"""Restore targets: :func:`abstract` turns a live state, or an ``eval_shape`` result, into one.
+
+A restore target says what to build for every leaf: a ``jax.ShapeDtypeStruct``
+with a sharding (a device array there), a numpy array (a host array), or a
+scalar or string (the saved value). :func:`abstract` makes one from what a
+training script already has: the state it just initialised (shapes, dtypes
+and shardings of its arrays, scalars such as a ``TrainState``'s Python-int
+``step`` kept as they are), or the result of ``jax.eval_shape`` /
+``nnx.eval_shape`` plus the mesh to place it on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+try:
+  from flax import nnx
+except ImportError:  # pragma: no cover
+  nnx = None
+
+
+def abstract(tree: Any, sharding: Any = None) -> Any:
+  """A restore target with the structure of ``tree``.
+
+  Args:
+    tree: a pytree of ``jax.Array``, ``jax.ShapeDtypeStruct`` (from
+      ``jax.eval_shape`` or ``nnx.eval_shape``), numpy arrays, scalars,
+      strings or None; or an NNX module (its ``nnx.state``).
+    sharding: for leaves that have no (concrete) sharding: a
+      ``jax.sharding.Sharding`` for all of them; a ``jax.sharding.Mesh`` (each
+      leaf gets the partition spec recorded on it, e.g. by
+      ``nnx.with_partitioning`` under ``jax.set_mesh``, or in NNX variable
+      metadata, else replicated); a pytree of shardings like ``tree``; or a
+      function ``(key_path, leaf) -> Sharding``. Leaves of live arrays keep
+      their own sharding.
+
+  Returns:
+    The same structure, with ``jax.ShapeDtypeStruct`` (with sharding) for
+    every array, numpy arrays for numpy leaves, and every other leaf as is.
+
+  Raises:
+    ValueError: a leaf has no sharding and ``sharding`` gives none, naming it.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np, orbax_flax as ofx
+    >>> mesh = jax.make_mesh((1,), ("x",), devices=jax.devices()[:1])
+    >>> state = {"w": jnp.ones((4, 2)), "step": 3, "host": np.zeros(2)}
+    >>> t = ofx.abstract(state)
+    >>> t["w"].shape, t["step"], type(t["host"]).__name__
+    ((4, 2), 3, 'ndarray')
+    >>> shapes = jax.eval_shape(lambda: {"w": jnp.zeros((8, 2))})
+    >>> ofx.abstract(shapes, mesh)["w"].sharding.spec
+    P()
+  """
+  if nnx is not None and isinstance(tree, nnx.Module):
+    tree = nnx.state(tree)
+  specs = _nnx_specs(tree) if isinstance(sharding, jax.sharding.Mesh) else None
+  per_leaf = None
+  if sharding is not None and not isinstance(sharding, (jax.sharding.Sharding, jax.sharding.Mesh)) \
+      and not callable(sharding):
+    per_leaf = dict(jax.tree_util.tree_flatten_with_path(
+        sharding, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0])
+
+  def one(path, leaf):
+    if isinstance(leaf, jax.Array):
+      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+      return leaf  # numpy arrays, scalars, strings: targets as they are
+    own = leaf.sharding
+    if own is not None and _concrete(own):
+      return leaf
+    chosen = _choose(path, leaf, own, sharding, specs, per_leaf)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=chosen)
+
+  return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _concrete(sharding: Any) -> bool:
+  """True for shardings over real devices (not an AbstractMesh of eval_shape)."""
+  mesh = getattr(sharding, "mesh", None)
+  return mesh is None or isinstance(mesh, jax.sharding.Mesh)
+
+
+def _choose(path: Any, leaf: Any, own: Any, sharding: Any, specs: dict | None,
+            per_leaf: dict | None) -> jax.sharding.Sharding:
+  where = jax.tree_util.keystr(path)
+  if isinstance(sharding, jax.sharding.Sharding):
+    return sharding
+  if isinstance(sharding, jax.sharding.Mesh):
+    if own is not None and hasattr(own, "spec"):  # eval_shape under jax.set_mesh: the recorded spec
+      return NamedSharding(sharding, own.spec)
+    return NamedSharding(sharding, (specs or {}).get(path, P()))
+  if per_leaf is not None:
+    if path not in per_leaf:
+      raise ValueError(f"abstract(): the sharding tree has no sharding for {where}; give one for"
+                       " every array leaf, or pass a Mesh or a single Sharding.")
+    return per_leaf[path]
+  if callable(sharding):
+    return sharding(path, leaf)
+  raise ValueError(
+      f"abstract(): {where} ({leaf.shape}, {leaf.dtype}) has no sharding; pass the mesh to place"
+      " it on (ofx.abstract(tree, mesh)), a Sharding, a tree of shardings, or a function"
+      " (path, leaf) -> Sharding.")
+
+
+def _nnx_specs(tree: Any) -> dict | None:
+  """Key path -> PartitionSpec from NNX variable metadata, where the tree has any."""
+  if nnx is None or not isinstance(tree, nnx.State):
+    return None
+  try:
+    specs = nnx.get_partition_spec(tree)
+  except Exception:  # pylint: disable=broad-except  # no partition metadata: replicated
+    return None
+  flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
+  return {p: s for p, s in flat if isinstance(s, P)}
+
