@@ -423,7 +423,37 @@ class Bench:
       other = abstract(self.state, self.other_mesh)
       self._restore("orbax-checkpoint: restore onto 4-device mesh, warm",
                     lambda: ckptr.restore(self.path("orbax"), other))
+    # The same orbax-checkpoint checkpoint, read by orbax_flax (interop).
+    self._restore("orbax_flax: restore of the orbax-checkpoint checkpoint, warm",
+                  lambda: self.ofx.restore(self.path("orbax"), {"state": target}))
     self.clean("orbax")
+
+  def run_safetensors(self):
+    """A safetensors file of the state: orbax_flax's restore against safetensors + device_put."""
+    from safetensors.numpy import load_file, save_file  # pylint: disable=g-import-not-at-top
+    st_dir = self.path("st")
+    if not os.path.exists(st_dir):
+      os.makedirs(st_dir)
+      flat = {".".join(p): np.asarray(x) for p, x in ofx._tree.flatten(self.host)}  # pylint: disable=protected-access
+      save_file(flat, os.path.join(st_dir, "model.safetensors"))
+    target = {"params": abstract(self.state)}
+    shardings = {".".join(p): x.sharding
+                 for p, x in ofx._tree.flatten(abstract(self.state))}  # pylint: disable=protected-access
+
+    def theirs():
+      loaded = load_file(os.path.join(st_dir, "model.safetensors"))
+      return {k: jax.device_put(v, shardings[k]) for k, v in loaded.items()}
+
+    self._restore("safetensors: load_file + device_put, warm", theirs)
+    self._restore("orbax_flax: restore of the safetensors file, warm",
+                  lambda: self.ofx.restore(st_dir, target))
+    self.clean("st_export")
+    state = fresh(self.state)
+    self.settle()
+    t0 = time.perf_counter()
+    ofx.export_safetensors(self.path("st_export"), state)
+    self.record("orbax_flax: export_safetensors", time.perf_counter() - t0)
+    self.clean("st_export")
 
   def run_dcp(self):
     import torch.distributed.checkpoint as dcp  # pylint: disable=g-import-not-at-top
@@ -469,7 +499,7 @@ class Bench:
 
   def run(self, contenders):
     runners = {"limit": self.run_limit, "orbax_flax": self.run_ours, "orbax": self.run_orbax,
-               "dcp": self.run_dcp}
+               "dcp": self.run_dcp, "safetensors": self.run_safetensors}
     for rep in range(self.reps):
       for c in contenders:
         t0 = time.perf_counter()
@@ -721,7 +751,7 @@ def main():
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--pause", type=float, default=3.0, help="seconds of rest before each trial")
   p.add_argument("--dir", default=None, help="where to write (default: a temp dir on /var/tmp's disk)")
-  p.add_argument("--contenders", default="limit,orbax_flax,orbax,dcp")
+  p.add_argument("--contenders", default="limit,orbax_flax,orbax,dcp,safetensors")
   p.add_argument("--memory", action="store_true", help="also measure peak host memory per phase")
   p.add_argument("--processes", default="", help="e.g. 1,2,4: multi-process mode (orbax_flax)")
   p.add_argument("--no_timing", action="store_true", help="skip the timing runs")

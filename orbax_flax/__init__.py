@@ -32,12 +32,19 @@ from orbax_flax.saving import AsyncSave
 from orbax_flax._planning import LIBRARY_VERSION as __version__
 from orbax_flax.checkpointer import save
 from orbax_flax.checkpointer import save_async
+from orbax_flax.targets import abstract
+from orbax_flax.tensorboard import TensorBoardWriter
 from orbax_flax.verifying import verify
+from orbax_flax.formats import transforms
+from orbax_flax.formats.convert import convert
+from orbax_flax.formats.safetensors_io import export_safetensors
 
 __all__ = [
     "ArrayMetadata", "AsyncSave", "Callback", "CheckpointCallback", "CheckpointCorruptedError",
     "CheckpointError", "CheckpointManager", "Checkpointer", "CheckpointPolicy", "LogProgress", "Trainer",
     "CheckpointExistsError", "CheckpointMetadata", "CheckpointNotFoundError",
     "ItemMetadata", "SaveCancelledError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
-    "metadata", "restore", "save", "save_async", "verify", "__version__",
+    "TensorBoardWriter", "abstract", "convert", "export_safetensors", "metadata", "restore", "save",
+    "save_async", "transforms", "verify",
+    "__version__",
 ]

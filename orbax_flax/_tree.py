@@ -31,8 +31,18 @@ _INLINE_TYPES = (bool, int, float, complex, str, bytes, np.generic)
 
 
 def path_str(path: Path) -> str:
-  """Formats a key path for messages: ``params/Dense_0/kernel``."""
-  return "/".join(path) if path else "<root>"
+  """Formats a key path for messages: ``params/Dense_0/kernel``.
+
+  A ``/`` inside a key is escaped, so that ``{"a/b": x}`` and ``{"a": {"b": x}}``
+  read differently.
+
+  Example:
+    >>> path_str(("params", "Dense_0", "kernel")), path_str(("a/b",))
+    ('params/Dense_0/kernel', 'a\\\\/b')
+  """
+  if not path:
+    return "<root>"
+  return "/".join(p.replace("\\", "\\\\").replace("/", "\\/") for p in path)
 
 
 def key_part(entry: Any) -> str:
@@ -212,6 +222,49 @@ def decode_structure(enc: dict, leaves: list[Any]) -> Any:
   if t == "namedtuple":
     return _namedtuple_type(enc["name"], tuple(enc["k"]))(*children)
   return dict(zip(enc["k"], children))
+
+
+class _Slot:
+  """A placeholder leaf in a skeleton tree (not a container, so a pytree leaf)."""
+
+  def __init__(self, i: int):
+    self.i = i
+
+
+def structure_from_paths(paths: list[Path], sequences: frozenset[Path] = frozenset()
+                         ) -> tuple[dict, list[int]]:
+  """The structure of nested dicts (lists at ``sequences``) holding leaves at ``paths``.
+
+  Returns:
+    ``(structure, order)``: ``order[j]`` is the index into ``paths`` of the
+    structure's ``j``-th leaf.
+
+  Example:
+    >>> structure_from_paths([("b",), ("a", "x")])[1]
+    [1, 0]
+  """
+  root: dict[str, Any] = {}
+  for i, path in enumerate(paths):
+    node = root
+    for k in path[:-1]:
+      child = node.setdefault(k, {})
+      if isinstance(child, _Slot):
+        raise errors.TreeMismatchError(f"{path_str(path)}: {path_str(path[:len(path) - 1])} is"
+                                       " both a leaf and a subtree", [path_str(path)])
+      node = child
+    if path:
+      node[path[-1]] = _Slot(i)
+
+  def build(node: Any, prefix: Path) -> Any:
+    if isinstance(node, _Slot):
+      return node
+    children = {k: build(v, prefix + (k,)) for k, v in node.items()}
+    if prefix in sequences and sorted(children) == sorted(str(j) for j in range(len(children))):
+      return [children[str(j)] for j in range(len(children))]
+    return children
+
+  structure, leaves = encode_structure(build(root, ()))
+  return structure, [slot.i for _, slot in leaves]
 
 
 def array_shape(rec: dict) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,7 @@ import jax
 import numpy as np
 
 from orbax_flax import _multihost
+from orbax_flax import _progress
 from orbax_flax import _tree
 from orbax_flax import callbacks
 from orbax_flax import errors
@@ -47,11 +49,21 @@ META_ITEM = "meta"
 
 
 def _mesh_text(tree: Any) -> str:
+  """Where the arrays of ``tree`` live, in words."""
+  kinds = set()
   for leaf in jax.tree.leaves(tree):
     sharding = getattr(leaf, "sharding", None)
     if isinstance(sharding, jax.sharding.NamedSharding):
       return f"mesh {dict(sharding.mesh.shape)}"
-  return "no mesh"
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+      kinds.add("a single device")
+    elif isinstance(leaf, np.ndarray):
+      kinds.add("the host (numpy)")
+  return " and ".join(sorted(kinds)) or "the host"
+
+
+def _saved_mesh_text(mesh: Any) -> str:
+  return f"mesh {mesh}" if mesh else "a single device or the host"
 
 
 def _targets(items: Mapping[str, Any]) -> dict[str, Any]:
@@ -64,18 +76,26 @@ def _targets(items: Mapping[str, Any]) -> dict[str, Any]:
 
 
 _CURRENT = object()  # _items: take the data iterator's state now
-_FAILED_AGREEMENT_S = 30.0  # how long an exception save waits for the other processes
+# How long an exception save waits for the other processes to fail too (a NaN
+# loss fails everywhere at once; a failure of one process alone leaves the
+# others inside a collective, and nothing can be saved without them).
+_FAILED_AGREEMENT_S = 3.0
 
 
 def _checkpoint_in(source: str) -> Location:
-  """``init_from``: a checkpoint, or a run's step directory or workdir (its latest step)."""
+  """``init_from``: a checkpoint (any format ``restore`` reads), or a run's step directory or
+  workdir (its latest step), ours or orbax-checkpoint's."""
+  from orbax_flax.formats import orbax_checkpoint  # pylint: disable=g-import-not-at-top
   loc = Location.parse(source)
   for candidate in (loc, loc.join("checkpoints")):
     try:
-      restoring.read_summary(candidate)
+      restoring.open_manifest(candidate)
       return candidate
     except errors.CheckpointNotFoundError:
       pass
+    ocp_steps = orbax_checkpoint.steps(candidate)
+    if ocp_steps:
+      return candidate.join(str(ocp_steps[-1]))
     try:
       steps, _ = step_dir.list_steps(candidate)
     except NotADirectoryError:
@@ -85,7 +105,28 @@ def _checkpoint_in(source: str) -> Location:
   raise errors.CheckpointNotFoundError(
       f"init_from={source!r}: no committed checkpoint there, nor a step directory (or a run"
       " with a checkpoints/ directory) holding one; point it at a checkpoint such as"
-      " <workdir>/checkpoints/<step>, or at the run's workdir.")
+      " <workdir>/checkpoints/<step>, at the run's workdir, or at an orbax-checkpoint run"
+      " directory or step.")
+
+
+def _from_orbax_checkpoint(source: Location, manifest: dict[str, Any], name: str, target: Any) -> Any:
+  """``init_from`` an orbax-checkpoint step: the params (or whole state) from its state item.
+
+  The item is the only one, else ``default`` or ``state``; the params are its
+  ``params`` subtree when it has one (a saved TrainState), else the item itself.
+  """
+  names = sorted(manifest["items"])
+  item = names[0] if len(names) == 1 else next((n for n in ("default", "state") if n in names), None)
+  if item is None:
+    raise errors.CheckpointNotFoundError(
+        f"init_from={source}: an orbax-checkpoint step with items {names}; none is 'default' or"
+        " 'state', so the one holding the model is not known. Point init_from at the item's"
+        " directory.")
+  paths = [r["path"] for r in manifest["items"][item]["leaves"]]
+  nested = name == "params" and any(p and p[0] == "params" for p in paths)
+  wanted = {item: {"params": target} if nested else target}
+  out = restoring.restore(source, wanted, partial=True)[item]
+  return out["params"] if nested else out
 
 
 class CheckpointCallback(callbacks.Callback):
@@ -117,6 +158,8 @@ class CheckpointCallback(callbacks.Callback):
     self.preempted = False
     self.restored_step: int | None = None
     self._data_after_last: tuple[int, Any] | None = None
+    self._last_metrics: Any = None   # of the last step seen: recorded by final and exception saves
+    self._preempted_at: int | None = None
     self._closed = False
 
   # ------------------------------------------------------------------ resume
@@ -140,7 +183,7 @@ class CheckpointCallback(callbacks.Callback):
     if not steps:
       if self.policy.init_from:
         return self._init_from(state)
-      log.info("no checkpoint in %s: starting from scratch", self.manager.directory)
+      _progress.say("no checkpoint in %s: starting from scratch", self.manager.directory)
       return state
     items = state_items.to_items(state)
     step, summary, restored = self._restore_newest(steps, _targets(items))
@@ -149,10 +192,10 @@ class CheckpointCallback(callbacks.Callback):
       self._restore_data(step)
     self.restored_step = step
     saved_mesh = summary["custom"].get("mesh")
-    log.info("restored step %d (%s) from %s: saved on %s by %d process(es), restored onto %s"
-             " with %d process(es)", step, summary["custom"].get("reason"),
-             self.manager.step_path(step), f"mesh {saved_mesh}" if saved_mesh else "no mesh",
-             summary["process_count"], _mesh_text(items), jax.process_count())
+    _progress.say("restored step %d (%s) from %s: saved on %s by %d process(es), restored onto %s"
+                  " with %d process(es)", step, summary["custom"].get("reason"),
+                  self.manager.step_path(step), _saved_mesh_text(saved_mesh),
+                  summary["process_count"], _mesh_text(items), jax.process_count())
     return state
 
   def _restore_newest(self, steps: list[int], target: dict[str, Any]):
@@ -166,7 +209,12 @@ class CheckpointCallback(callbacks.Callback):
     for step in reversed(steps):
       try:
         summary = restoring.read_summary(Location.parse(self.manager.step_path(step)))
-        restored = self.manager.restore(step, target)
+        casts: list = []
+        restored = self.manager.restore(step, target, allow_lossy_casts=self.policy.allow_lossy_casts,
+                                        casts=casts)
+        for where, saved, wanted, exact in casts:
+          log.warning("resume: %s converted from %s (checkpoint) to %s (this run's state)%s", where,
+                      saved, wanted, "" if exact else ", losing information (allow_lossy_casts)")
         error = None
       except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
         error = e
@@ -198,9 +246,13 @@ class CheckpointCallback(callbacks.Callback):
     items = state_items.to_items(state)
     name = "params" if "params" in items else "state"
     target = _targets({name: items[name]})
-    restored = restoring.restore(source, target, partial=True)
-    log.info("initialised %s from %s (fine-tuning; nothing to resume in %s)", name, source,
-             self.manager.directory)
+    _, manifest = restoring.open_manifest(source)
+    if manifest.get("format", "orbax_flax") == "orbax-checkpoint":
+      restored = {name: _from_orbax_checkpoint(source, manifest, name, target[name])}
+    else:
+      restored = restoring.restore(source, target, partial=True)
+    _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)", name, source,
+                  self.manager.directory)
     items[name] = restored[name]
     return state_items.from_items(state, items)
 
@@ -213,16 +265,22 @@ class CheckpointCallback(callbacks.Callback):
       return
     states = data.get("processes", [])
     me, n = jax.process_index(), jax.process_count()
+    is_global = bool(data.get("global")) or _says_global(self._data)
     if len(states) == n:
       mine = states[me]
-    elif states and all(s == states[0] for s in states):
+    elif is_global and states and all(s == states[0] for s in states):
       mine = states[0]  # a global position: valid for any process count
     else:
+      what = ("differ" if is_global else "are per-process positions (the iterator did not say its"
+              " state is global)")
       raise ValueError(
-          f"step {step} holds {len(states)} per-process data iterator states that differ, and"
-          f" this job has {n} processes: they cannot be mapped. Resume with {len(states)}"
-          " processes, or restart the data pipeline (pass data_iterator=None) and accept a new"
-          " data order.")
+          f"step {step} holds {len(states)} data iterator states that {what}, and this job has {n}"
+          f" process(es): a position within one process's shard of the data (e.g. grain's"
+          f" ShardByJaxProcess) cannot be moved onto another process count. Resume with"
+          f" {len(states)} processes; or restart the data pipeline (pass data_iterator=None) and"
+          " accept a new data order; or, if get_state() is a position in the global data order"
+          " that is the same on every process, set `checkpoint_state_is_global = True` on the"
+          " iterator (see the README).")
     self._data.set_state(mine)
     log.info("data iterator restored to where step %d stopped", step)
 
@@ -239,7 +297,8 @@ class CheckpointCallback(callbacks.Callback):
       # One iterator state per process, gathered so that every process saves all.
       key = f"{self.manager.coordination_key}/data/{step}"
       states = _multihost.all_gather(key, _encode(data_state))
-      items[DATA_ITEM] = {"processes": [_decode(s) for s in states]}
+      items[DATA_ITEM] = {"processes": [_decode(s) for s in states],
+                          "global": _says_global(self._data)}
     if self.metadata:
       items[META_ITEM] = {"json": json.dumps(self.metadata, sort_keys=True)}
     return items
@@ -277,7 +336,13 @@ class CheckpointCallback(callbacks.Callback):
                       f" {type(step).__name__}; reading a jax.Array step would force a"
                       " device-to-host sync every step")
     step = int(step)
+    if self.preempted:
+      log.warning("on_step_end(%d) called after this job was preempted at step %d (its checkpoint"
+                  " is committed): training should have stopped when on_step_end returned True."
+                  " Not saving again; stop the loop.", step, self._preempted_at)
+      return True
     self._last = (step, state)
+    self._last_metrics = metrics
     if self._data is not None and self.policy.save_on_exception:
       # Where the data stood after this step: an exception save must not record
       # the batch the failing step had already taken.
@@ -293,6 +358,7 @@ class CheckpointCallback(callbacks.Callback):
 
   def _save_preemption(self, step: int, state: Any, metrics: Any) -> None:
     self.preempted = True
+    self._preempted_at = step
     start = time.monotonic()
     self._save(step, state, metrics, "preemption")
     grace = self.policy.preemption_grace_seconds
@@ -315,7 +381,7 @@ class CheckpointCallback(callbacks.Callback):
                 " is %s.", step, e, self.manager.latest_step())
       return
     self._flush_events()
-    log.info("preempted: step %d is committed; stopping", step)
+    _progress.say("preempted: step %d is committed; stopping", step)
 
   def on_exception(self, step: int, state: Any, error: BaseException) -> None:
     """Saves the last good state (if the policy says so) and closes; never raises.
@@ -324,19 +390,30 @@ class CheckpointCallback(callbacks.Callback):
     a background save, is logged and attached to it as a note.
     """
     try:
-      if self.policy.save_on_exception and not self.preempted:
-        self._save_exception(step, state, error)
-    except Exception as e:  # pylint: disable=broad-except  # the training error comes first
-      log.error("the exception save of step %d failed too: %s: %s", step, type(e).__name__, e)
-      error.add_note(f"orbax_flax: saving step {step} after this error failed too:"
-                     f" {type(e).__name__}: {e}")
-    try:
-      self._close(save_final=False)
-    except Exception as e:  # pylint: disable=broad-except
-      log.error("closing the checkpoint callback after the error failed: %s: %s",
-                type(e).__name__, e)
-      error.add_note(f"orbax_flax: closing the checkpoint callback failed too:"
-                     f" {type(e).__name__}: {e}")
+      try:
+        if self.policy.save_on_exception and not self.preempted:
+          self._save_exception(step, state, error)
+      except Exception as e:  # pylint: disable=broad-except  # the training error comes first
+        log.error("the exception save of step %d failed too: %s: %s", step, type(e).__name__, e)
+        error.add_note(f"orbax_flax: saving step {step} after this error failed too:"
+                       f" {type(e).__name__}: {e}")
+      try:
+        self._close(save_final=False)
+      except Exception as e:  # pylint: disable=broad-except
+        log.error("closing the checkpoint callback after the error failed: %s: %s",
+                  type(e).__name__, e)
+        error.add_note(f"orbax_flax: closing the checkpoint callback failed too:"
+                       f" {type(e).__name__}: {e}")
+    except KeyboardInterrupt:
+      # Ctrl-C again while saving after an error (or a first Ctrl-C): stop now, in one line,
+      # instead of a traceback chained from inside a thread join.
+      self.manager.abandon_inflight()
+      if self._watcher is not None:
+        self._watcher.close()
+      self._closed = True
+      print(f"orbax_flax: interrupted again while saving step {step}: the save is abandoned (never"
+            f" committed half-written); the last committed step is {self.manager.latest_step()}",
+            file=sys.stderr, flush=True)
 
   def _save_exception(self, step: int, state: Any, error: BaseException) -> None:
     if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
@@ -348,7 +425,7 @@ class CheckpointCallback(callbacks.Callback):
       data_state = None  # no position known for this step: saved without one
       if self._data_after_last is not None and self._data_after_last[0] == step:
         data_state = self._data_after_last[1]
-      self._save(step, state, None, "exception", data_state)
+      self._save(step, state, self._last_metrics, "exception", data_state)
 
   def _every_process_failed(self, step: int) -> bool:
     """A save needs every process; one that did not fail is still training."""
@@ -359,8 +436,8 @@ class CheckpointCallback(callbacks.Callback):
                             timeout_s=_FAILED_AGREEMENT_S)
       return True
     except TimeoutError:
-      log.error("training failed after step %d on this process but not on every process; no"
-                " exception save (it needs all of them)", step)
+      log.error("training failed after step %d on this process but not on every process within"
+                " %g s; no exception save (it needs all of them)", step, _FAILED_AGREEMENT_S)
       return False
 
   def on_train_end(self, step: int, state: Any) -> None:
@@ -376,7 +453,7 @@ class CheckpointCallback(callbacks.Callback):
         if save_final and self._last is not None and self.policy.save_final_step and not self.preempted:
           step, state = self._last
           if not self.manager.has_step(step):
-            self._save(step, state, None, "final")
+            self._save(step, state, self._last_metrics, "final")
       finally:
         try:
           self.manager.close()  # always: its threads and staging memory go
@@ -415,6 +492,17 @@ class CheckpointCallback(callbacks.Callback):
                                          "checkpoint/total_s": e.total_s,
                                          "checkpoint/bytes": float(e.nbytes)})
     self.writer.flush()
+
+
+def _says_global(iterator: Any) -> bool:
+  """True if a data iterator declares its state a global position (the documented protocol).
+
+  An iterator whose ``get_state()`` is the same on every process and means a
+  position in the global data order sets ``checkpoint_state_is_global = True``
+  (an attribute or a property); its state then resumes on any process count.
+  Anything else is taken as a per-process position.
+  """
+  return getattr(iterator, "checkpoint_state_is_global", False) is True
 
 
 def _encode(value: Any) -> str:

@@ -27,11 +27,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from orbax_flax import _multihost
 from orbax_flax import _planning
 from orbax_flax import _progress
 from orbax_flax import _staging
+from orbax_flax import _tree
 from orbax_flax import restoring
 from orbax_flax import saving
 from orbax_flax._location import Location
@@ -86,6 +89,7 @@ class Checkpointer:
                        " > 0 (seconds a process waits for the others).")
     if host_transfer not in HOST_TRANSFERS:
       raise ValueError(f"host_transfer={host_transfer!r}: must be one of {HOST_TRANSFERS}.")
+    _multihost.check_distributed()
     self.max_host_bytes = max_host_bytes
     self.keep_staging_memory = keep_staging_memory
     self.coordination_timeout_seconds = float(coordination_timeout_seconds)
@@ -158,7 +162,7 @@ class Checkpointer:
   # ------------------------------------------------------------------ saving
 
   def save(self, path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
-           custom_metadata: Mapping[str, Any] | None = None) -> None:
+           custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None) -> None:
     """Saves ``items`` and returns once committed on every process.
 
     Writes straight from the device buffers (views on CPU; one device-to-host
@@ -167,7 +171,7 @@ class Checkpointer:
     """
     self._check_open()
     self._finish_inflight()
-    plan, run, handle = self._prepare(path, items, overwrite, custom_metadata)
+    plan, run, handle = self._prepare(path, items, overwrite, custom_metadata, dtype)
 
     def work() -> None:
       error = None
@@ -189,21 +193,30 @@ class Checkpointer:
     handle.wait()
 
   def save_async(self, path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
-                 custom_metadata: Mapping[str, Any] | None = None) -> saving.AsyncSave:
+                 custom_metadata: Mapping[str, Any] | None = None,
+                 cancellable: bool = False, dtype: Any = None) -> saving.AsyncSave:
     """Starts a save; returns once the caller may change or donate its arrays.
 
     The blocking phase is a snapshot: a copy into this checkpointer's staging
     memory (CPU), or a transfer into pinned host memory that XLA orders
     before any later donation (GPU/TPU). Only one save runs at a time: this
     call first waits for the previous one, and raises its error if nobody
-    called ``wait()``. Arguments as for :func:`orbax_flax.save`.
+    called ``wait()``. Arguments as for :func:`orbax_flax.save`, and:
+
+    Args:
+      cancellable: write in batches of about half a second, so that
+        ``AsyncSave.cancel()`` stops the writing within about a second (a
+        preemption save with a grace period). Otherwise ``cancel()`` still
+        keeps the save from committing, but the data already handed to
+        tensorstore is written out (in the background; it never holds the
+        process's exit).
 
     Returns:
       An :class:`AsyncSave`; ``wait()`` blocks until committed.
     """
     self._check_open()
     self._finish_inflight()
-    plan, run, handle = self._prepare(path, items, overwrite, custom_metadata)
+    plan, run, handle = self._prepare(path, items, overwrite, custom_metadata, dtype)
     budget = self.max_host_bytes
     try:
       if self._transfer(plan) == "pinned_host" and not budget:
@@ -230,7 +243,7 @@ class Checkpointer:
         with _progress.Monitor(run.progress, self.watchdog_seconds, terminal=False):
           error = None
           try:
-            run.write(last, materialize=materialize)
+            run.write(last, materialize=materialize, cancellable=cancellable)
           except BaseException as e:  # pylint: disable=broad-except
             error = e
           run.finish(error)
@@ -242,9 +255,12 @@ class Checkpointer:
     return handle
 
   def _prepare(self, path: Any, items: Mapping[str, Any], overwrite: bool,
-               custom_metadata: Mapping[str, Any] | None):
+               custom_metadata: Mapping[str, Any] | None, dtype: Any = None):
     start = time.perf_counter()
+    items, casts = cast_items(items, dtype)
     plan = _planning.make_plan(Location.parse(path), items, overwrite, custom_metadata)
+    if casts:
+      plan.manifest["casts"] = casts
     with self._lock:
       self._seq += 1
       seq = self._seq
@@ -269,7 +285,9 @@ class Checkpointer:
   # ------------------------------------------------------------------ restoring
 
   def restore(self, path: Any, target: Mapping[str, Any] | None = None, *,
-              partial: bool = False, max_host_bytes: int | None = None) -> dict[str, Any]:
+              partial: bool = False, max_host_bytes: int | None = None,
+              allow_lossy_casts: bool = False, casts: list | None = None,
+              transforms: Any = None) -> dict[str, Any]:
     """Restores a checkpoint (see :func:`orbax_flax.restore`).
 
     A save of this checkpointer to the same path still in flight is waited
@@ -281,7 +299,8 @@ class Checkpointer:
     progress = _progress.Progress(f"restore of {loc}")
     with _progress.Monitor(progress, self.watchdog_seconds):
       return restoring.restore(loc, target, partial=partial, max_host_bytes=budget,
-                               progress=progress)
+                               allow_lossy_casts=allow_lossy_casts, progress=progress, casts=casts,
+                               transforms=transforms)
 
   def wait_for(self, path: Any) -> None:
     """Blocks until this checkpointer's save to ``path``, if in flight, is done. Never raises:
@@ -290,6 +309,46 @@ class Checkpointer:
     h = self._inflight
     if h is not None and h.loc == loc:
       h.join()
+
+
+def cast_items(items: Mapping[str, Any], dtype: Any) -> tuple[Mapping[str, Any], dict[str, str]]:
+  """``items`` with arrays converted for ``save(..., dtype=...)``, and what each was.
+
+  Example:
+    >>> items, casts = cast_items({"s": {"w": np.ones(2, np.float32), "n": np.arange(2)}}, "float16")
+    >>> items["s"]["w"].dtype, items["s"]["n"].dtype, casts
+    (dtype('float16'), dtype('int64'), {'s/w': 'float32'})
+  """
+  if dtype is None or not isinstance(items, Mapping):
+    return items, {}
+  casts: dict[str, str] = {}
+
+  def wanted(where: str, have: np.dtype) -> np.dtype | None:
+    if callable(dtype) and not isinstance(dtype, (str, np.dtype, type)):
+      got = dtype(where, have)
+    elif jnp.issubdtype(have, jnp.floating):
+      got = dtype
+    else:
+      got = None
+    if got is None:
+      return None
+    got = _tree.dtype_from_name(got) if isinstance(got, str) else np.dtype(got)
+    return None if got == have else got
+
+  out = {}
+  for item, tree in items.items():
+    def one(kp, leaf, item=item):
+      if not isinstance(leaf, (jax.Array, np.ndarray)) or jax.dtypes.issubdtype(
+          leaf.dtype, jax.dtypes.prng_key):
+        return leaf
+      where = f"{item}/{_tree.path_str(tuple(_tree.key_part(k) for k in kp))}"
+      to = wanted(where, np.dtype(leaf.dtype))
+      if to is None:
+        return leaf
+      casts[where] = np.dtype(leaf.dtype).name
+      return leaf.astype(to)
+    out[item] = jax.tree_util.tree_map_with_path(one, tree)
+  return out, casts
 
 
 _default: list[Checkpointer] = []
@@ -304,7 +363,7 @@ def default() -> Checkpointer:
 
 
 def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
-         custom_metadata: Mapping[str, Any] | None = None) -> None:
+         custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None) -> None:
   """Saves ``items`` as one checkpoint and returns once it is committed.
 
   Args:
@@ -317,6 +376,11 @@ def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
       one stays valid until the new one commits.
     custom_metadata: JSON-serialisable dict stored with the checkpoint and
       returned by :func:`orbax_flax.metadata`.
+    dtype: store arrays in another dtype: one dtype for every floating array
+      (e.g. ``"bfloat16"`` to serve float32 params; integer, bool and key
+      arrays are kept), or a function ``(key path text, dtype) -> dtype or
+      None``. The arrays are converted on their devices before the snapshot;
+      ``metadata(path).casts`` records what each converted array was.
 
   Raises:
     CheckpointExistsError: a committed checkpoint exists and not overwrite.
@@ -329,11 +393,12 @@ def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
     >>> ofx.restore(path)["extra"]
     {'epoch': 3}
   """
-  default().save(path, items, overwrite=overwrite, custom_metadata=custom_metadata)
+  default().save(path, items, overwrite=overwrite, custom_metadata=custom_metadata, dtype=dtype)
 
 
 def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
-               custom_metadata: Mapping[str, Any] | None = None) -> saving.AsyncSave:
+               custom_metadata: Mapping[str, Any] | None = None,
+               dtype: Any = None) -> saving.AsyncSave:
   """Starts a save and returns once the state is copied to host memory.
 
   Arguments are those of :func:`save`. The caller may then donate or change
@@ -354,11 +419,13 @@ def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
     >>> float(ofx.restore(path)["state"]["w"].sum())
     3.0
   """
-  return default().save_async(path, items, overwrite=overwrite, custom_metadata=custom_metadata)
+  return default().save_async(path, items, overwrite=overwrite, custom_metadata=custom_metadata,
+                              dtype=dtype)
 
 
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
-            max_host_bytes: int = 0) -> dict[str, Any]:
+            max_host_bytes: int = 0, allow_lossy_casts: bool = False,
+            transforms: Any = None) -> dict[str, Any]:
   """Restores a checkpoint, resharded onto the target's shardings.
 
   See :func:`orbax_flax.restoring.restore` for the arguments; a
@@ -368,13 +435,14 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   Example:
     >>> import jax, numpy as np, orbax_flax as ofx, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
-    >>> ofx.save(path, {"state": {"w": np.arange(4.0), "b": np.zeros(2)}})
+    >>> ofx.save(path, {"state": {"w": np.arange(4, dtype=np.float32), "b": np.zeros(2)}})
     >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     >>> target = {"state": {"w": jax.ShapeDtypeStruct((4,), np.float32, sharding=sharding)}}
     >>> ofx.restore(path, target, partial=True)["state"]["w"]
     Array([0., 1., 2., 3.], dtype=float32)
   """
-  return default().restore(path, target, partial=partial, max_host_bytes=max_host_bytes)
+  return default().restore(path, target, partial=partial, max_host_bytes=max_host_bytes,
+                           allow_lossy_casts=allow_lossy_casts, transforms=transforms)
 
 
 def wait_for_inflight(path: Any) -> None:

@@ -4,6 +4,9 @@
     python -m orbax_flax show DIR/STEP     items, tree with shapes/dtypes/shardings, bytes per item
     python -m orbax_flax verify DIR/STEP   re-reads every chunk and checks its checksum
     python -m orbax_flax plan --config configs/default.py --steps 10000 [--config.checkpoint.x=y]
+    python -m orbax_flax convert SRC DST [--format orbax_flax|safetensors] [--dtype bfloat16]
+
+show, verify and convert read every format restore reads: orbax_flax, orbax-checkpoint, safetensors.
 
 Exit codes: 0 fine, 1 corruption found, 2 no such checkpoint or bad usage.
 """
@@ -11,6 +14,7 @@ Exit codes: 0 fine, 1 corruption found, 2 no such checkpoint or bad usage.
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime
 import sys
 from collections.abc import Sequence
@@ -62,8 +66,9 @@ def cmd_list(directory: str, out) -> int:
     print(_table(["STEP", "SAVED", "REASON", "SIZE", "PROCS/DEVS", "METRICS"], rows), file=out)
     print(f"\n{len(steps)} committed step(s) in {loc}; latest {steps[-1]}", file=out)
   for l in leftovers:
-    print(f"leftover of an interrupted save or delete (safe to delete once no job writes"
-          f" here): {l.name}", file=out)
+    print(f"not committed: {l.name}, a save in progress or an interrupted save or delete. A save"
+          " in progress becomes a step when it commits; if no job writes here, it was"
+          " interrupted, and the next training job here removes it.", file=out)
   if damaged:
     print(f"{damaged} step(s) cannot be read; `python -m orbax_flax verify {loc}/STEP` tells"
           " more", file=out)
@@ -72,8 +77,7 @@ def cmd_list(directory: str, out) -> int:
 
 
 def cmd_show(path: str, out) -> int:
-  loc = Location.parse(path)
-  manifest = restoring.read_manifest(loc)
+  loc, manifest = restoring.open_manifest(path)
   meta = metadata_lib.from_manifest(str(loc), manifest)
   print(meta, file=out)
   custom = meta.custom
@@ -106,11 +110,77 @@ def cmd_verify(path: str, out) -> int:
   except errors.CheckpointCorruptedError as e:
     print(f"CORRUPTED: {e}", file=out)
     return EXIT_CORRUPT
-  print(f"OK: {path}: every checksum matches ({metadata_lib.human_bytes(n)} of arrays read)", file=out)
+  fmt = metadata_lib.metadata(path).format
+  what = ("every checksum matches" if fmt == "orbax_flax"
+          else f"{fmt}: checked {verify_lib.COVERAGE[fmt]}")
+  print(f"OK: {path}: {what} ({metadata_lib.human_bytes(n)} of arrays read)", file=out)
   return EXIT_OK
 
 
+def cmd_convert(argv: list[str], out) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m orbax_flax convert",
+      description="Converts a checkpoint of any format (orbax_flax, orbax-checkpoint,"
+      " safetensors) into orbax_flax or safetensors.")
+  parser.add_argument("src", help="the checkpoint to read")
+  parser.add_argument("dst", help="where to write (must not exist unless --overwrite)")
+  parser.add_argument("--format", choices=["orbax_flax", "safetensors"], default="orbax_flax")
+  parser.add_argument("--dtype", default=None, help="convert floating arrays, e.g. bfloat16")
+  parser.add_argument("--max_shard_bytes", type=int, default=5 << 30,
+                      help="safetensors: the most bytes per file (default 5 GiB)")
+  parser.add_argument("--overwrite", action="store_true")
+  args = parser.parse_args(argv)
+  from orbax_flax.formats import convert  # pylint: disable=g-import-not-at-top
+  print(convert.convert(args.src, args.dst, format=args.format, dtype=args.dtype,
+                        max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite), file=out)
+  return EXIT_OK
+
+
+PLAN_HELP = """usage: python -m orbax_flax plan --config=PATH [--steps=N] [--config.checkpoint.FIELD=VALUE ...]
+
+Dry-runs a checkpoint policy: which steps a run would save, and which it would keep.
+
+options:
+  --config=PATH            a config file with a `checkpoint` block (e.g. configs/default.py),
+                           or one that is itself the block
+  --config.X=Y             override any config field, e.g. --config.checkpoint.max_to_keep=5
+  --steps=N                run length in steps (default: the config's num_steps)
+  --start_step=N           simulate a run resumed after step N (default 0)
+  --seconds_per_step=S     simulated wall time per step, for time-based rules (default 1)
+  --all                    list every save instead of a summary
+  -h, --help               show this help
+"""
+
+
+def one_line(e: BaseException) -> str:
+  """An exception as one readable line (no reprs, no embedded newlines).
+
+  absl and ml_collections hand back KeyErrors whose text is the repr of a
+  repr; this unwraps them.
+
+  Example:
+    >>> one_line(KeyError("'max_to_kep'\\nDid you mean \\"max_to_keep\\"?"))
+    'max_to_kep: Did you mean "max_to_keep"?'
+  """
+  text = e.args[0] if isinstance(e, KeyError) and e.args and isinstance(e.args[0], str) else str(e)
+  for _ in range(3):  # a repr of a repr of a message
+    stripped = text.strip()
+    if len(stripped) >= 2 and stripped[0] == stripped[-1] and stripped[0] in "'\"":
+      try:
+        text = ast.literal_eval(stripped)
+        continue
+      except (ValueError, SyntaxError):
+        pass
+    break
+  text = text.replace("\\n", "\n")
+  lines = [l.strip().strip("'\"") for l in text.splitlines() if l.strip()]
+  return ": ".join(lines) if lines else type(e).__name__
+
+
 def cmd_plan(argv: list[str], out) -> int:
+  if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
+    print(PLAN_HELP, file=out, end="")
+    return EXIT_OK
   from absl import flags  # pylint: disable=g-import-not-at-top
   from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
   fv = flags.FlagValues()
@@ -129,7 +199,7 @@ def cmd_plan(argv: list[str], out) -> int:
     steps = fv.steps if fv.steps is not None else int(config.get("num_steps", 0))
   except (flags.Error, ValueError, TypeError, AttributeError, KeyError, OSError,
           ImportError) as e:
-    print(f"error: {e}", file=sys.stderr)
+    print(f"error: {one_line(e)}", file=sys.stderr)
     return EXIT_MISSING
   if steps <= 0:
     print("error: give --steps=N or set num_steps in the config", file=sys.stderr)
@@ -163,11 +233,16 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
   sub.add_parser("list", help="committed steps and leftovers of a directory").add_argument("directory")
   sub.add_parser("show", help="contents of one checkpoint").add_argument("path")
   sub.add_parser("verify", help="check every checksum of one checkpoint").add_argument("path")
-  sub.add_parser("plan", help="dry-run a checkpoint policy", add_help=False)
+  sub.add_parser("plan", help="dry-run a checkpoint policy (python -m orbax_flax plan --help)",
+                 add_help=False)
+  sub.add_parser("convert", help="convert SRC DST [--format orbax_flax|safetensors] [--dtype D]",
+                 add_help=False)
   if argv and argv[0] == "plan":
     return cmd_plan(argv[1:], out)
-  args = parser.parse_args(argv)
+  args = parser.parse_args(argv) if not (argv and argv[0] == "convert") else None
   try:
+    if args is None:
+      return cmd_convert(argv[1:], out)
     if args.command == "list":
       return cmd_list(args.directory, out)
     if args.command == "show":
@@ -181,4 +256,7 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
     return EXIT_CORRUPT
   except (errors.StorageError, NotADirectoryError) as e:
     print(f"error: {e}", file=sys.stderr)
+    return EXIT_MISSING
+  except (ValueError, TypeError, errors.CheckpointExistsError) as e:  # bad input to convert
+    print(f"error: {one_line(e)}", file=sys.stderr)
     return EXIT_MISSING

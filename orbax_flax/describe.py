@@ -76,7 +76,11 @@ class CheckpointMetadata:
     process_count: processes of the job that saved it.
     device_count: devices of the job that saved it.
     library_version: orbax_flax version that wrote it.
-    custom: the ``custom_metadata`` passed to save.
+    custom: the ``custom_metadata`` passed to save (for other formats: what
+      they record, e.g. a safetensors header's ``__metadata__``).
+    format: "orbax_flax", "orbax-checkpoint" or "safetensors".
+    casts: key path -> dtype the array had before ``save(..., dtype=...)``
+      stored it in another.
   """
   path: str
   items: dict[str, ItemMetadata]
@@ -85,6 +89,8 @@ class CheckpointMetadata:
   device_count: int
   library_version: str
   custom: dict[str, Any]
+  format: str = "orbax_flax"
+  casts: dict[str, str] = dataclasses.field(default_factory=dict)
 
   @property
   def nbytes(self) -> int:
@@ -92,9 +98,13 @@ class CheckpointMetadata:
 
   def __str__(self) -> str:
     when = datetime.datetime.fromtimestamp(self.created).isoformat(timespec="seconds")
-    lines = [f"checkpoint {self.path}: {len(self.items)} item(s), {human_bytes(self.nbytes)},"
-             f" saved {when} by {self.process_count} process(es) / {self.device_count} device(s),"
-             f" orbax_flax {self.library_version}"]
+    if self.format == "orbax_flax":
+      lines = [f"checkpoint {self.path}: {len(self.items)} item(s), {human_bytes(self.nbytes)},"
+               f" saved {when} by {self.process_count} process(es) / {self.device_count}"
+               f" device(s), orbax_flax {self.library_version}"]
+    else:
+      lines = [f"{self.format} checkpoint {self.path}: {len(self.items)} item(s),"
+               f" {human_bytes(self.nbytes)}, written {when} ({self.library_version})"]
     for item in self.items.values():
       lines.append(f"  item {item.name}: {len(item.arrays)} arrays, {human_bytes(item.nbytes)}")
       rows = [(a.path, f"{a.dtype}{list(a.shape)}", a.sharding, human_bytes(a.nbytes))
@@ -111,7 +121,7 @@ def _array_metadata(rec: dict[str, Any]) -> ArrayMetadata:
       path=_tree.path_str(tuple(rec["path"])),
       shape=_tree.array_shape(rec),
       dtype=f"key<{key}>" if key else rec["dtype"],
-      sharding=rec["sharding"]["text"],
+      sharding=rec.get("sharding", {}).get("text", ""),
       nbytes=int(rec["nbytes"]),
       kind=rec["kind"],
   )
@@ -132,11 +142,14 @@ def from_manifest(path: str, manifest: dict[str, Any]) -> CheckpointMetadata:
   return CheckpointMetadata(
       path=path, items=items, created=manifest["created"],
       process_count=manifest["process_count"], device_count=manifest["device_count"],
-      library_version=manifest["library_version"], custom=manifest.get("custom", {}))
+      library_version=manifest["library_version"], custom=manifest.get("custom", {}),
+      format=manifest.get("format", "orbax_flax"), casts=dict(manifest.get("casts", {})))
 
 
 def metadata(path: Any) -> CheckpointMetadata:
   """Describes a committed checkpoint without reading its array data.
+
+  Works on every format ``restore`` reads; ``.format`` says which it is.
 
   Args:
     path: the checkpoint (local path, URL or kvstore spec dict).
@@ -157,4 +170,5 @@ def metadata(path: Any) -> CheckpointMetadata:
   """
   loc = Location.parse(path)
   checkpointer.wait_for_inflight(loc)
-  return from_manifest(str(loc), restoring.read_manifest(loc))
+  loc, manifest = restoring.open_manifest(loc)
+  return from_manifest(str(loc), manifest)

@@ -10,9 +10,10 @@ The target is a dict of items, each a pytree whose leaves say what to build:
 * a Python or numpy scalar, str or bytes: the saved value.
 
 A target dtype that differs from the saved one is converted with numpy's
-``astype`` (e.g. float32 -> bfloat16 rounds to nearest). Everything is checked
-before any array data is read: missing or extra keys, shapes, and shardings
-that do not divide the array.
+``astype`` when that is exact (int8 -> float32); a conversion that loses
+information (float32 -> bfloat16 or int8) needs ``allow_lossy_casts=True``.
+Everything is checked before any array data is read: missing or extra keys,
+shapes, dtypes, and shardings that do not divide the array.
 """
 
 from __future__ import annotations
@@ -39,15 +40,53 @@ from orbax_flax._planning import TMP_MARKER
 
 
 def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
+  """No checkpoint at ``loc``: say what is there instead, and what to pass."""
   if TMP_MARKER in loc.name:
     return errors.CheckpointNotFoundError(
-        f"{loc} is the temporary directory of an unfinished or replaced save, not a"
-        " committed checkpoint; it is safe to delete.")
+        f"{loc} is the directory of a save that has not committed (in progress, or"
+        " interrupted), not a checkpoint.")
   if loc.is_local and not os.path.exists(loc.local_path):
-    hint = "The path does not exist."
-  else:
-    hint = "The path exists but holds no committed checkpoint (an interrupted save?)."
-  return errors.CheckpointNotFoundError(f"no committed orbax_flax checkpoint at {loc}. {hint}")
+    return errors.CheckpointNotFoundError(
+        f"no orbax_flax checkpoint at {loc}: the path does not exist.")
+  return errors.CheckpointNotFoundError(f"no orbax_flax checkpoint at {loc}: {_what_is_there(loc)}")
+
+
+def _what_is_there(loc: Location) -> str:
+  from orbax_flax import step_dir  # pylint: disable=g-import-not-at-top  # step_dir needs _planning
+  from orbax_flax.formats import orbax_checkpoint  # pylint: disable=g-import-not-at-top
+  ocp_steps = orbax_checkpoint.steps(loc)
+  if ocp_steps:
+    return (f"it is an orbax-checkpoint run directory holding {_steps_text(ocp_steps)}; pass one"
+            f" step, e.g. {loc.join(str(ocp_steps[-1]))} (or one item of it, e.g."
+            f" {loc.join(str(ocp_steps[-1])).join('default')})")
+  try:
+    steps, leftovers = step_dir.list_steps(loc)
+  except (NotADirectoryError, errors.StorageError):
+    return "it is not a directory."
+  if steps:
+    return (f"it is a directory of steps, holding {_steps_text(steps)}; pass one of them, e.g."
+            f" {loc.join(str(steps[-1]))}")
+  try:
+    inner, _ = step_dir.list_steps(loc.join("checkpoints"))
+  except (NotADirectoryError, errors.StorageError):
+    inner = []
+  if inner:
+    return (f"it looks like a run's workdir: its checkpoints are in {loc.join('checkpoints')},"
+            f" holding {_steps_text(inner)}; pass e.g. {loc.join('checkpoints').join(str(inner[-1]))}")
+  names = set(os.listdir(loc.local_path)) if loc.is_local else set()
+  if names & {"_sharding", "manifest.ocdbt", "commit_success.txt"}:
+    return ("it looks like an orbax-checkpoint checkpoint without its _METADATA (an unfinished"
+            " save?); nothing here can be read.")
+  if leftovers:
+    return ("it holds only uncommitted saves (in progress or interrupted): "
+            + ", ".join(l.name for l in leftovers[:3]))
+  return "the path exists but holds no committed checkpoint (a save in progress or interrupted?)."
+
+
+def _steps_text(steps: list[int]) -> str:
+  shown = ", ".join(map(str, steps)) if len(steps) <= 6 else (
+      f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-2:]))}")
+  return f"step(s) [{shown}]"
 
 
 def read_manifest(loc: Location) -> dict[str, Any]:
@@ -56,6 +95,33 @@ def read_manifest(loc: Location) -> dict[str, Any]:
   if data is None:
     raise _not_found(loc)
   return _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
+
+
+def open_manifest(path: Any) -> tuple[Location, dict[str, Any]]:
+  """The manifest of the checkpoint at ``path``, in any format ``restore`` reads.
+
+  Ours is read and verified; an orbax-checkpoint or safetensors checkpoint is
+  described by an in-memory manifest of the same shape (see
+  :mod:`orbax_flax.formats`).
+  """
+  from orbax_flax import formats  # pylint: disable=g-import-not-at-top  # formats imports us
+  loc = Location.parse(path)
+  if TMP_MARKER not in loc.name:
+    data = _location.read_key(loc, _manifest.MANIFEST_KEY)
+    if data is not None:
+      return loc, _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
+    foreign = formats.open_foreign(loc)
+    if foreign is not None:
+      return loc, foreign
+  raise _not_found(loc)
+
+
+def reader_for(loc: Location, manifest: dict[str, Any], max_host_bytes: int = 0,
+               progress: Any = None) -> _reading.Reader | None:
+  """The engine's reader for our own format; None for a foreign one (its leaves read themselves)."""
+  if manifest.get("format", _manifest.FORMAT) != _manifest.FORMAT:
+    return None
+  return _reading.Reader(loc, manifest, max_host_bytes, progress)
 
 
 def read_summary(loc: Location) -> dict[str, Any]:
@@ -85,8 +151,15 @@ class _Want:
 
 
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
-            max_host_bytes: int = 0, progress: Any = None) -> dict[str, Any]:
-  """Restores a checkpoint, resharded onto the target's shardings.
+            max_host_bytes: int = 0, allow_lossy_casts: bool = False, progress: Any = None,
+            casts: list | None = None, transforms: Any = None) -> dict[str, Any]:
+  """Restores a checkpoint of any format, resharded onto the target's shardings.
+
+  Reads our own checkpoints, orbax-checkpoint ones (an item, a step of its
+  ``CheckpointManager``) and safetensors files or directories; the format is
+  detected from the files (``metadata(path).format``). A checkpoint with one
+  unnamed item (safetensors, one orbax pytree item) is read by a target of one
+  item, whatever its name.
 
   Args:
     path: the checkpoint (local path, URL or kvstore spec dict).
@@ -101,7 +174,16 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     max_host_bytes: a budget for host memory beyond the restored arrays
       (0: none): arrays are read and placed in rounds of at most this many
       bytes, and temporary buffers stay within it (plus one chunk).
+    allow_lossy_casts: allow dtype conversions that lose information (float to
+      int or bool, a wider type into a narrower one such as float32 to
+      bfloat16). Without it they are reported, by key path, before any data is
+      read; exact ones (int8 to float32, bfloat16 to float32) always happen.
     progress: an ``orbax_flax._progress.Progress`` updated with the bytes read.
+    casts: a list that receives ``(key path, saved dtype, target dtype, exact)``
+      for every conversion made.
+    transforms: a list of :mod:`orbax_flax.transforms` (rename, drop, take
+      from the target, stack, unstack, cast), applied in order to what the
+      checkpoint holds before the target is checked.
 
   Returns:
     item name -> restored pytree, with the target's structure.
@@ -114,19 +196,24 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   Example:
     >>> import jax, numpy as np, orbax_flax as ofx, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
-    >>> ofx.save(path, {"state": {"w": np.arange(4.0), "b": np.zeros(2)}})
+    >>> ofx.save(path, {"state": {"w": np.arange(4, dtype=np.float32), "b": np.zeros(2)}})
     >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     >>> target = {"state": {"w": jax.ShapeDtypeStruct((4,), np.float32, sharding=sharding)}}
     >>> ofx.restore(path, target, partial=True)["state"]["w"]
     Array([0., 1., 2., 3.], dtype=float32)
   """
-  loc = Location.parse(path)
-  manifest = read_manifest(loc)
-  if target is None:
-    return _restore_all(loc, manifest, max_host_bytes=max_host_bytes, progress=progress)
-  if not isinstance(target, Mapping):
+  from orbax_flax import formats  # pylint: disable=g-import-not-at-top  # formats imports us
+  from orbax_flax.formats import transforms as transforms_lib  # pylint: disable=g-import-not-at-top
+  loc, manifest = open_manifest(path)
+  if target is not None and not isinstance(target, Mapping):
     raise TypeError(f"target must be a dict of item name -> pytree (e.g. {{'state':"
                     f" abstract_state}}) or None; got {type(target).__name__}")
+  if target is not None:
+    manifest = formats.match_items(manifest, list(target))
+  manifest = transforms_lib.apply(manifest, transforms or ())
+  from_target = transforms_lib.from_target(transforms)
+  if target is None:
+    return _restore_all(loc, manifest, max_host_bytes=max_host_bytes, progress=progress)
 
   diffs: list[str] = []
   bad_shardings: list[str] = []
@@ -153,9 +240,16 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
       where = f"{item}/{_tree.path_str(path_)}"
       rec = saved.get(path_)
       if rec is None:
+        if any(t.matches(_tree.path_str(path_)) for t in from_target):
+          if isinstance(leaf, (jax.Array, np.ndarray)) or _tree.leaf_kind(leaf) == "value":
+            out[i] = leaf
+          else:
+            diffs.append(f"{where}: not in checkpoint, and FromTarget needs a concrete value in"
+                         f" the target (an array), not a {type(leaf).__name__}")
+          continue
         diffs.append(f"{where}: in target, not in checkpoint")
         continue
-      want = _want(item, rec, leaf, where, diffs, bad_shardings)
+      want = _want(item, rec, leaf, where, diffs, bad_shardings, allow_lossy_casts, casts)
       if want is None:
         continue
       if isinstance(want, _Value):
@@ -214,7 +308,8 @@ def _key_data_sharding(sharding: Any, where: str) -> Any:
 
 
 def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str],
-          bad_shardings: list[str]) -> _Want | _Value | None:
+          bad_shardings: list[str], allow_lossy: bool = False,
+          casts: list | None = None) -> _Want | _Value | None:
   """Checks one target leaf against its record; returns what to read."""
   saved_kind = rec["kind"]
   if isinstance(leaf, jax.ShapeDtypeStruct) or isinstance(leaf, jax.Array):
@@ -238,6 +333,10 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
   if saved_kind == "value":
     value = _tree.decode_value(rec["value"])
     if shape == () and isinstance(value, (bool, int, float, complex, np.generic)) and not _is_key_dtype(dtype):
+      if dtype is not None:
+        source = np.asarray(value).dtype
+        if not _cast_ok(source, np.dtype(dtype), where, allow_lossy, diffs, casts):
+          return None
       array = np.asarray(value, dtype=dtype)
       if sharding is None:
         return _Value(array)
@@ -264,6 +363,9 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
     return None
   data_shape = tuple(rec["shape"])
   data_dtype = np.dtype(rec["dtype"]) if (dtype is None or saved_key) else np.dtype(dtype)
+  if not saved_key and not _cast_ok(_tree.dtype_from_name(rec["dtype"]), data_dtype, where,
+                                    allow_lossy, diffs, casts):
+    return None
   if sharding is not None:
     try:
       sharding.shard_shape(tuple(shape))
@@ -274,6 +376,45 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
       sharding = _key_data_sharding(sharding, where)
   boxes = {tuple((0, s) for s in data_shape): []} if sharding is None else _boxes(sharding, data_shape)
   return _Want(item, rec, data_dtype, sharding, data_shape, saved_key, boxes)
+
+
+def lossless(saved: np.dtype, target: np.dtype) -> bool:
+  """True if every value of ``saved`` converts to ``target`` exactly.
+
+  numpy's "safe" casting, which knows the ml_dtypes types: int8 -> float32 or
+  bfloat16 -> float32 are exact; float -> int, float32 -> bfloat16 or
+  int64 -> float32 are not.
+
+  Example:
+    >>> import ml_dtypes
+    >>> lossless(np.dtype("int8"), np.dtype("float32")), lossless(np.dtype("float32"), np.dtype("int8"))
+    (True, False)
+    >>> lossless(np.dtype("float32"), np.dtype(ml_dtypes.bfloat16))
+    False
+  """
+  if saved == target:
+    return True
+  try:
+    return bool(np.can_cast(saved, target, casting="safe"))
+  except TypeError:
+    return False
+
+
+def _cast_ok(saved: np.dtype, target: np.dtype, where: str, allow_lossy: bool, diffs: list[str],
+             casts: list | None) -> bool:
+  """Records a dtype change; refuses (into ``diffs``) one that loses information unless allowed."""
+  if saved == target:
+    return True
+  exact = lossless(saved, target)
+  if not exact and not allow_lossy:
+    diffs.append(f"{where}: {saved} in checkpoint, {target} in target: converting loses"
+                 f" information; pass allow_lossy_casts=True (checkpoint.allow_lossy_casts for"
+                 f" a resume) to convert anyway, rounding or truncating, or restore as {saved}"
+                 " and cast yourself")
+    return False
+  if casts is not None:
+    casts.append((where, str(saved), str(target), exact))
+  return True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -343,16 +484,22 @@ def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
   mapping per array, so that each array frees its memory on its own), small
   packed arrays included. With a budget, arrays are read and placed in rounds.
   """
-  reader = _reading.Reader(loc, manifest, max_host_bytes, progress)
+  from orbax_flax.formats import _read  # pylint: disable=g-import-not-at-top  # formats imports us
+  reader = reader_for(loc, manifest, max_host_bytes, progress)
   out: list[Any] = [None] * len(wants)
   for window in _windows(wants, max_host_bytes):
-    fills, packed = [], []
+    fills, packed, requests = [], [], []
     datas: dict[int, list[np.ndarray]] = {}
     for i in window:
       w = wants[i]
       rec = w.rec
       saved = _tree.dtype_from_name(rec["dtype"])
-      if "packed_offset" in rec:
+      if _read.needs_generic(rec):
+        # A foreign format's array, or one a transform made: read box by box.
+        bufs = _box_buffers(w, saved)
+        requests += [(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
+        datas[id(w)] = bufs
+      elif "packed_offset" in rec:
         # A small array: each box it is needed in gets a buffer of its own.
         bufs = _box_buffers(w, saved)
         lo = rec["packed_offset"]
@@ -366,7 +513,12 @@ def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
         bufs = _box_buffers(w, _tree.dtype_from_name(rec["stored_dtype"]))
         fills += [_reading.Fill(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
         datas[id(w)] = [buf if buf.dtype == saved else buf.view(saved) for buf in bufs]
-    reader.read(fills, packed)
+    if fills or packed:
+      reader.read(fills, packed)
+    if requests:
+      _read.read_requests(reader, requests)
+      if progress is not None:
+        progress.add(sum(buf.nbytes for _, _, _, buf in requests))
     for i in window:
       w = wants[i]
       datas[id(w)] = [b if b.dtype == w.dtype else b.astype(w.dtype) for b in datas[id(w)]]

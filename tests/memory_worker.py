@@ -78,7 +78,9 @@ def largest_chunk(path) -> int:
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("mode", choices=["save", "save_async", "restore", "restore_other_mesh"])
+  p.add_argument("mode", choices=["save", "save_async", "restore", "restore_other_mesh",
+                                  "write_orbax", "convert"])
+  p.add_argument("--src", default="")
   p.add_argument("--dir", required=True)
   p.add_argument("--mb", type=int, default=256)
   p.add_argument("--budget_mb", type=int, default=0)
@@ -95,6 +97,37 @@ def main():
   ofx.restore(warm, {"s": {"w": jax.ShapeDtypeStruct(
       (4096, 64), np.float32, sharding=NamedSharding(mesh, P("data", "model"))),
       "b": np.zeros(3)}})
+  if a.mode == "write_orbax":  # a checkpoint written by orbax-checkpoint itself
+    import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+    with ocp.StandardCheckpointer() as c:
+      c.save(path + "-orbax", {"s": state(a.mb, mesh)})
+      c.save(warm + "-orbax", {"s": {"w": np.ones((4096, 64), np.float32)}})  # for the warm-up
+      c.wait_until_finished()
+    print("RESULT {}", flush=True)
+    return
+  if a.mode == "convert":  # streams: about the largest array at a time
+    src = a.src or path
+    if src.endswith("-orbax"):  # warm up tensorstore's zarr and OCDBT readers, as above for ours
+      ofx.convert(warm + "-orbax", os.path.join(a.dir, f"warm-export-{os.getpid()}"),
+                  format="safetensors")
+    meta = ofx.metadata(src)
+    result["state"] = meta.nbytes
+    result["largest"] = max(x.nbytes for i in meta.items.values() for x in i.arrays)
+    dst = os.path.join(a.dir, f"export-{os.getpid()}")
+    result["extra"], _ = measure(lambda: ofx.convert(src, dst, format="safetensors",
+                                                     dtype="bfloat16"))
+    from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+    import ml_dtypes  # pylint: disable=g-import-not-at-top
+    got = {}
+    for f in os.listdir(dst):
+      if f.endswith(".safetensors"):
+        got.update(load_file(os.path.join(dst, f)))
+    name = "s.w3" if "s.w3" in got else "w3"
+    want = state(a.mb, mesh)["w3"]
+    np.testing.assert_array_equal(got[name].view(ml_dtypes.bfloat16),
+                                  np.asarray(want).astype(ml_dtypes.bfloat16))
+    print("RESULT " + json.dumps(result), flush=True)
+    return
   if a.mode.startswith("save"):
     s = state(a.mb, mesh)
     result["state"] = nbytes(s)

@@ -1,0 +1,81 @@
+"""Converting a checkpoint of any format into ours or into safetensors.
+
+``python -m orbax_flax convert SRC DST [--format orbax_flax|safetensors]
+[--dtype bfloat16] [--max_shard_bytes N]``, or :func:`convert`.
+
+To safetensors the conversion streams: each array is read, converted and
+written before the next is read, so host memory peaks at about the largest
+array (plus its converted copy). Tensor names are the key paths joined by
+``.``, prefixed by the item name when the source has several items; strings
+go into the header's ``__metadata__``, numeric scalars become 0-d tensors.
+
+To orbax_flax the source is read whole into host memory and saved with one
+blocking save (peak: about the state's size), because a save commits every
+item at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from orbax_flax import _tree
+from orbax_flax.formats import _read
+from orbax_flax.formats import safetensors_io as safetensors
+
+
+class LazyArray:
+  """An array of a checkpoint, read when (and each time) :meth:`read` is called."""
+
+  def __init__(self, reader: Any, item: str, rec: dict[str, Any]):
+    self._reader, self._item, self._rec = reader, item, rec
+    self.shape = tuple(rec["shape"])
+    self.dtype = _tree.dtype_from_name(rec["dtype"])
+
+  def read(self) -> np.ndarray:
+    return _read.read_whole(self._reader, self._item, self._rec)
+
+
+def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None,  # pylint: disable=redefined-builtin
+            max_shard_bytes: int = 5 << 30, overwrite: bool = False) -> str:
+  """Writes the checkpoint at ``src`` (any format) to ``dst`` in ``format``.
+
+  Args:
+    src: a checkpoint of any format ``restore`` reads.
+    dst: where to write it.
+    format: "orbax_flax" or "safetensors".
+    dtype: convert floating arrays to this dtype (e.g. "bfloat16"), or None.
+    max_shard_bytes: for safetensors, the most bytes per file.
+    overwrite: replace ``dst`` if it exists.
+
+  Returns:
+    A one-line summary of what was written.
+  """
+  from orbax_flax import checkpointer  # pylint: disable=g-import-not-at-top  # cycle
+  from orbax_flax import restoring  # pylint: disable=g-import-not-at-top
+  if format not in ("orbax_flax", "safetensors"):
+    raise ValueError(f"format={format!r}; use 'orbax_flax' or 'safetensors'")
+  loc, manifest = restoring.open_manifest(src)
+  if format == "orbax_flax":
+    items = restoring.restore(src)
+    checkpointer.save(dst, items, overwrite=overwrite, dtype=dtype)
+    return f"wrote {dst} (orbax_flax, {len(items)} item(s)) from {manifest.get('format', 'orbax_flax')}"
+  reader = restoring.reader_for(loc, manifest)
+  flat: dict[str, Any] = {}
+  meta: dict[str, str] = {}
+  several = len(manifest["items"]) > 1
+  for item, saved in manifest["items"].items():
+    for rec in saved["leaves"]:
+      name = ".".join(([item] if several else []) + list(rec["path"]))
+      if rec["kind"] == "value":
+        value = _tree.decode_value(rec["value"])
+        if isinstance(value, (str, bytes)):
+          meta[name] = value if isinstance(value, str) else value.decode(errors="replace")
+        else:
+          flat[name] = np.asarray(value)
+      else:
+        flat[name] = LazyArray(reader, item, rec)
+  names = safetensors.export_safetensors(dst, flat, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                         name_fn=lambda p: p[0], metadata=meta, overwrite=overwrite)
+  return f"wrote {dst} (safetensors, {len(flat)} tensors in {len(names)} file(s))"

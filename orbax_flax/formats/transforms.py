@@ -1,0 +1,282 @@
+"""Restore-time transforms: map what a checkpoint holds onto what the target wants.
+
+``restore(path, target, transforms=[...])`` applies each transform, in order,
+to the list of leaves the checkpoint holds (any format), before the target is
+checked; so every remaining mismatch is still reported by key path before any
+data is read. Key paths are written ``a/b/c`` (``/`` between keys) and patterns
+are regular expressions matched against the whole path.
+
+* :class:`Rename` ``(pattern, to)``: ``re.sub``-style renaming, or a function.
+* :class:`Drop` ``(pattern)``: ignore saved leaves (an old optimizer's state).
+* :class:`FromTarget` ``(pattern)``: a target leaf the checkpoint lacks takes
+  the target's own value (the target leaf must be a concrete array): a new
+  head when fine-tuning.
+* :class:`Stack` ``(pattern, to)``: per-layer arrays ``layers_0 .. layers_N-1``
+  become one array with a leading axis of N (``nn.scan``'d layers).
+  ``pattern`` has a group named ``i``, the layer number.
+* :class:`Unstack` ``(pattern, to)``: the reverse; ``to`` has ``{i}`` where the
+  layer number goes.
+* :class:`Cast` ``(pattern, dtype)``: convert the matching leaves to ``dtype``,
+  even where that loses precision (asking is the opt-in).
+
+Stacking, unstacking and casting read each source array's box straight into
+the result's buffer (a cast through a temporary of the box's size): no leaf is
+ever materialised whole when only a shard of it is needed.
+
+Example:
+  >>> import numpy as np, orbax_flax as ofx, tempfile, os
+  >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+  >>> ofx.save(path, {"p": {"layers_0": {"w": np.zeros(3, np.float32)},
+  ...                        "layers_1": {"w": np.ones(3, np.float32)}}})
+  >>> t = ofx.transforms
+  >>> out = ofx.restore(path, {"p": {"layers": {"w": np.zeros((2, 3), np.float32)}}},
+  ...                   transforms=[t.Stack(r"layers_(?P<i>\\d+)/(.*)", r"layers/\\2")])
+  >>> out["p"]["layers"]["w"].tolist()
+  [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from orbax_flax import _tree
+from orbax_flax import errors
+
+
+def _text(rec: dict[str, Any]) -> str:
+  return "/".join(rec["path"])
+
+
+def _split(path: str) -> list[str]:
+  return [p for p in path.split("/") if p != ""]
+
+
+def _arrays_only(recs: list[dict[str, Any]], what: str) -> None:
+  values = [_text(r) for r in recs if r["kind"] == "value" or r.get("key_impl")]
+  if values:
+    raise errors.TreeMismatchError(f"{what} applies to arrays (not PRNG keys); these are not:"
+                                   f" {values}", values)
+
+
+class Transform:
+  """Base class: ``apply`` maps one item's saved leaf records to new ones."""
+
+  def apply(self, item: str, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    raise NotImplementedError
+
+
+@dataclasses.dataclass(frozen=True)
+class Rename(Transform):
+  """Renames saved leaves: ``Rename(r"model/(.*)", r"params/\\1")`` or ``Rename(fn)``.
+
+  A function gets the path text and returns the new text (or the same).
+  """
+  pattern: str | Callable[[str], str]
+  to: str = ""
+
+  def apply(self, item, recs):
+    out = []
+    for r in recs:
+      old = _text(r)
+      if callable(self.pattern):
+        new = self.pattern(old)
+      else:
+        new = re.sub(f"^(?:{self.pattern})$", self.to, old)
+      out.append(r if new == old else {**r, "path": _split(new), "renamed_from": old})
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop(Transform):
+  """Ignores the saved leaves whose path matches ``pattern``."""
+  pattern: str
+
+  def apply(self, item, recs):
+    return [r for r in recs if not re.fullmatch(self.pattern, _text(r))]
+
+
+@dataclasses.dataclass(frozen=True)
+class FromTarget(Transform):
+  """Target leaves matching ``pattern`` that the checkpoint lacks keep the target's value."""
+  pattern: str
+
+  def apply(self, item, recs):
+    return recs
+
+  def matches(self, path: str) -> bool:
+    return re.fullmatch(self.pattern, path) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast(Transform):
+  """Converts the matching saved arrays to ``dtype`` (lossy conversions included)."""
+  pattern: str
+  dtype: Any
+
+  def apply(self, item, recs):
+    dtype = np.dtype(_tree.dtype_from_name(self.dtype) if isinstance(self.dtype, str) else self.dtype)
+    out = []
+    for r in recs:
+      if (r["kind"] == "value" or r.get("key_impl") or not re.fullmatch(self.pattern, _text(r))
+          or r["dtype"] == dtype.name):
+        out.append(r)
+        continue
+      out.append({"kind": "array", "path": r["path"], "shape": list(r["shape"]),
+                  "dtype": dtype.name, "nbytes": r["nbytes"] // np.dtype(
+                      _tree.dtype_from_name(r["dtype"])).itemsize * dtype.itemsize,
+                  "sharding": r.get("sharding", {"text": ""}), "derived": _Cast(item, r, dtype)})
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Stack(Transform):
+  """Stacks per-layer arrays into one with a leading layer axis.
+
+  ``Stack(r"layers_(?P<i>\\d+)/(.*)", r"layers/\\2")`` makes
+  ``layers/mlp/kernel`` of shape ``(N, ...)`` from ``layers_0/mlp/kernel`` ..
+  ``layers_{N-1}/mlp/kernel``, which must all be present and alike.
+  """
+  pattern: str
+  to: str
+
+  def apply(self, item, recs):
+    regex = re.compile(self.pattern)
+    if "i" not in regex.groupindex:
+      raise ValueError(f"Stack pattern {self.pattern!r} needs a group named i for the layer"
+                       r" number, e.g. r'layers_(?P<i>\d+)/(.*)'")
+    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    out, first = [], {}
+    for r in recs:
+      m = regex.fullmatch(_text(r))
+      if not m:
+        out.append(r)
+        continue
+      new = m.expand(self.to)
+      groups.setdefault(new, {})[int(m.group("i"))] = r
+      if new not in first:
+        first[new] = len(out)
+        out.append(None)
+    problems = []
+    for new, parts in groups.items():
+      _arrays_only(list(parts.values()), "Stack")
+      n = len(parts)
+      if sorted(parts) != list(range(n)):
+        problems.append(f"{new}: layers {sorted(parts)} are not 0..{n - 1}")
+        continue
+      ordered = [parts[k] for k in range(n)]
+      kinds = {(tuple(p["shape"]), p["dtype"]) for p in ordered}
+      if len(kinds) != 1:
+        problems.append(f"{new}: the layers differ in shape or dtype: {sorted(kinds)}")
+        continue
+      (shape, dtype), = kinds
+      out[first[new]] = {"kind": "array", "path": _split(new), "shape": [n, *shape],
+                         "dtype": dtype, "nbytes": sum(p["nbytes"] for p in ordered),
+                         "sharding": {"text": f"stacked from {n} arrays"},
+                         "derived": _Stacked(item, ordered)}
+    if problems:
+      raise errors.TreeMismatchError("cannot stack:\n  " + "\n  ".join(problems), problems)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Unstack(Transform):
+  """Splits arrays along their leading axis: ``Unstack(r"layers/(.*)", r"layers_{i}/\\1")``."""
+  pattern: str
+  to: str
+
+  def apply(self, item, recs):
+    if "{i}" not in self.to:
+      raise ValueError(f"Unstack target {self.to!r} needs {{i}} where the layer number goes")
+    out = []
+    for r in recs:
+      m = re.fullmatch(self.pattern, _text(r))
+      if not m:
+        out.append(r)
+        continue
+      _arrays_only([r], "Unstack")
+      if not r["shape"]:
+        raise errors.TreeMismatchError(f"{_text(r)}: a scalar cannot be unstacked", [_text(r)])
+      n, rest = r["shape"][0], list(r["shape"][1:])
+      template = m.expand(self.to.replace("{i}", "\0"))
+      for k in range(n):
+        out.append({"kind": "array", "path": _split(template.replace("\0", str(k))),
+                    "shape": rest, "dtype": r["dtype"], "nbytes": r["nbytes"] // max(n, 1),
+                    "sharding": {"text": f"layer {k} of {_text(r)}"},
+                    "derived": _Slice(item, r, k)})
+    return out
+
+
+# Derived records: each expands a request for one box into requests on the records it comes from.
+Request = tuple[str, dict[str, Any], tuple[tuple[int, int], ...], np.ndarray]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stacked:
+  item: str
+  parts: list[dict[str, Any]]
+
+  def expand(self, box, out) -> tuple[list[Request], Callable[[], None] | None]:
+    (lo, hi), rest = box[0], box[1:]
+    return [(self.item, self.parts[k], rest, out[k - lo]) for k in range(lo, hi)], None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slice:
+  item: str
+  base: dict[str, Any]
+  index: int
+
+  def expand(self, box, out):
+    return [(self.item, self.base, ((self.index, self.index + 1),) + tuple(box),
+             out.reshape((1,) + out.shape))], None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cast:
+  item: str
+  base: dict[str, Any]
+  dtype: np.dtype
+
+  def expand(self, box, out):
+    tmp = np.empty(out.shape, _tree.dtype_from_name(self.base["dtype"]))
+
+    def finish():
+      out[...] = tmp.astype(out.dtype)
+    return [(self.item, self.base, box, tmp)], finish
+
+
+def apply(manifest: dict[str, Any], transforms: Sequence[Transform]) -> dict[str, Any]:
+  """``manifest`` with every item's leaves transformed (a new dict; the input is kept)."""
+  if not transforms:
+    return manifest
+  for t in transforms:
+    if not isinstance(t, Transform):
+      raise TypeError(f"transforms must be orbax_flax.transforms objects (Rename, Drop,"
+                      f" FromTarget, Stack, Unstack, Cast); got {t!r}")
+  items = {}
+  for name, item in manifest["items"].items():
+    recs = list(item["leaves"])
+    for t in transforms:
+      recs = t.apply(name, recs)
+    seen: dict[str, int] = {}
+    clashes = []
+    for r in recs:
+      text = _text(r)
+      seen[text] = seen.get(text, 0) + 1
+      if seen[text] == 2:
+        clashes.append(f"{name}/{text}")
+    if clashes:
+      raise errors.TreeMismatchError("transforms give several leaves one path:\n  "
+                                     + "\n  ".join(clashes), clashes)
+    structure, order = _tree.structure_from_paths([tuple(r["path"]) for r in recs])
+    items[name] = {**item, "leaves": [recs[i] for i in order], "structure": structure}
+  return {**manifest, "items": items}
+
+
+def from_target(transforms: Sequence[Transform] | None) -> list[FromTarget]:
+  return [t for t in transforms or () if isinstance(t, FromTarget)]

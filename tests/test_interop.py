@@ -1,0 +1,368 @@
+"""Foreign formats: orbax-checkpoint and safetensors in, safetensors out, transforms, convert."""
+
+import io
+import json
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors.flax import save_file as flax_save_file
+from safetensors.numpy import load_file, save_file
+
+import jobs
+import orbax_flax as ofx
+from orbax_flax import cli
+
+
+def _mesh(shape=(2, 4), names=("x", "y")):
+  return jax.make_mesh(shape, names)
+
+
+def _state(mesh):
+  sh = NamedSharding(mesh, P("x", "y"))
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((16, 32)).astype(np.float32)
+  return {
+      "params": {"dense": {"kernel": jax.device_put(w, sh),
+                           "bias": jax.device_put(np.arange(32, dtype=np.float32),
+                                                  NamedSharding(mesh, P("y")))},
+                 "emb": jax.device_put(jnp.asarray(rng.standard_normal((8, 4)), jnp.bfloat16),
+                                       NamedSharding(mesh, P("x")))},
+      "layers": [np.arange(6, dtype=np.int32), np.ones((2, 2), np.float64)],
+      "step": 42, "lr": 0.25, "tag": "run-7",
+  }
+
+
+def _abstract(tree, mesh, spec=P()):
+  def one(x):
+    if isinstance(x, (jax.Array, np.ndarray)):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+    return x
+  return jax.tree.map(one, tree)
+
+
+def _same(a, b):
+  for (pa, x), (pb, y) in zip(jax.tree_util.tree_leaves_with_path(a),
+                              jax.tree_util.tree_leaves_with_path(b)):
+    assert pa == pb
+    if isinstance(x, (jax.Array, np.ndarray)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(pa))
+    else:
+      assert x == y, (pa, x, y)
+
+
+@pytest.mark.parametrize("layout", ["standard", "pytree_ocdbt_zarr3", "no_ocdbt", "no_ocdbt_zarr3"])
+def test_orbax_checkpoint_item_restores_onto_another_mesh(tmp_path, layout):
+  state = _state(_mesh())
+  path = str(tmp_path / "ocp")
+  if layout == "standard":
+    arrays_only = {k: v for k, v in state.items() if k not in ("tag",)}
+    with ocp.StandardCheckpointer() as saver:
+      saver.save(path, arrays_only)
+      saver.wait_until_finished()
+    state = arrays_only
+  else:
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=layout.startswith("pytree"),
+                                          use_zarr3=layout.endswith("zarr3"))
+    ocp.Checkpointer(handler).save(path, args=ocp.args.PyTreeSave(state))
+  assert ofx.metadata(path).format == "orbax-checkpoint"
+  other = _mesh((4, 2), ("a", "b"))
+  target = _abstract(state, other, P("a"))
+  target["params"]["dense"]["bias"] = jax.ShapeDtypeStruct((32,), np.float32,
+                                                           sharding=NamedSharding(other, P("b")))
+  target["layers"] = [np.zeros(6, np.int32), np.zeros((2, 2), np.float64)]
+  restored = ofx.restore(path, {"state": target})["state"]
+  _same(restored, state)
+  k = restored["params"]["dense"]["kernel"]
+  assert k.sharding == NamedSharding(other, P("a")) and k.dtype == np.float32
+  # Without a target: host values in the saved structure.
+  whole = ofx.restore(path)["default"]
+  assert isinstance(whole["layers"], list) and whole["step"] == 42
+  np.testing.assert_array_equal(whole["params"]["dense"]["kernel"], np.asarray(state["params"]["dense"]["kernel"]))
+
+
+def test_orbax_checkpoint_errors_by_key_path_before_reading(tmp_path):
+  state = _state(_mesh())
+  path = str(tmp_path / "ocp")
+  ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(path, args=ocp.args.PyTreeSave(state))
+  mesh = _mesh()
+  target = _abstract(state, mesh)
+  target["params"]["dense"]["kernel"] = jax.ShapeDtypeStruct((16, 30), np.float32,
+                                                             sharding=NamedSharding(mesh, P()))
+  target["params"]["dense"]["bias"] = jax.ShapeDtypeStruct((32,), np.int8,
+                                                           sharding=NamedSharding(mesh, P()))
+  with pytest.raises(ofx.TreeMismatchError) as e:
+    ofx.restore(path, {"state": target})
+  text = str(e.value)
+  assert "params/dense/kernel: shape (16, 32) in checkpoint, (16, 30) in target" in text
+  assert "params/dense/bias: float32 in checkpoint, int8 in target" in text
+
+
+def test_orbax_checkpoint_manager_steps_and_composite_items(tmp_path):
+  state = _state(_mesh())
+  root = str(tmp_path / "run")
+  with ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(max_to_keep=2)) as m:
+    for step in (10, 20):
+      m.save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state),
+                                           extra=ocp.args.JsonSave({"epoch": step // 10})))
+    m.wait_until_finished()
+  step_dir = os.path.join(root, "20")
+  meta = ofx.metadata(step_dir)
+  assert meta.format == "orbax-checkpoint" and sorted(meta.items) == ["extra", "state"]
+  out = ofx.restore(step_dir, {"state": _abstract(state, _mesh((8, 1), ("x", "y"))),
+                               "extra": None})
+  assert out["extra"] == {"epoch": 2}
+  _same(out["state"], state)
+  # The run directory is not a checkpoint: the error says which steps it holds.
+  with pytest.raises(ofx.CheckpointNotFoundError, match=r"orbax-checkpoint run directory.*\[10, 20\].*20"):
+    ofx.restore(root)
+  # show and verify work on it.
+  buf = io.StringIO()
+  assert cli.main(["show", step_dir], out=buf) == 0
+  assert "orbax-checkpoint" in buf.getvalue() and "state/step = 42" in buf.getvalue()
+  buf = io.StringIO()
+  assert cli.main(["verify", step_dir], out=buf) == 0
+  assert "OK" in buf.getvalue() and "orbax-checkpoint" in buf.getvalue()
+
+
+def test_orbax_checkpoint_written_by_two_processes_restores_on_one_and_four(tmp_path):
+  path = str(tmp_path / "ocp")
+  jobs.run("interop_worker.py", ["--mode=ocp_save", f"--path={path}"], 2, 4).check()
+  assert ofx.metadata(path).format == "orbax-checkpoint"
+  res = jobs.run("interop_worker.py", ["--mode=restore", f"--path={path}"], 4, 2).check()
+  assert all("CHECKED" in o for o in res.outputs), res.outputs
+  whole = ofx.restore(path)["default"]
+  import interop_worker
+  for name, value in interop_worker.expected_state().items():
+    np.testing.assert_array_equal(whole[name], value, err_msg=name)
+
+
+def _hf_dir(tmp_path):
+  rng = np.random.default_rng(1)
+  tensors = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((8, 4)).astype(np.float32)
+             for i in range(3)}
+  tensors["model.embed_tokens.weight"] = rng.standard_normal((16, 4)).astype(np.float32)
+  tensors["lm_head.weight"] = rng.standard_normal((16, 4)).astype(np.float32)
+  d = tmp_path / "hf"
+  d.mkdir()
+  names = sorted(tensors)
+  shards = [names[:2], names[2:]]
+  weight_map = {}
+  for k, part in enumerate(shards):
+    f = f"model-{k + 1:05d}-of-00002.safetensors"
+    save_file({n: tensors[n] for n in part}, str(d / f), metadata={"format": "pt"})
+    weight_map.update({n: f for n in part})
+  (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+  return str(d), tensors
+
+
+def test_safetensors_directory_reads_each_process_slice(tmp_path):
+  d, tensors = _hf_dir(tmp_path)
+  meta = ofx.metadata(d)
+  assert meta.format == "safetensors"
+  mesh = _mesh()
+  sd = lambda shape, spec: jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(mesh, spec))
+  target = {"model": {"layers": {str(i): {"mlp": {"up_proj": {"weight": sd((8, 4), P("x", "y"))}}}
+                                 for i in range(3)},
+                      "embed_tokens": {"weight": sd((16, 4), P(None, "y"))}},
+            "lm_head": {"weight": sd((16, 4), P("y"))}}
+  out = ofx.restore(d, {"params": target})["params"]
+  np.testing.assert_array_equal(np.asarray(out["model"]["embed_tokens"]["weight"]),
+                                tensors["model.embed_tokens.weight"])
+  np.testing.assert_array_equal(np.asarray(out["model"]["layers"]["2"]["mlp"]["up_proj"]["weight"]),
+                                tensors["model.layers.2.mlp.up_proj.weight"])
+  # A column block of a matrix is read by byte runs, not whole.
+  from orbax_flax.formats import _cbytes
+  runs = list(_cbytes.runs((16, 4), ((0, 16), (2, 3)), 4))
+  assert len(runs) == 16 and all(n == 4 for _, _, n in runs)
+
+
+def test_safetensors_bfloat16_float8_and_casts(tmp_path):
+  f = str(tmp_path / "w.safetensors")
+  bf = jnp.asarray(np.linspace(-2, 2, 12).reshape(3, 4), jnp.bfloat16)
+  f8 = jnp.asarray(np.linspace(-1, 1, 8), jnp.float8_e4m3fn)
+  flax_save_file({"a.bf": bf, "a.f8": f8}, f)
+  out = ofx.restore(f)["params"]["a"]
+  assert out["bf"].dtype == ml_dtypes.bfloat16 and out["f8"].dtype == ml_dtypes.float8_e4m3fn
+  np.testing.assert_array_equal(out["bf"], np.asarray(bf))
+  np.testing.assert_array_equal(out["f8"], np.asarray(f8))
+  # bfloat16 -> float32 is exact; float32 checkpoint -> bfloat16 needs the opt-in.
+  up = ofx.restore(f, {"w": {"a": {"bf": np.zeros((3, 4), np.float32)}}}, partial=True)["w"]
+  np.testing.assert_array_equal(up["a"]["bf"], np.asarray(bf, np.float32))
+  with pytest.raises(ofx.TreeMismatchError, match="a/bf: bfloat16 in checkpoint, int8 in target"):
+    ofx.restore(f, {"w": {"a": {"bf": np.zeros((3, 4), np.int8)}}}, partial=True)
+
+
+def test_export_safetensors_shards_index_and_loads_back(tmp_path):
+  mesh = _mesh()
+  rng = np.random.default_rng(2)
+  tree = {"params": {f"layer_{i}": {"kernel": jax.device_put(
+      rng.standard_normal((64, 32)).astype(np.float32), NamedSharding(mesh, P("x", "y")))}
+      for i in range(4)}, "count": np.arange(3, dtype=np.int64)}
+  d = str(tmp_path / "export")
+  names = ofx.export_safetensors(d, tree, dtype="bfloat16", max_shard_bytes=2 * 64 * 32 * 2)
+  assert names == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+  index = json.load(open(os.path.join(d, "model.safetensors.index.json")))
+  assert index["weight_map"]["params.layer_0.kernel"] == names[0]
+  loaded = {}
+  for n in names:
+    loaded.update(load_file(os.path.join(d, n)))
+  assert loaded["count"].dtype == np.int64  # one dtype converts floating arrays only
+  np.testing.assert_array_equal(loaded["count"], np.arange(3))
+  from safetensors.flax import load_file as flax_load
+  bf = flax_load(os.path.join(d, names[1]))["params.layer_2.kernel"]
+  assert bf.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(bf),
+                                np.asarray(tree["params"]["layer_2"]["kernel"]).astype(ml_dtypes.bfloat16))
+  # And we read our own export back, resharded.
+  back = ofx.restore(d, {"p": {"params": {"layer_3": {"kernel": jax.ShapeDtypeStruct(
+      (64, 32), jnp.bfloat16, sharding=NamedSharding(mesh, P(None, "x")))}}}}, partial=True)
+  np.testing.assert_array_equal(np.asarray(back["p"]["params"]["layer_3"]["kernel"]),
+                                np.asarray(tree["params"]["layer_3"]["kernel"]).astype(ml_dtypes.bfloat16))
+
+
+def test_export_refuses_bad_input_before_writing(tmp_path):
+  d = str(tmp_path / "export")
+  with pytest.raises(ValueError, match=r"a: safetensors cannot store complex64"):
+    ofx.export_safetensors(d, {"a": np.ones(2, np.complex64), "b": np.ones(2)})
+  with pytest.raises(ValueError, match=r"tensor name 'x' is also the name of"):
+    ofx.export_safetensors(d, {"a": np.ones(2), "b": np.ones(2)}, name_fn=lambda p: "x")
+  assert not os.path.exists(d)
+  ofx.export_safetensors(d, {"a": np.ones(2)})
+  with pytest.raises(ValueError, match="exists; pass overwrite=True"):
+    ofx.export_safetensors(d, {"a": np.zeros(2)})
+  np.testing.assert_array_equal(load_file(os.path.join(d, "model.safetensors"))["a"], np.ones(2))
+  ofx.export_safetensors(d, {"a": np.zeros(2)}, overwrite=True)
+  np.testing.assert_array_equal(load_file(os.path.join(d, "model.safetensors"))["a"], np.zeros(2))
+
+
+def test_export_from_two_processes_writes_owned_shards(tmp_path):
+  d = str(tmp_path / "export")
+  res = jobs.run("interop_worker.py", ["--mode=export", f"--path={d}"], 2, 4).check()
+  import interop_worker
+  loaded = {}
+  for n in os.listdir(d):
+    if n.endswith(".safetensors"):
+      loaded.update(load_file(os.path.join(d, n)))
+  for name, value in interop_worker.expected_state().items():
+    np.testing.assert_array_equal(loaded[name], value, err_msg=name)
+  # Each process wrote only what it owns: the worker counts its bytes.
+  written = [int(o.split("WROTE ")[1].split()[0]) for o in res.outputs]
+  total = sum(v.nbytes for v in interop_worker.expected_state().values())
+  assert sum(written) == total and max(written) < total, written
+
+
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.relu(nn.Dense(8)(x))
+
+
+class _Model(nn.Module):
+  classes: int = 3
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(3):
+      x = _Block(name=f"layers_{i}")(x)
+    return nn.Dense(self.classes, name="head")(x)
+
+
+def test_transforms_on_a_flax_model_rename_new_head_stack_unstack(tmp_path):
+  x = jnp.ones((1, 8))
+  params = _Model().init(jax.random.key(0), x)["params"]
+  path = str(tmp_path / "ckpt")
+  ofx.save(path, {"state": {"model": params, "opt_mu": jax.tree.map(jnp.zeros_like, params)}})
+  t = ofx.transforms
+  # 1) Rename + drop: the old "model" prefix becomes "params", the optimizer is dropped.
+  target = {"params": ofx.abstract(params)}
+  out = ofx.restore(path, {"state": target}, transforms=[
+      t.Rename(r"model/(.*)", r"params/\1"), t.Drop(r"opt_mu/.*")])["state"]
+  _same(out["params"], params)
+  # 2) Fine-tuning: a new 5-class head from the target's own initialisation.
+  new = _Model(classes=5).init(jax.random.key(1), x)["params"]
+  out = ofx.restore(path, {"state": {"params": new}}, transforms=[
+      t.Rename(r"model/(.*)", r"params/\1"), t.Drop(r"opt_mu/.*|params/head/.*"),
+      t.FromTarget(r"params/head/.*")])["state"]["params"]
+  np.testing.assert_array_equal(out["head"]["kernel"], new["head"]["kernel"])
+  np.testing.assert_array_equal(out["layers_1"]["Dense_0"]["kernel"], params["layers_1"]["Dense_0"]["kernel"])
+  # 3) Stack per-layer blocks into a scanned array, and back.
+  stacked = {"layers": jax.tree.map(lambda *xs: jnp.stack(xs), *[params[f"layers_{i}"] for i in range(3)]),
+             "head": params["head"]}
+  out = ofx.restore(path, {"state": {"model": ofx.abstract(stacked)}}, partial=True, transforms=[
+      t.Stack(r"model/layers_(?P<i>\d+)/(.*)", r"model/layers/\2")])["state"]["model"]
+  _same(out, stacked)
+  scanned = str(tmp_path / "scanned")
+  ofx.save(scanned, {"state": {"model": stacked}})
+  out = ofx.restore(scanned, {"state": {"model": ofx.abstract(params)}}, transforms=[
+      t.Unstack(r"model/layers/(.*)", r"model/layers_{i}/\1")])["state"]["model"]
+  _same(out, params)
+  # 4) Cast on restore is explicit; mismatches are still named before reading.
+  out = ofx.restore(path, {"state": {"model": jax.tree.map(lambda a: np.zeros(a.shape, ml_dtypes.bfloat16), params)}},
+                    partial=True, transforms=[t.Cast(r"model/.*", "bfloat16")])["state"]["model"]
+  assert out["head"]["kernel"].dtype == ml_dtypes.bfloat16
+  with pytest.raises(ofx.TreeMismatchError, match=r"cannot stack.*layers 0..1|not 0..") as e:
+    ofx.restore(path, {"state": {}}, partial=True, transforms=[
+        t.Drop(r"model/layers_1/.*"), t.Stack(r"model/layers_(?P<i>\d+)/(.*)", r"model/layers/\2")])
+  with pytest.raises(ofx.TreeMismatchError, match=r"params/head/kernel: in target, not in checkpoint"):
+    ofx.restore(path, {"state": {"params": new}}, transforms=[
+        t.Rename(r"model/(.*)", r"params/\1"), t.Drop(r"opt_mu/.*|params/head/.*")])
+
+
+def test_save_with_dtype_records_the_cast(tmp_path):
+  path = str(tmp_path / "ckpt")
+  w = np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4)
+  ofx.save(path, {"s": {"w": jnp.asarray(w), "n": np.arange(3), "step": 5}}, dtype="bfloat16")
+  meta = ofx.metadata(path)
+  arrays = {a.path: a for a in meta.items["s"].arrays}
+  assert arrays["w"].dtype == "bfloat16" and arrays["n"].dtype == "int64"
+  assert meta.casts == {"s/w": "float32"}
+  back = ofx.restore(path)["s"]
+  np.testing.assert_array_equal(back["w"], w.astype(ml_dtypes.bfloat16))
+
+
+def test_convert_cli_streams_orbax_checkpoint_to_safetensors_and_ours(tmp_path):
+  state = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": {"c": np.ones(5, np.int32)}}
+  src = str(tmp_path / "ocp")
+  ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(src, args=ocp.args.PyTreeSave(state))
+  st = str(tmp_path / "st")
+  buf = io.StringIO()
+  assert cli.main(["convert", src, st, "--format=safetensors", "--dtype=bfloat16"], out=buf) == 0, buf.getvalue()
+  from safetensors.flax import load_file as flax_load
+  got = flax_load(os.path.join(st, "model.safetensors"))
+  assert got["a"].dtype == jnp.bfloat16 and got["b.c"].dtype == jnp.int32
+  ours = str(tmp_path / "ours")
+  assert cli.main(["convert", st, ours], out=io.StringIO()) == 0
+  back = ofx.restore(ours)["params"]
+  np.testing.assert_array_equal(back["a"], state["a"].astype(ml_dtypes.bfloat16))
+  np.testing.assert_array_equal(back["b"]["c"], state["b"]["c"])
+  assert ofx.metadata(ours).format == "orbax_flax"
+
+
+def test_init_from_an_orbax_checkpoint_run_directory(tmp_path):
+  import optax
+  from flax.training import train_state
+  model = _Model()
+  x = jnp.ones((1, 8))
+
+  def make(seed):
+    return train_state.TrainState.create(apply_fn=model.apply,
+                                         params=model.init(jax.random.key(seed), x)["params"],
+                                         tx=optax.adam(1e-3))
+  donor = make(5)
+  root = str(tmp_path / "orbax_run")
+  with ocp.CheckpointManager(root) as m:  # the flax/orbax docs' way: one "default" item
+    m.save(100, args=ocp.args.StandardSave(donor))
+    m.wait_until_finished()
+  fine = ofx.CheckpointCallback(str(tmp_path / "fine"), {"init_from": root})
+  state = fine.restore_or_init(make(1))
+  fine.close()
+  _same(state.params, donor.params)
+  assert int(state.step) == 0
