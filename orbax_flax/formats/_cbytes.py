@@ -51,19 +51,50 @@ def runs(shape: tuple[int, ...], box: Box, itemsize: int) -> Iterator[tuple[int,
     buf += run
 
 
+_DIRECT_RUN = 64 << 10   # runs at least this long are read straight into the buffer
+_SLAB = 16 << 20         # otherwise whole rows are read in slabs of about this size, then copied
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
+  got = 0
+  while got < len(view):
+    k = os.preadv(fd, [view[got:]], offset + got)
+    if k <= 0:
+      raise EOFError(f"file ends before byte {offset + len(view)}")
+    got += k
+
+
 def pread_box(fd: int, base: int, shape: tuple[int, ...], box: Box, out: np.ndarray) -> int:
-  """Reads ``box`` of the array starting at file offset ``base`` into ``out``; returns bytes read."""
+  """Reads ``box`` of the array starting at file offset ``base`` into ``out``; returns bytes read.
+
+  Long runs go straight into ``out``. Runs shorter than a few pages (a column
+  block of a matrix) would cost a system call each for less than a page: then
+  whole rows of the leading dimension are read in slabs and the box copied out
+  of them, which reads at most the rows the box spans.
+  """
+  itemsize = out.dtype.itemsize
   flat = out.reshape(-1).view(np.uint8)
+  first = next(iter(runs(shape, box, itemsize)), None)
+  if first is None:
+    return 0
+  row = math.prod(shape[1:]) * itemsize if shape else itemsize
+  if first[2] >= _DIRECT_RUN or len(shape) < 2 or row > _SLAB:
+    total = 0
+    for off, at, n in runs(shape, box, itemsize):
+      _pread_exact(fd, memoryview(flat[at:at + n]), base + off)
+      total += n
+    return total
+  (lo0, hi0), inner = box[0], tuple(slice(lo, hi) for lo, hi in box[1:])
+  per = max(1, _SLAB // row)
+  temp = np.empty(min(per, hi0 - lo0) * row, np.uint8)
   total = 0
-  for off, at, n in runs(shape, box, out.dtype.itemsize):
-    view = memoryview(flat[at:at + n])
-    got = 0
-    while got < n:
-      k = os.preadv(fd, [view[got:]], base + off + got)
-      if k <= 0:
-        raise EOFError(f"file ends before byte {base + off + n}")
-      got += k
-    total += n
+  for a in range(lo0, hi0, per):
+    b = min(hi0, a + per)
+    chunk = temp[:(b - a) * row]
+    _pread_exact(fd, memoryview(chunk), base + a * row)
+    rows = chunk.view(out.dtype).reshape((b - a,) + tuple(shape[1:]))
+    out[a - lo0:b - lo0] = rows[(slice(None),) + inner]
+    total += chunk.nbytes
   return total
 
 

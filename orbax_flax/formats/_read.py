@@ -59,9 +59,23 @@ def read_requests(reader: _reading.Reader | None, requests: Sequence[tuple]) -> 
       fills.append(_reading.Fill(item, rec, box, out if out.dtype == stored else out.view(stored)))
   if fills or packed:
     reader.read(fills, packed)
-  if sourced:
-    with concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(sourced))) as pool:
-      for f in [pool.submit(rec["source"].read, box, out) for rec, box, out in sourced]:
+  if len(sourced) == 1:
+    rec, box, out = sourced[0]
+    rec["source"].read(box, out)
+  elif sourced:
+    # A few threads, each with an even share of the bytes (reads release the GIL).
+    shares: list[list[tuple]] = [[] for _ in range(min(_THREADS, len(sourced)))]
+    loads = [0] * len(shares)
+    for req in sorted(sourced, key=lambda r: -r[2].nbytes):
+      k = loads.index(min(loads))
+      shares[k].append(req)
+      loads[k] += req[2].nbytes
+
+    def run(share):
+      for rec, box, out in share:
+        rec["source"].read(box, out)
+    with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
+      for f in [pool.submit(run, share) for share in shares]:
         f.result()
   for finish in reversed(finals):
     finish()

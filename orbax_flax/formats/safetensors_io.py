@@ -114,23 +114,37 @@ def read_header(file: str) -> tuple[dict[str, Any], int]:
   return header, 8 + n
 
 
+class _File:
+  """One open file, shared by its tensors; closed when the last of them is gone."""
+
+  def __init__(self, path: str):
+    self.path = path
+    self._fd: int | None = None
+
+  def fd(self) -> int:
+    if self._fd is None:
+      self._fd = os.open(self.path, os.O_RDONLY)
+    return self._fd
+
+  def __del__(self):
+    if self._fd is not None:
+      os.close(self._fd)
+
+
 class _Tensor:
   """One tensor's bytes in one file: reads boxes by byte runs."""
 
-  def __init__(self, file: str, base: int, shape: tuple[int, ...], dtype: np.dtype):
+  def __init__(self, file: _File, base: int, shape: tuple[int, ...], dtype: np.dtype):
     self.file, self.base, self.shape, self.dtype = file, base, shape, dtype
 
   def read(self, box: _cbytes.Box, out: np.ndarray) -> None:
-    fd = os.open(self.file, os.O_RDONLY)
     try:
-      _cbytes.pread_box(fd, self.base, self.shape, box, out)
+      _cbytes.pread_box(self.file.fd(), self.base, self.shape, box, out)
     except EOFError as e:
-      raise errors.CheckpointCorruptedError(f"{self.file}: {e} (truncated?)") from e
-    finally:
-      os.close(fd)
+      raise errors.CheckpointCorruptedError(f"{self.file.path}: {e} (truncated?)") from e
 
   def describe(self) -> str:
-    return os.path.basename(self.file)
+    return os.path.basename(self.file.path)
 
 
 def _name_to_path(name: str) -> list[str]:
@@ -155,6 +169,7 @@ def open_checkpoint(path: str) -> dict[str, Any]:
       raise errors.CheckpointNotFoundError(f"{file}, named by {INDEX_NAME}, does not exist")
     header, base = read_header(file)
     size = os.path.getsize(file)
+    handle = _File(file)
     metadata.update(header.pop("__metadata__", None) or {})
     for name, info in header.items():
       dtype = _DTYPES.get(info.get("dtype"))
@@ -172,7 +187,7 @@ def open_checkpoint(path: str) -> dict[str, Any]:
       leaves.append({"kind": "array", "path": _name_to_path(name), "name": name,
                      "shape": list(shape), "dtype": dtype.name,
                      "nbytes": nbytes, "sharding": {"text": os.path.basename(file)},
-                     "source": _Tensor(file, base + lo, shape, dtype)})
+                     "source": _Tensor(handle, base + lo, shape, dtype)})
   structure, order = _tree.structure_from_paths([tuple(r["path"]) for r in leaves])
   leaves = [leaves[i] for i in order]
   return {
@@ -400,10 +415,23 @@ def _owned(value: Any, me: int):
     return
   if isinstance(value, jax.Array):
     shape = value.shape
-    for shard in value.addressable_shards:
-      if shard.replica_id != 0:
-        continue
-      box = _layout.slices_to_box(shard.index, shape)
+    owned = [(_layout.slices_to_box(s.index, shape), s) for s in value.addressable_shards
+             if s.replica_id == 0]
+    if not owned:
+      return
+    # The boxes this process owns usually tile one block (all of it on one
+    # process): written as one box, the block is a few long runs instead of
+    # one short run per row of every shard.
+    bound = tuple((min(b[d][0] for b, _ in owned), max(b[d][1] for b, _ in owned))
+                  for d in range(len(shape)))
+    volume = lambda b: int(np.prod([hi - lo for lo, hi in b], dtype=np.int64))  # noqa: E731
+    if len(owned) > 1 and sum(volume(b) for b, _ in owned) == volume(bound):
+      block = np.empty(tuple(hi - lo for lo, hi in bound), value.dtype)
+      for b, s in owned:
+        block[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, bound))] = np.asarray(s.data)
+      yield bound, block
+      return
+    for box, shard in owned:
       yield box, np.asarray(shard.data)
     return
   if me == 0:
