@@ -24,6 +24,20 @@ def get_checkpoint_config() -> ml_collections.ConfigDict:
   c.save_interval_steps = _DEFAULTS.save_interval_steps
   # Save once this many seconds of wall time passed since the last save (0: off).
   c.save_interval_seconds = _DEFAULTS.save_interval_seconds
+  # "auto": the time between saves from what they cost, sqrt(2 x cost x mtbf_seconds).
+  c.save_interval = _DEFAULTS.save_interval
+  # The job's mean time between failures, for save_interval="auto" (e.g. 86400).
+  c.mtbf_seconds = _DEFAULTS.mtbf_seconds
+  # A resume reads each replicated array once and broadcasts it with collectives.
+  c.read_once_restore = _DEFAULTS.read_once_restore
+  # The local tier: a fast local directory per host ("" : off), e.g. /dev/shm/ckpt.
+  c.local_directory = _DEFAULTS.local_directory
+  # Save to the local tier every N steps (0: off).
+  c.local_save_interval_steps = _DEFAULTS.local_save_interval_steps
+  # Local steps each process keeps.
+  c.local_max_to_keep = _DEFAULTS.local_max_to_keep
+  # Other processes holding a copy of each process's local shards (JAX collectives).
+  c.replicas = _DEFAULTS.replicas
   # Also save at these steps.
   c.save_on_steps = _DEFAULTS.save_on_steps
   # Save the first step of every run.

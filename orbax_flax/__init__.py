@@ -35,6 +35,7 @@ from orbax_flax.checkpointer import save_async
 from orbax_flax.targets import abstract
 from orbax_flax.tensorboard import TensorBoardWriter
 from orbax_flax.verifying import verify
+from orbax_flax.evaluation import checkpoints_iterator
 from orbax_flax.formats import transforms
 from orbax_flax.formats.convert import convert
 from orbax_flax.formats.safetensors_io import export_safetensors
@@ -44,7 +45,7 @@ __all__ = [
     "CheckpointError", "CheckpointManager", "Checkpointer", "CheckpointPolicy", "LogProgress", "Trainer",
     "CheckpointExistsError", "CheckpointMetadata", "CheckpointNotFoundError",
     "ItemMetadata", "SaveCancelledError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
-    "TensorBoardWriter", "abstract", "convert", "export_safetensors", "metadata", "restore", "save",
+    "TensorBoardWriter", "abstract", "checkpoints_iterator", "convert", "export_safetensors", "metadata", "restore", "save",
     "save_async", "transforms", "verify",
     "__version__",
 ]

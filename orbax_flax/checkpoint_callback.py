@@ -149,6 +149,12 @@ class CheckpointCallback(callbacks.Callback):
     self.policy = config if isinstance(config, CheckpointPolicy) else CheckpointPolicy.from_config(config)
     directory = self.policy.directory or os.path.join(workdir, "checkpoints")
     self.manager = CheckpointManager(directory, self.policy, clock=clock)
+    self._local = None
+    if self.policy.local_directory and self.policy.local_save_interval_steps:
+      from orbax_flax.tiers import local  # pylint: disable=g-import-not-at-top
+      self._local = local.LocalTier(self.policy.local_directory, replicas=self.policy.replicas,
+                                    max_to_keep=self.policy.local_max_to_keep,
+                                    timeout_seconds=self.policy.coordination_timeout_seconds)
     self.metadata = dict(metadata or {})
     self.writer = writer
     self._watcher = (preemption.PreemptionWatcher(self.policy.preemption_signals)
@@ -180,6 +186,10 @@ class CheckpointCallback(callbacks.Callback):
                   " checkpointed, so a resumed run restarts it (grain iterators have both)",
                   type(data_iterator).__name__)
     steps = self.manager.all_steps()
+    if self._local is not None:
+      resumed = self._restore_local(state, steps[-1] if steps else None)
+      if resumed is not None:
+        return resumed
     if not steps:
       if self.policy.init_from:
         return self._init_from(state)
@@ -196,6 +206,30 @@ class CheckpointCallback(callbacks.Callback):
                   " with %d process(es)", step, summary["custom"].get("reason"),
                   self.manager.step_path(step), _saved_mesh_text(saved_mesh),
                   summary["process_count"], _mesh_text(items), jax.process_count())
+    return state
+
+  def _restore_local(self, state: Any, persistent_latest: int | None) -> Any:
+    """Resumes from the local tier when it holds a step at least as new as the persistent one."""
+    items = state_items.to_items(state)
+    target = _targets(items)
+    if self._data is not None:
+      target[DATA_ITEM] = None
+    newer_than = None if persistent_latest is None else persistent_latest - 1
+    got = self._local.restore(target, newer_than=newer_than)
+    if got is None and self._data is not None:  # saved without a data position: try without
+      target.pop(DATA_ITEM)
+      got = self._local.restore(target, newer_than=newer_than)
+    if got is None:
+      return None
+    step, restored, where = got
+    data = restored.pop(DATA_ITEM, None)
+    state = state_items.from_items(state, restored)
+    if self._data is not None and data is not None:
+      self._set_data_state(step, data)
+    self.restored_step = step
+    _progress.say("restored step %d from the local tier (%s; process %d read %s; the persistent"
+                  " tier's latest is %s)", step, self.policy.local_directory,
+                  jax.process_index(), where, persistent_latest)
     return state
 
   def _restore_newest(self, steps: list[int], target: dict[str, Any]):
@@ -263,6 +297,9 @@ class CheckpointCallback(callbacks.Callback):
       log.warning("step %d holds no data iterator position (it was saved without one); the"
                   " iterator starts where it is", step)
       return
+    self._set_data_state(step, data)
+
+  def _set_data_state(self, step: int, data: Any) -> None:
     states = data.get("processes", [])
     me, n = jax.process_index(), jax.process_count()
     is_global = bool(data.get("global")) or _says_global(self._data)
@@ -304,8 +341,8 @@ class CheckpointCallback(callbacks.Callback):
     return items
 
   def _save(self, step: int, state: Any, metrics: Any, reason: str | None,
-            data_state: Any = _CURRENT) -> bool:
-    items = self._items(step, state, data_state)
+            data_state: Any = _CURRENT, items: dict[str, Any] | None = None) -> bool:
+    items = self._items(step, state, data_state) if items is None else items
     for _ in range(2):  # a failure of the previous (background) save surfaces here first
       try:
         return self.manager.save(step, items, metrics=metrics, reason=reason,
@@ -351,16 +388,33 @@ class CheckpointCallback(callbacks.Callback):
     if self._watcher is not None and self._watcher.reached(step):
       self._save_preemption(step, state, metrics)
       return True
+    local_due = self._local is not None and step % self.policy.local_save_interval_steps == 0
     reason = self.manager.should_save(step)
-    if reason is not None:
-      self._save(step, state, metrics, reason)
+    if local_due or reason is not None:
+      items = self._items(step, state)  # one gather of the data positions for both tiers
+      if local_due:
+        self._save_local(step, items)
+      if reason is not None:
+        self._save(step, state, metrics, reason, items=items)
     return False
+
+  def _save_local(self, step: int, items: dict[str, Any]) -> None:
+    """A local-tier save: this process's shards to its own disk and its replicas' (collective)."""
+    try:
+      seconds = self._local.save(step, items)
+      log.info("local checkpoint step %d committed in %.3f s (%s, %d replica(s))", step, seconds,
+               self.policy.local_directory, self._local.replicas)
+    except errors.StorageError as e:
+      self._save_failed(e)
 
   def _save_preemption(self, step: int, state: Any, metrics: Any) -> None:
     self.preempted = True
     self._preempted_at = step
     start = time.monotonic()
-    self._save(step, state, metrics, "preemption")
+    items = self._items(step, state)
+    if self._local is not None:  # seconds: done first, whatever the grace period
+      self._save_local(step, items)
+    self._save(step, state, metrics, "preemption", items=items)
     grace = self.policy.preemption_grace_seconds
     if grace:
       since = start - (self._watcher.signal_time or start)
@@ -488,9 +542,11 @@ class CheckpointCallback(callbacks.Callback):
     if self.writer is None or not events:
       return
     for e in events:
-      self.writer.write_scalars(e.step, {"checkpoint/blocking_s": e.blocking_s,
-                                         "checkpoint/total_s": e.total_s,
-                                         "checkpoint/bytes": float(e.nbytes)})
+      scalars = {"checkpoint/blocking_s": e.blocking_s, "checkpoint/total_s": e.total_s,
+                 "checkpoint/bytes": float(e.nbytes)}
+      if e.expected_loss_s is not None:
+        scalars["checkpoint/expected_loss_s"] = e.expected_loss_s
+      self.writer.write_scalars(e.step, scalars)
     self.writer.flush()
 
 

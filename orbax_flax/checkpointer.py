@@ -287,7 +287,7 @@ class Checkpointer:
   def restore(self, path: Any, target: Mapping[str, Any] | None = None, *,
               partial: bool = False, max_host_bytes: int | None = None,
               allow_lossy_casts: bool = False, casts: list | None = None,
-              transforms: Any = None) -> dict[str, Any]:
+              transforms: Any = None, read_once: bool = False) -> dict[str, Any]:
     """Restores a checkpoint (see :func:`orbax_flax.restore`).
 
     A save of this checkpointer to the same path still in flight is waited
@@ -300,7 +300,7 @@ class Checkpointer:
     with _progress.Monitor(progress, self.watchdog_seconds):
       return restoring.restore(loc, target, partial=partial, max_host_bytes=budget,
                                allow_lossy_casts=allow_lossy_casts, progress=progress, casts=casts,
-                               transforms=transforms)
+                               transforms=transforms, read_once=read_once)
 
   def wait_for(self, path: Any) -> None:
     """Blocks until this checkpointer's save to ``path``, if in flight, is done. Never raises:
@@ -425,7 +425,7 @@ def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
 
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
             max_host_bytes: int = 0, allow_lossy_casts: bool = False,
-            transforms: Any = None) -> dict[str, Any]:
+            transforms: Any = None, read_once: bool = False) -> dict[str, Any]:
   """Restores a checkpoint, resharded onto the target's shardings.
 
   See :func:`orbax_flax.restoring.restore` for the arguments; a
@@ -442,7 +442,8 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     Array([0., 1., 2., 3.], dtype=float32)
   """
   return default().restore(path, target, partial=partial, max_host_bytes=max_host_bytes,
-                           allow_lossy_casts=allow_lossy_casts, transforms=transforms)
+                           allow_lossy_casts=allow_lossy_casts, transforms=transforms,
+                           read_once=read_once)
 
 
 def wait_for_inflight(path: Any) -> None:

@@ -147,6 +147,7 @@ options:
   --steps=N                run length in steps (default: the config's num_steps)
   --start_step=N           simulate a run resumed after step N (default 0)
   --seconds_per_step=S     simulated wall time per step, for time-based rules (default 1)
+  --save_cost_seconds=S    what a save blocks, for save_interval=auto (default: 1 s assumed)
   --all                    list every save instead of a summary
   -h, --help               show this help
 """
@@ -189,6 +190,8 @@ def cmd_plan(argv: list[str], out) -> int:
   flags.DEFINE_integer("start_step", 0, "Simulate a run resumed after this step.", flag_values=fv)
   flags.DEFINE_float("seconds_per_step", 1.0, "Simulated wall time per step.", flag_values=fv)
   flags.DEFINE_bool("all", False, "List every save instead of a summary.", flag_values=fv)
+  flags.DEFINE_float("save_cost_seconds", None, "What a save blocks, for save_interval=auto.",
+                     flag_values=fv)
   try:
     fv(["plan"] + argv)
     if fv.config is None:
@@ -208,8 +211,19 @@ def cmd_plan(argv: list[str], out) -> int:
     print(f"error: --start_step={fv.start_step} leaves nothing to plan in a run of {steps}"
           " steps; give a smaller --start_step or more --steps", file=sys.stderr)
     return EXIT_MISSING
-  plan = policy.plan(steps, seconds_per_step=fv.seconds_per_step, start_step=fv.start_step)
+  plan = policy.plan(steps, seconds_per_step=fv.seconds_per_step, start_step=fv.start_step,
+                     save_cost_seconds=fv.save_cost_seconds)
   print(f"policy over steps {fv.start_step + 1}..{steps} ({fv.seconds_per_step:g} s per step):", file=out)
+  if policy.save_interval == "auto":
+    from orbax_flax import policy as policy_lib  # pylint: disable=g-import-not-at-top
+    auto = policy_lib.YoungDaly(policy.mtbf_seconds)
+    cost = fv.save_cost_seconds
+    interval = auto.interval(cost)
+    print(f"save_interval=auto: sqrt(2 x save cost {1.0 if cost is None else cost:g} s"
+          f"{' (assumed; pass --save_cost_seconds)' if cost is None else ''} x mtbf"
+          f" {policy.mtbf_seconds:g} s) = every {interval:.1f} s, about every"
+          f" {max(1, round(interval / fv.seconds_per_step))} step(s); a failure loses"
+          f" {interval / 2:.1f} s of work on average", file=out)
   by_reason: dict[str, list[int]] = {}
   for step, reason in plan.saved:
     by_reason.setdefault(reason, []).append(step)

@@ -56,6 +56,12 @@ class CheckpointPolicy:
     save_interval_steps: save every N steps (0: off).
     save_interval_seconds: save once this much wall time has passed since the
       last save (0: off). Decided on process 0 and shared.
+    save_interval: "auto" chooses the time between saves from what saves cost:
+      the Young/Daly optimum ``sqrt(2 x save cost x mtbf_seconds)``, with the
+      cost the median blocking time of the last 5 saves (1 s assumed before
+      the first), re-evaluated at every step; "" (default) turns it off.
+    mtbf_seconds: the job's mean time between failures, preemptions included,
+      for ``save_interval="auto"`` (e.g. 86400 for about one a day).
     save_on_steps: also save at these steps.
     save_first_step: save the first step of every run.
     save_final_step: save the last step of a run (used by the trainer and
@@ -106,12 +112,25 @@ class CheckpointPolicy:
     watchdog_seconds: a save or restore running longer than this logs what it
       is doing (phase, bytes done, RSS), and the Python stacks of every thread
       once, then again every such interval (0: off).
+    read_once_restore: a resume reads each array once across the processes
+      that replicate it and broadcasts it with collectives (see
+      ``orbax_flax.restore(read_once=True)``), instead of every replica reading it.
+    local_directory: a fast local directory (RAM disk or local SSD, e.g.
+      ``/dev/shm/ckpt``) for the local tier ("" : off). Each process writes
+      only its own shards there (``process_<i>/``), never reading another's.
+    local_save_interval_steps: save to the local tier every N steps (0: off).
+    local_max_to_keep: committed local steps each process keeps (>= 1).
+    replicas: how many other processes hold a copy of each process's local
+      shards, sent with JAX collectives; losing any ``replicas`` hosts' local
+      disks loses no local step.
     allow_lossy_casts: resuming into a state whose dtypes lose information
       against the checkpoint's (float32 saved, bfloat16 model) is refused
       unless True; every dtype change made is logged either way.
   """
   save_interval_steps: int = 0
   save_interval_seconds: float = 0.0
+  save_interval: str = ""
+  mtbf_seconds: float = 0.0
   save_on_steps: tuple[int, ...] = ()
   save_first_step: bool = False
   save_final_step: bool = True
@@ -137,6 +156,11 @@ class CheckpointPolicy:
   on_save_error: str = "raise"
   watchdog_seconds: float = 600.0
   allow_lossy_casts: bool = False
+  read_once_restore: bool = False
+  local_directory: str = ""
+  local_save_interval_steps: int = 0
+  local_max_to_keep: int = 1
+  replicas: int = 1
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
@@ -152,6 +176,21 @@ class CheckpointPolicy:
       v = getattr(self, name)
       if v < 0 or not math.isfinite(v):
         _fail(name, v, "must be a finite number >= 0 (0 turns it off)")
+    _check_choice("save_interval", self.save_interval, ("", "auto"))
+    if self.local_save_interval_steps < 0:
+      _fail("local_save_interval_steps", self.local_save_interval_steps, "must be >= 0 (0: off)")
+    if self.local_save_interval_steps and not self.local_directory:
+      _fail("local_save_interval_steps", self.local_save_interval_steps, "needs local_directory,"
+            " a fast local directory such as /dev/shm/ckpt")
+    if self.local_max_to_keep < 1:
+      _fail("local_max_to_keep", self.local_max_to_keep, "must be >= 1")
+    if self.replicas < 0:
+      _fail("replicas", self.replicas, "must be >= 0 (0: no peer copies)")
+    if self.mtbf_seconds < 0 or not math.isfinite(self.mtbf_seconds):
+      _fail("mtbf_seconds", self.mtbf_seconds, "must be a finite number of seconds >= 0")
+    if self.save_interval == "auto" and not self.mtbf_seconds:
+      _fail("save_interval", self.save_interval, "needs mtbf_seconds, the job's mean time between"
+            " failures (e.g. mtbf_seconds=86400 for about one failure a day)")
     if self.coordination_timeout_seconds <= 0 or not math.isfinite(self.coordination_timeout_seconds):
       _fail("coordination_timeout_seconds", self.coordination_timeout_seconds,
             "must be a finite number of seconds > 0 (e.g. 600)")
@@ -220,11 +259,13 @@ class CheckpointPolicy:
     # Last: step-based reasons win, as in CheckpointManager.should_save.
     if self.save_interval_seconds:
       triggers.append(policy_lib.EveryNSeconds(self.save_interval_seconds))
+    if self.save_interval == "auto":
+      triggers.append(policy_lib.YoungDaly(self.mtbf_seconds))
     return policy_lib.any_of(*triggers)
 
   @property
   def uses_time(self) -> bool:
-    return self.save_interval_seconds > 0
+    return self.save_interval_seconds > 0 or self.save_interval == "auto"
 
   def keep_rules(self) -> list[policy_lib.KeepRule]:
     """The keep rules; empty means keep everything."""
@@ -244,7 +285,7 @@ class CheckpointPolicy:
     return deleting + protecting
 
   def plan(self, num_steps: int, *, seconds_per_step: float = 1.0, start_step: int = 0,
-           metrics: Any = None) -> Plan:
+           metrics: Any = None, save_cost_seconds: float | None = None) -> Plan:
     """Dry run: the saves over steps ``start_step + 1 .. num_steps`` and what is kept.
 
     Args:
@@ -252,6 +293,8 @@ class CheckpointPolicy:
       seconds_per_step: simulated wall time per step, for time-based rules.
       start_step: the step the run starts after (a resumed run).
       metrics: optional ``step -> dict`` giving each step's metrics for keep_best.
+      save_cost_seconds: what a save costs, for ``save_interval="auto"`` (None:
+        the 1 s assumed before the first save is measured).
     """
     trigger = self.trigger()
     rules = self.keep_rules()
@@ -260,7 +303,8 @@ class CheckpointPolicy:
     last_step, last_time = None, 0.0
     for step in range(start_step + 1, num_steps + 1):
       now = (step - start_step) * seconds_per_step
-      s = policy_lib.SaveState(step, now, last_step, last_time, first=step == start_step + 1)
+      s = policy_lib.SaveState(step, now, last_step, last_time, first=step == start_step + 1,
+                               save_cost=save_cost_seconds)
       reason = trigger(s)
       if reason is None and step == num_steps and self.save_final_step:
         reason = "final"

@@ -12,11 +12,13 @@ discovery; nothing else is read until step metadata is needed.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import hashlib
 import logging
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -48,6 +50,7 @@ class SaveEvent:
   blocking_s: float
   total_s: float
   nbytes: int
+  expected_loss_s: float | None = None  # work lost by a failure now, on average (interval / 2)
 
 
 @dataclasses.dataclass
@@ -88,10 +91,14 @@ class CheckpointManager:
       raise TypeError(f"policy must be a CheckpointPolicy (use CheckpointPolicy.from_config("
                       f"config.checkpoint)); got {type(self.policy).__name__}")
     self._trigger = self.policy.trigger()
+    timed = (policy_lib.EveryNSeconds, policy_lib.YoungDaly)
     self._step_trigger = policy_lib.any_of(
-        *(t for t in self._trigger.triggers if not isinstance(t, policy_lib.EveryNSeconds)))
-    self._time_trigger = next(
-        (t for t in self._trigger.triggers if isinstance(t, policy_lib.EveryNSeconds)), None)
+        *(t for t in self._trigger.triggers if not isinstance(t, timed)))
+    time_triggers = [t for t in self._trigger.triggers if isinstance(t, timed)]
+    self._time_trigger = policy_lib.any_of(*time_triggers) if time_triggers else None
+    self._auto = next((t for t in time_triggers if isinstance(t, policy_lib.YoungDaly)), None)
+    self._costs: collections.deque[float] = collections.deque(maxlen=5)  # recent blocking times
+    self._last_commit_time: float | None = None
     self._rules = self.policy.keep_rules()
     self._clock = clock
     self._last_step: int | None = None
@@ -104,6 +111,7 @@ class CheckpointManager:
     self._deleting: set[int] = set()  # uncommitted by this manager, deletion pending
     self._reading: dict[int, int] = {}  # steps a restore is reading: never deleted meanwhile
     self._deferred: set[int] = set()    # doomed while being read: deleted once read
+    self._leased: set[int] = set()      # doomed, but an evaluator's lease holds them
     # After restore() of a step older than the latest (a rollback), the newer
     # steps belong to the abandoned run: replaced if this run saves them again,
     # removed once this run commits its first save.
@@ -225,7 +233,8 @@ class CheckpointManager:
     process saves the same step.
     """
     first, self._first = self._first, False
-    state = policy_lib.SaveState(step, self._clock(), self._last_step, self._last_time, first)
+    state = policy_lib.SaveState(step, self._clock(), self._last_step, self._last_time, first,
+                                 self.save_cost())
     reason = self._step_trigger(state)
     if reason is not None or self._time_trigger is None:
       return reason
@@ -358,14 +367,26 @@ class CheckpointManager:
       log.info("checkpoint step %d (%s) committed to %s: blocking %.3f s, total %.3f s, %s"
                " written by this process", step, info.reason, self.step_path(step), blocking,
                total, metadata_lib.human_bytes(nbytes))
+      self._costs.append(blocking)
+      now = self._clock()
+      if self._auto is not None:
+        interval = self._auto.interval(self.save_cost())
+      else:
+        interval = None if self._last_commit_time is None else now - self._last_commit_time
+      self._last_commit_time = now
+      loss = None if interval is None else interval / 2
+      if self._auto is not None:
+        log.info("save_interval=auto: saves cost %.3f s (median of the last %d), mtbf %.0f s:"
+                 " saving every %.1f s; a failure loses %.1f s of work on average", self.save_cost(),
+                 len(self._costs), self._auto.mtbf_seconds, interval, loss)
       with self._lock:
-        self._events.append(SaveEvent(step, info.reason, blocking, total, nbytes))
+        self._events.append(SaveEvent(step, info.reason, blocking, total, nbytes, loss))
       doomed = policy_lib.to_delete(self._keep_inputs(), self._rules) if not self._abandoned else []
       with self._lock:
         self._steps -= set(doomed)
         self._deleting |= set(doomed)
       doomed = sorted(set(doomed) | gone)
-      if (doomed or self._leftovers) and _multihost.process_index() == 0:
+      if (doomed or self._leftovers or self._leased) and _multihost.process_index() == 0:
         self._deletions.append(self._deleter.submit(self._delete_steps, doomed))
     except BaseException as e:  # pylint: disable=broad-except  # Raised on the next call.
       if abandoned.is_set():
@@ -374,6 +395,10 @@ class CheckpointManager:
         self._error = e
     finally:
       _set_writing(str(self._dir), step, False)
+
+  def save_cost(self) -> float | None:
+    """The median blocking time of the last few saves (what ``save_interval="auto"`` uses)."""
+    return statistics.median(self._costs) if self._costs else None
 
   def pop_events(self) -> list[SaveEvent]:
     """Saves committed since the last call (for metric writers)."""
@@ -397,11 +422,21 @@ class CheckpointManager:
     return [policy_lib.StepInfo(s, 0.0) for s in self._committed()]
 
   def _delete_steps(self, steps: list[int]) -> None:
+    from orbax_flax import evaluation  # pylint: disable=g-import-not-at-top  # reader leases
+    steps = sorted(set(steps) | self._leased)
+    leased = evaluation.leased_steps(self._dir) if steps else set()
     for step in steps:
       with self._lock:
         if self._reading.get(step):
           self._deferred.add(step)  # a restore is reading it: deleted when it is done
           continue
+        if step in leased:  # an evaluator (checkpoints_iterator) is reading it
+          if step not in self._leased:
+            log.info("step %d: not deleted yet, an evaluator holds a reader lease on it; it is"
+                     " deleted at a later save", step)
+          self._leased.add(step)
+          continue
+        self._leased.discard(step)
       log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
       step_dir.delete_step(self._dir, step)
       with self._lock:
@@ -488,7 +523,7 @@ class CheckpointManager:
 
   def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None, *,
               partial: bool = False, allow_lossy_casts: bool = False,
-              casts: list | None = None) -> dict[str, Any]:
+              casts: list | None = None, read_once: bool | None = None) -> dict[str, Any]:
     """Restores ``step`` (default: the latest committed), resharded onto ``target``.
 
     With ``step=None`` a save in flight is waited for first, so that the
@@ -516,7 +551,9 @@ class CheckpointManager:
           f" {_short(self.all_steps())}")
     try:
       out = self._ckptr.restore(self._dir.join(str(step)), target, partial=partial,
-                                allow_lossy_casts=allow_lossy_casts, casts=casts)
+                                allow_lossy_casts=allow_lossy_casts, casts=casts,
+                                read_once=self.policy.read_once_restore if read_once is None
+                                else read_once)
     finally:
       with self._lock:
         self._reading[step] -= 1

@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 # Why a save happened, as recorded in each step's metadata.
-REASONS = ("interval", "time", "scheduled", "first", "final", "forced", "preemption", "exception")
+REASONS = ("interval", "time", "auto", "scheduled", "first", "final", "forced", "preemption",
+           "exception")
 
 
 class SaveState(NamedTuple):
@@ -37,12 +38,15 @@ class SaveState(NamedTuple):
     last_step: the step of the last save or restore in this run, if any.
     last_time: when that save happened, or when the run started.
     first: True for the first step the manager sees in this run.
+    save_cost: what a save costs the job, seconds (the median blocking time of
+      recent saves), or None before the first is measured.
   """
   step: int
   now: float
   last_step: int | None
   last_time: float
   first: bool = False
+  save_cost: float | None = None
 
 
 class Trigger(Protocol):
@@ -67,6 +71,38 @@ class EveryNSeconds:
 
   def __call__(self, s: SaveState) -> str | None:
     return "time" if s.now - s.last_time >= self.seconds else None
+
+
+def young_daly_interval(save_cost_seconds: float, mtbf_seconds: float) -> float:
+  """The checkpoint interval that minimises expected lost time (Young 1974, Daly 2006).
+
+  ``sqrt(2 * save cost * mean time between failures)``: saving more often
+  spends more time saving, less often loses more work per failure.
+
+  Example:
+    >>> young_daly_interval(2.0, 3600.0)   # 2 s saves, a failure an hour: every 2 minutes
+    120.0
+  """
+  return math.sqrt(2.0 * max(save_cost_seconds, 0.0) * mtbf_seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class YoungDaly:
+  """Saves every :func:`young_daly_interval` of wall time, from the measured save cost.
+
+  Attributes:
+    mtbf_seconds: the job's mean time between failures (preemptions included).
+    assumed_cost_seconds: the cost used before a save has been measured.
+  """
+  mtbf_seconds: float
+  assumed_cost_seconds: float = 1.0
+
+  def interval(self, save_cost: float | None) -> float:
+    cost = self.assumed_cost_seconds if save_cost is None else save_cost
+    return young_daly_interval(cost, self.mtbf_seconds)
+
+  def __call__(self, s: SaveState) -> str | None:
+    return "auto" if s.now - s.last_time >= self.interval(s.save_cost) else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -152,7 +152,8 @@ class _Want:
 
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
             max_host_bytes: int = 0, allow_lossy_casts: bool = False, progress: Any = None,
-            casts: list | None = None, transforms: Any = None) -> dict[str, Any]:
+            casts: list | None = None, transforms: Any = None,
+            read_once: bool = False) -> dict[str, Any]:
   """Restores a checkpoint of any format, resharded onto the target's shardings.
 
   Reads our own checkpoints, orbax-checkpoint ones (an item, a step of its
@@ -184,6 +185,12 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     transforms: a list of :mod:`orbax_flax.transforms` (rename, drop, take
       from the target, stack, unstack, cast), applied in order to what the
       checkpoint holds before the target is checked.
+    read_once: read each array once across its replicas, then broadcast:
+      an array the target replicates over some mesh axes (data-parallel
+      copies, often on other hosts) is read split over those axes as well, so
+      each byte comes from storage once, and a resharding jit gathers it with
+      collectives (gloo on CPU, NCCL on GPU). Saves storage bandwidth when many
+      replicas read one checkpoint; costs a collective.
 
   Returns:
     item name -> restored pytree, with the target's structure.
@@ -204,6 +211,12 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   """
   from orbax_flax import formats  # pylint: disable=g-import-not-at-top  # formats imports us
   from orbax_flax.formats import transforms as transforms_lib  # pylint: disable=g-import-not-at-top
+  if read_once and target is not None:
+    read_target = jax.tree.map(_read_once_leaf, dict(target))
+    out = restore(path, read_target, partial=partial, max_host_bytes=max_host_bytes,
+                  allow_lossy_casts=allow_lossy_casts, progress=progress, casts=casts,
+                  transforms=transforms)
+    return _reshard_like(out, {k: target[k] for k in out})
   loc, manifest = open_manifest(path)
   if target is not None and not isinstance(target, Mapping):
     raise TypeError(f"target must be a dict of item name -> pytree (e.g. {{'state':"
@@ -281,6 +294,62 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   out.update({item: jax.tree_util.tree_unflatten(treedef, leaves)
               for item, (treedef, leaves) in results.items()})
   return {item: out[item] for item in target if item in out}
+
+
+def read_once_spec(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...]
+                   ) -> jax.sharding.PartitionSpec:
+  """``sharding``'s spec with the mesh axes it replicates over added where they divide.
+
+  Example:
+    >>> import numpy as np
+    >>> n = len(jax.devices())
+    >>> mesh = jax.make_mesh((2, n // 2), ("data", "model")) if n % 2 == 0 else None
+    >>> P = jax.sharding.PartitionSpec
+    >>> mesh is None or read_once_spec(jax.sharding.NamedSharding(mesh, P(None, "model")),
+    ...                                (8, 4 * n)) == P("data", "model")
+    True
+  """
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  used = {a for p in spec if p is not None for a in ((p,) if isinstance(p, str) else p)}
+  sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
+  for axis in sharding.mesh.axis_names:
+    if axis in used or sizes[axis] == 1:
+      continue
+    for d, n in enumerate(shape):
+      parts = () if spec[d] is None else ((spec[d],) if isinstance(spec[d], str) else tuple(spec[d]))
+      split = math.prod(sizes[a] for a in parts) * sizes[axis]
+      if n % split == 0:
+        spec[d] = parts + (axis,) if parts else axis
+        used.add(axis)
+        break
+  return jax.sharding.PartitionSpec(*spec)
+
+
+def _read_once_leaf(leaf: Any) -> Any:
+  sharding = getattr(leaf, "sharding", None)
+  if not isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)) or not isinstance(
+      sharding, jax.sharding.NamedSharding) or _is_key_dtype(leaf.dtype):
+    return leaf
+  spec = read_once_spec(sharding, tuple(leaf.shape))
+  if spec == sharding.spec:
+    return leaf
+  return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                              sharding=jax.sharding.NamedSharding(sharding.mesh, spec))
+
+
+def _reshard_like(out: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:
+  """Arrays of ``out`` moved onto the target's shardings with one jit (collectives)."""
+  flat_out, treedef = jax.tree_util.tree_flatten(out)
+  flat_target = treedef.flatten_up_to(target)
+  idx = [i for i, (x, t) in enumerate(zip(flat_out, flat_target))
+         if isinstance(x, jax.Array) and getattr(t, "sharding", None) is not None
+         and x.sharding != t.sharding]
+  if idx:
+    shardings = tuple(flat_target[i].sharding for i in idx)
+    moved = jax.jit(lambda *xs: xs, out_shardings=shardings)(*(flat_out[i] for i in idx))
+    for i, x in zip(idx, moved):
+      flat_out[i] = x
+  return jax.tree_util.tree_unflatten(treedef, flat_out)
 
 
 @dataclasses.dataclass

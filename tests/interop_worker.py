@@ -48,7 +48,7 @@ def build(mesh):
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--mode", choices=["ocp_save", "restore", "export"])
+  p.add_argument("--mode", choices=["ocp_save", "restore", "export", "read_once"])
   p.add_argument("--path")
   a = jobs.join(p)
   import orbax_flax as ofx  # pylint: disable=g-import-not-at-top  # after jax.distributed
@@ -59,6 +59,26 @@ def main():
     ckpt.save(a.path, build(mesh))
     ckpt.wait_until_finished()
     print("SAVED", flush=True)
+    return
+  if a.mode == "read_once":  # each replicated array read once across processes, then gathered
+    from orbax_flax import _progress, restoring  # pylint: disable=g-import-not-at-top
+    rng = np.random.default_rng(0)
+    extra = {"big_rep": (rng.standard_normal((1024, 512)).astype(np.float32), P()),
+             "cols": (rng.standard_normal((512, 256)).astype(np.float32), P(None, "model"))}
+    state = build(mesh)
+    state.update({k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec),
+                                                  lambda i, v=v: v[i]) for k, (v, spec) in extra.items()})
+    ofx.save(a.path, {"state": state})
+    target = {"state": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                   sharding=x.sharding), state)}
+    for once in (False, True):
+      progress = _progress.Progress("restore")
+      out = restoring.restore(a.path, target, progress=progress, read_once=once)["state"]
+      for name, arr in out.items():
+        assert arr.sharding == state[name].sharding, name
+        for s, t in zip(arr.addressable_shards, state[name].addressable_shards):
+          np.testing.assert_array_equal(np.asarray(s.data), np.asarray(t.data), err_msg=name)
+      print(f"READ read_once={once} {progress.done} bytes", flush=True)
     return
   if a.mode == "export":
     from orbax_flax.formats import _cbytes  # pylint: disable=g-import-not-at-top

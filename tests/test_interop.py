@@ -366,3 +366,23 @@ def test_init_from_an_orbax_checkpoint_run_directory(tmp_path):
   fine.close()
   _same(state.params, donor.params)
   assert int(state.step) == 0
+
+
+def test_orbax_checkpoint_leaves_in_the_legacy_aggregate_file(tmp_path):
+  """Older orbax versions kept small leaves in a msgpack ``checkpoint`` file (skip_deserialize)."""
+  from flax import serialization
+  path = tmp_path / "ocp"
+  tree = {"w": np.arange(6, dtype=np.float32), "step": 3}
+  ocp.Checkpointer(ocp.PyTreeCheckpointHandler()).save(str(path), args=ocp.args.PyTreeSave(tree))
+  meta = json.loads((path / "_METADATA").read_text())
+  for key in meta["tree_metadata"].values():
+    key["value_metadata"]["skip_deserialize"] = True
+  (path / "_METADATA").write_text(json.dumps(meta))
+  (path / "checkpoint").write_bytes(serialization.msgpack_serialize(
+      {"w": np.arange(6, dtype=np.float32) * 2, "step": 9}))
+  out = ofx.restore(str(path), {"s": {"w": np.zeros(6, np.float32), "step": 0}})["s"]
+  assert out["step"] == 9
+  np.testing.assert_array_equal(out["w"], np.arange(6, dtype=np.float32) * 2)
+  (path / "checkpoint").unlink()
+  with pytest.raises(ofx.errors.CheckpointFormatError, match="aggregate file 'checkpoint'.*missing"):
+    ofx.restore(str(path))

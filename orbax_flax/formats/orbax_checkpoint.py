@@ -110,6 +110,54 @@ def _array_spec(item: Location, name: str, ocdbt: bool, zarr3: bool) -> dict[str
   return {"driver": "zarr3" if zarr3 else "zarr", "kvstore": kv}
 
 
+_AGGREGATE = "checkpoint"  # older orbax versions' msgpack file of aggregated leaves
+
+
+def _read_aggregate(loc: Location) -> Any:
+  data = _location.read_key(loc, _AGGREGATE)
+  if data is None:
+    raise errors.CheckpointFormatError(
+        f"{loc}: _METADATA says some leaves are in the aggregate file {_AGGREGATE!r}, which is"
+        " missing; the checkpoint is incomplete")
+  from flax import serialization  # pylint: disable=g-import-not-at-top  # msgpack with numpy
+  try:
+    return serialization.msgpack_restore(data)
+  except Exception as e:  # msgpack raises its own errors  pylint: disable=broad-except
+    raise errors.CheckpointCorruptedError(f"{loc}/{_AGGREGATE} is not readable msgpack: {e}") from e
+
+
+class _InMemory:
+  """An array read from the aggregate file: boxes are slices of it."""
+
+  def __init__(self, value: np.ndarray):
+    self.value = value
+
+  def read(self, box, out):
+    out[...] = self.value[tuple(slice(lo, hi) for lo, hi in box)] if box else self.value
+
+
+def _aggregate_leaf(loc: Location, aggregate: Any, path: list[str]) -> dict[str, Any]:
+  node = aggregate
+  for k in path:
+    if isinstance(node, dict) and k in node:
+      node = node[k]
+    elif isinstance(node, (list, tuple)) and k.isdigit() and int(k) < len(node):
+      node = node[int(k)]
+    else:
+      raise errors.CheckpointFormatError(
+          f"{loc}: leaf {'.'.join(path)} is marked as aggregated but is not in {_AGGREGATE!r}")
+  if isinstance(node, np.ndarray) and node.ndim > 0:
+    return {"kind": "array", "path": path, "shape": list(node.shape), "dtype": node.dtype.name,
+            "nbytes": node.nbytes, "sharding": {"text": "aggregate file"},
+            "source": _InMemory(node)}
+  value = node.item() if isinstance(node, (np.ndarray, np.generic)) else node
+  if not isinstance(value, (bool, int, float, complex, str, bytes)):
+    raise errors.CheckpointFormatError(
+        f"{loc}: aggregated leaf {'.'.join(path)} is a {type(value).__name__}, which orbax_flax"
+        " cannot read")
+  return {"kind": "value", "path": path, "value": _tree.encode_value(value), "nbytes": 0}
+
+
 def open_item(loc: Location) -> dict[str, Any]:
   """Our manifest item (leaves and structure) for one orbax pytree or JSON item."""
   meta = _read_json(loc, _PYTREE_METADATA)
@@ -134,8 +182,12 @@ def open_item(loc: Location) -> dict[str, Any]:
     keys = tuple((str(k["key"]), int(k.get("key_type", 2))) for k in info.get("key_metadata", ()))
     if not keys:
       keys = tuple((str(k), 2) for k in ast.literal_eval(key_text))
-    entries.append((keys, info.get("value_metadata", {})))
+    vm = info.get("value_metadata", {})
+    if vm.get("value_type") == "None":
+      continue  # an empty node (None, optax.EmptyState()): no leaf to read
+    entries.append((keys, vm))
   context = _location.default_context()
+  aggregate = None
   opening = []
   recs: list[dict[str, Any] | None] = [None] * len(entries)
   for i, (keys, vm) in enumerate(entries):
@@ -143,8 +195,10 @@ def open_item(loc: Location) -> dict[str, Any]:
     name = ".".join(path)
     vtype = vm.get("value_type")
     if vm.get("skip_deserialize"):
-      recs[i] = {"kind": "value", "path": path, "value": _tree.encode_value(""), "nbytes": 0,
-                 "skipped": True}
+      # Kept in the msgpack aggregate file (``checkpoint``) of older orbax versions.
+      if aggregate is None:
+        aggregate = _read_aggregate(loc)
+      recs[i] = _aggregate_leaf(loc, aggregate, path)
     elif vtype == "string":
       if strings is None:
         strings = _read_json(loc, _STRINGS) or {}

@@ -1,0 +1,141 @@
+"""The evaluator iterator beside a live training job, and the cost-driven save interval."""
+
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import jobs
+import orbax_flax as ofx
+from orbax_flax import policy as policy_lib
+
+
+def test_iterator_yields_each_step_once_in_order(tmp_path):
+  d = str(tmp_path)
+  for s in (3, 1, 2):
+    ofx.save(os.path.join(d, str(s)), {"s": {"w": np.full(2, s)}})
+  seen = []
+  for step in ofx.checkpoints_iterator(d, timeout=0):
+    seen.append(step)
+    if step == 2:
+      ofx.save(os.path.join(d, "7"), {"s": {"w": np.full(2, 7)}})  # appears while iterating
+  assert seen == [1, 2, 3, 7]
+  assert list(ofx.checkpoints_iterator(d, timeout=0, start_after=3)) == [7]
+
+
+def test_iterator_timeout_fn_keeps_waiting_until_told(tmp_path):
+  t = [0.0]
+  calls = []
+
+  def timeout_fn():
+    calls.append(t[0])
+    return len(calls) < 3
+
+  out = list(ofx.checkpoints_iterator(str(tmp_path), timeout=5, poll_interval=1,
+                                      timeout_fn=timeout_fn, clock=lambda: t[0],
+                                      sleep=lambda s: t.__setitem__(0, t[0] + s)))
+  assert out == [] and len(calls) == 3 and calls[-1] >= 15
+
+
+def test_a_held_step_is_not_deleted_by_retention(tmp_path, caplog):
+  d = str(tmp_path / "ckpts")
+  mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=1, max_to_keep=1,
+                                                       async_save=False))
+  mngr.save(1, {"s": {"w": np.ones(4)}})
+  it = ofx.checkpoints_iterator(d, timeout=0)
+  assert next(it) == 1
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    for step in (2, 3):
+      mngr.save(step, {"s": {"w": np.full(4, step)}})
+    mngr.wait()
+  assert os.path.isdir(os.path.join(d, "1")), "deleted while the evaluator held it"
+  assert "an evaluator holds a reader lease" in caplog.text
+  np.testing.assert_array_equal(ofx.restore(os.path.join(d, "1"))["s"]["w"], np.ones(4))
+  assert next(it) == 3  # released 1; 2 was deleted by retention meanwhile: skipped
+  mngr.save(4, {"s": {"w": np.full(4, 4)}})
+  mngr.wait()
+  assert not os.path.exists(os.path.join(d, "1"))  # the released lease lets the deletion happen
+  mngr.close()
+
+
+def test_evaluator_beside_a_live_training_job_with_max_to_keep_1(tmp_path):
+  d = str(tmp_path / "ckpts")
+  trainer = textwrap.dedent(f"""
+      import time, numpy as np, orbax_flax as ofx
+      m = ofx.CheckpointManager({d!r}, ofx.CheckpointPolicy(save_interval_steps=1, max_to_keep=1))
+      for step in range(1, 41):
+          m.save(step, {{"s": {{"w": np.full((256, 256), step, np.float32)}}}})
+          time.sleep(0.05)
+      m.close()
+      open({d!r} + ".done", "w").close()
+  """)
+  p = subprocess.Popen([sys.executable, "-c", trainer], env=jobs.env_for(1), cwd=jobs.ROOT)
+  evaluated = []
+  try:
+    for step in ofx.checkpoints_iterator(d, timeout=2, poll_interval=0.02,
+                                         timeout_fn=lambda: not os.path.exists(d + ".done")):
+      time.sleep(0.1)  # a slow evaluation: retention would have deleted the step by now
+      w = ofx.restore(os.path.join(d, str(step)))["s"]["w"]
+      assert (w == step).all()
+      evaluated.append(step)
+  finally:
+    assert p.wait(timeout=120) == 0
+  assert len(evaluated) >= 5 and evaluated == sorted(set(evaluated)), evaluated
+  assert evaluated[-1] == 40
+
+
+# ------------------------------------------------------------------ save_interval="auto"
+
+
+def test_young_daly_interval_follows_the_measured_cost():
+  auto = policy_lib.YoungDaly(mtbf_seconds=3600.0)
+  assert auto.interval(None) == pytest.approx((2 * 1.0 * 3600) ** 0.5)  # 1 s assumed
+  for cost in (0.5, 2.0, 8.0):
+    interval = auto.interval(cost)
+    assert interval == pytest.approx((2 * cost * 3600) ** 0.5)
+    state = lambda now: policy_lib.SaveState(100, now, 90, 1000.0, save_cost=cost)  # noqa: E731
+    assert auto(state(1000.0 + interval - 0.01)) is None
+    assert auto(state(1000.0 + interval)) == "auto"
+
+
+def test_manager_auto_interval_from_its_own_saves(tmp_path):
+  t = [0.0]
+  policy = ofx.CheckpointPolicy(save_interval="auto", mtbf_seconds=7200.0, async_save=False)
+  mngr = ofx.CheckpointManager(str(tmp_path), policy, clock=lambda: t[0])
+  saved = []
+  for step in range(1, 2000):
+    t[0] += 1.0  # one second per step
+    if mngr.save(step, {"s": {"w": np.full(8, step)}}):
+      saved.append((step, mngr.save_cost()))
+  assert len(saved) >= 3
+  # The first save comes after the assumed-cost interval; later ones after the
+  # interval the measured cost gives (costs are milliseconds here: short intervals).
+  assert saved[0][0] == int(np.ceil((2 * 1.0 * 7200) ** 0.5))
+  for (prev, cost), (step, _) in zip(saved, saved[1:]):
+    assert step - prev == pytest.approx((2 * cost * 7200) ** 0.5, abs=1.0 + 0.2 * (step - prev))
+  events = mngr.pop_events()
+  assert events and all(e.reason == "auto" and e.expected_loss_s > 0 for e in events)
+  mngr.close()
+
+
+def test_auto_interval_needs_an_mtbf_and_plan_shows_the_choice(tmp_path):
+  with pytest.raises(ValueError, match=r"save_interval='auto': needs mtbf_seconds"):
+    ofx.CheckpointPolicy(save_interval="auto")
+  with pytest.raises(ValueError, match=r"save_interval='every': must be one of '', 'auto'"):
+    ofx.CheckpointPolicy(save_interval="every")
+  r = subprocess.run([sys.executable, "-m", "orbax_flax", "plan", "--config=configs/default.py",
+                      "--steps=1000", "--config.checkpoint.save_interval=auto",
+                      "--config.checkpoint.mtbf_seconds=3600",
+                      "--config.checkpoint.save_interval_steps=0", "--save_cost_seconds=2"],
+                     capture_output=True, text=True, cwd=jobs.ROOT, env=jobs.env_for(1),
+                     timeout=120, check=False)
+  text = r.stdout + r.stderr
+  assert r.returncode == 0, text
+  assert "every 120.0 s, about every 120 step(s); a failure loses 60.0 s" in text
+  assert re.search(r"auto\s+8\s+120, 240, 360, 480, 600, 720, 840, 960", text), text

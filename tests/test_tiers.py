@@ -1,0 +1,154 @@
+"""The local tier with real processes: own copies, peer replicas, agreement, fallbacks."""
+
+import os
+import shutil
+
+import pytest
+
+from orbax_flax.tiers import local
+
+import jobs
+
+
+def _run(mode, d, n=4, devices=2, extra=()):
+  return jobs.run("tier_worker.py", [f"--mode={mode}", f"--dir={d}", *extra], n, devices).check()
+
+
+def test_plan_picks_the_newest_step_every_process_can_get():
+  H = local.Holdings
+  # Process 2 lost its disk: step 3 comes from process 3, which holds its replica.
+  h = [H([2, 3], {3: [2, 3]}, 4), H([2, 3], {0: [2, 3]}, 4), H([], {1: [2, 3]}, 4),
+       H([2, 3], {2: [2, 3]}, 4)]
+  assert local.plan_restore(h, None) == local.RestorePlan(3, (0, 1, 3, 3))
+  assert local.plan_restore(h, 3) is None  # the persistent tier has step 3 already
+  # Processes 1 and 2 both lost theirs: 1's replica was on 2. Nothing assembles.
+  h[1] = H([], {0: [2, 3]}, 4)
+  h[2] = H([], {}, 4)
+  assert local.plan_restore(h, None) is None
+  # A step some process never committed does not count.
+  h = [H([5, 6], {1: [5, 6]}, 2), H([5], {0: [5, 6]}, 2)]
+  assert local.plan_restore(h, None).step == 6  # 1's step 6 from process 0's replica
+  h = [H([5, 6], {1: [5]}, 2), H([5], {0: [5, 6]}, 2)]
+  assert local.plan_restore(h, None).step == 5
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """Steps 1-3 saved to the local tier by 4 processes (2 devices each), kept: 2 and 3."""
+  d = str(tmp_path_factory.mktemp("tiers") / "local")
+  out = _run("save", d).outputs
+  assert all("SAVED ['2', '3']" in o for o in out), out  # local_max_to_keep=2
+  return d
+
+
+def _copy(saved, tmp_path):
+  d = str(tmp_path / "local")
+  shutil.copytree(saved, d)
+  return d
+
+
+def test_four_processes_save_and_restore_from_their_own_copies(saved, tmp_path):
+  d = _copy(saved, tmp_path)
+  res = _run("restore", d)
+  assert all("RESTORED step 3 from its own local copy" in o for o in res.outputs), res.outputs
+
+
+def test_a_replaced_host_gets_its_shards_from_the_peer_replica(saved, tmp_path):
+  d = _copy(saved, tmp_path)
+  shutil.rmtree(os.path.join(d, "process_2"))  # a fresh host with an empty local disk
+  res = _run("restore", d)
+  assert "RESTORED step 3 from the replica held by process 3" in res.outputs[2], res.outputs[2]
+  assert all("RESTORED step 3 from its own local copy" in res.outputs[p] for p in (0, 1, 3))
+
+
+def test_two_lost_disks_with_one_replica_fall_back(saved, tmp_path):
+  d = _copy(saved, tmp_path)
+  for p in (1, 2):  # 1's replica lived on 2
+    shutil.rmtree(os.path.join(d, f"process_{p}"))
+  res = _run("restore", d)
+  assert all("NO LOCAL STEP" in o for o in res.outputs), res.outputs
+  assert "no step that every process can get" in res.outputs[0]
+
+
+def test_another_process_count_ignores_the_local_tier(saved, tmp_path):
+  d = _copy(saved, tmp_path)
+  res = _run("restore", d, n=2, devices=4)
+  assert all("NO LOCAL STEP" in o for o in res.outputs), res.outputs
+  assert "tied to the process layout" in res.outputs[0]
+
+
+def test_the_persistent_tier_wins_when_it_is_newer(saved, tmp_path):
+  d = _copy(saved, tmp_path)
+  res = _run("restore", d, extra=["--newer_than=3"])
+  assert all("NO LOCAL STEP" in o for o in res.outputs), res.outputs
+
+
+# ---------------------------------------------------------------- the training plugin, tiered
+
+import re  # noqa: E402
+import signal  # noqa: E402
+
+import psutil  # noqa: E402
+
+import test_example as ex  # noqa: E402  # the examples/train.py helpers
+
+
+def _tiered(local_dir):
+  return [f"--config.checkpoint.local_directory={local_dir}",
+          "--config.checkpoint.local_save_interval_steps=2",
+          "--config.checkpoint.save_interval_steps=1000"]
+
+
+def test_tiered_run_preempted_then_a_replaced_host_resumes_from_local_and_the_replica(tmp_path):
+  local_dir = tmp_path / "local"
+  p = ex.start(tmp_path, 1000, n=4, devices=2, extra=_tiered(local_dir))
+  ex.read_until(p, r"\[3\] .*step 5: loss")
+  kids = psutil.Process(p.pid).children()
+  next(c for c in kids if c.environ().get("JAX_PROCESS_ID") == "1").send_signal(signal.SIGTERM)
+  out, _ = p.communicate(timeout=180)
+  assert p.returncode == 0, out[-5000:]
+  (step,) = set(ex.commits(out, "preemption"))
+  assert sorted(os.listdir(local_dir)) == [f"process_{i}" for i in range(4)]
+  shutil.rmtree(local_dir / "process_2")  # host 2 comes back with an empty local disk
+  out = ex.run(tmp_path, step + 2, n=4, devices=2, extra=_tiered(local_dir))
+  for i in (0, 1, 3):
+    assert re.search(rf"\[{i}\] .*restored step {step} from the local tier .*process {i} read its"
+                     r" own local copy", out), out[-4000:]
+  assert re.search(rf"\[2\] .*restored step {step} from the local tier .*process 2 read the"
+                   r" replica held by process 3", out), out[-4000:]
+  assert len(set(ex.done(out))) == 1
+
+
+@pytest.mark.skipif(os.environ.get("ORBAX_FLAX_FAULTS") != "long",
+                    reason="long run: ORBAX_FLAX_FAULTS=long (a SIGKILLed 4-process job, ~75 s)")
+def test_killed_job_with_a_replaced_host_resumes_from_local_and_the_peer_replica(tmp_path):
+  local_dir = tmp_path / "local"
+  p = ex.start(tmp_path, 1000, n=4, devices=2, extra=_tiered(local_dir))
+  ex.read_until(p, r"\[3\] .*step 9: loss")
+  for c in psutil.Process(p.pid).children(recursive=True):
+    c.kill()  # no preemption save: the persistent tier holds nothing
+  p.kill()
+  p.communicate(timeout=60)
+  assert not ofx_steps(tmp_path)
+  shutil.rmtree(local_dir / "process_2")  # host 2 comes back with an empty local disk
+  out = ex.run(tmp_path, 12, n=4, devices=2, extra=_tiered(local_dir))
+  steps = {int(s) for s in re.findall(r"restored step (\d+) from the local tier", out)}
+  assert len(steps) == 1 and steps.pop() >= 6, out[-4000:]
+  assert re.search(r"\[2\] .*process 2 read the replica held by process 3", out), out[-4000:]
+  assert re.search(r"\[0\] .*process 0 read its own local copy", out)
+  assert len(set(ex.done(out))) == 1
+
+
+def ofx_steps(workdir):
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  return ofx.CheckpointManager(str(workdir / "checkpoints")).all_steps()
+
+
+def test_read_once_restore_reads_replicated_arrays_once_across_processes(tmp_path):
+  res = jobs.run("interop_worker.py", ["--mode=read_once", f"--path={tmp_path / 'ckpt'}"], 2, 4).check()
+  read = {once: sum(int(re.search(rf"READ read_once={once} (\d+) bytes", o).group(1))
+                    for o in res.outputs) for once in ("False", "True")}
+  # big_rep (replicated everywhere) is read once instead of once per process. Storage is read
+  # in whole chunks, so "cols", saved in column chunks, is still read whole by each process.
+  replicated = 1024 * 512 * 4
+  assert read["False"] - read["True"] >= 0.9 * replicated, read
