@@ -100,6 +100,21 @@ def mp_table(run) -> list[str]:
   for r in rows:
     lines.append(f"| {r['processes']} | {r['save_s']:.3f} | {r['save_gbps']:.2f} | {r['restore_s']:.3f} |"
                  f" {r['restore_gbps']:.2f} | {r['save_round_trips']} | {r['restore_round_trips']} |")
+  if any("local_save_r0_s" in r for r in rows):
+    lines += ["", "Tiers on the same state and processes (the slowest process, median): the local"
+              " tier without and with one peer replica (sent with a jitted ppermute over gloo),"
+              " its restore, and a data-parallel restore (matrices replicated over the `data`"
+              " axis) read by every replica or once (`read_once=True`), with the bytes all"
+              " processes read from storage:", "",
+              "| processes | persistent save s | local save s | local save + replica s |"
+              " local restore s | DP restore s | read-once DP restore s | DP bytes read | read-once bytes read |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+      rep = r.get("local_save_r1_s")
+      lines.append(f"| {r['processes']} | {r['save_s']:.3f} | {r['local_save_r0_s']:.3f} |"
+                   f" {_f(rep)} | {_f(r.get('local_restore_r1_s', r.get('local_restore_r0_s')))} |"
+                   f" {r['dp_restore_once0_s']:.3f} | {r['dp_restore_once1_s']:.3f} |"
+                   f" {r['dp_bytes_once0'] / 1e9:.2f} GB | {r['dp_bytes_once1'] / 1e9:.2f} GB |")
   return lines
 
 

@@ -298,22 +298,28 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
 
 def read_once_spec(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...]
                    ) -> jax.sharding.PartitionSpec:
-  """``sharding``'s spec with the mesh axes it replicates over added where they divide.
+  """``sharding``'s spec with the mesh axes it replicates over across processes added where
+  they divide (so that each process reads a distinct part).
 
   Example:
     >>> import numpy as np
     >>> n = len(jax.devices())
     >>> mesh = jax.make_mesh((2, n // 2), ("data", "model")) if n % 2 == 0 else None
     >>> P = jax.sharding.PartitionSpec
+    >>> # One process: its replicas are read once already, so nothing changes.
     >>> mesh is None or read_once_spec(jax.sharding.NamedSharding(mesh, P(None, "model")),
-    ...                                (8, 4 * n)) == P("data", "model")
+    ...                                (8, 4 * n)) == P(None, "model")
     True
   """
   spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
   used = {a for p in spec if p is not None for a in ((p,) if isinstance(p, str) else p)}
   sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
-  for axis in sharding.mesh.axis_names:
-    if axis in used or sizes[axis] == 1:
+  procs = np.vectorize(lambda d: d.process_index)(sharding.mesh.devices)
+  for k, axis in enumerate(sharding.mesh.axis_names):
+    # Replicas within one process are read once already (one read, copies to its devices):
+    # only axes along which the processes change are worth a collective.
+    crosses = bool((procs != np.take(procs, [0], axis=k)).any())
+    if axis in used or sizes[axis] == 1 or not crosses:
       continue
     for d, n in enumerate(shape):
       parts = () if spec[d] is None else ((spec[d],) if isinstance(spec[d], str) else tuple(spec[d]))

@@ -34,25 +34,31 @@ def _shifter(n: int, shift: int, mesh: jax.sharding.Mesh):
   return jax.jit(jax.shard_map(move, mesh=mesh, in_specs=P("p"), out_specs=P("p")))
 
 
-def shift_bytes(data: bytes, shift: int, key: str, timeout_s: float) -> bytes:
-  """Sends ``data`` to process ``(me + shift) % n``; returns what ``(me - shift) % n`` sent.
+def shift_parts(parts: list[np.ndarray], shift: int, key: str, timeout_s: float) -> np.ndarray:
+  """Sends the concatenation of ``parts`` (uint8 arrays) to process ``(me + shift) % n``.
 
-  Every process must call it with the same ``shift`` and ``key``. Sizes may
-  differ: they are agreed through the coordination service and rows padded.
+  Returns what process ``(me - shift) % n`` sent, as a uint8 array. Every
+  process must call it with the same ``shift`` and ``key``. Sizes may differ:
+  they are agreed through the coordination service and rows padded. The parts
+  are copied once, into the row that the collective sends.
   """
   n, me = jax.process_count(), jax.process_index()
+  size = sum(p.nbytes for p in parts)
   if n == 1 or shift % n == 0:
-    return data
-  sizes = [int(s) for s in _multihost.all_gather(f"{key}/size", str(len(data)), timeout_s,
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+  sizes = [int(s) for s in _multihost.all_gather(f"{key}/size", str(size), timeout_s,
                                                  what="report the size of its bytes")]
   width = max(1, max(sizes))
   width = 1 << (width - 1).bit_length()  # fewer distinct shapes: fewer compilations
   mesh = _ring_mesh()
-  row = np.zeros((1, width), np.uint8)
-  row[0, :len(data)] = np.frombuffer(data, np.uint8)
-  device = mesh.devices[me]
-  local = jax.device_put(row, device)
+  row = np.empty((1, width), np.uint8)
+  at = 0
+  for p in parts:
+    row[0, at:at + p.nbytes] = p.reshape(-1).view(np.uint8)
+    at += p.nbytes
+  row[0, at:] = 0
+  local = jax.device_put(row, mesh.devices[me])
   x = jax.make_array_from_single_device_arrays((n, width), NamedSharding(mesh, P("p")), [local])
   out = _shifter(n, shift, mesh)(x)
   got = np.asarray(out.addressable_shards[0].data)[0]
-  return got[:sizes[(me - shift) % n]].tobytes()
+  return got[:sizes[(me - shift) % n]]

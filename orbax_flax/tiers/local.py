@@ -24,6 +24,7 @@ replica holder with the same collective. See :meth:`LocalTier.plan_restore`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import logging
@@ -56,10 +57,25 @@ def _is_key(x: Any) -> bool:
   return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
-def encode(step: int, items: Mapping[str, Any]) -> bytes:
-  """This process's shards of ``items`` as one blob (index + bytes)."""
-  chunks: list[bytes] = []
+@dataclasses.dataclass
+class Blob:
+  """A local checkpoint of one process: ``header`` (length + JSON index), then ``pieces``."""
+  header: bytes
+  pieces: list[np.ndarray]  # uint8 views of the shards, in payload order
+
+  @property
+  def nbytes(self) -> int:
+    return len(self.header) + sum(p.nbytes for p in self.pieces)
+
+  def parts(self) -> list[np.ndarray]:
+    return [np.frombuffer(self.header, np.uint8)] + self.pieces
+
+
+def encode(step: int, items: Mapping[str, Any]) -> Blob:
+  """This process's shards of ``items``: an index and views of the shard bytes (no copy on CPU)."""
+  pieces: list[np.ndarray] = []
   at = 0
+  crc = 0
   out_items = {}
   for item, tree in items.items():
     structure, leaves = _tree.encode_structure(tree)
@@ -78,50 +94,85 @@ def encode(step: int, items: Mapping[str, Any]) -> bytes:
         data = jax.random.key_data(leaf)
       rec.update(shape=list(data.shape), dtype=np.dtype(data.dtype).name)
       boxes: dict[tuple, dict[str, Any]] = {}
-      if kind == "jax":
-        for shard in data.addressable_shards:
-          box = _layout.slices_to_box(shard.index, data.shape)
-          entry = boxes.get(box)
-          if entry is None:
-            raw = np.ascontiguousarray(np.asarray(shard.data)).tobytes()
-            entry = boxes[box] = {"box": [list(b) for b in box], "devices": [], "offset": at,
-                                  "nbytes": len(raw)}
-            chunks.append(raw)
-            at += len(raw)
-          entry["devices"].append(shard.device.id)
-      else:
-        raw = np.ascontiguousarray(data).tobytes()
-        boxes[()] = {"box": [[0, s] for s in data.shape], "devices": [], "offset": at,
-                     "nbytes": len(raw)}
-        chunks.append(raw)
-        at += len(raw)
+      shards = ([(_layout.slices_to_box(sh.index, data.shape), sh.device.id, sh.data)
+                 for sh in data.addressable_shards] if kind == "jax"
+                else [(tuple((0, n) for n in data.shape), None, data)])
+      for box, device, value in shards:
+        entry = boxes.get(box)
+        if entry is None:
+          raw = np.ascontiguousarray(np.asarray(value)).reshape(-1).view(np.uint8)
+          crc = _crc.extend(crc, raw)
+          entry = boxes[box] = {"box": [list(b) for b in box], "devices": [], "offset": at,
+                                "nbytes": raw.nbytes}
+          pieces.append(raw)
+          at += raw.nbytes
+        if device is not None:
+          entry["devices"].append(device)
       rec["boxes"] = list(boxes.values())
       recs.append(rec)
     out_items[item] = {"structure": structure, "leaves": recs}
-  payload = b"".join(chunks)
   index = json.dumps({
       "step": step, "process_index": jax.process_index(), "process_count": jax.process_count(),
-      "devices": sorted(d.id for d in jax.local_devices()), "crc32c": _crc.value(np.frombuffer(payload, np.uint8)),
+      "devices": sorted(d.id for d in jax.local_devices()), "crc32c": crc,
       "items": out_items}).encode()
-  return struct.pack("<Q", len(index)) + index + payload
+  return Blob(struct.pack("<Q", len(index)) + index, pieces)
 
 
-def decode(blob: bytes, where: str) -> tuple[dict[str, Any], memoryview]:
-  """The index and the bytes of a blob; CheckpointCorruptedError if it is damaged."""
-  if len(blob) < 8:
-    raise errors.CheckpointCorruptedError(f"{where}: truncated local checkpoint")
-  (n,) = struct.unpack("<Q", blob[:8])
+_WRITERS = 8
+
+
+def write_parts(path: str, parts: list[np.ndarray]) -> None:
+  """Writes ``parts`` one after another into ``path`` with parallel pwrites, then fsyncs."""
+  offsets, at = [], 0
+  for part in parts:
+    offsets.append(at)
+    at += part.nbytes
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
   try:
-    index = json.loads(blob[8:8 + n])
+    os.ftruncate(fd, at)
+
+    def put(k: int) -> None:
+      view = memoryview(parts[k]).cast("B")
+      done = 0
+      while done < len(view):
+        done += os.pwrite(fd, view[done:done + (64 << 20)], offsets[k] + done)
+    with concurrent.futures.ThreadPoolExecutor(_WRITERS) as pool:
+      list(pool.map(put, range(len(parts))))
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def read_file(path: str) -> np.ndarray:
+  """A whole file into one fresh buffer (``readinto``: no intermediate copy)."""
+  size = os.path.getsize(path)
+  out = np.empty(size, np.uint8)
+  with open(path, "rb", buffering=0) as f:
+    view, got = memoryview(out), 0
+    while got < size:
+      n = f.readinto(view[got:])
+      if not n:
+        raise errors.CheckpointCorruptedError(f"{path}: shorter than expected")
+      got += n
+  return out
+
+
+def decode(blob: np.ndarray, where: str) -> tuple[dict[str, Any], np.ndarray]:
+  """The index and the bytes of a blob (a uint8 array); CheckpointCorruptedError if damaged."""
+  if blob.nbytes < 8:
+    raise errors.CheckpointCorruptedError(f"{where}: truncated local checkpoint")
+  (n,) = struct.unpack("<Q", blob[:8].tobytes())
+  try:
+    index = json.loads(blob[8:8 + n].tobytes())
   except ValueError as e:
     raise errors.CheckpointCorruptedError(f"{where}: damaged index ({e})") from e
-  payload = memoryview(blob)[8 + n:]
-  if _crc.value(np.frombuffer(payload, np.uint8)) != index["crc32c"]:
+  payload = blob[8 + n:]
+  if _crc.value(payload) != index["crc32c"]:
     raise errors.CheckpointCorruptedError(f"{where}: checksum mismatch; the local copy is damaged")
   return index, payload
 
 
-def build(index: dict[str, Any], payload: memoryview, target: Mapping[str, Any]) -> dict[str, Any]:
+def build(index: dict[str, Any], payload: np.ndarray, target: Mapping[str, Any]) -> dict[str, Any]:
   """The items of a blob as jax/numpy values laid out as ``target`` wants.
 
   Raises:
@@ -155,15 +206,15 @@ class LayoutChanged(ValueError):
   """The local checkpoint was written with another process layout or other shardings."""
 
 
-def _one(rec: dict[str, Any], want: Any, payload: memoryview, where: str) -> Any:
+def _one(rec: dict[str, Any], want: Any, payload: np.ndarray, where: str) -> Any:
   if rec["kind"] == "value":
     return _tree.decode_value(rec["value"])
   dtype = _tree.dtype_from_name(rec["dtype"])
   shape = tuple(rec["shape"])
 
-  def data(entry):
+  def data(entry):  # a view of the blob: device_put copies it (or adopts it, on CPU)
     raw = payload[entry["offset"]:entry["offset"] + entry["nbytes"]]
-    return np.frombuffer(raw, dtype).reshape(_layout.box_shape(tuple(map(tuple, entry["box"])))).copy()
+    return raw.view(dtype).reshape(_layout.box_shape(tuple(map(tuple, entry["box"]))))
 
   if rec["kind"] == "numpy":
     return data(rec["boxes"][0])
@@ -287,19 +338,19 @@ class LocalTier:
     me, n = jax.process_index(), jax.process_count()
     tmp = self._dir(step) + _TMP
     error = ""
-    blob = b""
+    parts: list[np.ndarray] = []
     try:
-      blob = encode(step, items)
+      parts = encode(step, items).parts()
       shutil.rmtree(tmp, ignore_errors=True)
       os.makedirs(tmp)
-      _write(os.path.join(tmp, OWN), blob)
+      write_parts(os.path.join(tmp, OWN), parts)
     except (OSError, ValueError, TypeError) as e:
       error = f"{type(e).__name__}: {e}"
     for k in range(1, self.replicas + 1):  # every process takes part, even after a failure
-      got = _exchange.shift_bytes(blob, k, f"{self._key}/{step}/x{k}", self.timeout)
+      got = _exchange.shift_parts(parts, k, f"{self._key}/{step}/x{k}", self.timeout)
       if not error:
         try:
-          _write(os.path.join(tmp, f"replica-{(me - k) % n}.blob"), got)
+          write_parts(os.path.join(tmp, f"replica-{(me - k) % n}.blob"), [got])
         except OSError as e:
           error = f"{type(e).__name__}: {e}"
     if not error:
@@ -378,17 +429,15 @@ class LocalTier:
       return None
     blob, where = None, "nowhere"
     if plan.source[me] == me:
-      with open(os.path.join(self._dir(plan.step), OWN), "rb") as f:
-        blob = f.read()
+      blob = read_file(os.path.join(self._dir(plan.step), OWN))
       where = "its own local copy"
     # Replica holders send to the processes that lost their copy, one shift at a time.
     for shift in sorted({(p - s) % n for p, s in enumerate(plan.source) if s != p}):
-      send = b""
+      send: list[np.ndarray] = []
       target_p = (me + shift) % n
       if plan.source[target_p] == me and target_p != me:
-        with open(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"), "rb") as f:
-          send = f.read()
-      got = _exchange.shift_bytes(send, shift, f"{self._key}/restore/{plan.step}/{shift}",
+        send = [read_file(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"))]
+      got = _exchange.shift_parts(send, shift, f"{self._key}/restore/{plan.step}/{shift}",
                                   self.timeout)
       if plan.source[me] == (me - shift) % n and plan.source[me] != me:
         blob = got
