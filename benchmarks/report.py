@@ -101,8 +101,9 @@ def mp_table(run) -> list[str]:
     lines.append(f"| {r['processes']} | {r['save_s']:.3f} | {r['save_gbps']:.2f} | {r['restore_s']:.3f} |"
                  f" {r['restore_gbps']:.2f} | {r['save_round_trips']} | {r['restore_round_trips']} |")
   if any("local_save_r0_s" in r for r in rows):
-    lines += ["", "Tiers on the same state and processes (the slowest process, median): the local"
-              " tier without and with one peer replica (sent with a jitted ppermute over gloo),"
+    where = rows[0].get("local_on", "the same disk")
+    lines += ["", f"Tiers on the same state and processes (the slowest process, median): the local"
+              f" tier (on {where}) without and with one peer replica (sent with a jitted ppermute over gloo),"
               " its restore, and a data-parallel restore (matrices replicated over the `data`"
               " axis) read by every replica or once (`read_once=True`), with the bytes all"
               " processes read from storage:", "",

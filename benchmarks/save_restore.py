@@ -696,9 +696,11 @@ def _mp_tiers(state, root, nproc, reps, res):
   from orbax_flax.tiers import local  # pylint: disable=g-import-not-at-top
   items = {"state": state}
   target = {"state": abstract(state)}
+  # The local tier where it is meant to live: RAM (/dev/shm), else the benchmark's disk.
+  local_root = "/dev/shm" if os.path.isdir("/dev/shm") else root
   for replicas in sorted({0, min(1, nproc - 1)}):
-    tier = local.LocalTier(os.path.join(root, f"local{nproc}-r{replicas}"), replicas=replicas,
-                           max_to_keep=1)
+    tier = local.LocalTier(os.path.join(local_root, f"ofx-bench-local{nproc}-r{replicas}"),
+                           replicas=replicas, max_to_keep=1)
     saves, restores = [], []
     for rep in range(reps):
       multihost_utils.sync_global_devices(f"local{replicas}-{rep}")
@@ -714,6 +716,7 @@ def _mp_tiers(state, root, nproc, reps, res):
       del out
     res[f"local_save_r{replicas}"], res[f"local_restore_r{replicas}"] = saves, restores
     shutil.rmtree(tier.root, ignore_errors=True)
+    res["local_on"] = local_root
   # Data-parallel replicas: matrices replicated over "data" (which spans the processes).
   path = os.path.join(root, f"mp{nproc}-0")
   ofx.save(path + "-dp", items)
@@ -773,6 +776,8 @@ def run_multiprocess(size, counts, root, reps):
                 "dp_restore_once0", "dp_restore_once1"):
       if key in results[0]:
         rows[-1][key + "_s"] = worst(key)
+    if "local_on" in results[0]:
+      rows[-1]["local_on"] = results[0]["local_on"]
     for key in ("dp_bytes_once0", "dp_bytes_once1"):
       if key in results[0]:
         rows[-1][key] = sum(r[key] for r in results)  # read from storage, all processes

@@ -148,3 +148,21 @@ def assign_owners(holders: Sequence[frozenset[int]], chunk_bytes: int,
     load[owner] += chunk_bytes
     owners.append(owner)
   return owners
+
+
+def split_by_size(sizes: Sequence[int], limit: int) -> list[list[int]]:
+  """Indices of ``sizes`` in order, in groups of at most ``limit`` (a larger item alone).
+
+  Example:
+    >>> split_by_size([3, 3, 3, 9, 1], 6)
+    [[0, 1], [2], [3], [4]]
+  """
+  groups: list[list[int]] = [[]]
+  used = 0
+  for i, n in enumerate(sizes):
+    if groups[-1] and used + n > limit:
+      groups.append([])
+      used = 0
+    groups[-1].append(i)
+    used += n
+  return groups

@@ -530,16 +530,9 @@ def _windows(wants: list[_Want], budget: int) -> list[list[int]]:
   """Indices of ``wants`` in rounds of at most ``budget`` bytes of host data (0: one round)."""
   if not budget:
     return [list(range(len(wants)))]
-  rounds: list[list[int]] = [[]]
-  used = 0
-  for i, w in enumerate(wants):
-    n = sum(math.prod(_layout.box_shape(b)) for b in w.boxes) * np.dtype(w.dtype).itemsize
-    if rounds[-1] and used + n > budget:
-      rounds.append([])
-      used = 0
-    rounds[-1].append(i)
-    used += n
-  return rounds
+  return _layout.split_by_size(
+      [sum(math.prod(_layout.box_shape(b)) for b in w.boxes) * np.dtype(w.dtype).itemsize
+       for w in wants], budget)
 
 
 def _box_buffers(want: _Want, dtype: np.dtype) -> list[np.ndarray]:

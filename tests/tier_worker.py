@@ -29,7 +29,9 @@ def main():
   p.add_argument("--steps", default="1,2,3")
   p.add_argument("--newer_than", type=int, default=-1)
   a = jobs.join(p)
-  from orbax_flax.tiers import local  # pylint: disable=g-import-not-at-top
+  from orbax_flax.tiers import _exchange, local  # pylint: disable=g-import-not-at-top
+  # Small collective rounds, so that every exchange here takes several (as 2 GB states do).
+  _exchange._ROUND_BYTES = 4096  # pylint: disable=protected-access
   mesh = interop_worker._mesh()  # pylint: disable=protected-access
   tier = local.LocalTier(a.dir, replicas=1, max_to_keep=2, timeout_seconds=60)
   if a.mode == "save":

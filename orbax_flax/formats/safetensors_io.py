@@ -209,16 +209,9 @@ def _default_name(path: tuple[str, ...]) -> str:
 def _file_layout(entries: list[tuple[str, tuple[int, ...], np.dtype]], max_shard_bytes: int
             ) -> list[list[int]]:
   """Entry indices per file: in order, a new file when the next tensor would overflow."""
-  files: list[list[int]] = [[]]
-  used = 0
-  for i, (_, shape, dtype) in enumerate(entries):
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    if files[-1] and used + n > max_shard_bytes:
-      files.append([])
-      used = 0
-    files[-1].append(i)
-    used += n
-  return files
+  return _layout.split_by_size(
+      [int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for _, shape, dtype in entries],
+      max_shard_bytes)
 
 
 def _header_bytes(entries, idxs, metadata: Mapping[str, str]) -> tuple[bytes, list[int]]:
