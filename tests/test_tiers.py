@@ -152,3 +152,10 @@ def test_read_once_restore_reads_replicated_arrays_once_across_processes(tmp_pat
   # in whole chunks, so "cols", saved in column chunks, is still read whole by each process.
   replicated = 1024 * 512 * 4
   assert read["False"] - read["True"] >= 0.9 * replicated, read
+
+
+def test_repeated_saves_and_restores_of_one_tier_agree_every_time(saved, tmp_path):
+  """Each call has coordination keys of its own: a second restore must not read the first's."""
+  d = _copy(saved, tmp_path)
+  res = _run("restore", d, extra=["--repeat=3"])
+  assert all(o.count("RESTORED step 3 from its own local copy") == 3 for o in res.outputs), res.outputs

@@ -28,6 +28,7 @@ def main():
   p.add_argument("--dir")
   p.add_argument("--steps", default="1,2,3")
   p.add_argument("--newer_than", type=int, default=-1)
+  p.add_argument("--repeat", type=int, default=1)
   a = jobs.join(p)
   from orbax_flax.tiers import _exchange, local  # pylint: disable=g-import-not-at-top
   # Small collective rounds, so that every exchange here takes several (as 2 GB states do).
@@ -43,7 +44,12 @@ def main():
   target = {"state": jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
       if isinstance(x, jax.Array) else x, like)}
-  got = tier.restore(target, newer_than=None if a.newer_than < 0 else a.newer_than)
+  for _ in range(a.repeat):
+    _restore_and_check(tier, target, mesh, a.newer_than)
+
+
+def _restore_and_check(tier, target, mesh, newer_than):
+  got = tier.restore(target, newer_than=None if newer_than < 0 else newer_than)
   if got is None:
     print("NO LOCAL STEP", flush=True)
     return

@@ -323,7 +323,13 @@ class LocalTier:
     self.max_to_keep = max_to_keep
     self.timeout = timeout_seconds
     self._key = _multihost.namespace("local_tier")
+    self._calls = 0
     os.makedirs(self.root, exist_ok=True)
+
+  def _next_key(self, what: str) -> str:
+    """A coordination key unique to this call: every process makes the same calls in order."""
+    self._calls += 1
+    return f"{self._key}/{self._calls}-{what}"
 
   def _dir(self, step: int) -> str:
     return os.path.join(self.root, str(step))
@@ -336,6 +342,7 @@ class LocalTier:
     """
     start = time.perf_counter()
     me, n = jax.process_index(), jax.process_count()
+    key = self._next_key(f"save{step}")
     tmp = self._dir(step) + _TMP
     error = ""
     parts: list[np.ndarray] = []
@@ -347,7 +354,7 @@ class LocalTier:
     except (OSError, ValueError, TypeError) as e:
       error = f"{type(e).__name__}: {e}"
     for k in range(1, self.replicas + 1):  # every process takes part, even after a failure
-      got = _exchange.shift_parts(parts, k, f"{self._key}/{step}/x{k}", self.timeout)
+      got = _exchange.shift_parts(parts, k, f"{key}/x{k}", self.timeout)
       if not error:
         try:
           write_parts(os.path.join(tmp, f"replica-{(me - k) % n}.blob"), [got])
@@ -359,7 +366,7 @@ class LocalTier:
         os.rename(tmp, self._dir(step))
       except OSError as e:
         error = f"{type(e).__name__}: {e}"
-    verdicts = _multihost.all_gather(f"{self._key}/{step}/done", error, self.timeout,
+    verdicts = _multihost.all_gather(f"{key}/done", error, self.timeout,
                                      what=f"finish local step {step}")
     failed = [f"process {p}: {v}" for p, v in enumerate(verdicts) if v]
     if failed:
@@ -412,8 +419,9 @@ class LocalTier:
     or was written by another layout; every process gets the same answer.
     """
     me, n = jax.process_index(), jax.process_count()
+    key = self._next_key("restore")
     mine = self.holdings()
-    reports = _multihost.all_gather(f"{self._key}/holdings", mine.to_json(), self.timeout,
+    reports = _multihost.all_gather(f"{key}/holdings", mine.to_json(), self.timeout,
                                     what="report its local steps")
     holdings = [Holdings.from_json(r) for r in reports]
     if any(h.process_count != n for h in holdings if h.own or h.replicas):
@@ -437,7 +445,7 @@ class LocalTier:
       target_p = (me + shift) % n
       if plan.source[target_p] == me and target_p != me:
         send = [read_file(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"))]
-      got = _exchange.shift_parts(send, shift, f"{self._key}/restore/{plan.step}/{shift}",
+      got = _exchange.shift_parts(send, shift, f"{key}/x{shift}",
                                   self.timeout)
       if plan.source[me] == (me - shift) % n and plan.source[me] != me:
         blob = got
@@ -448,7 +456,7 @@ class LocalTier:
       error = ""
     except LayoutChanged as e:
       items, error = None, str(e)
-    verdicts = _multihost.all_gather(f"{self._key}/restore/{plan.step}/ok", error, self.timeout,
+    verdicts = _multihost.all_gather(f"{key}/ok", error, self.timeout,
                                      what="assemble the local step")
     bad = [f"process {p}: {v}" for p, v in enumerate(verdicts) if v]
     if bad:
