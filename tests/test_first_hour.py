@@ -277,6 +277,9 @@ def test_long_work_shows_progress_on_a_terminal_only(tmp_path):
   quiet = subprocess.run([sys.executable, "-m", "orbax_flax", "verify", path], capture_output=True,
                          text=True, env=env, timeout=120)
   assert "reading every chunk" not in quiet.stdout + quiet.stderr  # no terminal: no progress line
+  shown = _run_in_pty([sys.executable, "-m", "orbax_flax", "convert", path,
+                      str(tmp_path / "st"), "--format=safetensors"], env)
+  assert "wrote" in shown and re.search(r"convert .*: converting array by array, .*MiB", shown), shown
 
 
 # ------------------------------------------------------------- 15. TensorBoard without TensorFlow

@@ -28,13 +28,16 @@ from orbax_flax.formats import safetensors_io as safetensors
 class LazyArray:
   """An array of a checkpoint, read when (and each time) :meth:`read` is called."""
 
-  def __init__(self, reader: Any, item: str, rec: dict[str, Any]):
-    self._reader, self._item, self._rec = reader, item, rec
+  def __init__(self, reader: Any, item: str, rec: dict[str, Any], progress: Any = None):
+    self._reader, self._item, self._rec, self._progress = reader, item, rec, progress
     self.shape = tuple(rec["shape"])
     self.dtype = _tree.dtype_from_name(rec["dtype"])
 
   def read(self) -> np.ndarray:
-    return _read.read_whole(self._reader, self._item, self._rec)
+    out = _read.read_whole(self._reader, self._item, self._rec)
+    if self._progress is not None:
+      self._progress.add(out.nbytes)
+    return out
 
 
 def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None,  # pylint: disable=redefined-builtin
@@ -58,9 +61,13 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
     raise ValueError(f"format={format!r}; use 'orbax_flax' or 'safetensors'")
   loc, manifest = restoring.open_manifest(src)
   if format == "orbax_flax":
-    items = restoring.restore(src)
+    items = checkpointer.restore(src)  # shows progress on a terminal, as every restore does
     checkpointer.save(dst, items, overwrite=overwrite, dtype=dtype)
     return f"wrote {dst} (orbax_flax, {len(items)} item(s)) from {manifest.get('format', 'orbax_flax')}"
+  from orbax_flax import _progress  # pylint: disable=g-import-not-at-top
+  progress = _progress.Progress(f"convert {loc}", sum(
+      r.get("nbytes", 0) for i in manifest["items"].values() for r in i["leaves"]))
+  progress.phase = "converting array by array"
   reader = restoring.reader_for(loc, manifest)
   flat: dict[str, Any] = {}
   meta: dict[str, str] = {}
@@ -75,7 +82,9 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
         else:
           flat[name] = np.asarray(value)
       else:
-        flat[name] = LazyArray(reader, item, rec)
-  names = safetensors.export_safetensors(dst, flat, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                                         name_fn=lambda p: p[0], metadata=meta, overwrite=overwrite)
+        flat[name] = LazyArray(reader, item, rec, progress)
+  with _progress.Monitor(progress):  # bytes, GB/s and ETA on a terminal; quiet in logs and CI
+    names = safetensors.export_safetensors(dst, flat, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                           name_fn=lambda p: p[0], metadata=meta,
+                                           overwrite=overwrite)
   return f"wrote {dst} (safetensors, {len(flat)} tensors in {len(names)} file(s))"
