@@ -106,11 +106,10 @@ def _values(tree, prefix=""):
 
 def cmd_verify(path: str, out) -> int:
   try:
-    n = verify_lib.verify(path)
+    n, fmt = verify_lib.verify_report(path)
   except errors.CheckpointCorruptedError as e:
     print(f"CORRUPTED: {e}", file=out)
     return EXIT_CORRUPT
-  fmt = metadata_lib.metadata(path).format
   what = ("every checksum matches" if fmt == "orbax_flax"
           else f"{fmt}: checked {verify_lib.COVERAGE[fmt]}")
   print(f"OK: {path}: {what} ({metadata_lib.human_bytes(n)} of arrays read)", file=out)

@@ -44,17 +44,30 @@ def verify(path: Any) -> int:
     >>> ofx.verify(path)
     64
   """
+  return verify_report(path)[0]
+
+
+def verify_report(path: Any) -> tuple[int, str]:
+  """:func:`verify`, also returning the checkpoint's format (what the check covered).
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> ofx.save(path, {"state": {"w": np.ones((4, 4), np.float32)}})
+    >>> verify_report(path)
+    (64, 'orbax_flax')
+  """
   loc = Location.parse(path)
   checkpointer.wait_for_inflight(loc)
   loc, manifest = restoring.open_manifest(loc)  # checks the manifest's own hashes
   if manifest.get("format", "orbax_flax") != "orbax_flax":
-    return _verify_foreign(loc, manifest)
+    return _verify_foreign(loc, manifest), manifest["format"]
   progress = _progress.Progress(f"verify {loc}", sum(
       r.get("nbytes", 0) for item in manifest["items"].values() for r in item["leaves"]))
   progress.phase = "reading every chunk"
   reader = _reading.Reader(loc, manifest, _BATCH_BYTES, progress)
   with _progress.Monitor(progress):
-    return _verify(loc, manifest, reader)
+    return _verify(loc, manifest, reader), "orbax_flax"
 
 
 def _verify(loc: Location, manifest: dict[str, Any], reader: _reading.Reader) -> int:

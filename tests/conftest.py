@@ -25,15 +25,7 @@ def s3_server():
     server = s3server.S3Server()
   except RuntimeError as e:
     pytest.skip(f"S3 tests need a local SeaweedFS server, which could not start: {e}")
-  old = {k: os.environ.get(k) for k in server.env()}
-  os.environ.update(server.env())
-  yield server
-  for k, v in old.items():
-    if v is None:
-      os.environ.pop(k, None)
-    else:
-      os.environ[k] = v
-  server.stop()
+  yield from server.serve()
 
 
 @pytest.fixture

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -94,3 +95,18 @@ def wait(procs: list[subprocess.Popen], timeout: float = 240) -> Result:
 def run(script: str, args: list[str], num_processes: int, devices_per_process: int,
         timeout: float = 240, env: dict[str, str] | None = None) -> Result:
   return wait(start(script, args, num_processes, devices_per_process, env), timeout)
+
+
+def read_until(proc, pattern: str, timeout: float = 240) -> list[str]:
+  """Output lines of ``proc`` up to the first one matching ``pattern`` (a regex); raises
+  AssertionError with what was read if the output ends or ``timeout`` passes first."""
+  lines = []
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    line = proc.stdout.readline()
+    if not line:
+      break
+    lines.append(line)
+    if re.search(pattern, line):
+      return lines
+  raise AssertionError(f"{pattern!r} not seen:\n" + "".join(lines)[-5000:])

@@ -122,6 +122,21 @@ class S3Server:
             "AWS_EC2_METADATA_DISABLED": "true", "AWS_REGION": "us-east-1",
             "AWS_ENDPOINT_URL_S3": self.endpoint}
 
+  def serve(self):
+    """Yields this server with its credentials in os.environ; restores the environment and
+    stops the server afterwards (the body of a pytest fixture)."""
+    old = {k: os.environ.get(k) for k in self.env()}
+    os.environ.update(self.env())
+    try:
+      yield self
+    finally:
+      for k, v in old.items():
+        if v is None:
+          os.environ.pop(k, None)
+        else:
+          os.environ[k] = v
+      self.stop()
+
   def stop(self) -> None:
     if self.proc.poll() is None:
       os.killpg(self.proc.pid, signal.SIGKILL)  # weed ignores SIGTERM for long

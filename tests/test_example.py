@@ -5,7 +5,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -45,16 +44,7 @@ def run(workdir, steps, **kw):
 
 def read_until(proc, pattern, timeout=240):
   """Reads output lines until one matches; returns everything read."""
-  lines = []
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    line = proc.stdout.readline()
-    if not line:
-      break
-    lines.append(line)
-    if re.search(pattern, line):
-      return "".join(lines)
-  raise AssertionError(f"{pattern!r} not seen:\n" + "".join(lines)[-5000:])
+  return "".join(jobs.read_until(proc, pattern, timeout))
 
 
 def done(out):

@@ -61,16 +61,7 @@ def _start(mode, d, extra=(), n=1, devices=8):
 
 def _read_until_commit(proc, timeout=120):
   """Lines until the first COMMITTED line (the job is then well under way)."""
-  lines = []
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    line = proc.stdout.readline()
-    if not line:
-      break
-    lines.append(line)
-    if line.startswith("COMMITTED"):
-      return lines
-  raise AssertionError("no commit:\n" + "".join(lines))
+  return jobs.read_until(proc, r"^COMMITTED", timeout)
 
 
 def _committed(lines):
