@@ -554,10 +554,19 @@ class _Files:
 
 
 def _packed_names(pfs: Sequence[PackedFill]) -> str:
-  names = [p.name for p in pfs]
+  return packed_names([p.name for p in pfs])
+
+
+def packed_names(names: Sequence[str], shown: int = 16) -> str:
+  """Names the arrays one packed chunk holds, all of them up to `shown`.
+
+  A packed chunk has one checksum, so every array in it is suspect when it fails; the
+  message names each (a user deciding what to re-derive needs the whole list).
+  """
   if len(names) == 1:
     return names[0]
-  return f"one of {', '.join(names[:4])}{', ...' if len(names) > 4 else ''} (packed together)"
+  more = f" and {len(names) - shown} more" if len(names) > shown else ""
+  return f"one of {', '.join(names[:shown])}{more} (packed together)"
 
 
 def _packed_groups(packed: Sequence[PackedFill], manifest: dict[str, Any]):

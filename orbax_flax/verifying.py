@@ -159,7 +159,7 @@ def _batches(manifest: dict[str, Any]):
         hi = min(size, lo + chunk)
         names = [_tree.path_str(tuple(r["path"])) for r in recs
                  if r["packed_offset"] < hi and r["packed_offset"] + r["nbytes"] > lo]
-        name = names[0] if len(names) == 1 else f"one of {', '.join(names[:4])} (packed together)"
+        name = _reading.packed_names(names)
         batch.append(_reading.PackedFill(item, owner, lo, hi, np.dtype(np.uint8), (hi - lo,), [], name))
         used += hi - lo
         if used >= _BATCH_BYTES:
