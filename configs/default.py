@@ -34,6 +34,8 @@ def get_checkpoint_config() -> ml_collections.ConfigDict:
   c.local_directory = _DEFAULTS.local_directory
   # Save to the local tier every N steps (0: off).
   c.local_save_interval_steps = _DEFAULTS.local_save_interval_steps
+  # "auto": also save to the local tier every sqrt(2 x local save time x mtbf_seconds).
+  c.local_save_interval = _DEFAULTS.local_save_interval
   # Local steps each process keeps.
   c.local_max_to_keep = _DEFAULTS.local_max_to_keep
   # Other processes holding a copy of each process's local shards (JAX collectives).

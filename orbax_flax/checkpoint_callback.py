@@ -150,11 +150,16 @@ class CheckpointCallback(callbacks.Callback):
     directory = self.policy.directory or os.path.join(workdir, "checkpoints")
     self.manager = CheckpointManager(directory, self.policy, clock=clock)
     self._local = None
-    if self.policy.local_directory and self.policy.local_save_interval_steps:
-      from orbax_flax.tiers import local  # pylint: disable=g-import-not-at-top
+    self._local_schedule = None
+    if self.policy.local_tier:
+      from orbax_flax.tiers import local, schedule  # pylint: disable=g-import-not-at-top
       self._local = local.LocalTier(self.policy.local_directory, replicas=self.policy.replicas,
                                     max_to_keep=self.policy.local_max_to_keep,
                                     timeout_seconds=self.policy.coordination_timeout_seconds)
+      self._local_schedule = schedule.LocalSchedule(
+          every_steps=self.policy.local_save_interval_steps,
+          mtbf_seconds=self.policy.mtbf_seconds if self.policy.local_save_interval == "auto" else None,
+          clock=clock)
     self.metadata = dict(metadata or {})
     self.writer = writer
     self._watcher = (preemption.PreemptionWatcher(self.policy.preemption_signals)
@@ -388,7 +393,7 @@ class CheckpointCallback(callbacks.Callback):
     if self._watcher is not None and self._watcher.reached(step):
       self._save_preemption(step, state, metrics)
       return True
-    local_due = self._local is not None and step % self.policy.local_save_interval_steps == 0
+    local_due = self._local_schedule is not None and self._local_schedule.due(step)
     reason = self.manager.should_save(step)
     if local_due or reason is not None:
       items = self._items(step, state)  # one gather of the data positions for both tiers
@@ -402,8 +407,17 @@ class CheckpointCallback(callbacks.Callback):
     """A local-tier save: this process's shards to its own disk and its replicas' (collective)."""
     try:
       seconds = self._local.save(step, items)
-      log.info("local checkpoint step %d committed in %.3f s (%s, %d replica(s))", step, seconds,
-               self.policy.local_directory, self._local.replicas)
+      self._local_schedule.record(step, seconds)
+      interval = self._local_schedule.interval_s()
+      log.info("local checkpoint step %d committed in %.3f s (%s, %d replica(s))%s", step, seconds,
+               self.policy.local_directory, self._local.replicas,
+               "" if interval is None else f"; local_save_interval=auto: next in {interval:.1f} s,"
+               f" a failure loses {interval / 2:.1f} s of work on average")
+      if self.writer is not None:
+        scalars = {"checkpoint/local_s": seconds}
+        if interval is not None:
+          scalars["checkpoint/local_expected_loss_s"] = interval / 2
+        self.writer.write_scalars(step, scalars)
     except errors.StorageError as e:
       self._save_failed(e)
 

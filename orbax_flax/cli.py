@@ -147,6 +147,9 @@ options:
   --start_step=N           simulate a run resumed after step N (default 0)
   --seconds_per_step=S     simulated wall time per step, for time-based rules (default 1)
   --save_cost_seconds=S    what a save blocks, for save_interval=auto (default: 1 s assumed)
+  --local_save_cost_seconds=S
+                           what a local-tier save takes, for local_save_interval=auto
+                           (default: 1 s assumed)
   --all                    list every save instead of a summary
   -h, --help               show this help
 """
@@ -189,6 +192,8 @@ def cmd_plan(argv: list[str], out) -> int:
   flags.DEFINE_integer("start_step", 0, "Simulate a run resumed after this step.", flag_values=fv)
   flags.DEFINE_float("seconds_per_step", 1.0, "Simulated wall time per step.", flag_values=fv)
   flags.DEFINE_bool("all", False, "List every save instead of a summary.", flag_values=fv)
+  flags.DEFINE_float("local_save_cost_seconds", None,
+                     "What a local-tier save takes, for local_save_interval=auto.", flag_values=fv)
   flags.DEFINE_float("save_cost_seconds", None, "What a save blocks, for save_interval=auto.",
                      flag_values=fv)
   try:
@@ -234,7 +239,28 @@ def cmd_plan(argv: list[str], out) -> int:
   if policy.keep_best:
     print(f"(keep_best ranks by {policy.best_metric!r}, which a dry run cannot know; the plan"
           " treats every step as lacking it)", file=out)
+  if policy.local_tier:
+    _print_local_plan(policy, steps, fv, out)
   return EXIT_OK
+
+
+def _print_local_plan(policy, steps: int, fv, out) -> None:
+  """The local tier's part of ``plan``: its saves, and the auto interval it would choose."""
+  from orbax_flax import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  cost = fv.local_save_cost_seconds
+  local = policy.plan_local(steps, seconds_per_step=fv.seconds_per_step, start_step=fv.start_step,
+                            local_save_cost_seconds=cost)
+  if policy.local_save_interval == "auto":
+    interval = policy_lib.YoungDaly(policy.mtbf_seconds).interval(cost)
+    print(f"local_save_interval=auto: sqrt(2 x local save cost {1.0 if cost is None else cost:g} s"
+          f"{' (assumed; pass --local_save_cost_seconds)' if cost is None else ''} x mtbf"
+          f" {policy.mtbf_seconds:g} s) = every {interval:.1f} s, about every"
+          f" {max(1, round(interval / fv.seconds_per_step))} step(s); a failure loses"
+          f" {interval / 2:.1f} s of work on average", file=out)
+  shown = local if fv.all or len(local) <= 12 else local[:5] + ["..."] + local[-5:]
+  print(f"local tier ({policy.local_directory}) saves {len(local)} step(s):"
+        f" {', '.join(str(x) for x in shown)}; keeps the newest {policy.local_max_to_keep} on each"
+        " process", file=out)
 
 
 def main(argv: Sequence[str] | None = None, out=None) -> int:

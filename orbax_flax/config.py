@@ -119,6 +119,11 @@ class CheckpointPolicy:
       ``/dev/shm/ckpt``) for the local tier ("" : off). Each process writes
       only its own shards there (``process_<i>/``), never reading another's.
     local_save_interval_steps: save to the local tier every N steps (0: off).
+    local_save_interval: "auto" also saves to the local tier at the Young/Daly
+      interval of its own cost, ``sqrt(2 x local save time x mtbf_seconds)``
+      (the median of the last 5 local saves; 1 s assumed before the first),
+      re-evaluated at every step; "" (default) turns it off. Combines with
+      ``local_save_interval_steps`` as the persistent triggers combine.
     local_max_to_keep: committed local steps each process keeps (>= 1).
     replicas: how many other processes hold a copy of each process's local
       shards, sent with JAX collectives; losing any ``replicas`` hosts' local
@@ -159,6 +164,7 @@ class CheckpointPolicy:
   read_once_restore: bool = False
   local_directory: str = ""
   local_save_interval_steps: int = 0
+  local_save_interval: str = ""
   local_max_to_keep: int = 1
   replicas: int = 1
 
@@ -182,6 +188,13 @@ class CheckpointPolicy:
     if self.local_save_interval_steps and not self.local_directory:
       _fail("local_save_interval_steps", self.local_save_interval_steps, "needs local_directory,"
             " a fast local directory such as /dev/shm/ckpt")
+    _check_choice("local_save_interval", self.local_save_interval, ("", "auto"))
+    if self.local_save_interval == "auto" and not self.local_directory:
+      _fail("local_save_interval", self.local_save_interval, "needs local_directory, a fast"
+            " local directory such as /dev/shm/ckpt")
+    if self.local_save_interval == "auto" and not self.mtbf_seconds:
+      _fail("local_save_interval", self.local_save_interval, "needs mtbf_seconds, the job's mean"
+            " time between failures (e.g. mtbf_seconds=86400 for about one failure a day)")
     if self.local_max_to_keep < 1:
       _fail("local_max_to_keep", self.local_max_to_keep, "must be >= 1")
     if self.replicas < 0:
@@ -264,6 +277,12 @@ class CheckpointPolicy:
     return policy_lib.any_of(*triggers)
 
   @property
+  def local_tier(self) -> bool:
+    """Whether the local tier saves (a directory and an interval of either kind)."""
+    return bool(self.local_directory) and bool(self.local_save_interval_steps
+                                               or self.local_save_interval == "auto")
+
+  @property
   def uses_time(self) -> bool:
     return self.save_interval_seconds > 0 or self.save_interval == "auto"
 
@@ -316,6 +335,34 @@ class CheckpointPolicy:
       dead = set(policy_lib.to_delete(infos, rules))
       infos = [i for i in infos if i.step not in dead]
     return Plan(saved, [i.step for i in infos])
+
+
+  def plan_local(self, num_steps: int, *, seconds_per_step: float = 1.0, start_step: int = 0,
+                 local_save_cost_seconds: float | None = None) -> list[int]:
+    """Dry run of the local tier: the steps it saves over ``start_step + 1 .. num_steps``.
+
+    Example:
+      >>> p = CheckpointPolicy(local_directory="/dev/shm/ckpt", local_save_interval="auto",
+      ...                      mtbf_seconds=200.0)
+      >>> p.plan_local(60, local_save_cost_seconds=1.0)   # sqrt(2 x 1 x 200) = every 20 s
+      [20, 40, 60]
+    """
+    if not self.local_tier:
+      return []
+    triggers: list[policy_lib.Trigger] = []
+    if self.local_save_interval_steps:
+      triggers.append(policy_lib.EveryNSteps(self.local_save_interval_steps))
+    if self.local_save_interval == "auto":
+      triggers.append(policy_lib.YoungDaly(self.mtbf_seconds))
+    trigger = policy_lib.any_of(*triggers)
+    saved, last_step, last_time = [], None, 0.0
+    for step in range(start_step + 1, num_steps + 1):
+      now = (step - start_step) * seconds_per_step
+      if trigger(policy_lib.SaveState(step, now, last_step, last_time, first=False,
+                                      save_cost=local_save_cost_seconds)):
+        saved.append(step)
+        last_step, last_time = step, now
+    return saved
 
 
 def _fail(name: str, value: Any, problem: str):

@@ -103,14 +103,22 @@ def test_sigterm_to_one_process_all_save_the_same_step(tmp_path, n, devices):
 
 
 def test_resume_on_other_device_and_process_counts(tmp_path):
-  out = run(tmp_path, 10, n=2, devices=4)              # 2 processes x 4 devices
+  # With a local tier too: it holds the same newest step, but it is tied to the process
+  # layout, so each restart with another process count reads the persistent tier, resharded.
+  tiered = [f"--config.checkpoint.local_directory={tmp_path / 'local'}",
+            "--config.checkpoint.local_save_interval_steps=5"]
+  out = run(tmp_path, 10, n=2, devices=4, extra=tiered)              # 2 processes x 4 devices
   (_, digest10), = set(done(out))
-  out = run(tmp_path, 20, n=1, devices=4)              # 1 process x 4 devices
+  assert "local checkpoint step 10 committed" in out
+  out = run(tmp_path, 20, n=1, devices=4, extra=tiered)              # 1 process x 4 devices
   assert restored(out) == [("10", digest10)]           # bitwise what was saved
+  assert "local tier: written by a job of another process count" in out
   assert "saved on mesh {'data': 4, 'model': 2} by 2 process(es), restored onto mesh {'data': 2," in out
   (_, digest20), = done(out)
-  out = run(tmp_path, 30, n=4, devices=2)              # 4 processes x 2 devices
+  out = run(tmp_path, 30, n=4, devices=2, extra=tiered)              # 4 processes x 2 devices
   assert set(restored(out)) == {("20", digest20)}
+  for i in range(4):
+    assert re.search(rf"\[{i}\] .*local tier: written by a job of another process count", out), i
   assert len(set(done(out))) == 1 and done(out)[0][0] == "30"
 
 

@@ -159,3 +159,82 @@ def test_repeated_saves_and_restores_of_one_tier_agree_every_time(saved, tmp_pat
   d = _copy(saved, tmp_path)
   res = _run("restore", d, extra=["--repeat=3"])
   assert all(o.count("RESTORED step 3 from its own local copy") == 3 for o in res.outputs), res.outputs
+
+
+# ---------------------------------------------------------------- local_save_interval="auto"
+
+import math  # noqa: E402
+import statistics  # noqa: E402
+
+from orbax_flax.tiers import schedule  # noqa: E402
+
+
+def test_local_schedule_follows_young_daly_of_injected_costs():
+  """No I/O: a fake clock, local save costs injected; the interval is sqrt(2 x median x mtbf)."""
+  now = [0.0]
+  s = schedule.LocalSchedule(mtbf_seconds=5000.0, clock=lambda: now[0])
+  assert s.interval_s() == 100.0  # sqrt(2 x 1 s assumed x 5000 s)
+  due = []
+  costs = iter([0.4, 0.9, 0.1, 3.6, 0.4, 0.4, 0.4, 0.4])
+  for step in range(1, 2001):
+    now[0] += 10.0
+    if s.due(step):
+      due.append(step)
+      s.record(step, next(costs, 0.4))
+  gaps = [b - a for a, b in zip([0] + due, due)]
+  # Median of the recent costs: 1 (assumed), 0.4, 0.65, 0.4, 0.65, 0.4, 0.4, ... -> 100, 64, 81, 64 s
+  assert gaps[:6] == [10, 7, 9, 7, 9, 7], gaps
+  assert set(gaps[6:]) == {7}  # sqrt(2 x 0.4 x 5000) = 63.2 s: the 7th step of 10 s
+  assert s.expected_loss_s() == pytest.approx(math.sqrt(2 * 0.4 * 5000) / 2)
+  assert schedule.LocalSchedule(every_steps=3, clock=lambda: 0.0).due(6)
+  assert schedule.LocalSchedule(every_steps=3, clock=lambda: 0.0).interval_s() is None
+
+
+def test_callback_local_auto_interval_uses_the_measured_local_save_time(tmp_path):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+
+  class Writer:  # duck-typed clu MetricWriter
+    def __init__(self):
+      self.rows = []
+
+    def write_scalars(self, step, scalars):
+      self.rows.append((step, dict(scalars)))
+
+  now = [0.0]
+  writer = Writer()
+  mtbf = 2e5
+  ckpt = ofx.CheckpointCallback(str(tmp_path / "run"), {
+      "local_directory": str(tmp_path / "local"), "local_save_interval": "auto",
+      "mtbf_seconds": mtbf, "save_final_step": False}, writer=writer, clock=lambda: now[0])
+  state = ckpt.restore_or_init({"w": jnp.arange(1 << 16, dtype=jnp.float32)})
+  for step in range(1, 400):
+    now[0] += 10.0
+    ckpt.on_step_end(step, state)
+  ckpt.close()
+  local = [(step, r) for step, r in writer.rows if "checkpoint/local_s" in r]
+  assert local and local[0][0] == 64, local  # sqrt(2 x 1 s assumed x 2e5 s) = 632 s: step 64
+  costs = []
+  for (step, r), nxt in zip(local, local[1:] + [None]):
+    costs.append(r["checkpoint/local_s"])
+    interval = math.sqrt(2 * statistics.median(costs[-5:]) * mtbf)
+    assert r["checkpoint/local_expected_loss_s"] == pytest.approx(interval / 2)
+    if nxt is not None:  # the first step at least `interval` after this save
+      assert nxt[0] - step == max(1, math.ceil(interval / 10.0 - 1e-9)), (step, nxt, interval)
+  held = local_tier_steps(tmp_path / "local")
+  assert held == [local[-1][0]]  # local_max_to_keep=1: the newest
+
+
+def local_tier_steps(d):
+  p = d / "process_0"
+  return sorted(int(x) for x in os.listdir(p) if x.isdigit() and (p / x / "COMMITTED").exists())
+
+
+def test_local_auto_interval_needs_a_local_directory_and_mtbf():
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match="local_save_interval='auto': needs mtbf_seconds"):
+    ofx.CheckpointPolicy(local_directory="/dev/shm/x", local_save_interval="auto")
+  with pytest.raises(ValueError, match="local_save_interval='auto': needs local_directory"):
+    ofx.CheckpointPolicy(local_save_interval="auto", mtbf_seconds=100.0)
+  with pytest.raises(ValueError, match="local_save_interval='every'"):
+    ofx.CheckpointPolicy(local_directory="/dev/shm/x", local_save_interval="every")
