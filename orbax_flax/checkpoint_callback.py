@@ -397,6 +397,8 @@ class CheckpointCallback(callbacks.Callback):
     reason = self.manager.should_save(step)
     if local_due or reason is not None:
       items = self._items(step, state)  # one gather of the data positions for both tiers
+      if local_due and reason is not None:  # one copy to host memory for both tiers
+        items = self.manager.host_snapshot(items)
       if local_due:
         self._save_local(step, items)
       if reason is not None:
@@ -427,6 +429,7 @@ class CheckpointCallback(callbacks.Callback):
     start = time.monotonic()
     items = self._items(step, state)
     if self._local is not None:  # seconds: done first, whatever the grace period
+      items = self.manager.host_snapshot(items)
       self._save_local(step, items)
     self._save(step, state, metrics, "preemption", items=items)
     grace = self.policy.preemption_grace_seconds

@@ -270,13 +270,29 @@ class Checkpointer:
     return plan, run, handle
 
   def _transfer(self, plan: _planning.Plan) -> str:
+    return self._transfer_of(s.value for p in plan.pieces for s in p.sources)
+
+  def _transfer_of(self, values) -> str:
     if self.host_transfer != "auto":
       return self.host_transfer
-    for p in plan.pieces:
-      for s in p.sources:
-        if isinstance(s.value, jax.Array):
-          return "memcpy" if s.value.devices().pop().platform == "cpu" else "pinned_host"
+    for v in values:
+      if isinstance(v, jax.Array):
+        return "memcpy" if v.devices().pop().platform == "cpu" else "pinned_host"
     return "memcpy"
+
+  def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``items`` as an async save of this checkpointer would snapshot them, to share.
+
+    With the pinned-host transfer (GPU/TPU) every device array is copied into
+    pinned host memory once; a save of the result takes those copies as its
+    snapshot, and anyone else (the local tier) reads the same host arrays.
+    With the memcpy transfer (CPU) device buffers are host memory already:
+    ``items`` is returned as it is (its views are free; the save makes its one
+    copy).
+    """
+    if self._transfer_of(jax.tree_util.tree_leaves(dict(items))) != "pinned_host":
+      return items
+    return saving.pin_on_host(dict(items))
 
   def _after_save(self) -> None:
     if not self.keep_staging_memory:

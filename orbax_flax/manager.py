@@ -396,6 +396,11 @@ class CheckpointManager:
     finally:
       _set_writing(str(self._dir), step, False)
 
+  def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``items`` copied to host memory as this manager's async save would (see
+    :meth:`Checkpointer.host_snapshot`): a step saved to two tiers shares it."""
+    return self._ckptr.host_snapshot(items)
+
   def save_cost(self) -> float | None:
     """The median blocking time of the last few saves (what ``save_interval="auto"`` uses)."""
     return statistics.median(self._costs) if self._costs else None

@@ -229,7 +229,8 @@ def to_pinned_host(pieces: Sequence[Piece]) -> None:
   pinned arrays into host views, without another copy.
   """
   sources = [s for p in pieces for s in p.sources]
-  device = [s for s in sources if isinstance(s.value, jax.Array)]
+  device = [s for s in sources if isinstance(s.value, jax.Array)
+            and s.value.sharding.memory_kind != "pinned_host"]  # pinned already: a snapshot
   if device:
     shardings = [s.value.sharding.with_memory_kind("pinned_host") for s in device]
     for s, pinned in zip(device, jax.device_put([s.value for s in device], shardings)):
@@ -237,6 +238,26 @@ def to_pinned_host(pieces: Sequence[Piece]) -> None:
   for s in sources:
     if isinstance(s.value, np.ndarray):
       s.value = np.array(s.value)
+
+
+def pin_on_host(tree: Any) -> Any:
+  """``tree`` with every device array copied into pinned host memory, in one call.
+
+  The snapshot a step due in both tiers shares (accelerators): the local tier
+  reads these host arrays and the persistent save adopts them as its own
+  snapshot (:func:`to_pinned_host` skips them), so the state crosses to the
+  host once. Arrays already in pinned host memory are kept as they are.
+  """
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  moved = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array)
+           and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+           and x.sharding.memory_kind != "pinned_host"]
+  if moved:
+    pinned = jax.device_put([leaves[k] for k in moved],
+                            [leaves[k].sharding.with_memory_kind("pinned_host") for k in moved])
+    for k, x in zip(moved, pinned):
+      leaves[k] = x
+  return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def split_rounds(pieces: Sequence[Piece], budget: int) -> list[list[Piece]]:

@@ -70,6 +70,20 @@ def test_two_lost_disks_with_one_replica_fall_back(saved, tmp_path):
   assert "no step that every process can get" in res.outputs[0]
 
 
+def test_a_damaged_own_copy_is_replaced_by_the_peer_replica(saved, tmp_path):
+  d = _copy(saved, tmp_path)
+  blob = os.path.join(d, "process_1", "3", local.OWN)
+  with open(blob, "r+b") as f:  # one flipped bit in the shard data, past the index
+    f.seek(-1000, 2)
+    b = f.read(1)
+    f.seek(-1, 1)
+    f.write(bytes([b[0] ^ 0x04]))
+  res = _run("restore", d)
+  assert "checksum mismatch in state/" in res.outputs[0] and "trying the peers' replicas" in res.outputs[0]
+  assert "RESTORED step 3 from the replica held by process 2" in res.outputs[1], res.outputs[1]
+  assert all("RESTORED step 3 from its own local copy" in res.outputs[p] for p in (0, 2, 3))
+
+
 def test_another_process_count_ignores_the_local_tier(saved, tmp_path):
   d = _copy(saved, tmp_path)
   res = _run("restore", d, n=2, devices=4)
@@ -238,3 +252,55 @@ def test_local_auto_interval_needs_a_local_directory_and_mtbf():
     ofx.CheckpointPolicy(local_save_interval="auto", mtbf_seconds=100.0)
   with pytest.raises(ValueError, match="local_save_interval='every'"):
     ofx.CheckpointPolicy(local_directory="/dev/shm/x", local_save_interval="every")
+
+
+def test_a_step_due_in_both_tiers_crosses_to_host_memory_once(tmp_path, monkeypatch):
+  """The accelerator path (pinned host memory), forced on CPU: one transfer per array, shared.
+
+  The local tier must read the host snapshot the persistent save adopts, not the device
+  arrays a second time; a donation right after the step must not reach either checkpoint.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  make = lambda: {"w": jax.device_put(jnp.arange(64 * 64, dtype=jnp.float32).reshape(64, 64),  # noqa: E731
+                                      NamedSharding(mesh, P("data", "model"))),
+                  "b": jax.device_put(jnp.ones(64), NamedSharding(mesh, P()))}
+  policy = {"local_directory": str(tmp_path / "local"), "local_save_interval_steps": 2,
+            "save_interval_steps": 2, "save_final_step": False}
+  ckpt = ofx.CheckpointCallback(str(tmp_path / "run"), policy)
+  ckpt.manager._ckptr.host_transfer = "pinned_host"  # pylint: disable=protected-access
+  state = ckpt.restore_or_init(make())
+  expected = jax.tree.map(np.array, state)
+  pinned, seen_by_local = [], []
+  real_put, real_encode = jax.device_put, local.encode
+
+  def put(x, device=None, **kw):
+    out = real_put(x, device, **kw)
+    pinned.extend(y for y in jax.tree.leaves(out) if y.sharding.memory_kind == "pinned_host")
+    return out
+
+  def encode(step, items):
+    seen_by_local.extend(x.sharding.memory_kind for x in jax.tree.leaves(items)
+                         if isinstance(x, jax.Array))
+    return real_encode(step, items)
+
+  monkeypatch.setattr(jax, "device_put", put)
+  monkeypatch.setattr(local, "encode", encode)
+  ckpt.on_step_end(2, state)
+  jax.block_until_ready(jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)(state))
+  ckpt.close()
+  monkeypatch.undo()
+  assert len(pinned) == 2, len(pinned)  # w and b, once each
+  assert seen_by_local and set(seen_by_local) == {"pinned_host"}, seen_by_local
+  persistent = ofx.restore(str(tmp_path / "run" / "checkpoints" / "2"))["state"]
+  jax.tree.map(np.testing.assert_array_equal, persistent, expected)
+  again = ofx.CheckpointCallback(str(tmp_path / "run"), policy)
+  got = again.restore_or_init(make())
+  again.close()
+  assert again.restored_step == 2
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, got), expected)

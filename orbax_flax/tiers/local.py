@@ -51,6 +51,7 @@ log = logging.getLogger("orbax_flax")
 OWN = "own.blob"
 COMMITTED = "COMMITTED"
 _TMP = ".ofx-tmp-local"
+_DAMAGED = "damaged own copy: "
 
 
 def _is_key(x: Any) -> bool:
@@ -72,10 +73,14 @@ class Blob:
 
 
 def encode(step: int, items: Mapping[str, Any]) -> Blob:
-  """This process's shards of ``items``: an index and views of the shard bytes (no copy on CPU)."""
+  """This process's shards of ``items``: an index and views of the shard bytes (no copy on CPU).
+
+  Each shard's bytes carry one CRC-32C per :data:`SEGMENT` bytes, computed in
+  parallel, so that a restore checks each segment as it reads it, in parallel.
+  """
   pieces: list[np.ndarray] = []
+  entries: list[dict[str, Any]] = []
   at = 0
-  crc = 0
   out_items = {}
   for item, tree in items.items():
     structure, leaves = _tree.encode_structure(tree)
@@ -101,24 +106,32 @@ def encode(step: int, items: Mapping[str, Any]) -> Blob:
         entry = boxes.get(box)
         if entry is None:
           raw = np.ascontiguousarray(np.asarray(value)).reshape(-1).view(np.uint8)
-          crc = _crc.extend(crc, raw)
           entry = boxes[box] = {"box": [list(b) for b in box], "devices": [], "offset": at,
                                 "nbytes": raw.nbytes}
           pieces.append(raw)
+          entries.append(entry)
           at += raw.nbytes
         if device is not None:
           entry["devices"].append(device)
       rec["boxes"] = list(boxes.values())
       recs.append(rec)
     out_items[item] = {"structure": structure, "leaves": recs}
+  segments = [(k, lo) for k, p in enumerate(pieces) for lo in range(0, p.nbytes, SEGMENT)]
+  with concurrent.futures.ThreadPoolExecutor(_WRITERS) as pool:  # ctypes CRC: no GIL
+    crcs = list(pool.map(lambda t: _crc.value(pieces[t[0]][t[1]:t[1] + SEGMENT]), segments))
+  for entry in entries:
+    entry["crc32c"] = []
+  for (k, _), crc in zip(segments, crcs):
+    entries[k]["crc32c"].append(crc)
   index = json.dumps({
       "step": step, "process_index": jax.process_index(), "process_count": jax.process_count(),
-      "devices": sorted(d.id for d in jax.local_devices()), "crc32c": crc,
+      "devices": sorted(d.id for d in jax.local_devices()), "segment": SEGMENT,
       "items": out_items}).encode()
   return Blob(struct.pack("<Q", len(index)) + index, pieces)
 
 
 _WRITERS = 8
+SEGMENT = 16 << 20  # bytes per checksum, and per parallel read
 
 
 def write_parts(path: str, parts: list[np.ndarray]) -> None:
@@ -143,33 +156,111 @@ def write_parts(path: str, parts: list[np.ndarray]) -> None:
     os.close(fd)
 
 
-def read_file(path: str) -> np.ndarray:
-  """A whole file into one fresh buffer (``readinto``: no intermediate copy)."""
-  size = os.path.getsize(path)
-  out = np.empty(size, np.uint8)
-  with open(path, "rb", buffering=0) as f:
-    view, got = memoryview(out), 0
-    while got < size:
-      n = f.readinto(view[got:])
-      if not n:
-        raise errors.CheckpointCorruptedError(f"{path}: shorter than expected")
-      got += n
+def read_blob(path: str, where: str) -> tuple[dict[str, Any], np.ndarray]:
+  """The index and payload of a blob file, read by parallel preads into one buffer.
+
+  Every segment's CRC-32C is checked by the thread that read it, while the
+  bytes are in its cache; CheckpointCorruptedError names the array if not.
+  """
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    head = os.pread(fd, 8, 0)
+    if len(head) < 8:
+      raise errors.CheckpointCorruptedError(f"{where}: truncated local checkpoint ({path})")
+    (n,) = struct.unpack("<Q", head)
+    index = _parse_index(os.pread(fd, n, 8), where)
+    size = os.fstat(fd).st_size - 8 - n
+    payload = np.empty(max(size, 0), np.uint8)
+    view = memoryview(payload)
+
+    def read(t: tuple[int, int, str, int | None]) -> None:
+      lo, length, name, crc = t
+      got = 0
+      while got < length:
+        k = os.preadv(fd, [view[lo + got:lo + length]], 8 + n + lo + got)
+        if not k:
+          raise errors.CheckpointCorruptedError(f"{where}: {path} is shorter than its index says")
+        got += k
+      _check(payload, lo, length, name, crc, where)
+    _parallel(read, _segments(index, size))
+  finally:
+    os.close(fd)
+  return index, payload
+
+
+def read_bytes(path: str) -> np.ndarray:
+  """A whole file into one fresh buffer, by parallel preads."""
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    size = os.fstat(fd).st_size
+    out = np.empty(size, np.uint8)
+    view = memoryview(out)
+
+    def read(lo: int) -> None:
+      hi, got = min(size, lo + SEGMENT), 0
+      while lo + got < hi:
+        k = os.preadv(fd, [view[lo + got:hi]], lo + got)
+        if not k:
+          raise errors.CheckpointCorruptedError(f"{path}: shorter than expected")
+        got += k
+    _parallel(read, list(range(0, size, SEGMENT)))
+  finally:
+    os.close(fd)
   return out
 
 
 def decode(blob: np.ndarray, where: str) -> tuple[dict[str, Any], np.ndarray]:
-  """The index and the bytes of a blob (a uint8 array); CheckpointCorruptedError if damaged."""
+  """The index and the bytes of a blob in memory; CheckpointCorruptedError if damaged."""
   if blob.nbytes < 8:
     raise errors.CheckpointCorruptedError(f"{where}: truncated local checkpoint")
   (n,) = struct.unpack("<Q", blob[:8].tobytes())
+  index = _parse_index(blob[8:8 + n].tobytes(), where)
+  payload = blob[8 + n:]
+  _parallel(lambda t: _check(payload, *t, where), _segments(index, payload.nbytes))
+  return index, payload
+
+
+def _parse_index(data: bytes, where: str) -> dict[str, Any]:
   try:
-    index = json.loads(blob[8:8 + n].tobytes())
+    return json.loads(data)
   except ValueError as e:
     raise errors.CheckpointCorruptedError(f"{where}: damaged index ({e})") from e
-  payload = blob[8 + n:]
-  if _crc.value(payload) != index["crc32c"]:
-    raise errors.CheckpointCorruptedError(f"{where}: checksum mismatch; the local copy is damaged")
-  return index, payload
+
+
+def _segments(index: dict[str, Any], size: int) -> list[tuple[int, int, str, int | None]]:
+  """(payload offset, length, array name, its CRC-32C) of every checksummed segment."""
+  if "crc32c" in index:  # written before per-segment checksums: one over the whole payload
+    return [(0, size, "the local checkpoint", index["crc32c"])]
+  seg = index["segment"]
+  out = []
+  for item, saved in index["items"].items():
+    for rec in saved["leaves"]:
+      for entry in rec.get("boxes", ()):
+        name = f"{item}/{_tree.path_str(tuple(rec['path']))} box {entry['box']}"
+        for k, crc in enumerate(entry["crc32c"]):
+          lo = k * seg
+          out.append((entry["offset"] + lo, min(seg, entry["nbytes"] - lo), name, crc))
+  if sum(t[1] for t in out) != size:
+    raise errors.CheckpointCorruptedError(f"the local checkpoint holds {size} bytes of data,"
+                                          f" its index {sum(t[1] for t in out)}")
+  return out
+
+
+def _check(payload: np.ndarray, lo: int, length: int, name: str, crc: int | None,
+           where: str) -> None:
+  if crc is not None and _crc.value(payload[lo:lo + length]) != crc:
+    raise errors.CheckpointCorruptedError(
+        f"{where}: checksum mismatch in {name}; the local copy is damaged")
+
+
+def _parallel(fn, tasks: list) -> None:
+  if len(tasks) <= 1:
+    for t in tasks:
+      fn(t)
+    return
+  with concurrent.futures.ThreadPoolExecutor(min(_WRITERS, len(tasks))) as pool:
+    for f in [pool.submit(fn, t) for t in tasks]:
+      f.result()
 
 
 def build(index: dict[str, Any], payload: np.ndarray, target: Mapping[str, Any]) -> dict[str, Any]:
@@ -428,42 +519,69 @@ class LocalTier:
       _progress.say("local tier: written by a job of another process count; it is tied to the process"
                " layout, so the persistent tier is used")
       return None
-    plan = plan_restore(holdings, newer_than)
-    if plan is None:
-      held = sorted({s for h in holdings for s in h.own})
-      _progress.say("local tier: no step that every process can get (own copy or a peer's replica)%s;"
-               " steps held: %s", "" if newer_than is None else f" newer than step {newer_than}",
-               held or "none")
+    for attempt in range(n + 1):
+      plan = plan_restore(holdings, newer_than)
+      if plan is None:
+        held = sorted({s for h in holdings for s in h.own})
+        _progress.say("local tier: no step that every process can get (own copy or a peer's"
+                      " replica)%s; steps held: %s",
+                      "" if newer_than is None else f" newer than step {newer_than}", held or "none")
+        return None
+      got, verdicts = self._assemble(plan, target, f"{key}/{attempt}")
+      damaged = [p for p, v in enumerate(verdicts) if v.startswith(_DAMAGED)]
+      bad = [f"process {p}: {v.removeprefix(_DAMAGED)}" for p, v in enumerate(verdicts) if v]
+      if not bad:
+        return got
+      if len(damaged) == len(bad):  # damaged own copies: try their peers' replicas of them
+        _progress.say("local tier: step %d: %s; trying the peers' replicas", plan.step,
+                      "; ".join(bad))
+        for p in damaged:
+          holdings[p].own = [s for s in holdings[p].own if s != plan.step]
+        continue
+      _progress.say("local tier: step %d cannot be used (%s); the persistent tier is used",
+                    plan.step, "; ".join(bad))
       return None
-    blob, where = None, "nowhere"
+    return None
+
+  def _assemble(self, plan: RestorePlan, target: Mapping[str, Any], key: str
+                ) -> tuple[tuple[int, dict[str, Any], str] | None, list[str]]:
+    """Every process gets its blob of ``plan.step`` and builds it; collective.
+
+    Returns this process's result and every process's verdict ("" when it
+    succeeded; prefixed with ``_DAMAGED`` when its own copy is damaged).
+    """
+    me, n = jax.process_index(), jax.process_count()
+    blob, decoded, where, error = None, None, "nowhere", ""
+    what = f"local step {plan.step} of process {me}"
     if plan.source[me] == me:
-      blob = read_file(os.path.join(self._dir(plan.step), OWN))
+      try:
+        decoded = read_blob(os.path.join(self._dir(plan.step), OWN), what)
+      except (OSError, errors.CheckpointCorruptedError) as e:  # the others still exchange
+        error = f"{_DAMAGED}{type(e).__name__}: {e}"
       where = "its own local copy"
     # Replica holders send to the processes that lost their copy, one shift at a time.
     for shift in sorted({(p - s) % n for p, s in enumerate(plan.source) if s != p}):
       send: list[np.ndarray] = []
       target_p = (me + shift) % n
       if plan.source[target_p] == me and target_p != me:
-        send = [read_file(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"))]
-      got = _exchange.shift_parts(send, shift, f"{key}/x{shift}",
-                                  self.timeout)
+        try:
+          send = [read_bytes(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"))]
+        except OSError as e:  # the receiver gets nothing and says so
+          error = f"{type(e).__name__}: {e}"
+      got = _exchange.shift_parts(send, shift, f"{key}/x{shift}", self.timeout)
       if plan.source[me] == (me - shift) % n and plan.source[me] != me:
         blob = got
         where = f"the replica held by process {plan.source[me]}"
-    index, payload = decode(blob, f"local step {plan.step} of process {me}")
-    try:
-      items = build(index, payload, target)
-      error = ""
-    except LayoutChanged as e:
-      items, error = None, str(e)
+    items = None
+    if not error:
+      try:
+        index, payload = decoded if decoded is not None else decode(blob, what)
+        items = build(index, payload, target)
+      except (LayoutChanged, errors.CheckpointCorruptedError) as e:
+        error = str(e)
     verdicts = _multihost.all_gather(f"{key}/ok", error, self.timeout,
                                      what="assemble the local step")
-    bad = [f"process {p}: {v}" for p, v in enumerate(verdicts) if v]
-    if bad:
-      _progress.say("local tier: step %d does not fit this job's layout (%s); the persistent tier is"
-               " used", plan.step, "; ".join(bad))
-      return None
-    return plan.step, items, where
+    return (plan.step, items, where) if not any(verdicts) else None, verdicts
 
 
 def _write(path: str, data: bytes) -> None:
