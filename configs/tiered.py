@@ -7,6 +7,11 @@ state goes to the persistent store (``<workdir>/checkpoints``, or an object
 store). A resume takes the newest step it can assemble: own local copies, a
 peer's replica for a replaced host, else the persistent tier (always after a
 change of process count: the local tier is tied to the process layout).
+
+To let the cost of a local save choose its interval instead, set
+``--config.checkpoint.local_save_interval=auto --config.checkpoint.mtbf_seconds=3600``
+(every ``sqrt(2 x local save time x mtbf_seconds)`` seconds; ``python -m orbax_flax plan
+--config=configs/tiered.py ...`` shows the choice).
 """
 
 from configs import default

@@ -121,7 +121,11 @@ def test_tiered_run_preempted_then_a_replaced_host_resumes_from_local_and_the_re
   next(c for c in kids if c.environ().get("JAX_PROCESS_ID") == "1").send_signal(signal.SIGTERM)
   out, _ = p.communicate(timeout=180)
   assert p.returncode == 0, out[-5000:]
-  (step,) = set(ex.commits(out, "preemption"))
+  saved = ex.commits(out, "preemption")  # only process 1 was told; all four save one step
+  assert len(saved) == 4 and len(set(saved)) == 1, saved
+  step = saved[0]
+  for i in range(4):
+    assert re.search(rf"\[{i}\] .*PREEMPTED at step {step}", out), i
   assert sorted(os.listdir(local_dir)) == [f"process_{i}" for i in range(4)]
   shutil.rmtree(local_dir / "process_2")  # host 2 comes back with an empty local disk
   out = ex.run(tmp_path, step + 2, n=4, devices=2, extra=_tiered(local_dir))
@@ -304,3 +308,9 @@ def test_a_step_due_in_both_tiers_crosses_to_host_memory_once(tmp_path, monkeypa
   again.close()
   assert again.restored_step == 2
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.array, got), expected)
+  # Read into aligned buffers the devices adopt: a donating step on the restored state
+  # (replicated b on 8 devices included) computes from the restored values on every shard.
+  bumped = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)(got)
+  for name in ("w", "b"):
+    for shard in bumped[name].addressable_shards:
+      np.testing.assert_array_equal(np.asarray(shard.data), expected[name][shard.index] + 1)

@@ -42,6 +42,7 @@ from orbax_flax import _crc
 from orbax_flax import _layout
 from orbax_flax import _multihost
 from orbax_flax import _progress
+from orbax_flax import _staging
 from orbax_flax import _tree
 from orbax_flax import errors
 from orbax_flax.tiers import _exchange
@@ -156,8 +157,29 @@ def write_parts(path: str, parts: list[np.ndarray]) -> None:
     os.close(fd)
 
 
-def read_blob(path: str, where: str) -> tuple[dict[str, Any], np.ndarray]:
-  """The index and payload of a blob file, read by parallel preads into one buffer.
+@dataclasses.dataclass
+class Payload:
+  """A blob's shard bytes: ``data``, with each shard at ``at[its offset in the blob]``.
+
+  Read from a file, every shard starts 64-byte aligned in one fresh mapping,
+  so that JAX's CPU client adopts it without a copy; in memory (a received
+  replica), ``at`` is None and shards lie as in the blob.
+  """
+  data: np.ndarray
+  at: dict[int, int] | None = None
+
+  def pos(self, offset: int) -> int:
+    return offset if self.at is None else self.at[offset]
+
+  def box(self, offset: int, nbytes: int) -> np.ndarray:
+    if not nbytes:
+      return np.empty(0, np.uint8)
+    lo = self.pos(offset)
+    return self.data[lo:lo + nbytes]
+
+
+def read_blob(path: str, where: str) -> tuple[dict[str, Any], Payload]:
+  """The index and shard bytes of a blob file, read by parallel preads.
 
   Every segment's CRC-32C is checked by the thread that read it, while the
   bytes are in its cache; CheckpointCorruptedError names the array if not.
@@ -169,20 +191,31 @@ def read_blob(path: str, where: str) -> tuple[dict[str, Any], np.ndarray]:
       raise errors.CheckpointCorruptedError(f"{where}: truncated local checkpoint ({path})")
     (n,) = struct.unpack("<Q", head)
     index = _parse_index(os.pread(fd, n, 8), where)
-    size = os.fstat(fd).st_size - 8 - n
-    payload = np.empty(max(size, 0), np.uint8)
-    view = memoryview(payload)
+    size = max(os.fstat(fd).st_size - 8 - n, 0)
+    segments = _segments(index, size)
+    if "segment" in index:
+      ends: dict[int, int] = {}
+      for lo, length, _, _, base in segments:
+        ends[base] = max(ends.get(base, 0), lo + length - base)
+      at, total = {}, 0
+      for base in sorted(ends):
+        at[base] = total
+        total += -(-ends[base] // 64) * 64
+      payload = Payload(_staging.fresh_arrays([((total,), np.dtype(np.uint8))])[0], at)
+    else:
+      payload = Payload(np.empty(size, np.uint8))
+    view = memoryview(payload.data)
 
-    def read(t: tuple[int, int, str, int | None]) -> None:
-      lo, length, name, crc = t
-      got = 0
+    def read(t: tuple[int, int, str, int | None, int]) -> None:
+      lo, length, _, _, base = t
+      dst, got = payload.pos(base) + lo - base, 0
       while got < length:
-        k = os.preadv(fd, [view[lo + got:lo + length]], 8 + n + lo + got)
+        k = os.preadv(fd, [view[dst + got:dst + length]], 8 + n + lo + got)
         if not k:
           raise errors.CheckpointCorruptedError(f"{where}: {path} is shorter than its index says")
         got += k
-      _check(payload, lo, length, name, crc, where)
-    _parallel(read, _segments(index, size))
+      _check(payload, t, where)
+    _parallel(read, segments)
   finally:
     os.close(fd)
   return index, payload
@@ -209,14 +242,14 @@ def read_bytes(path: str) -> np.ndarray:
   return out
 
 
-def decode(blob: np.ndarray, where: str) -> tuple[dict[str, Any], np.ndarray]:
+def decode(blob: np.ndarray, where: str) -> tuple[dict[str, Any], Payload]:
   """The index and the bytes of a blob in memory; CheckpointCorruptedError if damaged."""
   if blob.nbytes < 8:
     raise errors.CheckpointCorruptedError(f"{where}: truncated local checkpoint")
   (n,) = struct.unpack("<Q", blob[:8].tobytes())
   index = _parse_index(blob[8:8 + n].tobytes(), where)
-  payload = blob[8 + n:]
-  _parallel(lambda t: _check(payload, *t, where), _segments(index, payload.nbytes))
+  payload = Payload(blob[8 + n:])
+  _parallel(lambda t: _check(payload, t, where), _segments(index, payload.data.nbytes))
   return index, payload
 
 
@@ -227,10 +260,10 @@ def _parse_index(data: bytes, where: str) -> dict[str, Any]:
     raise errors.CheckpointCorruptedError(f"{where}: damaged index ({e})") from e
 
 
-def _segments(index: dict[str, Any], size: int) -> list[tuple[int, int, str, int | None]]:
-  """(payload offset, length, array name, its CRC-32C) of every checksummed segment."""
+def _segments(index: dict[str, Any], size: int) -> list[tuple[int, int, str, int | None, int]]:
+  """(blob offset, length, array name, its CRC-32C, its shard's offset) of every segment."""
   if "crc32c" in index:  # written before per-segment checksums: one over the whole payload
-    return [(0, size, "the local checkpoint", index["crc32c"])]
+    return [(0, size, "the local checkpoint", index["crc32c"], 0)]
   seg = index["segment"]
   out = []
   for item, saved in index["items"].items():
@@ -238,17 +271,18 @@ def _segments(index: dict[str, Any], size: int) -> list[tuple[int, int, str, int
       for entry in rec.get("boxes", ()):
         name = f"{item}/{_tree.path_str(tuple(rec['path']))} box {entry['box']}"
         for k, crc in enumerate(entry["crc32c"]):
-          lo = k * seg
-          out.append((entry["offset"] + lo, min(seg, entry["nbytes"] - lo), name, crc))
+          lo = entry["offset"] + k * seg
+          out.append((lo, min(seg, entry["nbytes"] - k * seg), name, crc, entry["offset"]))
   if sum(t[1] for t in out) != size:
     raise errors.CheckpointCorruptedError(f"the local checkpoint holds {size} bytes of data,"
                                           f" its index {sum(t[1] for t in out)}")
   return out
 
 
-def _check(payload: np.ndarray, lo: int, length: int, name: str, crc: int | None,
-           where: str) -> None:
-  if crc is not None and _crc.value(payload[lo:lo + length]) != crc:
+def _check(payload: Payload, t: tuple[int, int, str, int | None, int], where: str) -> None:
+  lo, length, name, crc, base = t
+  dst = payload.pos(base) + lo - base
+  if crc is not None and _crc.value(payload.data[dst:dst + length]) != crc:
     raise errors.CheckpointCorruptedError(
         f"{where}: checksum mismatch in {name}; the local copy is damaged")
 
@@ -263,22 +297,26 @@ def _parallel(fn, tasks: list) -> None:
       f.result()
 
 
-def build(index: dict[str, Any], payload: np.ndarray, target: Mapping[str, Any]) -> dict[str, Any]:
+def build(index: dict[str, Any], payload: Payload, target: Mapping[str, Any]) -> dict[str, Any]:
   """The items of a blob as jax/numpy values laid out as ``target`` wants.
+
+  Every device shard is placed with one batched ``device_put``; the first
+  device of each shard adopts the aligned host buffer (no copy on CPU).
 
   Raises:
     LayoutChanged: the target's shardings (or this process's devices) are not
       the ones the blob was saved with.
   """
+  placing = _Placing()
   out = {}
   for item, tree in target.items():
     saved = index["items"].get(item)
     if saved is None:
       raise LayoutChanged(f"item {item!r} is not in the local checkpoint")
     if tree is None:  # the item as saved (host values only, e.g. data iterator states)
-      values = [_one(r, None, payload, f"{item}/{_tree.path_str(tuple(r['path']))}")
+      values = [_one(r, None, payload, f"{item}/{_tree.path_str(tuple(r['path']))}", placing)
                 for r in saved["leaves"]]
-      out[item] = _tree.decode_structure(saved["structure"], values)
+      out[item] = (saved["structure"], values, None)
       continue
     recs = {tuple(r["path"]): r for r in saved["leaves"]}
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -288,23 +326,66 @@ def build(index: dict[str, Any], payload: np.ndarray, target: Mapping[str, Any])
       rec = recs.get(path)
       if rec is None:
         raise LayoutChanged(f"{item}/{_tree.path_str(path)} is not in the local checkpoint")
-      leaves.append(_one(rec, want, payload, f"{item}/{_tree.path_str(path)}"))
-    out[item] = jax.tree_util.tree_unflatten(treedef, leaves)
-  return out
+      leaves.append(_one(rec, want, payload, f"{item}/{_tree.path_str(path)}", placing))
+    out[item] = (None, leaves, treedef)
+  placed = placing.place()
+  result = {}
+  for item, (structure, leaves, treedef) in out.items():
+    leaves = [placed[id(x)] if isinstance(x, _Pending) else x for x in leaves]
+    result[item] = (_tree.decode_structure(structure, leaves) if treedef is None
+                    else jax.tree_util.tree_unflatten(treedef, leaves))
+  return result
 
 
 class LayoutChanged(ValueError):
   """The local checkpoint was written with another process layout or other shardings."""
 
 
-def _one(rec: dict[str, Any], want: Any, payload: np.ndarray, where: str) -> Any:
+@dataclasses.dataclass(eq=False)
+class _Pending:
+  """A device array to assemble once its shards are placed."""
+  shape: tuple[int, ...]
+  sharding: Any
+  shards: int
+  key_impl: str | None
+
+
+class _Placing:
+  """Collects every shard of a restore for one batched ``device_put``."""
+
+  def __init__(self):
+    self.values, self.devices, self.alias, self.pending = [], [], [], []
+    self._adopted: set[int] = set()
+
+  def add(self, pending: _Pending, shards: list[tuple[np.ndarray, Any, int]]) -> _Pending:
+    for data, device, box_offset in shards:
+      self.values.append(data)
+      self.devices.append(device)
+      # One device per shard adopts the buffer; the others get copies, so that
+      # donating one array cannot change another.
+      self.alias.append(box_offset not in self._adopted)
+      self._adopted.add(box_offset)
+    self.pending.append(pending)
+    return pending
+
+  def place(self) -> dict[int, Any]:
+    placed = jax.device_put(self.values, self.devices, may_alias=self.alias) if self.values else []
+    out, k = {}, 0
+    for p in self.pending:
+      array = jax.make_array_from_single_device_arrays(p.shape, p.sharding, placed[k:k + p.shards])
+      k += p.shards
+      out[id(p)] = jax.random.wrap_key_data(array, impl=p.key_impl) if p.key_impl else array
+    return out
+
+
+def _one(rec: dict[str, Any], want: Any, payload: Payload, where: str, placing: _Placing) -> Any:
   if rec["kind"] == "value":
     return _tree.decode_value(rec["value"])
   dtype = _tree.dtype_from_name(rec["dtype"])
   shape = tuple(rec["shape"])
 
-  def data(entry):  # a view of the blob: device_put copies it (or adopts it, on CPU)
-    raw = payload[entry["offset"]:entry["offset"] + entry["nbytes"]]
+  def data(entry):  # a view of the payload
+    raw = payload.box(entry["offset"], entry["nbytes"])
     return raw.view(dtype).reshape(_layout.box_shape(tuple(map(tuple, entry["box"]))))
 
   if rec["kind"] == "numpy":
@@ -312,23 +393,19 @@ def _one(rec: dict[str, Any], want: Any, payload: np.ndarray, where: str) -> Any
   if not isinstance(want, (jax.Array, jax.ShapeDtypeStruct)) or want.sharding is None:
     raise LayoutChanged(f"{where}: the target is not a sharded array as saved")
   sharding = want.sharding
-  data_shape = shape
   if rec.get("key_impl"):
     sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
         *sharding.spec, None)) if isinstance(sharding, jax.sharding.NamedSharding) else sharding
   by_device = {d: e for e in rec["boxes"] for d in e["devices"]}
-  arrays = []
-  for device, index in sharding.addressable_devices_indices_map(data_shape).items():
+  shards = []
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
     entry = by_device.get(device.id)
-    box = _layout.slices_to_box(index, data_shape)
+    box = _layout.slices_to_box(index, shape)
     if entry is None or tuple(map(tuple, entry["box"])) != box:
       raise LayoutChanged(f"{where}: device {device.id} needs box {box}, which the local"
                           " checkpoint does not hold as one shard (another mesh or sharding)")
-    arrays.append(jax.device_put(data(entry), device))
-  out = jax.make_array_from_single_device_arrays(data_shape, sharding, arrays)
-  if rec.get("key_impl"):
-    out = jax.random.wrap_key_data(out, impl=rec["key_impl"])
-  return out
+    shards.append((data(entry), device, entry["offset"]))
+  return placing.add(_Pending(shape, sharding, len(shards), rec.get("key_impl")), shards)
 
 
 @dataclasses.dataclass
