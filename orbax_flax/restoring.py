@@ -212,7 +212,7 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   from orbax_flax import formats  # pylint: disable=g-import-not-at-top  # formats imports us
   from orbax_flax.formats import transforms as transforms_lib  # pylint: disable=g-import-not-at-top
   if read_once and target is not None:
-    read_target = jax.tree.map(_read_once_leaf, dict(target))
+    read_target = _read_once_target(dict(target), None if transforms else open_manifest(path)[1])
     out = restore(path, read_target, partial=partial, max_host_bytes=max_host_bytes,
                   allow_lossy_casts=allow_lossy_casts, progress=progress, casts=casts,
                   transforms=transforms)
@@ -296,10 +296,14 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   return {item: out[item] for item in target if item in out}
 
 
-def read_once_spec(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...]
-                   ) -> jax.sharding.PartitionSpec:
+def read_once_spec(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...],
+                   chunk_shape: tuple[int, ...] | None = None) -> jax.sharding.PartitionSpec:
   """``sharding``'s spec with the mesh axes it replicates over across processes added where
   they divide (so that each process reads a distinct part).
+
+  With the stored ``chunk_shape``, an axis is added only along a dimension
+  where each process's part is made of whole chunks: storage is read in whole
+  chunks, so any other split would read the same bytes and add a collective.
 
   Example:
     >>> import numpy as np
@@ -324,20 +328,48 @@ def read_once_spec(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...]
     for d, n in enumerate(shape):
       parts = () if spec[d] is None else ((spec[d],) if isinstance(spec[d], str) else tuple(spec[d]))
       split = math.prod(sizes[a] for a in parts) * sizes[axis]
-      if n % split == 0:
+      whole_chunks = chunk_shape is None or (n % split == 0 and (n // split) % chunk_shape[d] == 0)
+      if n % split == 0 and whole_chunks:
         spec[d] = parts + (axis,) if parts else axis
         used.add(axis)
         break
   return jax.sharding.PartitionSpec(*spec)
 
 
-def _read_once_leaf(leaf: Any) -> Any:
+def _read_once_target(target: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:
+  """The target to read with for ``read_once``: leaves split further where that saves bytes.
+
+  ``manifest`` (None: unknown, e.g. under transforms) gives each array's stored
+  chunk shape; a packed array (small, stored inside a shared buffer) is read
+  as it is.
+  """
+  out = {}
+  for item, tree in target.items():
+    if manifest is None:
+      out[item] = jax.tree.map(lambda x: _read_once_leaf(x, None), tree)
+      continue
+    saved_item = manifest["items"].get(item) or {}
+    saved = {tuple(r["path"]): r for r in saved_item.get("leaves", [])}
+
+    def leaf_for(kp, x, saved=saved):
+      rec = saved.get(tuple(_tree.key_part(k) for k in kp))
+      if rec is None or "packed_offset" in rec or not rec.get("chunk_shape"):
+        return x
+      return _read_once_leaf(x, tuple(rec["chunk_shape"]))
+    out[item] = jax.tree_util.tree_map_with_path(leaf_for, tree)
+  return out
+
+
+def _read_once_leaf(leaf: Any, chunk_shape: tuple[int, ...] | None) -> Any:
   sharding = getattr(leaf, "sharding", None)
   if not isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)) or not isinstance(
       sharding, jax.sharding.NamedSharding) or _is_key_dtype(leaf.dtype):
     return leaf
-  spec = read_once_spec(sharding, tuple(leaf.shape))
-  if spec == sharding.spec:
+  if chunk_shape is not None and len(chunk_shape) != len(leaf.shape):
+    chunk_shape = None
+  spec = read_once_spec(sharding, tuple(leaf.shape), chunk_shape)
+  full = lambda sp: tuple(sp) + (None,) * (len(leaf.shape) - len(sp))  # noqa: E731
+  if full(spec) == full(sharding.spec):  # P(None, None) is P(): nothing to split, no collective
     return leaf
   return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
                               sharding=jax.sharding.NamedSharding(sharding.mesh, spec))

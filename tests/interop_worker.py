@@ -71,6 +71,10 @@ def main():
     ofx.save(a.path, {"state": state})
     target = {"state": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                    sharding=x.sharding), state)}
+    # The split follows the stored chunks: only where each process's part is whole chunks.
+    rep = NamedSharding(mesh, P())
+    for chunk in ((512, 512), (1024, 256), (1024, 512)):
+      print(f"SPLIT {chunk} {restoring.read_once_spec(rep, (1024, 512), chunk)}", flush=True)
     for once in (False, True):
       progress = _progress.Progress("restore")
       out = restoring.restore(a.path, target, progress=progress, read_once=once)["state"]

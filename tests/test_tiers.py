@@ -170,6 +170,11 @@ def test_read_once_restore_reads_replicated_arrays_once_across_processes(tmp_pat
   # in whole chunks, so "cols", saved in column chunks, is still read whole by each process.
   replicated = 1024 * 512 * 4
   assert read["False"] - read["True"] >= 0.9 * replicated, read
+  # A split that would not save a byte (each process would still read whole chunks) is not
+  # made, so no collective is paid for it.
+  assert "SPLIT (512, 512) P('data', None)" in res.outputs[0], res.outputs[0]
+  assert "SPLIT (1024, 256) P(None, 'data')" in res.outputs[0]
+  assert "SPLIT (1024, 512) P(None, None)" in res.outputs[0]
 
 
 def test_repeated_saves_and_restores_of_one_tier_agree_every_time(saved, tmp_path):
