@@ -145,13 +145,13 @@ def write_parts(path: str, parts: list[np.ndarray]) -> None:
   try:
     os.ftruncate(fd, at)
 
-    def put(k: int) -> None:
-      view = memoryview(parts[k]).cast("B")
+    def put(task: tuple[int, int]) -> None:  # one segment of a part (a large part is many)
+      k, lo = task
+      view = memoryview(parts[k]).cast("B")[lo:lo + SEGMENT]
       done = 0
       while done < len(view):
-        done += os.pwrite(fd, view[done:done + (64 << 20)], offsets[k] + done)
-    with concurrent.futures.ThreadPoolExecutor(_WRITERS) as pool:
-      list(pool.map(put, range(len(parts))))
+        done += os.pwrite(fd, view[done:], offsets[k] + lo + done)
+    _parallel(put, [(k, lo) for k, p in enumerate(parts) for lo in range(0, p.nbytes, SEGMENT)])
     os.fsync(fd)
   finally:
     os.close(fd)
