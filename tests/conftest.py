@@ -1,10 +1,15 @@
 """Test setup: 8 simulated CPU devices, set before jax initialises."""
 
 import os
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One JAX compilation cache for the processes the tests start (jobs.env_for): the
+# example and worker jobs compile the same programs again and again, on 2 cores.
+os.environ.setdefault("OFX_TEST_COMPILATION_CACHE", tempfile.mkdtemp(prefix="ofx-test-jax-cache-"))
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -31,3 +36,7 @@ def s3_server():
 @pytest.fixture
 def s3_bucket(s3_server):
   return s3_server.new_bucket()
+
+
+def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
+  shutil.rmtree(os.environ["OFX_TEST_COMPILATION_CACHE"], ignore_errors=True)

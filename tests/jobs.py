@@ -44,6 +44,10 @@ def env_for(devices_per_process: int, extra: dict[str, str] | None = None) -> di
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = ROOT + os.pathsep + HERE + os.pathsep + env.get("PYTHONPATH", "")
+  if env.get("OFX_TEST_COMPILATION_CACHE"):  # set by conftest: shared by the test session
+    env.update(JAX_COMPILATION_CACHE_DIR=env["OFX_TEST_COMPILATION_CACHE"],
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   env.update(extra or {})
   return env
 

@@ -5,7 +5,8 @@ process):
 
 ```
 <step>/
-  own.blob               this process's shards: an 8-byte index length, the JSON index, the bytes
+  own.blob               this process's shards: an 8-byte index length, the JSON index
+                         (with a CRC-32C per 16 MiB of each shard), the bytes
   replica-<q>.blob       the same blob of process q (received with a JAX collective)
   COMMITTED              written once every process reported its part durable
 ```
@@ -586,7 +587,7 @@ class LocalTier:
     process's shards came from), or None when the local tier has nothing newer
     or was written by another layout; every process gets the same answer.
     """
-    me, n = jax.process_index(), jax.process_count()
+    n = jax.process_count()
     key = self._next_key("restore")
     mine = self.holdings()
     reports = _multihost.all_gather(f"{key}/holdings", mine.to_json(), self.timeout,
