@@ -59,7 +59,16 @@ def fresh_arrays(specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.n
 
 
 def _mapping(nbytes: int) -> np.ndarray:
-  return np.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+  m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+  if nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):
+    try:  # 2 MiB pages where the kernel allows them: 512x fewer faults on first touch
+      m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:
+      pass
+  return np.frombuffer(m, np.uint8)
+
+
+_HUGE = 4 << 20
 
 
 def copy_all(pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
