@@ -168,6 +168,23 @@ def broadcast(key: str, value: str | None, timeout_s: float = DEFAULT_TIMEOUT_S)
   return fetch(key, timeout_s, waiting_for="process 0", missing=[0])
 
 
+def decide_per_step(prefix: str, step: int, decide) -> str:
+  """Process 0's ``decide()`` for ``step``, on every process (a clock-based decision).
+
+  Others do not call ``decide``. One key per step under ``prefix``, in buckets
+  of 1024 steps; process 0 deletes the bucket two behind, so the key space
+  stays bounded over a long run.
+  """
+  if client() is None:
+    return decide()
+  value = None
+  if process_index() == 0:
+    value = decide()
+    if step % 1024 == 0 and step >= 2048:
+      delete(f"{prefix}/{step // 1024 - 2}")
+  return broadcast(f"{prefix}/{step // 1024}/{step}", value)
+
+
 def arrive(key: str, value: str = "") -> None:
   """Reports this process at the rendezvous ``key`` (see :func:`gather`)."""
   c = client()

@@ -156,10 +156,7 @@ class CheckpointCallback(callbacks.Callback):
       self._local = local.LocalTier(self.policy.local_directory, replicas=self.policy.replicas,
                                     max_to_keep=self.policy.local_max_to_keep,
                                     timeout_seconds=self.policy.coordination_timeout_seconds)
-      self._local_schedule = schedule.LocalSchedule(
-          every_steps=self.policy.local_save_interval_steps,
-          mtbf_seconds=self.policy.mtbf_seconds if self.policy.local_save_interval == "auto" else None,
-          clock=clock)
+      self._local_schedule = schedule.LocalSchedule(self.policy.local_trigger(), clock=clock)
     self.metadata = dict(metadata or {})
     self.writer = writer
     self._watcher = (preemption.PreemptionWatcher(self.policy.preemption_signals)

@@ -219,15 +219,7 @@ def cmd_plan(argv: list[str], out) -> int:
                      save_cost_seconds=fv.save_cost_seconds)
   print(f"policy over steps {fv.start_step + 1}..{steps} ({fv.seconds_per_step:g} s per step):", file=out)
   if policy.save_interval == "auto":
-    from orbax_flax import policy as policy_lib  # pylint: disable=g-import-not-at-top
-    auto = policy_lib.YoungDaly(policy.mtbf_seconds)
-    cost = fv.save_cost_seconds
-    interval = auto.interval(cost)
-    print(f"save_interval=auto: sqrt(2 x save cost {1.0 if cost is None else cost:g} s"
-          f"{' (assumed; pass --save_cost_seconds)' if cost is None else ''} x mtbf"
-          f" {policy.mtbf_seconds:g} s) = every {interval:.1f} s, about every"
-          f" {max(1, round(interval / fv.seconds_per_step))} step(s); a failure loses"
-          f" {interval / 2:.1f} s of work on average", file=out)
+    _print_auto("save_interval", "save cost", "save_cost_seconds", policy, fv, out)
   by_reason: dict[str, list[int]] = {}
   for step, reason in plan.saved:
     by_reason.setdefault(reason, []).append(step)
@@ -244,19 +236,24 @@ def cmd_plan(argv: list[str], out) -> int:
   return EXIT_OK
 
 
+def _print_auto(field: str, what: str, flag: str, policy, fv, out) -> None:
+  """The interval ``field="auto"`` chooses from the cost in ``--flag`` (1 s assumed without)."""
+  from orbax_flax import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  cost = getattr(fv, flag)
+  interval = policy_lib.YoungDaly(policy.mtbf_seconds).interval(cost)
+  print(f"{field}=auto: sqrt(2 x {what} {1.0 if cost is None else cost:g} s"
+        f"{f' (assumed; pass --{flag})' if cost is None else ''} x mtbf"
+        f" {policy.mtbf_seconds:g} s) = every {interval:.1f} s, about every"
+        f" {max(1, round(interval / fv.seconds_per_step))} step(s); a failure loses"
+        f" {interval / 2:.1f} s of work on average", file=out)
+
+
 def _print_local_plan(policy, steps: int, fv, out) -> None:
   """The local tier's part of ``plan``: its saves, and the auto interval it would choose."""
-  from orbax_flax import policy as policy_lib  # pylint: disable=g-import-not-at-top
-  cost = fv.local_save_cost_seconds
   local = policy.plan_local(steps, seconds_per_step=fv.seconds_per_step, start_step=fv.start_step,
-                            local_save_cost_seconds=cost)
+                            local_save_cost_seconds=fv.local_save_cost_seconds)
   if policy.local_save_interval == "auto":
-    interval = policy_lib.YoungDaly(policy.mtbf_seconds).interval(cost)
-    print(f"local_save_interval=auto: sqrt(2 x local save cost {1.0 if cost is None else cost:g} s"
-          f"{' (assumed; pass --local_save_cost_seconds)' if cost is None else ''} x mtbf"
-          f" {policy.mtbf_seconds:g} s) = every {interval:.1f} s, about every"
-          f" {max(1, round(interval / fv.seconds_per_step))} step(s); a failure loses"
-          f" {interval / 2:.1f} s of work on average", file=out)
+    _print_auto("local_save_interval", "local save cost", "local_save_cost_seconds", policy, fv, out)
   shown = local if fv.all or len(local) <= 12 else local[:5] + ["..."] + local[-5:]
   print(f"local tier ({policy.local_directory}) saves {len(local)} step(s):"
         f" {', '.join(str(x) for x in shown)}; keeps the newest {policy.local_max_to_keep} on each"

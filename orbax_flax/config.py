@@ -276,6 +276,15 @@ class CheckpointPolicy:
       triggers.append(policy_lib.YoungDaly(self.mtbf_seconds))
     return policy_lib.any_of(*triggers)
 
+  def local_trigger(self) -> policy_lib.AnyOf:
+    """The local tier's save trigger (its step interval and/or its auto interval)."""
+    triggers: list[policy_lib.Trigger] = []
+    if self.local_save_interval_steps:
+      triggers.append(policy_lib.EveryNSteps(self.local_save_interval_steps))
+    if self.local_save_interval == "auto":
+      triggers.append(policy_lib.YoungDaly(self.mtbf_seconds))
+    return policy_lib.any_of(*triggers)
+
   @property
   def local_tier(self) -> bool:
     """Whether the local tier saves (a directory and an interval of either kind)."""
@@ -315,27 +324,16 @@ class CheckpointPolicy:
       save_cost_seconds: what a save costs, for ``save_interval="auto"`` (None:
         the 1 s assumed before the first save is measured).
     """
-    trigger = self.trigger()
     rules = self.keep_rules()
     saved: list[tuple[int, str]] = []
     infos: list[policy_lib.StepInfo] = []
-    last_step, last_time = None, 0.0
-    for step in range(start_step + 1, num_steps + 1):
-      now = (step - start_step) * seconds_per_step
-      s = policy_lib.SaveState(step, now, last_step, last_time, first=step == start_step + 1,
-                               save_cost=save_cost_seconds)
-      reason = trigger(s)
-      if reason is None and step == num_steps and self.save_final_step:
-        reason = "final"
-      if reason is None:
-        continue
+    for step, now, reason in _dry_run(self.trigger(), num_steps, seconds_per_step, start_step,
+                                      save_cost_seconds, final=self.save_final_step):
       saved.append((step, reason))
-      last_step, last_time = step, now
       infos.append(policy_lib.StepInfo(step, now, dict(metrics(step)) if metrics else {}, reason))
       dead = set(policy_lib.to_delete(infos, rules))
       infos = [i for i in infos if i.step not in dead]
     return Plan(saved, [i.step for i in infos])
-
 
   def plan_local(self, num_steps: int, *, seconds_per_step: float = 1.0, start_step: int = 0,
                  local_save_cost_seconds: float | None = None) -> list[int]:
@@ -349,20 +347,23 @@ class CheckpointPolicy:
     """
     if not self.local_tier:
       return []
-    triggers: list[policy_lib.Trigger] = []
-    if self.local_save_interval_steps:
-      triggers.append(policy_lib.EveryNSteps(self.local_save_interval_steps))
-    if self.local_save_interval == "auto":
-      triggers.append(policy_lib.YoungDaly(self.mtbf_seconds))
-    trigger = policy_lib.any_of(*triggers)
-    saved, last_step, last_time = [], None, 0.0
-    for step in range(start_step + 1, num_steps + 1):
-      now = (step - start_step) * seconds_per_step
-      if trigger(policy_lib.SaveState(step, now, last_step, last_time, first=False,
-                                      save_cost=local_save_cost_seconds)):
-        saved.append(step)
-        last_step, last_time = step, now
-    return saved
+    return [step for step, _, _ in _dry_run(self.local_trigger(), num_steps, seconds_per_step,
+                                            start_step, local_save_cost_seconds, final=False)]
+
+
+def _dry_run(trigger: policy_lib.Trigger, num_steps: int, seconds_per_step: float,
+             start_step: int, save_cost: float | None, *, final: bool):
+  """(step, simulated time, reason) of every step ``trigger`` saves; ``final``: the last too."""
+  last_step, last_time = None, 0.0
+  for step in range(start_step + 1, num_steps + 1):
+    now = (step - start_step) * seconds_per_step
+    reason = trigger(policy_lib.SaveState(step, now, last_step, last_time,
+                                          first=step == start_step + 1, save_cost=save_cost))
+    if reason is None and step == num_steps and final:
+      reason = "final"
+    if reason is not None:
+      last_step, last_time = step, now
+      yield step, now, reason
 
 
 def _fail(name: str, value: Any, problem: str):

@@ -12,13 +12,11 @@ discovery; nothing else is read until step metadata is needed.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import hashlib
 import logging
 import math
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -97,7 +95,7 @@ class CheckpointManager:
     time_triggers = [t for t in self._trigger.triggers if isinstance(t, timed)]
     self._time_trigger = policy_lib.any_of(*time_triggers) if time_triggers else None
     self._auto = next((t for t in time_triggers if isinstance(t, policy_lib.YoungDaly)), None)
-    self._costs: collections.deque[float] = collections.deque(maxlen=5)  # recent blocking times
+    self._costs = policy_lib.CostWindow()  # recent blocking times
     self._last_commit_time: float | None = None
     self._rules = self.policy.keep_rules()
     self._clock = clock
@@ -238,16 +236,8 @@ class CheckpointManager:
     reason = self._step_trigger(state)
     if reason is not None or self._time_trigger is None:
       return reason
-    if _multihost.process_count() == 1:
-      return self._time_trigger(state)
-    key = f"{self._key}/time/{step // 1024}/{step}"
-    if _multihost.process_index() == 0:
-      decision = self._time_trigger(state) or ""
-      if step % 1024 == 0 and step >= 2048:
-        _multihost.delete(f"{self._key}/time/{step // 1024 - 2}")
-    else:
-      decision = None
-    return _multihost.broadcast(key, decision) or None
+    return _multihost.decide_per_step(f"{self._key}/time", step,
+                                      lambda: self._time_trigger(state) or "") or None
 
   def save(self, step: int, items: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None,
            force: bool = False, reason: str | None = None,
@@ -367,7 +357,7 @@ class CheckpointManager:
       log.info("checkpoint step %d (%s) committed to %s: blocking %.3f s, total %.3f s, %s"
                " written by this process", step, info.reason, self.step_path(step), blocking,
                total, metadata_lib.human_bytes(nbytes))
-      self._costs.append(blocking)
+      self._costs.add(blocking)
       now = self._clock()
       if self._auto is not None:
         interval = self._auto.interval(self.save_cost())
@@ -403,7 +393,7 @@ class CheckpointManager:
 
   def save_cost(self) -> float | None:
     """The median blocking time of the last few saves (what ``save_interval="auto"`` uses)."""
-    return statistics.median(self._costs) if self._costs else None
+    return self._costs.median()
 
   def pop_events(self) -> list[SaveEvent]:
     """Saves committed since the last call (for metric writers)."""

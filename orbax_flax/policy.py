@@ -18,8 +18,10 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import statistics
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
@@ -84,6 +86,32 @@ def young_daly_interval(save_cost_seconds: float, mtbf_seconds: float) -> float:
     120.0
   """
   return math.sqrt(2.0 * max(save_cost_seconds, 0.0) * mtbf_seconds)
+
+
+class CostWindow:
+  """The median of the last few save costs: what a :class:`YoungDaly` trigger is given.
+
+  Example:
+    >>> w = CostWindow()
+    >>> w.median() is None
+    True
+    >>> for c in (1.0, 3.0, 2.0):
+    ...   w.add(c)
+    >>> w.median(), len(w)
+    (2.0, 3)
+  """
+
+  def __init__(self, size: int = 5):
+    self._costs: collections.deque[float] = collections.deque(maxlen=size)
+
+  def add(self, seconds: float) -> None:
+    self._costs.append(seconds)
+
+  def median(self) -> float | None:
+    return statistics.median(self._costs) if self._costs else None
+
+  def __len__(self) -> int:
+    return len(self._costs)
 
 
 @dataclasses.dataclass(frozen=True)

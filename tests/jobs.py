@@ -114,3 +114,17 @@ def read_until(proc, pattern: str, timeout: float = 240) -> list[str]:
     if re.search(pattern, line):
       return lines
   raise AssertionError(f"{pattern!r} not seen:\n" + "".join(lines)[-5000:])
+
+
+class RecordingWriter:
+  """A duck-typed clu ``MetricWriter`` that keeps what it is given: ``scalars`` is
+  a list of ``(step, {name: value})``."""
+
+  def __init__(self):
+    self.scalars = []
+
+  def write_scalars(self, step, scalars):
+    self.scalars.append((step, dict(scalars)))
+
+  def flush(self):
+    pass

@@ -189,13 +189,14 @@ def test_repeated_saves_and_restores_of_one_tier_agree_every_time(saved, tmp_pat
 import math  # noqa: E402
 import statistics  # noqa: E402
 
+from orbax_flax import policy  # noqa: E402
 from orbax_flax.tiers import schedule  # noqa: E402
 
 
 def test_local_schedule_follows_young_daly_of_injected_costs():
   """No I/O: a fake clock, local save costs injected; the interval is sqrt(2 x median x mtbf)."""
   now = [0.0]
-  s = schedule.LocalSchedule(mtbf_seconds=5000.0, clock=lambda: now[0])
+  s = schedule.LocalSchedule(policy.any_of(policy.YoungDaly(5000.0)), clock=lambda: now[0])
   assert s.interval_s() == 100.0  # sqrt(2 x 1 s assumed x 5000 s)
   due = []
   costs = iter([0.4, 0.9, 0.1, 3.6, 0.4, 0.4, 0.4, 0.4])
@@ -209,23 +210,17 @@ def test_local_schedule_follows_young_daly_of_injected_costs():
   assert gaps[:6] == [10, 7, 9, 7, 9, 7], gaps
   assert set(gaps[6:]) == {7}  # sqrt(2 x 0.4 x 5000) = 63.2 s: the 7th step of 10 s
   assert s.expected_loss_s() == pytest.approx(math.sqrt(2 * 0.4 * 5000) / 2)
-  assert schedule.LocalSchedule(every_steps=3, clock=lambda: 0.0).due(6)
-  assert schedule.LocalSchedule(every_steps=3, clock=lambda: 0.0).interval_s() is None
+  every3 = policy.any_of(policy.EveryNSteps(3))
+  assert schedule.LocalSchedule(every3, clock=lambda: 0.0).due(6)
+  assert schedule.LocalSchedule(every3, clock=lambda: 0.0).interval_s() is None
 
 
 def test_callback_local_auto_interval_uses_the_measured_local_save_time(tmp_path):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
 
-  class Writer:  # duck-typed clu MetricWriter
-    def __init__(self):
-      self.rows = []
-
-    def write_scalars(self, step, scalars):
-      self.rows.append((step, dict(scalars)))
-
   now = [0.0]
-  writer = Writer()
+  writer = jobs.RecordingWriter()
   mtbf = 2e5
   ckpt = ofx.CheckpointCallback(str(tmp_path / "run"), {
       "local_directory": str(tmp_path / "local"), "local_save_interval": "auto",
@@ -235,7 +230,7 @@ def test_callback_local_auto_interval_uses_the_measured_local_save_time(tmp_path
     now[0] += 10.0
     ckpt.on_step_end(step, state)
   ckpt.close()
-  local = [(step, r) for step, r in writer.rows if "checkpoint/local_s" in r]
+  local = [(step, r) for step, r in writer.scalars if "checkpoint/local_s" in r]
   assert local and local[0][0] == 64, local  # sqrt(2 x 1 s assumed x 2e5 s) = 632 s: step 64
   costs = []
   for (step, r), nxt in zip(local, local[1:] + [None]):

@@ -285,23 +285,12 @@ def test_exception_on_one_process_reraises_it_without_a_save(tmp_path):
 
 
 def test_clu_periodic_actions_and_metric_writer(tmp_path):
-
-  class Writer:  # duck-typed clu MetricWriter
-    def __init__(self):
-      self.scalars = []
-
-    def write_scalars(self, step, scalars):
-      self.scalars.append((step, dict(scalars)))
-
-    def flush(self):
-      pass
-
   calls = []
 
   class Action(periodic_actions.PeriodicCallback):
     pass
 
-  writer = Writer()
+  writer = jobs.RecordingWriter()
   ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2}, writer=writer)
   action = Action(every_steps=3, callback_fn=lambda step, t: calls.append(step))
   ofx.Trainer(linen_step, [ckpt, action, ofx.LogProgress(2, writer)]).fit(linen_state(), Dataset(), 6)

@@ -55,7 +55,8 @@ _DIRECT_RUN = 64 << 10   # runs at least this long are read straight into the bu
 _SLAB = 16 << 20         # otherwise whole rows are read in slabs of about this size, then copied
 
 
-def _pread_exact(fd: int, view: memoryview, offset: int) -> None:
+def pread_exact(fd: int, view: memoryview, offset: int) -> None:
+  """Fills ``view`` from ``fd`` at ``offset`` (as many preads as it takes); EOFError past the end."""
   got = 0
   while got < len(view):
     k = os.preadv(fd, [view[got:]], offset + got)
@@ -81,7 +82,7 @@ def pread_box(fd: int, base: int, shape: tuple[int, ...], box: Box, out: np.ndar
   if first[2] >= _DIRECT_RUN or len(shape) < 2 or row > _SLAB:
     total = 0
     for off, at, n in runs(shape, box, itemsize):
-      _pread_exact(fd, memoryview(flat[at:at + n]), base + off)
+      pread_exact(fd, memoryview(flat[at:at + n]), base + off)
       total += n
     return total
   (lo0, hi0), inner = box[0], tuple(slice(lo, hi) for lo, hi in box[1:])
@@ -91,7 +92,7 @@ def pread_box(fd: int, base: int, shape: tuple[int, ...], box: Box, out: np.ndar
   for a in range(lo0, hi0, per):
     b = min(hi0, a + per)
     chunk = temp[:(b - a) * row]
-    _pread_exact(fd, memoryview(chunk), base + a * row)
+    pread_exact(fd, memoryview(chunk), base + a * row)
     rows = chunk.view(out.dtype).reshape((b - a,) + tuple(shape[1:]))
     out[a - lo0:b - lo0] = rows[(slice(None),) + inner]
     total += chunk.nbytes

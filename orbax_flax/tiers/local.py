@@ -46,6 +46,7 @@ from orbax_flax import _progress
 from orbax_flax import _staging
 from orbax_flax import _tree
 from orbax_flax import errors
+from orbax_flax.formats import _cbytes
 from orbax_flax.tiers import _exchange
 
 log = logging.getLogger("orbax_flax")
@@ -209,12 +210,9 @@ def read_blob(path: str, where: str) -> tuple[dict[str, Any], Payload]:
 
     def read(t: tuple[int, int, str, int | None, int]) -> None:
       lo, length, _, _, base = t
-      dst, got = payload.pos(base) + lo - base, 0
-      while got < length:
-        k = os.preadv(fd, [view[dst + got:dst + length]], 8 + n + lo + got)
-        if not k:
-          raise errors.CheckpointCorruptedError(f"{where}: {path} is shorter than its index says")
-        got += k
+      dst = payload.pos(base) + lo - base
+      _pread_into(fd, view[dst:dst + length], 8 + n + lo,
+                  f"{where}: {path} is shorter than its index says")
       _check(payload, t, where)
     _parallel(read, segments)
   finally:
@@ -230,17 +228,20 @@ def read_bytes(path: str) -> np.ndarray:
     out = np.empty(size, np.uint8)
     view = memoryview(out)
 
-    def read(lo: int) -> None:
-      hi, got = min(size, lo + SEGMENT), 0
-      while lo + got < hi:
-        k = os.preadv(fd, [view[lo + got:hi]], lo + got)
-        if not k:
-          raise errors.CheckpointCorruptedError(f"{path}: shorter than expected")
-        got += k
-    _parallel(read, list(range(0, size, SEGMENT)))
+    _parallel(lambda lo: _pread_into(fd, view[lo:lo + SEGMENT], lo,
+                                     f"{path}: shorter than expected"),
+              list(range(0, size, SEGMENT)))
   finally:
     os.close(fd)
   return out
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, short: str) -> None:
+  """Fills ``view`` from ``fd`` at ``offset``; CheckpointCorruptedError(``short``) at end of file."""
+  try:
+    _cbytes.pread_exact(fd, view, offset)
+  except EOFError as e:
+    raise errors.CheckpointCorruptedError(short) from e
 
 
 def decode(blob: np.ndarray, where: str) -> tuple[dict[str, Any], Payload]:

@@ -7,8 +7,9 @@ multi-process job, shares process 0's decision so every process saves the same
 step (a local save is collective).
 
 Example:
+  >>> from orbax_flax import policy
   >>> clock = iter([0.0, 10.0, 50.0, 60.0]).__next__
-  >>> s = LocalSchedule(every_steps=0, mtbf_seconds=400.0, clock=clock)
+  >>> s = LocalSchedule(policy.any_of(policy.YoungDaly(400.0)), clock=clock)
   >>> s.interval_s()           # sqrt(2 x 1 s assumed x 400 s)
   28.28...
   >>> s.due(1), s.due(2)       # 10 s, then 50 s since the start
@@ -20,8 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
-import statistics
 import time
 from collections.abc import Callable
 
@@ -33,26 +32,27 @@ class LocalSchedule:
   """Which steps the local tier saves; the same answer on every process.
 
   Args:
-    every_steps: save every N steps (0: off).
-    mtbf_seconds: with a value, also save once the Young/Daly interval of the
-      median of the last 5 local save times has passed (``local_save_interval
-      ="auto"``); None: off.
+    trigger: the local tier's trigger (``CheckpointPolicy.local_trigger()``):
+      step-based triggers decide on every process alike; a
+      :class:`~orbax_flax.policy.YoungDaly` one (``local_save_interval="auto"``)
+      is given the median of the last 5 local save times and decided by
+      process 0's clock.
     clock: wall-time source (tests pass a fake).
   """
 
-  def __init__(self, *, every_steps: int = 0, mtbf_seconds: float | None = None,
-               clock: Callable[[], float] = time.time):
-    self._steps = policy_lib.EveryNSteps(every_steps) if every_steps else None
-    self._auto = policy_lib.YoungDaly(mtbf_seconds) if mtbf_seconds else None
+  def __init__(self, trigger: policy_lib.AnyOf, *, clock: Callable[[], float] = time.time):
+    steps = tuple(t for t in trigger.triggers if not isinstance(t, policy_lib.YoungDaly))
+    self._steps = policy_lib.any_of(*steps) if steps else None
+    self._auto = next((t for t in trigger.triggers if isinstance(t, policy_lib.YoungDaly)), None)
     self._clock = clock
-    self._costs: collections.deque[float] = collections.deque(maxlen=5)
+    self._costs = policy_lib.CostWindow()
     self._last_step: int | None = None
     self._last_time = clock()
     self._key = _multihost.namespace("local_schedule") if self._auto is not None else None
 
   def cost_s(self) -> float | None:
     """The median of the last few local save times (None before the first)."""
-    return statistics.median(self._costs) if self._costs else None
+    return self._costs.median()
 
   def interval_s(self) -> float | None:
     """The auto interval now, in seconds (None without ``mtbf_seconds``)."""
@@ -69,19 +69,12 @@ class LocalSchedule:
       return True
     if self._auto is None:
       return False
-    if _multihost.process_count() == 1:
-      return self._auto(self._state(step)) is not None
-    key = f"{self._key}/{step // 1024}/{step}"
-    decision = None
-    if _multihost.process_index() == 0:
-      decision = "1" if self._auto(self._state(step)) else ""
-      if step % 1024 == 0 and step >= 2048:
-        _multihost.delete(f"{self._key}/{step // 1024 - 2}")
-    return bool(_multihost.broadcast(key, decision))
+    return bool(_multihost.decide_per_step(self._key, step,
+                                           lambda: "1" if self._auto(self._state(step)) else ""))
 
   def record(self, step: int, seconds: float) -> None:
     """A local save of ``step`` committed after ``seconds`` (the whole save blocks)."""
-    self._costs.append(seconds)
+    self._costs.add(seconds)
     self._last_step, self._last_time = step, self._clock()
 
   def _state(self, step: int) -> policy_lib.SaveState:
