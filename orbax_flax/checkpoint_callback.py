@@ -38,6 +38,7 @@ from orbax_flax import preemption
 from orbax_flax import restoring
 from orbax_flax import state_items
 from orbax_flax import step_dir
+from orbax_flax import targets
 from orbax_flax._location import Location
 from orbax_flax.config import CheckpointPolicy
 from orbax_flax.manager import CheckpointManager
@@ -69,9 +70,7 @@ def _saved_mesh_text(mesh: Any) -> str:
 def _targets(items: Mapping[str, Any]) -> dict[str, Any]:
   """Restore targets: the shapes, dtypes and shardings of the live state."""
   def abstract(x):
-    if isinstance(x, jax.Array):
-      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    return x
+    return targets.of_array(x) if isinstance(x, jax.Array) else x
   return {k: jax.tree.map(abstract, v) for k, v in items.items()}
 
 

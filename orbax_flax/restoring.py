@@ -35,6 +35,7 @@ from orbax_flax import _reading
 from orbax_flax import _staging
 from orbax_flax import _tree
 from orbax_flax import errors
+from orbax_flax import targets
 from orbax_flax._location import Location
 from orbax_flax._planning import TMP_MARKER
 
@@ -148,6 +149,7 @@ class _Want:
   shape: tuple[int, ...]      # shape of the data (key data for PRNG keys)
   key_impl: str | None
   boxes: dict[_layout.Box, list[Any]]  # distinct boxes to read -> devices that get them
+  committed: bool = True      # False: placed uncommitted on the default device (as the target was)
 
 
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
@@ -447,6 +449,8 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
       array = np.asarray(value, dtype=dtype)
       if sharding is None:
         return _Value(array)
+      if targets.is_uncommitted(leaf):
+        return _Value(jax.device_put(array))
       return _Value(jax.make_array_from_callback((), sharding, lambda _: array))
     diffs.append(f"{where}: checkpoint holds a {type(value).__name__}, target wants an array"
                  f" of shape {shape}")
@@ -482,7 +486,9 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
     if saved_key:
       sharding = _key_data_sharding(sharding, where)
   boxes = {tuple((0, s) for s in data_shape): []} if sharding is None else _boxes(sharding, data_shape)
-  return _Want(item, rec, data_dtype, sharding, data_shape, saved_key, boxes)
+  committed = not (isinstance(sharding, jax.sharding.SingleDeviceSharding)
+                   and targets.is_uncommitted(leaf))
+  return _Want(item, rec, data_dtype, sharding, data_shape, saved_key, boxes, committed)
 
 
 def lossless(saved: np.dtype, target: np.dtype) -> bool:
@@ -630,11 +636,14 @@ def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
 def _assemble(wants: list[_Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:
   """Host arrays as they are; device arrays placed with one batched device_put.
 
-  ``datas`` holds, per want, one array per box of ``want.boxes``.
+  ``datas`` holds, per want, one array per box of ``want.boxes``. An
+  uncommitted want (its target was an uncommitted single-device array) is put
+  on the default device without committing it, so that a jitted step may use
+  it beside arrays on any mesh, as it could before the save.
   """
   out: list[Any] = [None] * len(wants)
   sharded: list[tuple[int, int]] = []  # (want index, number of shards)
-  values, targets, alias = [], [], []
+  values, devices_, alias = [], [], []
   for i, w in enumerate(wants):
     boxes = datas[id(w)]
     if w.sharding is None:
@@ -646,15 +655,16 @@ def _assemble(wants: list[_Want], datas: dict[int, list[np.ndarray]]) -> list[An
           # The first device may use the buffer in place (zero-copy on CPU when
           # aligned); the others get copies, so donating one cannot change another.
           values.append(data)
-          targets.append(device)
+          devices_.append(device if w.committed else None)
           alias.append(j == 0)
           n += 1
       sharded.append((i, n))
-  placed = jax.device_put(values, targets, may_alias=alias) if values else []
+  placed = jax.device_put(values, devices_, may_alias=alias) if values else []
   k = 0
   for i, n in sharded:
     w = wants[i]
-    out[i] = jax.make_array_from_single_device_arrays(w.shape, w.sharding, placed[k:k + n])
+    out[i] = (jax.make_array_from_single_device_arrays(w.shape, w.sharding, placed[k:k + n])
+              if w.committed else placed[k])
     k += n
   for i, w in enumerate(wants):
     if w.key_impl:

@@ -7,6 +7,11 @@ training script already has: the state it just initialised (shapes, dtypes
 and shardings of its arrays, scalars such as a ``TrainState``'s Python-int
 ``step`` kept as they are), or the result of ``jax.eval_shape`` /
 ``nnx.eval_shape`` plus the mesh to place it on.
+
+An array that was never committed to a device (``jnp.zeros(())``, optax's
+``count`` beside parameters placed with ``device_put``) becomes an
+:class:`UncommittedStruct`, and restores uncommitted on the default device, as
+it was: a jitted step may then use it beside arrays on any mesh.
 """
 
 from __future__ import annotations
@@ -21,6 +26,51 @@ try:
   from flax import nnx
 except ImportError:  # pragma: no cover
   nnx = None
+
+
+class UncommittedStruct(jax.ShapeDtypeStruct):
+  """A restore target leaf for an array that was not committed to a device.
+
+  A ``jax.Array`` made without a device (``jnp.zeros(())``, ``jax.device_put(x)``)
+  is *uncommitted*: a jitted computation moves it to wherever its other
+  arguments live. Restoring it committed to its device would make the first
+  step after a resume fail with "incompatible devices" once the rest of the
+  state lives on a mesh, so such a leaf restores uncommitted on the default
+  device. :func:`of_array` (and :func:`abstract`) make one from a live array.
+
+  Example:
+    >>> import jax.numpy as jnp, orbax_flax as ofx
+    >>> t = ofx.abstract({"count": jnp.zeros((), jnp.int32)})["count"]
+    >>> type(t).__name__, t.shape
+    ('UncommittedStruct', ())
+  """
+  __slots__ = ()
+
+
+def of_array(x: jax.Array) -> jax.ShapeDtypeStruct:
+  """The restore target of a live array: its shape, dtype, sharding and committed-ness.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> committed = jax.device_put(jnp.ones(2), jax.devices()[0])
+    >>> type(of_array(committed)).__name__, type(of_array(jnp.ones(2))).__name__
+    ('ShapeDtypeStruct', 'UncommittedStruct')
+  """
+  cls = jax.ShapeDtypeStruct if x.committed else UncommittedStruct
+  return cls(x.shape, x.dtype, sharding=x.sharding)
+
+
+def is_uncommitted(leaf: Any) -> bool:
+  """True for a target leaf that restores uncommitted: an uncommitted array or its struct.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> is_uncommitted(jnp.ones(2)), is_uncommitted(of_array(jnp.ones(2)))
+    (True, True)
+  """
+  if isinstance(leaf, UncommittedStruct):
+    return True
+  return isinstance(leaf, jax.Array) and not leaf.committed
 
 
 def abstract(tree: Any, sharding: Any = None) -> Any:
@@ -40,7 +90,8 @@ def abstract(tree: Any, sharding: Any = None) -> Any:
 
   Returns:
     The same structure, with ``jax.ShapeDtypeStruct`` (with sharding) for
-    every array, numpy arrays for numpy leaves, and every other leaf as is.
+    every array (an :class:`UncommittedStruct` for an uncommitted one), numpy
+    arrays for numpy leaves, and every other leaf as is.
 
   Raises:
     ValueError: a leaf has no sharding and ``sharding`` gives none, naming it.
@@ -67,8 +118,8 @@ def abstract(tree: Any, sharding: Any = None) -> Any:
 
   def one(path, leaf):
     if isinstance(leaf, jax.Array):
-      return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=leaf.sharding)
-    if not isinstance(leaf, jax.ShapeDtypeStruct):
+      return of_array(leaf)
+    if not isinstance(leaf, jax.ShapeDtypeStruct) or isinstance(leaf, UncommittedStruct):
       return leaf  # numpy arrays, scalars, strings: targets as they are
     own = leaf.sharding
     if own is not None and _concrete(own):

@@ -46,6 +46,7 @@ from orbax_flax import _progress
 from orbax_flax import _staging
 from orbax_flax import _tree
 from orbax_flax import errors
+from orbax_flax import targets
 from orbax_flax.formats import _cbytes
 from orbax_flax.tiers import _exchange
 
@@ -350,6 +351,7 @@ class _Pending:
   sharding: Any
   shards: int
   key_impl: str | None
+  committed: bool = True  # False: placed uncommitted on the default device, as the target was
 
 
 class _Placing:
@@ -374,7 +376,8 @@ class _Placing:
     placed = jax.device_put(self.values, self.devices, may_alias=self.alias) if self.values else []
     out, k = {}, 0
     for p in self.pending:
-      array = jax.make_array_from_single_device_arrays(p.shape, p.sharding, placed[k:k + p.shards])
+      array = (jax.make_array_from_single_device_arrays(p.shape, p.sharding, placed[k:k + p.shards])
+               if p.committed else placed[k])
       k += p.shards
       out[id(p)] = jax.random.wrap_key_data(array, impl=p.key_impl) if p.key_impl else array
     return out
@@ -407,7 +410,11 @@ def _one(rec: dict[str, Any], want: Any, payload: Payload, where: str, placing: 
       raise LayoutChanged(f"{where}: device {device.id} needs box {box}, which the local"
                           " checkpoint does not hold as one shard (another mesh or sharding)")
     shards.append((data(entry), device, entry["offset"]))
-  return placing.add(_Pending(shape, sharding, len(shards), rec.get("key_impl")), shards)
+  committed = not (isinstance(sharding, jax.sharding.SingleDeviceSharding)
+                   and targets.is_uncommitted(want))
+  if not committed:
+    shards = [(d, None, o) for d, _, o in shards]
+  return placing.add(_Pending(shape, sharding, len(shards), rec.get("key_impl"), committed), shards)
 
 
 @dataclasses.dataclass
