@@ -119,6 +119,17 @@ def test_uncommitted_data_is_invisible(store, bucket):
   assert ofx.restore(url)["state"]["step"] == 3
 
 
+def test_a_missing_checkpoint_says_what_is_there(store, bucket):
+  ofx.save(store.url(bucket, "run/ckpt"), {"s": {"x": np.arange(3)}})
+  with pytest.raises(ofx.CheckpointNotFoundError, match="nothing is stored under this prefix"):
+    ofx.restore(store.url(bucket, "rnu/ckpt"))  # a typo
+  with pytest.raises(ofx.CheckpointNotFoundError,
+                     match=r"nosuchbucket.*(nothing is stored under this prefix|bucket name)"):
+    ofx.restore(store.url("nosuchbucket", "x"))
+  with pytest.raises(ofx.CheckpointNotFoundError, match="the path exists but holds no"):
+    ofx.restore(store.url(bucket, "run"))
+
+
 def test_manager_keeps_the_newest_and_ignores_uncommitted_steps(store, bucket):
   url = store.url(bucket, "run")
   policy = ofx.CheckpointPolicy(save_interval_steps=2, max_to_keep=2)
