@@ -62,8 +62,10 @@ def _what_is_there(loc: Location) -> str:
             f" {loc.join(str(ocp_steps[-1])).join('default')})")
   try:
     steps, leftovers = step_dir.list_steps(loc)
-  except (NotADirectoryError, errors.StorageError):
+  except NotADirectoryError:
     return "it is not a directory."
+  except errors.StorageError as e:  # e.g. a bucket that does not exist
+    return f"it cannot be listed: {e}"
   if steps:
     return (f"it is a directory of steps, holding {_steps_text(steps)}; pass one of them, e.g."
             f" {loc.join(str(steps[-1]))}")
@@ -81,6 +83,8 @@ def _what_is_there(loc: Location) -> str:
   if leftovers:
     return ("it holds only uncommitted saves (in progress or interrupted): "
             + ", ".join(l.name for l in leftovers[:3]))
+  if not loc.is_local and not _location.list_keys(loc):
+    return "nothing is stored under this prefix: check the bucket name and the path."
   return "the path exists but holds no committed checkpoint (a save in progress or interrupted?)."
 
 

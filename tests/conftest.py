@@ -26,11 +26,7 @@ def ckpt_dir(tmp_path):
 def s3_server():
   """A SeaweedFS S3 server on loopback, shared by the session."""
   import s3server  # pylint: disable=g-import-not-at-top
-  try:
-    server = s3server.S3Server()
-  except RuntimeError as e:
-    pytest.skip(f"S3 tests need a local SeaweedFS server, which could not start: {e}")
-  yield from server.serve()
+  yield from s3server.S3Server.serve_new()
 
 
 @pytest.fixture

@@ -280,24 +280,6 @@ def test_policy_must_be_a_policy(tmp_path):
     ofx.CheckpointManager(str(tmp_path), {"save_interval_steps": 1})
 
 
-def test_manager_on_s3(s3_server, s3_bucket):
-  url = f"s3://{s3_bucket}/run"
-  policy = ofx.CheckpointPolicy(save_interval_steps=2, max_to_keep=2)
-  with ofx.CheckpointManager(url, policy) as mngr:
-    for step in range(1, 9):
-      mngr.save(step, {"state": state(step)})
-  keys = sorted(o["Key"] for o in s3_server.client().list_objects_v2(Bucket=s3_bucket)["Contents"])
-  assert {k.split("/")[1] for k in keys} == {"6", "8"}
-  # An uncommitted step prefix is a leftover, never a step.
-  s3_server.client().put_object(Bucket=s3_bucket, Key="run/9/state/p0-x/manifest.ocdbt", Body=b"x")
-  s3_server.client().put_object(Bucket=s3_bucket, Key="run/3/state/p0-x/manifest.ocdbt", Body=b"x")
-  mngr = ofx.CheckpointManager(url, policy)
-  assert mngr.all_steps() == [6, 8]
-  assert [l.name for l in mngr.leftovers()] == ["9/"]  # 3/ was removed: older than the latest
-  np.testing.assert_array_equal(mngr.restore()["state"]["w"], state(8)["w"])
-  mngr.close()
-
-
 def test_step_info_objects_are_policy_inputs():
   # The manager feeds the same StepInfo the pure rules take.
   assert policy_lib.to_delete([policy_lib.StepInfo(1, 0.0), policy_lib.StepInfo(2, 0.0)],

@@ -1,0 +1,237 @@
+"""The engine and the manager on real object stores on loopback: S3 and GCS.
+
+Every case runs on both stores: SeaweedFS for ``s3://`` (the session's server,
+from conftest) and fake-gcs-server for ``gs://`` (one server for this module).
+The servers' own APIs (``store.keys``, ``store.put``...) look behind the
+library's back.
+"""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jobs
+import orbax_flax as ofx
+from orbax_flax import saving
+
+
+@pytest.fixture(scope="module")
+def gcs_server():
+  """A fake-gcs-server on loopback, shared by this module."""
+  import gcsserver  # pylint: disable=g-import-not-at-top
+  yield from gcsserver.GcsServer.serve_new()
+
+
+@pytest.fixture(params=["s3", "gcs"])
+def store(request):
+  return request.getfixturevalue(f"{request.param}_server")
+
+
+@pytest.fixture
+def bucket(store):
+  return store.new_bucket()
+
+
+def _state(seed):
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  rng = np.random.default_rng(seed)
+  return {"w": jax.device_put(rng.standard_normal((512, 1024), dtype=np.float32),
+                              NamedSharding(mesh, P("data", "model"))),
+          "b": rng.standard_normal((16,), dtype=np.float32), "step": seed}
+
+
+def _big(mb, value):
+  return {"w": np.full((mb * 256, 1024), value, np.float32), "b": np.full(16, value, np.float32)}
+
+
+def test_save_restore_metadata(store, bucket):
+  url = store.url(bucket, "runs/1/ckpt")
+  state = _state(1)
+  ofx.save(url, {"state": state, "extra": {"epoch": 3}})
+  target = {"state": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+      jax.make_mesh((8,), ("x",)), P(None, "x"))) if isinstance(x, jax.Array) else x, state)}
+  restored = ofx.restore(url, target)
+  np.testing.assert_array_equal(np.asarray(restored["state"]["w"]), np.asarray(state["w"]))
+  np.testing.assert_array_equal(restored["state"]["b"], state["b"])
+  assert ofx.restore(url, {"extra": {"epoch": 0}}) == {"extra": {"epoch": 3}}
+  meta = ofx.metadata(url)
+  assert meta.items["state"].arrays[-1].shape == (512, 1024)
+  keys = store.keys(bucket, "runs/1/ckpt/")
+  assert "runs/1/ckpt/_CHECKPOINT" in keys and len(keys) <= 8, keys
+
+
+def test_async_save_commits_on_wait(store, bucket):
+  url = store.url(bucket, "async")
+  handle = ofx.save_async(url, {"state": _state(2)})
+  handle.wait()
+  assert "async/_CHECKPOINT" in store.keys(bucket, "async/")
+  np.testing.assert_array_equal(ofx.restore(url)["state"]["w"], np.asarray(_state(2)["w"]))
+
+
+def test_kvstore_spec_dict(store, bucket):
+  spec = store.spec(bucket, "spec/ckpt")
+  ofx.save(spec, {"state": {"x": np.arange(5)}})
+  np.testing.assert_array_equal(ofx.restore(spec)["state"]["x"], np.arange(5))
+  assert store.keys(bucket, "spec/ckpt/_CHECKPOINT") == ["spec/ckpt/_CHECKPOINT"]
+
+
+def test_overwrite_replaces_generation_and_cleans_up(store, bucket):
+  url = store.url(bucket, "ow")
+  ofx.save(url, {"state": _state(1)})
+  old_keys = store.keys(bucket)
+  with pytest.raises(ofx.CheckpointExistsError, match="overwrite=True"):
+    ofx.save(url, {"state": _state(2)})
+  assert store.keys(bucket) == old_keys
+  ofx.save(url, {"state": _state(2)}, overwrite=True)
+  assert ofx.restore(url)["state"]["step"] == 2
+  new_keys = store.keys(bucket)
+  gen = ofx.restoring.read_manifest(ofx._location.Location.parse(url))["generation"]
+  assert all(k == "ow/_CHECKPOINT" or gen in k for k in new_keys), new_keys
+
+
+def test_overwrite_over_a_damaged_manifest_commits_and_cleans_up(store, bucket):
+  url = store.url(bucket, "dm")
+  ofx.save(url, {"s": {"x": np.arange(3)}})
+  body = bytearray(store.get(bucket, "dm/_CHECKPOINT"))
+  body[-5] ^= 1  # bit rot in the old manifest
+  store.put(bucket, "dm/_CHECKPOINT", bytes(body))
+  with pytest.raises(ofx.CheckpointCorruptedError):
+    ofx.restore(url)
+  ofx.save(url, {"s": {"x": np.arange(4)}}, overwrite=True)  # returns: it committed
+  np.testing.assert_array_equal(ofx.restore(url)["s"]["x"], np.arange(4))
+  gens = {k.split("/")[2] for k in store.keys(bucket, "dm/s/")}
+  assert len(gens) == 1, gens  # the old generation is gone
+
+
+def test_uncommitted_data_is_invisible(store, bucket):
+  url = store.url(bucket, "unc")
+  ofx.save(url, {"state": _state(1)})
+  store.delete(bucket, "unc/_CHECKPOINT")
+  assert store.keys(bucket, "unc/")  # data is still there, but no marker
+  with pytest.raises(ofx.CheckpointNotFoundError):
+    ofx.restore(url)
+  ofx.save(url, {"state": _state(3)})  # a new save may use the prefix
+  assert ofx.restore(url)["state"]["step"] == 3
+
+
+def test_a_missing_checkpoint_says_what_is_there(store, bucket):
+  ofx.save(store.url(bucket, "run/ckpt"), {"s": {"x": np.arange(3)}})
+  with pytest.raises(ofx.CheckpointNotFoundError, match="nothing is stored under this prefix"):
+    ofx.restore(store.url(bucket, "rnu/ckpt"))  # a typo
+  with pytest.raises(ofx.CheckpointNotFoundError,
+                     match=r"nosuchbucket.*(nothing is stored under this prefix|bucket name)"):
+    ofx.restore(store.url("nosuchbucket", "x"))
+  with pytest.raises(ofx.CheckpointNotFoundError, match="the path exists but holds no"):
+    ofx.restore(store.url(bucket, "run"))
+
+
+def test_manager_keeps_the_newest_and_ignores_uncommitted_steps(store, bucket):
+  url = store.url(bucket, "run")
+  policy = ofx.CheckpointPolicy(save_interval_steps=2, max_to_keep=2)
+  with ofx.CheckpointManager(url, policy) as mngr:
+    for step in range(1, 9):
+      mngr.save(step, {"state": {"w": np.full((8, 8), step, np.float32), "step": step}})
+  assert {k.split("/")[1] for k in store.keys(bucket)} == {"6", "8"}
+  # An uncommitted step prefix is a leftover, never a step.
+  store.put(bucket, "run/9/state/p0-x/manifest.ocdbt", b"x")
+  store.put(bucket, "run/3/state/p0-x/manifest.ocdbt", b"x")
+  mngr = ofx.CheckpointManager(url, policy)
+  assert mngr.all_steps() == [6, 8]
+  assert [l.name for l in mngr.leftovers()] == ["9/"]  # 3/ was removed: older than the latest
+  np.testing.assert_array_equal(mngr.restore()["state"]["w"], np.full((8, 8), 8, np.float32))
+  mngr.close()
+
+
+def test_unreachable_store_names_it_and_the_fix(store, monkeypatch):
+  spec, env = store.unreachable("nobucket", "x")
+  for k, v in env.items():
+    monkeypatch.setenv(k, v)
+  with pytest.raises(ofx.StorageError, match=rf"{store.scheme}://nobucket/x/.*endpoint"):
+    ofx.save(spec, {"state": {"x": np.arange(3)}})
+  with pytest.raises(ofx.StorageError, match="nobucket"):
+    ofx.restore(spec)
+
+
+def test_two_processes_save(store, bucket):
+  url = store.url(bucket, "mp/ckpt")
+  jobs.run("engine_worker.py", ["--mode=save", f"--path={url}", "--mesh=2,4"], 2, 4,
+           env=store.env()).check()
+  res = jobs.run("engine_worker.py", ["--mode=restore", f"--path={url}", "--mesh=4,2"], 4, 2,
+                 env=store.env()).check()
+  assert all("RESTORED" in o for o in res.outputs)
+
+
+def test_checkpoint_appearing_during_a_save_is_kept(store, bucket, monkeypatch):
+  url = store.url(bucket, "race")
+  commit = saving.SaveRun._commit  # pylint: disable=protected-access
+
+  def someone_else_commits_first(run):
+    monkeypatch.setattr(saving.SaveRun, "_commit", commit)
+    ofx.save(url, {"state": {"who": "someone else", "x": np.ones(3)}})
+    commit(run)
+
+  monkeypatch.setattr(saving.SaveRun, "_commit", someone_else_commits_first)
+  with pytest.raises(ofx.CheckpointExistsError, match="appeared .* during the save"):
+    ofx.save(url, {"state": _state(2)})
+  assert ofx.restore(url)["state"]["who"] == "someone else"
+  gens = {k.split("/")[2] for k in store.keys(bucket, "race/state/")}
+  assert len(gens) == 1, gens  # our data was removed again
+
+
+def test_store_killed_mid_save_and_mid_restore(store, bucket):
+  """The server dies under a save and under a restore: clear errors, nothing partial."""
+  def url(step):  # a spec dict: its context shortens the retries to a few seconds
+    return store.spec(bucket, f"run/{step}", max_retries=2)
+
+  ofx.save(url(1), {"s": _big(8, 1.0)})
+
+  # Mid-save: the server dies while a 128 MiB save writes.
+  handle = ofx.save_async(url(2), {"s": _big(128, 2.0)})
+  time.sleep(0.3)
+  try:
+    store.kill()
+    start = time.monotonic()
+    with pytest.raises(ofx.StorageError) as e:
+      handle.wait()
+    failed_after = time.monotonic() - start
+  finally:
+    store.start()  # the server of the other tests
+  assert bucket in str(e.value) and "127.0.0.1" in str(e.value), e.value  # names the store
+  assert failed_after < 30, failed_after
+
+  # After a restart: nothing partial was committed, and the next save and restores work.
+  with pytest.raises(ofx.CheckpointNotFoundError):
+    ofx.metadata(url(2))
+  ofx.save(url(3), {"s": _big(128, 3.0)})
+  np.testing.assert_array_equal(ofx.restore(url(3))["s"]["w"], _big(128, 3.0)["w"])
+  np.testing.assert_array_equal(ofx.restore(url(1))["s"]["w"], _big(8, 1.0)["w"])
+
+  # Mid-restore: the server dies during a read.
+  result = {}
+
+  def restore():
+    try:
+      result["value"] = ofx.restore(url(3))
+    except BaseException as e:  # pylint: disable=broad-except
+      result["error"] = e
+
+  t = threading.Thread(target=restore)
+  t.start()
+  time.sleep(0.2)
+  try:
+    store.kill()
+    start = time.monotonic()
+    t.join(60)
+  finally:
+    store.start()
+  assert not t.is_alive() and time.monotonic() - start < 30
+  if "error" in result:  # the kill landed during the read
+    assert isinstance(result["error"], ofx.StorageError), repr(result["error"])
+    assert bucket in str(result["error"]), result["error"]
+  else:  # it finished first: whatever came back is right
+    np.testing.assert_array_equal(result["value"]["s"]["w"], _big(128, 3.0)["w"])
