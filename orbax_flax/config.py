@@ -55,82 +55,91 @@ class CheckpointPolicy:
   Attributes:
     save_interval_steps: save every N steps (0: off).
     save_interval_seconds: save once this much wall time has passed since the
-      last save (0: off). Decided on process 0 and shared.
-    save_interval: "auto" chooses the time between saves from what saves cost:
-      the Young/Daly optimum ``sqrt(2 x save cost x mtbf_seconds)``, with the
-      cost the median blocking time of the last 5 saves (1 s assumed before
-      the first), re-evaluated at every step; "" (default) turns it off.
-    mtbf_seconds: the job's mean time between failures, preemptions included,
-      for ``save_interval="auto"`` (e.g. 86400 for about one a day).
+      last save (0: off); decided on process 0 and shared.
+    save_interval: "auto" saves every ``sqrt(2 x save cost x mtbf_seconds)``
+      seconds (Young/Daly), the cost being the median blocking time of the
+      last 5 saves (1 s assumed before the first), re-evaluated at every
+      step; "" turns it off.
+    mtbf_seconds: the job's mean time between failures, preemptions
+      included, for ``save_interval="auto"`` and ``local_save_interval="auto"``
+      (e.g. 86400 for about one a day).
     save_on_steps: also save at these steps.
     save_first_step: save the first step of every run.
-    save_final_step: save the last step of a run (used by the trainer and
-      callback, which know the run length).
-    max_to_keep: keep the N most recent steps (0: no limit).
-    keep_period: keep every step that is a multiple of M forever (0: off).
+    save_final_step: save the last step of a run (the trainer and the
+      callback know the run length).
+    max_to_keep: keep the N most recent steps, deleting older ones (0: keep
+      all).
+    keep_period: keep every step that is a multiple of M forever: protects it
+      from deletion (0: off).
     keep_time_interval_seconds: keep one step per this many seconds of wall
-      time forever (0: off).
-    best_metric: metric that ranks steps, e.g. "loss" ("": none).
-    best_mode: "min" or "max".
-    keep_best: keep the N best steps by ``best_metric`` (0: off).
-    best_missing: steps saved without the metric are ranked "worst" or always
-      "keep"-ed.
+      time forever: protects it from deletion (0: off).
+    best_metric: the metric that ranks steps for ``keep_best`` and
+      ``best_step()``, e.g. "loss" ("": none).
+    best_mode: whether a smaller ("min") or larger ("max") ``best_metric``
+      is better.
+    keep_best: keep the N best steps by ``best_metric``, deleting the others
+      (0: off).
+    best_missing: steps saved without the metric are ranked "worst" (after
+      every scored step, newest first) or always "keep"-ed.
     async_save: write in the background; training blocks only for the copy
       to host memory.
-    if_busy: when a save is requested while the previous one is still
-      writing: "wait" for it, or "skip" the new save.
+    if_busy: a save requested while the previous one still writes: "wait"
+      for it, or "skip" the new save (forced, final and preemption saves
+      always wait).
     save_on_preemption: on a preemption signal every process saves the same
-      step and the loop stops.
-    preemption_signals: signal names that mean preemption, e.g. ("SIGTERM",
-      "SIGUSR1").
-    preemption_grace_seconds: seconds the job has after the signal; a save
-      that cannot commit in time is abandoned, never committed half-written
-      (0: no limit).
-    save_on_exception: if the training step raises, save the last good state
-      before re-raising.
+      step, and the loop stops once it is committed.
+    preemption_signals: the signals that mean preemption, by name or number
+      (e.g. add "SIGUSR1" for SLURM).
+    preemption_grace_seconds: abandon (never commit) a preemption save that
+      cannot commit within this many seconds of the signal (0: no limit).
+    save_on_exception: if the training step raises, save the last good state,
+      then re-raise.
     directory: where checkpoints go ("": ``<workdir>/checkpoints``).
-    init_from: a checkpoint to initialise params from when there is nothing
-      to resume (fine-tuning); "": off.
+    init_from: a checkpoint to take params from when there is nothing to
+      resume (fine-tuning): a checkpoint of any format ``restore`` reads, or
+      a run's workdir or ``checkpoints/`` directory (its latest step); "":
+      off.
     max_host_bytes: budget for the host memory of one save or restore, in
-      bytes (0: none). A larger async save stages in rounds (the caller waits
-      for all but the last); a restore reads in rounds.
+      bytes (0: none); a larger async save stages in rounds (the caller waits
+      for all but the last), a restore reads in rounds.
     keep_staging_memory: keep the host staging copy between async saves, so
-      that the blocking phase is a copy into memory already touched (False:
+      that the blocking phase copies into memory already touched (False:
       release it after every save, for memory-tight hosts; saves then block
       longer).
     coordination_timeout_seconds: how long a process waits for the others at
       each rendezvous of a multi-process save; the error names the processes
       that did not arrive.
-    on_unreadable_checkpoint: when the latest committed step cannot be read on
-      resume (a damaged or missing file): "fallback" logs it loudly and resumes
-      from the newest step that restores; "raise" stops. Either way, when
-      committed steps exist but none restores, resuming raises (it never
-      starts fresh).
-    on_save_error: when a save fails (e.g. the disk is full): "raise" stops
-      training with the error; "warn" logs it and goes on (the earlier steps
-      stay intact; the next save tries again).
-    watchdog_seconds: a save or restore running longer than this logs what it
-      is doing (phase, bytes done, RSS), and the Python stacks of every thread
-      once, then again every such interval (0: off).
+    on_unreadable_checkpoint: the latest step cannot be read on resume (a
+      damaged or missing file): "fallback" logs it loudly and resumes from
+      the newest step that restores, "raise" stops; when committed steps
+      exist but none restores, resuming raises either way (it never starts
+      fresh over them).
+    on_save_error: a failed save (e.g. a full disk): "raise" stops training
+      with the error, "warn" logs it and goes on (earlier steps stay intact;
+      the next save tries again).
+    watchdog_seconds: a save or restore running longer than this logs its
+      phase, bytes done, RSS and (once) every thread's Python stack, then
+      again every such interval (0: off).
+    allow_lossy_casts: resume into dtypes that lose information against the
+      checkpoint's (float32 saved, bfloat16 model); refused unless True.
+      Every dtype change made is logged either way.
     read_once_restore: a resume reads each array once across the processes
-      that replicate it and broadcasts it with collectives (see
-      ``orbax_flax.restore(read_once=True)``), instead of every replica reading it.
-    local_directory: a fast local directory (RAM disk or local SSD, e.g.
-      ``/dev/shm/ckpt``) for the local tier ("" : off). Each process writes
-      only its own shards there (``process_<i>/``), never reading another's.
+      that replicate it (data-parallel copies) and broadcasts it with a
+      resharding jit (collectives), instead of every replica reading it from
+      storage (see ``orbax_flax.restore(read_once=True)``).
+    local_directory: the local tier's directory on each host's fast disk
+      (RAM disk or local SSD, e.g. ``/dev/shm/ckpt``); each process writes
+      only its own shards, in ``process_<i>/``, never reading another's ("":
+      off).
     local_save_interval_steps: save to the local tier every N steps (0: off).
-    local_save_interval: "auto" also saves to the local tier at the Young/Daly
-      interval of its own cost, ``sqrt(2 x local save time x mtbf_seconds)``
-      (the median of the last 5 local saves; 1 s assumed before the first),
-      re-evaluated at every step; "" (default) turns it off. Combines with
-      ``local_save_interval_steps`` as the persistent triggers combine.
+    local_save_interval: "auto" also saves to the local tier every
+      ``sqrt(2 x local save time x mtbf_seconds)`` seconds, from the median
+      of the last 5 local saves (1 s assumed before the first); "" turns it
+      off.
     local_max_to_keep: committed local steps each process keeps (>= 1).
     replicas: how many other processes hold a copy of each process's local
       shards, sent with JAX collectives; losing any ``replicas`` hosts' local
       disks loses no local step.
-    allow_lossy_casts: resuming into a state whose dtypes lose information
-      against the checkpoint's (float32 saved, bfloat16 model) is refused
-      unless True; every dtype change made is logged either way.
   """
   save_interval_steps: int = 0
   save_interval_seconds: float = 0.0

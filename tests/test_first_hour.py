@@ -214,8 +214,8 @@ def test_one_set_of_defaults():
   sys.path.insert(0, ROOT)
   from configs import default  # pylint: disable=g-import-not-at-top
   assert ofx.CheckpointPolicy.from_config(default.get_checkpoint_config()) == ofx.CheckpointPolicy()
-  readme = open(os.path.join(ROOT, "README.md")).read()
-  table = readme[readme.index("### Config fields"):readme.index("### Command line")]
+  manager_doc = open(os.path.join(ROOT, "docs", "manager.md")).read()
+  table = manager_doc[manager_doc.index("<!-- config-table"):manager_doc.index("<!-- /config-table -->")]
   rows = dict(re.findall(r"^\| `(\w+)` \| ([^|]+) \|", table, re.M))
   assert set(rows) == {f.name for f in dataclasses.fields(ofx.CheckpointPolicy)}, set(rows) ^ {
       f.name for f in dataclasses.fields(ofx.CheckpointPolicy)}
