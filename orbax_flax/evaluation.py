@@ -193,7 +193,9 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   """Yields each step committed in ``directory``, once, oldest first.
 
   A step the training job's retention deleted (or is deleting) before the
-  iterator reached it is skipped with a log line. The yielded step stays readable
+  iterator reached it is skipped with a log line. A directory that does not
+  exist yet is waited for like an empty one, with a WARNING that says so (once,
+  and again if the timeout ends the wait). The yielded step stays readable
   until the caller asks for the next one: restore it with
   ``orbax_flax.restore(f"{directory}/{step}", ...)`` or a manager's
   ``restore(step)``.
@@ -222,19 +224,34 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   loc = Location.parse(directory)
   last = start_after
   last_yield = None
+  warned_absent = False
   while True:
     waited_since = clock()
     step = None
     while step is None:
-      steps, _ = step_dir.list_steps(loc)
+      steps, leftovers = step_dir.list_steps(loc)
       newer = [s for s in steps if last is None or s > last]
       if newer:
         step = newer[0]
         break
+      absent = _absent(loc, steps, leftovers)
+      if absent and not warned_absent:
+        warned_absent = True
+        log.warning("checkpoints_iterator: %s %s; waiting for a training job to save its first"
+                    " step there (%s). Pass the directory the manager saves to, e.g."
+                    " <workdir>/checkpoints.", loc, absent,
+                    "no timeout" if timeout is None else f"timeout {timeout:g} s")
       if timeout is not None and clock() - waited_since >= timeout:
         if timeout_fn is not None and timeout_fn():
           waited_since = clock()
           continue
+        if absent:
+          log.warning("checkpoints_iterator: stopping after waiting %g s: %s still %s (nothing"
+                      " was ever saved there; is it the manager's directory, e.g."
+                      " <workdir>/checkpoints?)", timeout, loc, absent)
+        else:
+          log.info("checkpoints_iterator: stopping: no new step in %s for %g s (the timeout)",
+                   loc, timeout)
         return
       sleep(poll_interval)
     if last_yield is not None and min_interval:
@@ -261,3 +278,10 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
       yield step
     finally:
       lease.release()
+
+
+def _absent(loc: Location, steps: list[int], leftovers: list[Any]) -> str | None:
+  """How ``loc`` is missing ("does not exist yet"), or None if it is there."""
+  if loc.is_local:
+    return None if os.path.isdir(loc.local_path) else "does not exist yet"
+  return None if steps or leftovers else "holds no checkpoint yet"

@@ -43,6 +43,37 @@ def test_iterator_timeout_fn_keeps_waiting_until_told(tmp_path):
   assert out == [] and len(calls) == 3 and calls[-1] >= 15
 
 
+def test_iterator_on_a_directory_that_does_not_exist_yet_says_so(tmp_path, caplog):
+  d = str(tmp_path / "run" / "checkpoints")
+  t = [0.0]
+
+  def fake_sleep(s):
+    t[0] += s
+
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    out = list(ofx.checkpoints_iterator(d, timeout=5, poll_interval=1, clock=lambda: t[0],
+                                        sleep=fake_sleep))
+  assert out == []
+  warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warned) == 2, warned  # once when it starts waiting, once when it gives up
+  assert f"{d} does not exist yet; waiting" in warned[0] and "timeout 5 s" in warned[0]
+  assert f"stopping after waiting 5 s: {d} still does not exist" in warned[1]
+  caplog.clear()
+
+  def trainer_starts_at_3_s(s):  # the directory appears while the iterator waits
+    fake_sleep(s)
+    if t[0] >= 3 and not os.path.exists(d):
+      ofx.save(os.path.join(d, "10"), {"s": {"w": np.ones(2)}})
+
+  t[0] = 0.0
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    out = list(ofx.checkpoints_iterator(d, timeout=5, poll_interval=1, clock=lambda: t[0],
+                                        sleep=trainer_starts_at_3_s))
+  assert out == [10]
+  warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warned) == 1 and "does not exist yet" in warned[0], warned  # and not at the end
+
+
 def test_a_held_step_is_not_deleted_by_retention(tmp_path, caplog):
   d = str(tmp_path / "ckpts")
   mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=1, max_to_keep=1,
