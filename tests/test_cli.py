@@ -119,3 +119,27 @@ def test_dataclass_config_with_overrides():
                      capture_output=True, text=True, env=jobs.env_for(1), check=False)
   assert r.returncode == 0, r.stderr
   assert "POLICY 100 5 SIGTERM,SIGUSR1" in r.stdout
+
+
+# What `--help` may import: nothing that takes seconds (JAX, tensorstore).
+_HELP_PROBE = """
+import runpy, sys
+sys.argv = ["orbax_flax", *sys.argv[1:]]
+try:
+  runpy.run_module("orbax_flax", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+  code = e.code
+print("EXIT", code, "HEAVY", sorted(m for m in ("jax", "tensorstore") if m in sys.modules))
+"""
+
+
+def test_help_is_instant_it_imports_neither_jax_nor_tensorstore():
+  for args in (["--help"], ["list", "--help"], ["show", "-h"], ["verify", "--help"],
+               ["plan", "--help"], ["convert", "--help"], []):
+    r = subprocess.run([sys.executable, "-c", _HELP_PROBE, *args], capture_output=True, text=True,
+                       env=jobs.env_for(1), cwd=jobs.ROOT, check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "usage: python -m orbax_flax" in out, (args, out)
+    assert f"EXIT {2 if not args else 0} HEAVY []" in r.stdout, (args, out)
+  rc, out = run("--help")  # and the real command line
+  assert rc == 0 and "python -m orbax_flax list DIR" in out, out
