@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import datetime
+import os
 import sys
 from collections.abc import Sequence
 
@@ -46,7 +47,7 @@ def cmd_list(directory: str, out) -> int:
   loc = Location.parse(directory)
   steps, leftovers = step_dir.list_steps(loc)
   if not steps and not leftovers:
-    print(f"no checkpoints in {loc}", file=out)
+    print(f"no checkpoints in {loc}{_where_they_are(loc)}", file=out)
     return EXIT_MISSING
   rows = []
   damaged = 0
@@ -76,6 +77,47 @@ def cmd_list(directory: str, out) -> int:
           " more", file=out)
     return EXIT_CORRUPT
   return EXIT_OK
+
+
+def _where_they_are(loc) -> str:
+  """Where the checkpoints a user pointing at ``loc`` probably meant are, as advice."""
+  from orbax_flax import restoring
+  from orbax_flax import step_dir
+  try:
+    restoring.read_summary(loc)
+    return (f": {loc} is one checkpoint, not a directory of steps; look inside it with"
+            f" `python -m orbax_flax show {loc}`")
+  except errors.CheckpointError:
+    pass
+  # A workdir: CheckpointCallback keeps its steps in <workdir>/checkpoints. Locally,
+  # any sub-directory holding steps is worth naming.
+  names = ["checkpoints"]
+  if loc.is_local:
+    if not os.path.isdir(loc.local_path):
+      return " (it does not exist)"
+    try:
+      names += sorted(n for n in os.listdir(loc.local_path) if n != "checkpoints"
+                      and os.path.isdir(os.path.join(loc.local_path, n)))[:_MAX_SUBDIRS]
+    except OSError:
+      pass
+  callback_layout = ""
+  for name in names:
+    sub = loc.join(name)
+    try:
+      steps, leftovers = step_dir.list_steps(sub)
+    except (OSError, errors.CheckpointError):
+      continue
+    layout = " (the layout CheckpointCallback uses)" if name == "checkpoints" else ""
+    if steps:
+      return (f"; {sub} holds {len(steps)} committed step(s){layout}, latest {steps[-1]}:"
+              f" `python -m orbax_flax list {sub}`")
+    if layout and (leftovers or (sub.is_local and os.path.isdir(sub.local_path))):
+      callback_layout = (f"; {sub} exists{layout} but holds no committed step yet:"
+                         f" `python -m orbax_flax list {sub}` once a save has committed")
+  return callback_layout
+
+
+_MAX_SUBDIRS = 64  # sub-directories of a workdir that `list` looks into for advice
 
 
 def cmd_show(path: str, out) -> int:

@@ -1,5 +1,6 @@
 """The command-line tool, through real subprocesses."""
 
+import io
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import numpy as np
 
 import jobs
 import orbax_flax as ofx
+from orbax_flax import cli
 
 CLI = [sys.executable, "-m", "orbax_flax"]
 
@@ -119,6 +121,19 @@ def test_dataclass_config_with_overrides():
                      capture_output=True, text=True, env=jobs.env_for(1), check=False)
   assert r.returncode == 0, r.stderr
   assert "POLICY 100 5 SIGTERM,SIGUSR1" in r.stdout
+
+
+def test_list_on_a_workdir_points_at_its_checkpoints(tmp_path):
+  workdir = tmp_path / "run"
+  with ofx.CheckpointManager(str(workdir / "checkpoints")) as mngr:  # CheckpointCallback's layout
+    mngr.save(7, {"state": {"w": np.ones(4)}}, force=True)
+  rc, out = run("list", str(workdir))
+  assert rc == 2 and f"no checkpoints in {workdir}" in out, out
+  assert f"{workdir}/checkpoints holds 1 committed step(s)" in out, out
+  assert f"python -m orbax_flax list {workdir}/checkpoints" in out, out
+  out = io.StringIO()  # one checkpoint, not a directory of steps (in this process: faster)
+  assert cli.main(["list", str(workdir / "checkpoints" / "7")], out=out) == 2
+  assert f"python -m orbax_flax show {workdir}/checkpoints/7" in out.getvalue(), out.getvalue()
 
 
 # What `--help` may import: nothing that takes seconds (JAX, tensorstore).
