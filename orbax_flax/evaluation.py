@@ -33,9 +33,16 @@ for it. The reader either sees the notice (and skips), or the notice is gone
 already, which happens only after the step was uncommitted (and the reader's
 next check, that the step is committed, fails). Both sides seeing each other
 is safe too: the step stays, the reader skips it, and the manager deletes it at
-a later save. A notice left by a manager that died is removed by the next
-manager of that directory at start-up (until then, readers skip that step,
-which retention had chosen to delete).
+a later save.
+
+Notices, like leases, are ignored once older than ``LEASE_SECONDS``: a manager
+killed after announcing leaves one behind, and readers skip that step (which
+its retention had chosen to delete) until the next deletion of it removes the
+notice, or for an hour at most. So that an old notice is never mistaken for a
+live one, a manager whose lease listing took longer than a quarter of that
+deletes nothing and tries again at a later save. No start-up sweep removes
+notices: a second manager on the same directory (an evaluator's) could remove
+a live one.
 """
 
 from __future__ import annotations
