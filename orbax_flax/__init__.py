@@ -6,39 +6,48 @@ Example:
   >>> ofx.save(path, {"state": {"w": np.arange(3)}})
   >>> ofx.restore(path)["state"]["w"]
   array([0, 1, 2])
+
+The public names below are imported on first use, so that importing the
+package (and ``python -m orbax_flax --help``) does not import JAX or
+tensorstore; ``from orbax_flax import save`` and ``ofx.save`` work as usual.
 """
 
-from orbax_flax.callbacks import Callback
-from orbax_flax.callbacks import LogProgress
-from orbax_flax.callbacks import Trainer
-from orbax_flax.checkpoint_callback import CheckpointCallback
-from orbax_flax.checkpointer import Checkpointer
-from orbax_flax.config import CheckpointPolicy
-from orbax_flax.errors import CheckpointCorruptedError
-from orbax_flax.errors import CheckpointError
-from orbax_flax.errors import CheckpointExistsError
-from orbax_flax.errors import CheckpointNotFoundError
-from orbax_flax.errors import SaveCancelledError
-from orbax_flax.errors import StorageError
-from orbax_flax.errors import TreeMismatchError
-from orbax_flax.errors import UnsupportedLeafError
-from orbax_flax.manager import CheckpointManager
-from orbax_flax.describe import ArrayMetadata
-from orbax_flax.describe import CheckpointMetadata
-from orbax_flax.describe import ItemMetadata
-from orbax_flax.describe import metadata
-from orbax_flax.checkpointer import restore
-from orbax_flax.saving import AsyncSave
-from orbax_flax._planning import LIBRARY_VERSION as __version__
-from orbax_flax.checkpointer import save
-from orbax_flax.checkpointer import save_async
-from orbax_flax.targets import abstract
-from orbax_flax.tensorboard import TensorBoardWriter
-from orbax_flax.verifying import verify
-from orbax_flax.evaluation import checkpoints_iterator
-from orbax_flax.formats import transforms
-from orbax_flax.formats.convert import convert
-from orbax_flax.formats.safetensors_io import export_safetensors
+import importlib
+
+# Public name -> the module that defines it (and its name there, where it differs).
+_EXPORTS = {
+    "Callback": "orbax_flax.callbacks",
+    "LogProgress": "orbax_flax.callbacks",
+    "Trainer": "orbax_flax.callbacks",
+    "CheckpointCallback": "orbax_flax.checkpoint_callback",
+    "Checkpointer": "orbax_flax.checkpointer",
+    "CheckpointPolicy": "orbax_flax.config",
+    "CheckpointCorruptedError": "orbax_flax.errors",
+    "CheckpointError": "orbax_flax.errors",
+    "CheckpointExistsError": "orbax_flax.errors",
+    "CheckpointNotFoundError": "orbax_flax.errors",
+    "SaveCancelledError": "orbax_flax.errors",
+    "StorageError": "orbax_flax.errors",
+    "TreeMismatchError": "orbax_flax.errors",
+    "UnsupportedLeafError": "orbax_flax.errors",
+    "CheckpointManager": "orbax_flax.manager",
+    "ArrayMetadata": "orbax_flax.describe",
+    "CheckpointMetadata": "orbax_flax.describe",
+    "ItemMetadata": "orbax_flax.describe",
+    "metadata": "orbax_flax.describe",
+    "restore": "orbax_flax.checkpointer",
+    "AsyncSave": "orbax_flax.saving",
+    "__version__": ("orbax_flax._planning", "LIBRARY_VERSION"),
+    "save": "orbax_flax.checkpointer",
+    "save_async": "orbax_flax.checkpointer",
+    "abstract": "orbax_flax.targets",
+    "TensorBoardWriter": "orbax_flax.tensorboard",
+    "verify": "orbax_flax.verifying",
+    "checkpoints_iterator": "orbax_flax.evaluation",
+    "transforms": ("orbax_flax.formats.transforms", None),  # the module itself
+    "convert": "orbax_flax.formats.convert",
+    "export_safetensors": "orbax_flax.formats.safetensors_io",
+}
 
 __all__ = [
     "ArrayMetadata", "AsyncSave", "Callback", "CheckpointCallback", "CheckpointCorruptedError",
@@ -49,3 +58,26 @@ __all__ = [
     "save_async", "transforms", "verify",
     "__version__",
 ]
+
+
+def __getattr__(name: str):
+  """Imports a public name (or a submodule, e.g. ``orbax_flax.errors``) on first use."""
+  where = _EXPORTS.get(name)
+  if where is not None:
+    module, attr = where if isinstance(where, tuple) else (where, name)
+    value = importlib.import_module(module)
+    if attr is not None:
+      value = getattr(value, attr)
+    globals()[name] = value
+    return value
+  if not name.startswith("__"):
+    try:
+      return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as e:
+      if e.name != f"{__name__}.{name}":
+        raise
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+  return sorted(set(globals()) | set(__all__))

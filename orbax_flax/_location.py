@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import shutil
 from typing import Any
 
@@ -153,19 +154,94 @@ def default_context() -> ts.Context:
   return _default_context
 
 
-def _storage_error(loc: Location, what: str, e: Exception) -> errors.StorageError:
+# File systems the kernel provides that cannot hold a checkpoint's files.
+_SPECIAL_FS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs",
+    "securityfs", "configfs", "pstore", "bpf", "fusectl", "mqueue", "efivarfs", "binfmt_misc",
+    "autofs", "nsfs", "rpc_pipefs", "selinuxfs"})
+
+
+def _os_errno(e: BaseException) -> int | None:
+  """The errno of an OSError, or the ``os_error_code`` tensorstore puts in its messages."""
+  code = getattr(e, "errno", None)
+  if isinstance(code, int):
+    return code
+  m = re.search(r"os_error_code=['\"]?(\d+)", str(e))
+  return int(m.group(1)) if m else None
+
+
+def _mount_of(path: str) -> tuple[str, str, bool] | None:
+  """(mount point, file system type, read-only) of the mount holding ``path`` (Linux)."""
+  try:
+    with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+      mounts = [line.split() for line in f]
+  except OSError:
+    return None
+  path = os.path.realpath(path)
+  best = None
+  for fields in mounts:
+    if len(fields) < 4:
+      continue
+    point = fields[1].replace("\\040", " ")
+    inside = path == point or path.startswith(point.rstrip("/") + "/")
+    if inside and (best is None or len(point) >= len(best[0])):  # the last one mounted wins
+      best = (point, fields[2], "ro" in fields[3].split(","))
+  return best
+
+
+def _local_cause(path: str, code: int | None) -> str | None:
+  """Why a write under the local ``path`` failed, with the fix, from what is on disk."""
+  # The nearest part of the path that exists says most: a file in the way, a
+  # read-only or special file system, a directory without write permission.
+  probe = os.path.abspath(path)
+  while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+    probe = os.path.dirname(probe)
+  if os.path.lexists(probe) and not os.path.isdir(probe) and probe != os.path.abspath(path):
+    return (f"{probe} is a file, not a directory, so nothing can be created under it (a file is"
+            " in the way). Fix: remove or rename that file, or choose another path.")
+  mount = _mount_of(probe)
+  if mount is not None and mount[1] in _SPECIAL_FS:
+    return (f"{mount[0]} is a special file system ({mount[1]}, provided by the kernel), which"
+            " cannot hold checkpoint files. Fix: save to a directory on a disk (a local"
+            " directory, a network file system or a bucket).")
+  if code == errno.EROFS or (mount is not None and mount[2]):
+    where = mount[0] if mount is not None else probe
+    return (f"the file system at {where} is mounted read-only. Fix: save to a writable"
+            " directory, or remount it read-write.")
+  if code in (errno.EACCES, errno.EPERM):
+    return (f"permission denied: this process (uid {os.getuid()}) may not write in {probe}."
+            " Fix: make that directory writable for it (chmod/chown), or choose another path.")
+  if code == errno.ENOENT:
+    return (f"{probe} exists but what was being written under it vanished (removed by"
+            " someone else during the save?). Fix: check that nothing else deletes files there.")
+  return None
+
+
+def _storage_error(loc: Location, what: str, e: BaseException) -> errors.StorageError:
+  """A storage failure as a StorageError naming the user's ``loc`` and the likely fix."""
   text = str(e)
-  if ("No space left" in text or "os_error_code=28" in text or "ENOSPC" in text
-      or getattr(e, "errno", None) == errno.ENOSPC):
+  code = _os_errno(e)
+  if ("No space left" in text or "ENOSPC" in text or code in (errno.ENOSPC, errno.EDQUOT)):
     return errors.StorageError(
         f"{what} at {loc} failed: the store is full (no space left on device): {e}. Fix: free"
         " space there (e.g. keep fewer checkpoints: max_to_keep), or save elsewhere.")
   if "QuotaExceeded" in text or "quota" in text.lower():
     return errors.StorageError(f"{what} at {loc} failed: the store's quota is exhausted: {e}."
                                " Fix: free space in the bucket or raise its quota.")
-  hint = ("check that the directory is writable and the disk is not full" if loc.is_local
-          else "check the endpoint, bucket name, credentials (AWS_ACCESS_KEY_ID/"
-               "AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS) and network")
+  if loc.is_local:
+    if isinstance(e, OSError) and e.strerror:
+      # The file named is often inside the save's temporary directory: name it only
+      # when it is the user's path or one of its parents.
+      name = os.fsdecode(e.filename) if isinstance(e.filename, (str, bytes)) else ""
+      mine = name and (loc.local_path + "/").startswith(name.rstrip("/") + "/")
+      text = e.strerror + (f" ({name})" if mine else "")
+    cause = _local_cause(loc.local_path, code)
+    if cause is not None:
+      return errors.StorageError(f"{what} at {loc} failed: {text}: {cause}")
+    return errors.StorageError(f"{what} at {loc} failed: {text}. Fix: check that the directory"
+                               " is writable and the disk is not full.")
+  hint = ("check the endpoint, bucket name, credentials (AWS_ACCESS_KEY_ID/"
+          "AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS) and network")
   return errors.StorageError(f"{what} at {loc} failed: {e}. Fix: {hint}.")
 
 
@@ -211,6 +287,8 @@ def delete_key(loc: Location, key: str, context: ts.Context | None = None) -> No
       os.remove(os.path.join(loc.local_path, key))
     except FileNotFoundError:
       pass
+    except OSError as e:
+      raise _storage_error(loc, f"deleting {key!r}", e) from e
     return
   try:
     open_kvstore(loc, "", context).write(key, None).result()

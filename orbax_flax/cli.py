@@ -11,21 +11,20 @@ show, verify and convert read every format restore reads: orbax_flax, orbax-chec
 Exit codes: 0 fine, 1 corruption found, 2 no such checkpoint or bad usage.
 """
 
+# pylint: disable=g-import-not-at-top  # the commands' imports: see below
+
 from __future__ import annotations
 
 import argparse
 import ast
 import datetime
+import os
 import sys
 from collections.abc import Sequence
 
+# Only light imports here: `--help` and usage errors must not wait for JAX and
+# tensorstore (seconds, more on a loaded machine). Each command imports what it uses.
 from orbax_flax import errors
-from orbax_flax import describe as metadata_lib
-from orbax_flax import restoring
-from orbax_flax import step_dir
-from orbax_flax import verifying as verify_lib
-from orbax_flax._location import Location
-from orbax_flax.config import CheckpointPolicy
 
 EXIT_OK, EXIT_CORRUPT, EXIT_MISSING = 0, 1, 2
 
@@ -41,10 +40,14 @@ def _when(t: float) -> str:
 
 
 def cmd_list(directory: str, out) -> int:
+  from orbax_flax import describe as metadata_lib
+  from orbax_flax import restoring
+  from orbax_flax import step_dir
+  from orbax_flax._location import Location
   loc = Location.parse(directory)
   steps, leftovers = step_dir.list_steps(loc)
   if not steps and not leftovers:
-    print(f"no checkpoints in {loc}", file=out)
+    print(f"no checkpoints in {loc}{_where_they_are(loc)}", file=out)
     return EXIT_MISSING
   rows = []
   damaged = 0
@@ -76,7 +79,50 @@ def cmd_list(directory: str, out) -> int:
   return EXIT_OK
 
 
+def _where_they_are(loc) -> str:
+  """Where the checkpoints a user pointing at ``loc`` probably meant are, as advice."""
+  from orbax_flax import restoring
+  from orbax_flax import step_dir
+  try:
+    restoring.read_summary(loc)
+    return (f": {loc} is one checkpoint, not a directory of steps; look inside it with"
+            f" `python -m orbax_flax show {loc}`")
+  except errors.CheckpointError:
+    pass
+  # A workdir: CheckpointCallback keeps its steps in <workdir>/checkpoints. Locally,
+  # any sub-directory holding steps is worth naming.
+  names = ["checkpoints"]
+  if loc.is_local:
+    if not os.path.isdir(loc.local_path):
+      return " (it does not exist)"
+    try:
+      names += sorted(n for n in os.listdir(loc.local_path) if n != "checkpoints"
+                      and os.path.isdir(os.path.join(loc.local_path, n)))[:_MAX_SUBDIRS]
+    except OSError:
+      pass
+  callback_layout = ""
+  for name in names:
+    sub = loc.join(name)
+    try:
+      steps, leftovers = step_dir.list_steps(sub)
+    except (OSError, errors.CheckpointError):
+      continue
+    layout = " (the layout CheckpointCallback uses)" if name == "checkpoints" else ""
+    if steps:
+      return (f"; {sub} holds {len(steps)} committed step(s){layout}, latest {steps[-1]}:"
+              f" `python -m orbax_flax list {sub}`")
+    if layout and (leftovers or (sub.is_local and os.path.isdir(sub.local_path))):
+      callback_layout = (f"; {sub} exists{layout} but holds no committed step yet:"
+                         f" `python -m orbax_flax list {sub}` once a save has committed")
+  return callback_layout
+
+
+_MAX_SUBDIRS = 64  # sub-directories of a workdir that `list` looks into for advice
+
+
 def cmd_show(path: str, out) -> int:
+  from orbax_flax import describe as metadata_lib
+  from orbax_flax import restoring
   loc, manifest = restoring.open_manifest(path)
   meta = metadata_lib.from_manifest(str(loc), manifest)
   print(meta, file=out)
@@ -92,6 +138,7 @@ def cmd_show(path: str, out) -> int:
 
 def _values(tree, prefix=""):
   """Non-array leaves (scalars, strings) of a metadata tree."""
+  from orbax_flax import describe as metadata_lib
   out = []
   if isinstance(tree, dict):
     for k, v in tree.items():
@@ -105,6 +152,8 @@ def _values(tree, prefix=""):
 
 
 def cmd_verify(path: str, out) -> int:
+  from orbax_flax import describe as metadata_lib
+  from orbax_flax import verifying as verify_lib
   try:
     n, fmt = verify_lib.verify_report(path)
   except errors.CheckpointCorruptedError as e:
@@ -129,7 +178,7 @@ def cmd_convert(argv: list[str], out) -> int:
                       help="safetensors: the most bytes per file (default 5 GiB)")
   parser.add_argument("--overwrite", action="store_true")
   args = parser.parse_args(argv)
-  from orbax_flax.formats import convert  # pylint: disable=g-import-not-at-top
+  from orbax_flax.formats import convert
   print(convert.convert(args.src, args.dst, format=args.format, dtype=args.dtype,
                         max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite), file=out)
   return EXIT_OK
@@ -184,8 +233,9 @@ def cmd_plan(argv: list[str], out) -> int:
   if any(a in ("-h", "--help", "-help", "--helpfull") for a in argv):
     print(PLAN_HELP, file=out, end="")
     return EXIT_OK
-  from absl import flags  # pylint: disable=g-import-not-at-top
-  from ml_collections import config_flags  # pylint: disable=g-import-not-at-top
+  from absl import flags
+  from ml_collections import config_flags
+  from orbax_flax.config import CheckpointPolicy
   fv = flags.FlagValues()
   config_flags.DEFINE_config_file("config", None, "Config file (e.g. configs/default.py).", flag_values=fv)
   flags.DEFINE_integer("steps", None, "Run length in steps (default: config.num_steps).", flag_values=fv)
@@ -238,7 +288,7 @@ def cmd_plan(argv: list[str], out) -> int:
 
 def _print_auto(field: str, what: str, flag: str, policy, fv, out) -> None:
   """The interval ``field="auto"`` chooses from the cost in ``--flag`` (1 s assumed without)."""
-  from orbax_flax import policy as policy_lib  # pylint: disable=g-import-not-at-top
+  from orbax_flax import policy as policy_lib
   cost = getattr(fv, flag)
   interval = policy_lib.YoungDaly(policy.mtbf_seconds).interval(cost)
   print(f"{field}=auto: sqrt(2 x {what} {1.0 if cost is None else cost:g} s"

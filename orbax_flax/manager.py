@@ -417,25 +417,47 @@ class CheckpointManager:
     return [policy_lib.StepInfo(s, 0.0) for s in self._committed()]
 
   def _delete_steps(self, steps: list[int]) -> None:
+    """Deletes ``steps`` unless a restore here or an evaluator's lease still reads them.
+
+    The manager's side of the reader-lease protocol (see
+    :mod:`orbax_flax.evaluation`): announce, then read the leases, then
+    uncommit, then withdraw the notice.
+    """
     from orbax_flax import evaluation  # pylint: disable=g-import-not-at-top  # reader leases
     steps = sorted(set(steps) | self._leased)
-    leased = evaluation.leased_steps(self._dir) if steps else set()
-    for step in steps:
-      with self._lock:
-        if self._reading.get(step):
-          self._deferred.add(step)  # a restore is reading it: deleted when it is done
-          continue
-        if step in leased:  # an evaluator (checkpoints_iterator) is reading it
-          if step not in self._leased:
-            log.info("step %d: not deleted yet, an evaluator holds a reader lease on it; it is"
-                     " deleted at a later save", step)
-          self._leased.add(step)
-          continue
-        self._leased.discard(step)
-      log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
-      step_dir.delete_step(self._dir, step)
-      with self._lock:
-        self._deleting.discard(step)
+    if not steps:
+      self._remove_leftovers()
+      return
+    announced = time.monotonic()
+    evaluation.announce_deletion(self._dir, steps)
+    try:
+      leased = evaluation.leased_steps(self._dir)
+      if time.monotonic() - announced > evaluation.LEASE_SECONDS / 4:
+        # So slow that a reader could take the notices for stale ones: try again later.
+        log.warning("reading the reader leases of %s took %.0f s; deleting steps %s at a later"
+                    " save", self._dir, time.monotonic() - announced, steps)
+        with self._lock:
+          self._leased |= set(steps)
+        return
+      for step in steps:
+        with self._lock:
+          if self._reading.get(step):
+            self._deferred.add(step)  # a restore is reading it: deleted when it is done
+            continue
+          if step in leased:  # an evaluator (checkpoints_iterator) is reading it
+            if step not in self._leased:
+              log.info("step %d: not deleted yet, an evaluator holds a reader lease on it; it is"
+                       " deleted at a later save", step)
+            self._leased.add(step)
+            continue
+          self._leased.discard(step)
+        log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
+        step_dir.delete_step(self._dir, step)
+        with self._lock:
+          self._deleting.discard(step)
+    finally:
+      # Deleted (uncommitted) or kept: either way readers may look at it again.
+      evaluation.withdraw_deletion(self._dir, steps)
     self._remove_leftovers()
 
   def inflight_step(self) -> int | None:

@@ -333,8 +333,11 @@ class SaveRun:
       try:
         gen = uuid.uuid4().hex[:16]
         if final.is_local:
-          os.makedirs(os.path.dirname(final.local_path), exist_ok=True)
-          os.makedirs(_target(final, gen).local_path)
+          try:
+            os.makedirs(os.path.dirname(final.local_path), exist_ok=True)
+            os.makedirs(_target(final, gen).local_path)
+          except OSError as e:
+            raise _location._storage_error(final, "creating the checkpoint directory", e) from e  # pylint: disable=protected-access
         _multihost.publish(f"{self.key}/gen", gen)
       except BaseException as e:
         _multihost.publish(f"{self.key}/gen", f"error: {e}")
@@ -398,7 +401,7 @@ class SaveRun:
       for w in self.writers.values():
         w.wait()
     except ValueError as e:
-      raise _location._storage_error(self.target, "writing array data", e) from e  # pylint: disable=protected-access
+      raise _location._storage_error(self.plan.loc, "writing array data", e) from e  # pylint: disable=protected-access
     for batch in in_flight:
       self._done(batch)
       self.bytes_written += sum(p.nbytes for p in batch)
@@ -418,6 +421,12 @@ class SaveRun:
   def _sync(self) -> None:
     if self.target is None or not self.target.is_local:
       return
+    try:
+      self._sync_local()
+    except OSError as e:
+      raise _location._storage_error(self.plan.loc, "syncing the written data to disk", e) from e  # pylint: disable=protected-access
+
+  def _sync_local(self) -> None:
     for db in self.writers:
       path = os.path.join(self.target.local_path, db)
       if os.path.isdir(path):
@@ -580,33 +589,44 @@ class SaveRun:
           log.warning("checkpoint %s committed; removing the previous generation failed: %s",
                       final, e)
       return
-    # Every writer fsync'd its own files and directories; the manifest and the
-    # directory that holds it are the last things made durable before the rename.
-    _location.write_local_durably(os.path.join(target.local_path, _manifest.MANIFEST_KEY), data)
-    _location.fsync_dir(target.local_path)
-    tmp, dst = target.local_path, final.local_path
-    committed = os.path.exists(os.path.join(dst, _manifest.MANIFEST_KEY))
-    if not committed:
-      # Nothing there, or an empty directory (replaced). Whatever appeared at dst
-      # since the plan was checked makes the rename fail: it is never replaced.
-      try:
-        os.rename(tmp, dst)
-      except OSError as e:
-        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-          raise
-        raise errors.CheckpointExistsError(
-            f"{dst} was created by someone else during the save; nothing was overwritten."
-            " Choose another path.") from e
-      _location.fsync_dir(os.path.dirname(dst))
-      return
-    if not plan.overwrite:
-      raise errors.CheckpointExistsError(f"a checkpoint appeared at {dst} during the save;"
-                                         " nothing was overwritten.")
-    if _location.exchange(tmp, dst):
-      _location.fsync_dir(os.path.dirname(dst))
-      shutil.rmtree(tmp, ignore_errors=True)  # Now holds the old checkpoint.
-      return
-    _replace_in_place(tmp, dst, gen, data)
+    try:
+      _commit_local(plan, gen, target, data)
+    except errors.CheckpointError:
+      raise
+    except OSError as e:
+      raise _location._storage_error(final, "committing the checkpoint", e) from e  # pylint: disable=protected-access
+
+
+def _commit_local(plan: _planning.Plan, gen: str, target: Location, data: bytes) -> None:
+  """The local part of the commit: manifest, fsync, atomic rename (or swap)."""
+  final = plan.loc
+  # Every writer fsync'd its own files and directories; the manifest and the
+  # directory that holds it are the last things made durable before the rename.
+  _location.write_local_durably(os.path.join(target.local_path, _manifest.MANIFEST_KEY), data)
+  _location.fsync_dir(target.local_path)
+  tmp, dst = target.local_path, final.local_path
+  committed = os.path.exists(os.path.join(dst, _manifest.MANIFEST_KEY))
+  if not committed:
+    # Nothing there, or an empty directory (replaced). Whatever appeared at dst
+    # since the plan was checked makes the rename fail: it is never replaced.
+    try:
+      os.rename(tmp, dst)
+    except OSError as e:
+      if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+        raise
+      raise errors.CheckpointExistsError(
+          f"{dst} was created by someone else during the save; nothing was overwritten."
+          " Choose another path.") from e
+    _location.fsync_dir(os.path.dirname(dst))
+    return
+  if not plan.overwrite:
+    raise errors.CheckpointExistsError(f"a checkpoint appeared at {dst} during the save;"
+                                       " nothing was overwritten.")
+  if _location.exchange(tmp, dst):
+    _location.fsync_dir(os.path.dirname(dst))
+    shutil.rmtree(tmp, ignore_errors=True)  # Now holds the old checkpoint.
+    return
+  _replace_in_place(tmp, dst, gen, data)
 
 
 _CANCELLED = "cancelled: "  # a status or decision: some process cancelled the save

@@ -34,9 +34,13 @@ def list_steps(loc: Location) -> tuple[list[int], list[Leftover]]:
       names = os.listdir(loc.local_path)
     except FileNotFoundError:
       return [], []
-    except NotADirectoryError:
+    except NotADirectoryError as e:
+      if not os.path.isfile(loc.local_path):  # a parent is a file
+        raise _location._storage_error(loc, "listing the steps", e) from e  # pylint: disable=protected-access
       raise NotADirectoryError(f"{loc} is a file; checkpoint steps live in a directory: pass"
                                " the directory that holds (or will hold) the steps.") from None
+    except OSError as e:
+      raise _location._storage_error(loc, "listing the steps", e) from e  # pylint: disable=protected-access
     for name in names:
       if _is_step(name):
         steps.append(int(name))
@@ -83,6 +87,8 @@ def delete_step(loc: Location, step: int) -> None:
       os.rename(os.path.join(loc.local_path, name), os.path.join(loc.local_path, doomed))
     except FileNotFoundError:
       return
+    except OSError as e:
+      raise _location._storage_error(loc, f"deleting step {step}", e) from e  # pylint: disable=protected-access
     shutil.rmtree(os.path.join(loc.local_path, doomed), ignore_errors=True)
     return
   _location.delete_key(loc.join(name), _manifest.MANIFEST_KEY)

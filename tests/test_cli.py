@@ -1,5 +1,6 @@
 """The command-line tool, through real subprocesses."""
 
+import io
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import numpy as np
 
 import jobs
 import orbax_flax as ofx
+from orbax_flax import cli
 
 CLI = [sys.executable, "-m", "orbax_flax"]
 
@@ -119,3 +121,40 @@ def test_dataclass_config_with_overrides():
                      capture_output=True, text=True, env=jobs.env_for(1), check=False)
   assert r.returncode == 0, r.stderr
   assert "POLICY 100 5 SIGTERM,SIGUSR1" in r.stdout
+
+
+def test_list_on_a_workdir_points_at_its_checkpoints(tmp_path):
+  workdir = tmp_path / "run"
+  with ofx.CheckpointManager(str(workdir / "checkpoints")) as mngr:  # CheckpointCallback's layout
+    mngr.save(7, {"state": {"w": np.ones(4)}}, force=True)
+  rc, out = run("list", str(workdir))
+  assert rc == 2 and f"no checkpoints in {workdir}" in out, out
+  assert f"{workdir}/checkpoints holds 1 committed step(s)" in out, out
+  assert f"python -m orbax_flax list {workdir}/checkpoints" in out, out
+  out = io.StringIO()  # one checkpoint, not a directory of steps (in this process: faster)
+  assert cli.main(["list", str(workdir / "checkpoints" / "7")], out=out) == 2
+  assert f"python -m orbax_flax show {workdir}/checkpoints/7" in out.getvalue(), out.getvalue()
+
+
+# What `--help` may import: nothing that takes seconds (JAX, tensorstore).
+_HELP_PROBE = """
+import runpy, sys
+sys.argv = ["orbax_flax", *sys.argv[1:]]
+try:
+  runpy.run_module("orbax_flax", run_name="__main__", alter_sys=True)
+except SystemExit as e:
+  code = e.code
+print("EXIT", code, "HEAVY", sorted(m for m in ("jax", "tensorstore") if m in sys.modules))
+"""
+
+
+def test_help_is_instant_it_imports_neither_jax_nor_tensorstore():
+  for args in (["--help"], ["list", "--help"], ["show", "-h"], ["verify", "--help"],
+               ["plan", "--help"], ["convert", "--help"], []):
+    r = subprocess.run([sys.executable, "-c", _HELP_PROBE, *args], capture_output=True, text=True,
+                       env=jobs.env_for(1), cwd=jobs.ROOT, check=False)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0 and "usage: python -m orbax_flax" in out, (args, out)
+    assert f"EXIT {2 if not args else 0} HEAVY []" in r.stdout, (args, out)
+  rc, out = run("--help")  # and the real command line
+  assert rc == 0 and "python -m orbax_flax list DIR" in out, out

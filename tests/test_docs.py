@@ -248,3 +248,25 @@ def test_the_table_tool_notices_a_field_without_an_entry():
                                    "Attributes: entry 'gone' is not a field"]
   with pytest.raises(ValueError, match="python docs/config_table.py"):
     tool.render(Policy)
+
+
+def _call_row(path: str, name: str) -> list[str]:
+  """The parameter names a table row ``| `name(...)` | ... |`` of ``path`` shows."""
+  m = re.search(r"^\| `" + name + r"\((.*?)\)[^`]*` \|", open(path).read(), re.M)
+  assert m, f"{os.path.relpath(path, ROOT)}'s table has no row for {name}()"
+  return [p.split("=")[0].strip() for p in m.group(1).split(",") if p.strip() not in ("*", "...")]
+
+
+@pytest.mark.parametrize("name", ["save", "restore"])
+def test_engine_table_lists_every_argument(name):
+  import inspect  # pylint: disable=g-import-not-at-top
+  got = _call_row(os.path.join(ROOT, "docs", "engine.md"), name)
+  assert got == list(inspect.signature(getattr(ofx, name)).parameters)
+
+
+def test_exception_save_wait_is_the_one_the_code_uses():
+  from orbax_flax import checkpoint_callback  # pylint: disable=g-import-not-at-top
+  text = open(os.path.join(ROOT, "docs", "training.md")).read()
+  m = re.search(r"if the others have not failed within (\d+(?:\.\d+)?) s", text)
+  assert m, "docs/training.md no longer says how long an exception save waits for the others"
+  assert float(m.group(1)) == checkpoint_callback._FAILED_AGREEMENT_S  # pylint: disable=protected-access

@@ -1,7 +1,9 @@
 """Bad input fails loudly, before anything is written, read or deleted."""
 
+import contextlib
 import os
 import shutil
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_flax as ofx
+from disks import small_disk
 from orbax_flax import _location
 from orbax_flax import saving
 
@@ -204,3 +207,79 @@ def test_bad_paths():
     ofx.save("gs://b/x", {"s": {"x": 1}})
   with pytest.raises(ValueError, match="reserved"):
     ofx.save("/tmp/x.ofx-tmp-123", {"s": {"x": 1}})
+
+
+# ------------------------------------------------------------------ storage failures
+# Every file-system failure of a save is a StorageError that names the user's path
+# (never the save's temporary directory) and the likely fix.
+
+
+@contextlib.contextmanager
+def _read_only_disk(path):
+  """A real read-only tmpfs at ``path`` (chmod would not stop root, who runs the tests)."""
+  os.makedirs(path, exist_ok=True)
+  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", path],
+                     capture_output=True, text=True, check=False)
+  if r.returncode != 0:
+    pytest.skip(f"cannot mount a read-only tmpfs (needs root): {r.stderr.strip()}")
+  try:
+    yield path
+  finally:
+    subprocess.run(["umount", "-l", path], check=False)
+
+
+def _saves(path):
+  """The same small save three ways: save, save_async, a manager."""
+  items = {"s": {"w": np.ones(3)}}
+  yield "save", lambda: ofx.save(path, items)
+  yield "save_async", lambda: ofx.save_async(path, items).wait()
+
+  def manager():
+    with ofx.CheckpointManager(path, ofx.CheckpointPolicy(async_save=False)) as m:
+      m.save(1, items, force=True)
+  yield "manager", manager
+
+
+@pytest.mark.parametrize("path,fs", [("/proc/ofx-test", "proc"), ("/sys/ofx-test", "sysfs")])
+def test_a_special_file_system_is_a_storage_error_naming_the_path(path, fs):
+  for how, save in _saves(path):
+    with pytest.raises(ofx.StorageError) as e:
+      save()
+    text = str(e.value)
+    assert path in text and f"special file system ({fs}" in text and "Fix:" in text, (how, text)
+    assert ".ofx-tmp-" not in text, (how, text)  # never the internal temporary path
+
+
+def test_a_file_in_the_way_is_a_storage_error_naming_it(tmp_path):
+  blocker = tmp_path / "run"
+  blocker.write_text("not a directory")
+  for how, save in _saves(str(blocker / "ckpt")):
+    with pytest.raises(ofx.StorageError) as e:
+      save()
+    text = str(e.value)
+    assert str(blocker / "ckpt") in text, (how, text)
+    assert f"{blocker} is a file" in text and "a file is in the way" in text, (how, text)
+  assert blocker.read_text() == "not a directory"
+  with pytest.raises(ofx.CheckpointExistsError, match="is a file, not a checkpoint"):
+    ofx.save(str(blocker), {"s": {"w": np.ones(3)}})  # the file itself is the path
+
+
+def test_a_read_only_file_system_is_a_storage_error(tmp_path):
+  with _read_only_disk(str(tmp_path / "ro")) as ro:
+    for how, save in _saves(os.path.join(ro, "ckpt")):
+      with pytest.raises(ofx.StorageError) as e:
+        save()
+      text = str(e.value)
+      assert os.path.join(ro, "ckpt") in text and f"{ro} is mounted read-only" in text, (how, text)
+      assert ".ofx-tmp-" not in text, (how, text)
+
+
+def test_a_full_disk_at_the_commit_is_a_storage_error(tmp_path):
+  """No array data to write (tensorstore reports those): the manifest itself does not fit."""
+  with small_disk(str(tmp_path / "disk"), "1m") as disk:
+    with open(os.path.join(disk, "filler"), "wb") as f:
+      f.write(b"\0" * (1 << 20))
+    with pytest.raises(ofx.StorageError, match="the store is full") as e:
+      ofx.save(os.path.join(disk, "ckpt"), {"s": {"lr": 0.1, "note": "x" * 100_000}})
+    assert os.path.join(disk, "ckpt") in str(e.value)
+    assert sorted(os.listdir(disk)) == ["filler"]  # the failed save left nothing

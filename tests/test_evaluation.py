@@ -43,6 +43,37 @@ def test_iterator_timeout_fn_keeps_waiting_until_told(tmp_path):
   assert out == [] and len(calls) == 3 and calls[-1] >= 15
 
 
+def test_iterator_on_a_directory_that_does_not_exist_yet_says_so(tmp_path, caplog):
+  d = str(tmp_path / "run" / "checkpoints")
+  t = [0.0]
+
+  def fake_sleep(s):
+    t[0] += s
+
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    out = list(ofx.checkpoints_iterator(d, timeout=5, poll_interval=1, clock=lambda: t[0],
+                                        sleep=fake_sleep))
+  assert out == []
+  warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warned) == 2, warned  # once when it starts waiting, once when it gives up
+  assert f"{d} does not exist yet; waiting" in warned[0] and "timeout 5 s" in warned[0]
+  assert f"stopping after waiting 5 s: {d} still does not exist" in warned[1]
+  caplog.clear()
+
+  def trainer_starts_at_3_s(s):  # the directory appears while the iterator waits
+    fake_sleep(s)
+    if t[0] >= 3 and not os.path.exists(d):
+      ofx.save(os.path.join(d, "10"), {"s": {"w": np.ones(2)}})
+
+  t[0] = 0.0
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    out = list(ofx.checkpoints_iterator(d, timeout=5, poll_interval=1, clock=lambda: t[0],
+                                        sleep=trainer_starts_at_3_s))
+  assert out == [10]
+  warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warned) == 1 and "does not exist yet" in warned[0], warned  # and not at the end
+
+
 def test_a_held_step_is_not_deleted_by_retention(tmp_path, caplog):
   d = str(tmp_path / "ckpts")
   mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=1, max_to_keep=1,
@@ -62,6 +93,68 @@ def test_a_held_step_is_not_deleted_by_retention(tmp_path, caplog):
   mngr.wait()
   assert not os.path.exists(os.path.join(d, "1"))  # the released lease lets the deletion happen
   mngr.close()
+
+
+class _RunsOnLogLine(logging.Handler):
+  """Runs ``action`` (once) when the orbax_flax logger emits ``message``: a public hook
+  into the exact moment a manager logs a decision, from the thread that made it."""
+
+  def __init__(self, message, action):
+    super().__init__(logging.INFO)
+    self.message, self.action, self.results, self.error = message, action, [], None
+
+  def emit(self, record):
+    if record.getMessage() == self.message and not self.results and self.error is None:
+      try:
+        self.results.append(self.action())
+      except Exception as e:  # pylint: disable=broad-except  # re-raised by the test
+        self.error = e
+
+
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_an_evaluator_leasing_while_retention_deletes_never_gets_the_deleted_step(
+    tmp_path, caplog, request, store):
+  """The window of the reader-lease protocol, forced: the evaluator takes its lease after
+  the manager has looked at the leases and before it deletes the step (the manager's log
+  line of that deletion runs the evaluator)."""
+  if store == "s3":
+    server, bucket = request.getfixturevalue("s3_server"), request.getfixturevalue("s3_bucket")
+    d = f"s3://{bucket}/ckpts"
+
+    def left():  # everything under the directory: steps, leases, notices
+      resp = server.client().list_objects_v2(Bucket=bucket, Prefix="ckpts/")
+      return sorted({o["Key"].split("/")[1] for o in resp.get("Contents", [])})
+  else:
+    d = str(tmp_path / "ckpts")
+
+    def left():
+      return sorted(os.listdir(d))
+  mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(max_to_keep=1, async_save=False))
+  mngr.save(1, {"s": {"w": np.ones(3)}}, force=True)
+  it = ofx.checkpoints_iterator(d, timeout=0)
+  hook = _RunsOnLogLine("deleting checkpoint step 1 (no keep rule keeps it)", lambda: next(it))
+  logger = logging.getLogger("orbax_flax")
+  logger.addHandler(hook)
+  try:
+    with caplog.at_level(logging.INFO, logger="orbax_flax"):
+      mngr.save(2, {"s": {"w": np.full(3, 2.0)}}, force=True)  # retention deletes step 1
+      mngr.wait()
+  finally:
+    logger.removeHandler(hook)
+  if hook.error is not None:
+    raise hook.error
+  assert hook.results, "the manager did not delete step 1"
+  step = hook.results[0]
+  # The step handed over is readable for as long as the evaluator holds it...
+  np.testing.assert_array_equal(ofx.restore(f"{d}/{step}")["s"]["w"], np.full(3, step))
+  assert step == 2 and "step 1 is being deleted" in caplog.text  # 1 was skipped, with a word
+  mngr.save(3, {"s": {"w": np.full(3, 3.0)}}, force=True)
+  mngr.wait()
+  np.testing.assert_array_equal(ofx.restore(f"{d}/2")["s"]["w"], np.full(3, 2.0))
+  it.close()  # ...and released when it is done
+  mngr.save(4, {"s": {"w": np.full(3, 4.0)}}, force=True)
+  mngr.close()
+  assert left() == ["4"]  # no lease, no deletion notice, no .readers left behind
 
 
 def test_evaluator_beside_a_live_training_job_with_max_to_keep_1(tmp_path):
