@@ -237,7 +237,10 @@ def cmd_plan(argv: list[str], out) -> int:
   from ml_collections import config_flags
   from orbax_flax.config import CheckpointPolicy
   fv = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "Config file (e.g. configs/default.py).", flag_values=fv)
+  # sys_argv: config_flags reads --config.x=y overrides from it (sys.argv by default), so
+  # main(argv) called with a list honours them as `python -m orbax_flax` does.
+  config_flags.DEFINE_config_file("config", None, "Config file (e.g. configs/default.py).",
+                                  flag_values=fv, sys_argv=["plan"] + argv)
   flags.DEFINE_integer("steps", None, "Run length in steps (default: config.num_steps).", flag_values=fv)
   flags.DEFINE_integer("start_step", 0, "Simulate a run resumed after this step.", flag_values=fv)
   flags.DEFINE_float("seconds_per_step", 1.0, "Simulated wall time per step.", flag_values=fv)

@@ -31,8 +31,6 @@ import io
 import os
 import re
 import shlex
-import sys
-from unittest import mock
 
 import pytest
 
@@ -127,10 +125,8 @@ def _console(b: Block) -> None:
         f"{b.where}: a console doc-test runs only `python -m orbax_flax ...`, got {command!r};"
         " mark the block <!-- not-run: why --> instead")
     out = io.StringIO()
-    # As `python -m orbax_flax` runs it: config_flags reads --config.x=y overrides from sys.argv.
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), \
-        mock.patch.object(sys, "argv", ["python -m orbax_flax", *argv[3:]]):
-      rc = cli.main(out=out)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+      rc = cli.main(argv[3:], out=out)
     assert rc == 0, f"{b.where}: `{command}` exited {rc}:\n{out.getvalue()}"
     _check_output(b, out.getvalue(), "\n".join(shown) + "\n" if any(s.strip() for s in shown) else None)
 
