@@ -180,8 +180,17 @@ class CheckpointCallback(callbacks.Callback):
     unchanged, or with params from ``init_from`` if the policy sets one.
     ``data_iterator`` (anything with ``get_state()``/``set_state()``) is moved
     to where the restored run stopped, and saved with every checkpoint.
+
+    Every part of ``state`` is checked first (each member of a tuple such as
+    ``(model, optimizer, rngs)`` is saved: see :mod:`orbax_flax.state_items`);
+    a leaf that cannot be saved raises here, before anything is written.
+
+    Raises:
+      UnsupportedLeafError: a leaf of the state cannot be saved.
+      TypeError: NNX objects nested inside a plain pytree.
     """
     self._check_open()
+    state_items.check(state)  # every part of the state can be saved, before anything runs
     self._data = data_iterator if hasattr(data_iterator, "get_state") else None
     if data_iterator is not None and self._data is None:
       log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
