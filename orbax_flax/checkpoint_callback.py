@@ -159,8 +159,9 @@ class CheckpointCallback(callbacks.Callback):
       self._local_schedule = schedule.LocalSchedule(self.policy.local_trigger(), clock=clock)
     self.metadata = dict(metadata or {})
     self.writer = writer
-    self._watcher = (preemption.PreemptionWatcher(self.policy.preemption_signals)
-                     if self.policy.save_on_preemption else None)
+    # Installed by the run's first call (restore_or_init or on_step_end), not here: a
+    # process that builds the callback and never trains must still die of SIGTERM.
+    self._watcher: preemption.PreemptionWatcher | None = None
     self._data = None
     self._last: tuple[int, Any] | None = None
     self.preempted = False
@@ -183,7 +184,9 @@ class CheckpointCallback(callbacks.Callback):
 
     Every part of ``state`` is checked first (each member of a tuple such as
     ``(model, optimizer, rngs)`` is saved: see :mod:`orbax_flax.state_items`);
-    a leaf that cannot be saved raises here, before anything is written.
+    a leaf that cannot be saved raises here, before anything is written. The
+    preemption signal handlers are installed here (or by the first
+    :meth:`on_step_end`), not when the callback is built.
 
     Raises:
       UnsupportedLeafError: a leaf of the state cannot be saved.
@@ -191,6 +194,7 @@ class CheckpointCallback(callbacks.Callback):
     """
     self._check_open()
     state_items.check(state)  # every part of the state can be saved, before anything runs
+    self._watch()
     self._data = data_iterator if hasattr(data_iterator, "get_state") else None
     if data_iterator is not None and self._data is None:
       log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
@@ -369,6 +373,11 @@ class CheckpointCallback(callbacks.Callback):
     log.error("CHECKPOINT SAVE FAILED, training goes on (on_save_error='warn'); the last"
               " committed step is %s: %s", self.manager.latest_step(), e)
 
+  def _watch(self) -> None:
+    """Starts watching for preemption signals (once, at the run's first call)."""
+    if self._watcher is None and self.policy.save_on_preemption:
+      self._watcher = preemption.PreemptionWatcher(self.policy.preemption_signals)
+
   def _check_open(self) -> None:
     if self._closed:
       raise RuntimeError("this CheckpointCallback is closed (its run ended, so its manager and"
@@ -396,6 +405,8 @@ class CheckpointCallback(callbacks.Callback):
       # the batch the failing step had already taken.
       self._data_after_last = (step, self._data.get_state())
     self._flush_events()
+    if self._watcher is None:
+      self._watch()
     if self._watcher is not None and self._watcher.reached(step):
       self._save_preemption(step, state, metrics)
       return True

@@ -117,3 +117,44 @@ def test_a_member_that_cannot_be_saved_is_refused_before_training(tmp_path):
     ckpt.restore_or_init({"model": model, "opt": opt})
   ckpt.close()
   assert not os.path.exists(tmp_path / "checkpoints") or not os.listdir(tmp_path / "checkpoints")
+
+
+# ------------------------------------------------------------------ signals
+
+BUILT_ONLY = r"""
+import sys, time
+import orbax_flax as ofx
+ckpt = ofx.CheckpointCallback(sys.argv[1], {"save_interval_steps": 10})
+print("BUILT", flush=True)
+time.sleep(60)  # a long data-loading start, or a run that never trains
+print("STILL ALIVE", flush=True)
+"""
+
+
+def test_sigterm_before_the_run_starts_ends_the_process(tmp_path):
+  script = tmp_path / "built.py"
+  script.write_text(BUILT_ONLY)
+  proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run")], text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=jobs.env_for(1))
+  assert proc.stdout.readline().strip() == "BUILT"
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=30)
+  assert proc.returncode == -signal.SIGTERM, (proc.returncode, out, err[-2000:])
+  assert "STILL ALIVE" not in out
+
+
+def test_the_signal_handler_is_installed_when_the_run_starts(tmp_path):
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"preemption_signals": ("SIGUSR1",)})
+  assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # built: nothing installed yet
+  state = ckpt.restore_or_init({"w": np.zeros(2)})
+  assert signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL
+  os.kill(os.getpid(), signal.SIGUSR1)
+  assert ckpt.on_step_end(1, state) is True and ckpt.manager.all_steps() == [1]
+  ckpt.close()
+  assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL
+  # A loop that never calls restore_or_init is watched from its first step end.
+  ckpt = ofx.CheckpointCallback(str(tmp_path / "b"), {"preemption_signals": ("SIGUSR1",)})
+  assert ckpt.on_step_end(1, state) is False
+  os.kill(os.getpid(), signal.SIGUSR1)
+  assert ckpt.on_step_end(2, state) is True and ckpt.manager.all_steps() == [2]
+  ckpt.close()
