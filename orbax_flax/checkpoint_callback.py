@@ -474,13 +474,29 @@ class CheckpointCallback(callbacks.Callback):
   def on_exception(self, step: int, state: Any, error: BaseException) -> None:
     """Saves the last good state (if the policy says so) and closes; never raises.
 
+    ``step`` is the last step handed to :meth:`on_step_end` and ``state`` the
+    state after it. A Linen ``TrainState`` or a pytree is immutable, so that
+    state is exactly step ``step``'s and is saved (reason ``exception``). NNX
+    objects are updated in place: the failing step may already have changed
+    them, so they could hold step ``step + 1`` (or half of it) under the label
+    ``step``. Their exception save is therefore refused, with a WARNING that
+    says so, and a resume continues from the last committed (periodic,
+    preemption) step. A KeyboardInterrupt (Ctrl-C) is reported as an interrupt;
+    add ``"SIGINT"`` to the policy's ``preemption_signals`` to make Ctrl-C save
+    the next step and stop as a preemption does.
+
     The training error is what the loop raises: a failure of this save, or of
     a background save, is logged and attached to it as a note.
     """
     try:
       try:
-        if self.policy.save_on_exception and not self.preempted:
+        if self.preempted:
+          pass
+        elif self.policy.save_on_exception:
           self._save_exception(step, state, error)
+        elif isinstance(error, KeyboardInterrupt):
+          log.warning("%s; nothing saved (save_on_exception is off). %s%s", _failure(step, error),
+                      self._resume_point(), self._sigint_hint())
       except Exception as e:  # pylint: disable=broad-except  # the training error comes first
         log.error("the exception save of step %d failed too: %s: %s", step, type(e).__name__, e)
         error.add_note(f"orbax_flax: saving step {step} after this error failed too:"
@@ -503,13 +519,41 @@ class CheckpointCallback(callbacks.Callback):
             f" committed half-written); the last committed step is {self.manager.latest_step()}",
             file=sys.stderr, flush=True)
 
+  def _sigint_hint(self) -> str:
+    if "SIGINT" in self.policy.preemption_signals and self.policy.save_on_preemption:
+      return ""
+    return (" To make Ctrl-C save at the next step end and stop cleanly, as a preemption does,"
+            " add SIGINT to the policy's preemption_signals, e.g. preemption_signals=('SIGTERM',"
+            " 'SIGINT') (on the command line:"
+            " --config.checkpoint.preemption_signals=\"('SIGTERM','SIGINT')\").")
+
+  def _resume_point(self) -> str:
+    """Where a resume would start, as a sentence (a save in flight commits before the close)."""
+    inflight = self.manager.inflight_step()
+    if inflight is not None:
+      return (f"A resume continues from step {inflight}, whose save is still being written (it"
+              " commits before the callback closes).")
+    latest = self.manager.latest_step()
+    if latest is None:
+      return "No step is committed yet: a resume starts from scratch."
+    return f"A resume continues from step {latest}, the last committed."
+
   def _save_exception(self, step: int, state: Any, error: BaseException) -> None:
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-      log.error("training failed at step %d; the last state's buffers were donated, so it"
-                " cannot be saved", step)
+    interrupted = isinstance(error, KeyboardInterrupt)
+    latest = self._resume_point()
+    hint = self._sigint_hint() if interrupted else ""
+    if state_items.kind(state) == "nnx":
+      log.warning("%s; not saving it: NNX objects are updated in place, so the live model and"
+                  " optimizer may already be ahead of step %d, the last step handed to"
+                  " on_step_end, and a save labelled %d could hold a later state. %s%s",
+                  _failure(step, error), step, step, latest, hint)
+    elif any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+      (log.warning if interrupted else log.error)(
+          "%s; the state of step %d cannot be saved: its buffers were donated to the next"
+          " step. %s%s", _failure(step, error), step, latest, hint)
     elif not self.manager.has_step(step) and self._every_process_failed(step):
-      log.error("training failed after step %d (%s: %s); saving that step", step,
-                type(error).__name__, error)
+      (log.warning if interrupted else log.error)("%s; saving that step.%s",
+                                                  _failure(step, error), hint)
       data_state = None  # no position known for this step: saved without one
       if self._data_after_last is not None and self._data_after_last[0] == step:
         data_state = self._data_after_last[1]
@@ -582,6 +626,13 @@ class CheckpointCallback(callbacks.Callback):
         scalars["checkpoint/expected_loss_s"] = e.expected_loss_s
       self.writer.write_scalars(e.step, scalars)
     self.writer.flush()
+
+
+def _failure(step: int, error: BaseException) -> str:
+  """What ended training, in words, for the log."""
+  if isinstance(error, KeyboardInterrupt):
+    return f"interrupted after step {step} (KeyboardInterrupt: Ctrl-C or SIGINT)"
+  return f"training failed after step {step} ({type(error).__name__}: {error})"
 
 
 def _says_global(iterator: Any) -> bool:

@@ -63,6 +63,33 @@ def same(a, b):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+# ------------------------------------------------------------------ exception saves
+
+
+def test_an_error_after_an_nnx_update_saves_nothing_under_an_older_label(tmp_path, caplog):
+  """NNX objects change in place: the error after step 5's update must not be saved as step 4."""
+  model, opt, rngs = make()
+  policy = {"save_interval_steps": 3}
+  with pytest.raises(FloatingPointError), caplog.at_level(logging.WARNING, logger="orbax_flax"):
+    with ofx.CheckpointCallback(str(tmp_path), policy) as ckpt:
+      ckpt.restore_or_init((model, opt, rngs))
+      for step in range(1, 11):
+        loss = train_step(model, opt, rngs, batch(step))
+        if step == 5:  # an eval or a loss check that fails after the update
+          raise FloatingPointError("loss check failed after the update of step 5")
+        ckpt.on_step_end(step, (model, opt, rngs), {"loss": loss})
+  assert ckpt.manager.all_steps() == [3]
+  warning = [r for r in caplog.records if "not saving it" in r.getMessage()]
+  assert len(warning) == 1 and warning[0].levelno == logging.WARNING, caplog.text
+  assert "NNX objects are updated in place" in warning[0].getMessage()
+  assert "A resume continues from step 3" in warning[0].getMessage()
+  # What a resume gets is labelled by the state it holds.
+  model, opt, rngs = make(7)
+  with ofx.CheckpointCallback(str(tmp_path), policy) as again:
+    again.restore_or_init((model, opt, rngs))
+  assert again.restored_step == 3 and int(opt.step.get_value()) == 3
+
+
 # ------------------------------------------------------------------ every member saved
 
 
@@ -158,3 +185,57 @@ def test_the_signal_handler_is_installed_when_the_run_starts(tmp_path):
   os.kill(os.getpid(), signal.SIGUSR1)
   assert ckpt.on_step_end(2, state) is True and ckpt.manager.all_steps() == [2]
   ckpt.close()
+
+
+CTRL_C = r"""
+import itertools, logging, sys, time
+import jax, jax.numpy as jnp
+import orbax_flax as ofx
+logging.basicConfig(format="%(levelname)s %(message)s")
+signals = tuple(sys.argv[2].split(","))
+ckpt = ofx.CheckpointCallback(sys.argv[1], {"save_interval_steps": 0,
+                                            "preemption_signals": signals})
+update = jax.jit(lambda s: {"w": s["w"] + 1, "step": s["step"] + 1}, donate_argnums=0)
+def step_fn(s, batch):
+  s = update(s)  # donates the previous state, as a real train step does
+  if int(s["step"]) == 3:
+    print("TRAINING", flush=True)
+  if int(s["step"]) >= 3:
+    time.sleep(float(sys.argv[3]))  # the Ctrl-C arrives here
+  return s, {}
+state = ofx.Trainer(step_fn, [ckpt]).fit({"w": jnp.zeros(4), "step": jnp.int32(0)},
+                                         itertools.repeat(None), 50)
+step = int(state["step"])
+print("STOPPED", step, ckpt.preempted, ckpt.manager.all_steps(), flush=True)
+"""
+
+
+def _ctrl_c(tmp_path, signals, sleep):
+  script = tmp_path / "ctrlc.py"
+  script.write_text(CTRL_C)
+  proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "run"), signals, str(sleep)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=jobs.env_for(1))
+  assert proc.stdout.readline().strip() == "TRAINING"
+  proc.send_signal(signal.SIGINT)
+  out, err = proc.communicate(timeout=120)
+  return proc.returncode, out, err
+
+
+def test_ctrl_c_is_reported_as_an_interrupt_with_the_way_to_save_on_it(tmp_path):
+  rc, out, err = _ctrl_c(tmp_path, "SIGTERM", 60)
+  assert rc != 0 and "STOPPED" not in out
+  assert "WARNING interrupted after step 2 (KeyboardInterrupt" in err, err[-3000:]
+  assert "buffers were donated" in err and "add SIGINT to the policy's preemption_signals" in err
+  assert "training failed" not in err and "ERROR" not in err, err[-3000:]
+
+
+def test_sigint_as_a_preemption_signal_saves_and_stops(tmp_path):
+  rc, out, err = _ctrl_c(tmp_path, "SIGTERM,SIGINT", 0.2)
+  assert rc == 0, err[-3000:]
+  (line,) = [l for l in out.splitlines() if l.startswith("STOPPED")]
+  _, step, preempted, steps = line.split(" ", 3)
+  assert preempted == "True" and steps == f"[{step}]", line
+  manager = ofx.CheckpointManager(str(tmp_path / "run" / "checkpoints"), ofx.CheckpointPolicy())
+  assert manager.step_info(int(step)).reason == "preemption"
+  assert "KeyboardInterrupt" not in err
