@@ -34,10 +34,10 @@ from orbax_flax import _progress
 from orbax_flax import _tree
 from orbax_flax import callbacks
 from orbax_flax import errors
+from orbax_flax import init_from
 from orbax_flax import preemption
 from orbax_flax import restoring
 from orbax_flax import state_items
-from orbax_flax import step_dir
 from orbax_flax._location import Location
 from orbax_flax.config import CheckpointPolicy
 from orbax_flax.manager import CheckpointManager
@@ -80,53 +80,6 @@ _CURRENT = object()  # _items: take the data iterator's state now
 # loss fails everywhere at once; a failure of one process alone leaves the
 # others inside a collective, and nothing can be saved without them).
 _FAILED_AGREEMENT_S = 3.0
-
-
-def _checkpoint_in(source: str) -> Location:
-  """``init_from``: a checkpoint (any format ``restore`` reads), or a run's step directory or
-  workdir (its latest step), ours or orbax-checkpoint's."""
-  from orbax_flax.formats import orbax_checkpoint  # pylint: disable=g-import-not-at-top
-  loc = Location.parse(source)
-  for candidate in (loc, loc.join("checkpoints")):
-    try:
-      restoring.open_manifest(candidate)
-      return candidate
-    except errors.CheckpointNotFoundError:
-      pass
-    ocp_steps = orbax_checkpoint.steps(candidate)
-    if ocp_steps:
-      return candidate.join(str(ocp_steps[-1]))
-    try:
-      steps, _ = step_dir.list_steps(candidate)
-    except NotADirectoryError:
-      break
-    if steps:
-      return candidate.join(str(steps[-1]))
-  raise errors.CheckpointNotFoundError(
-      f"init_from={source!r}: no committed checkpoint there, nor a step directory (or a run"
-      " with a checkpoints/ directory) holding one; point it at a checkpoint such as"
-      " <workdir>/checkpoints/<step>, at the run's workdir, or at an orbax-checkpoint run"
-      " directory or step.")
-
-
-def _from_orbax_checkpoint(source: Location, manifest: dict[str, Any], name: str, target: Any) -> Any:
-  """``init_from`` an orbax-checkpoint step: the params (or whole state) from its state item.
-
-  The item is the only one, else ``default`` or ``state``; the params are its
-  ``params`` subtree when it has one (a saved TrainState), else the item itself.
-  """
-  names = sorted(manifest["items"])
-  item = names[0] if len(names) == 1 else next((n for n in ("default", "state") if n in names), None)
-  if item is None:
-    raise errors.CheckpointNotFoundError(
-        f"init_from={source}: an orbax-checkpoint step with items {names}; none is 'default' or"
-        " 'state', so the one holding the model is not known. Point init_from at the item's"
-        " directory.")
-  paths = [r["path"] for r in manifest["items"][item]["leaves"]]
-  nested = name == "params" and any(p and p[0] == "params" for p in paths)
-  wanted = {item: {"params": target} if nested else target}
-  out = restoring.restore(source, wanted, partial=True)[item]
-  return out["params"] if nested else out
 
 
 class CheckpointCallback(callbacks.Callback):
@@ -291,18 +244,12 @@ class CheckpointCallback(callbacks.Callback):
         " repair it:\n  " + "\n  ".join(failures))
 
   def _init_from(self, state: Any) -> Any:
-    source = _checkpoint_in(self.policy.init_from)
     items = state_items.to_items(state)
     name = "params" if "params" in items else "state"
-    target = _targets({name: items[name]})
-    _, manifest = restoring.open_manifest(source)
-    if manifest.get("format", "orbax_flax") == "orbax-checkpoint":
-      restored = {name: _from_orbax_checkpoint(source, manifest, name, target[name])}
-    else:
-      restored = restoring.restore(source, target, partial=True)
+    target = _targets({name: items[name]})[name]
+    items[name], source = init_from.load(self.policy.init_from, name, target)
     _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)", name, source,
                   self.manager.directory)
-    items[name] = restored[name]
     return state_items.from_items(state, items)
 
   def _restore_data(self, step: int) -> None:

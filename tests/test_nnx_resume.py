@@ -239,3 +239,65 @@ def test_sigint_as_a_preemption_signal_saves_and_stops(tmp_path):
   manager = ofx.CheckpointManager(str(tmp_path / "run" / "checkpoints"), ofx.CheckpointPolicy())
   assert manager.step_info(int(step)).reason == "preemption"
   assert "KeyboardInterrupt" not in err
+
+
+# ------------------------------------------------------------------ init_from
+
+
+def _gemma_style_run(root, model, opt, step):
+  """A step as the Flax Gemma example writes it: items model, optimizer and step."""
+  with ocp.CheckpointManager(root, item_names=("model", "optimizer", "step")) as m:
+    m.save(step, args=ocp.args.Composite(model=ocp.args.StandardSave(nnx.state(model)),
+                                         optimizer=ocp.args.StandardSave(nnx.state(opt)),
+                                         step=ocp.args.JsonSave(step)))
+    m.wait_until_finished()
+
+
+def test_init_from_names_the_item_of_an_orbax_checkpoint_manager_run(tmp_path):
+  donor, donor_opt, donor_rngs = make(3)
+  for step in range(1, 3):
+    train_step(donor, donor_opt, donor_rngs, batch(step))
+  root = str(tmp_path / "gemma_run" / "checkpoints")
+  _gemma_style_run(root, donor, donor_opt, 2)
+
+  model, opt, rngs = make(9)
+  with ofx.CheckpointCallback(str(tmp_path / "fine"), {"init_from": f"{root}:model"}) as fine:
+    fine.restore_or_init((model, opt, rngs))
+  same(nnx.state(model, nnx.Param), nnx.state(donor, nnx.Param))
+  assert int(opt.step.get_value()) == 0  # only the model's params were taken
+  before = np.asarray(model.linear.kernel.get_value())
+  loss = train_step(model, opt, rngs, batch(3))  # the model trains: one jitted step
+  assert np.isfinite(float(loss)) and not np.array_equal(before, model.linear.kernel.get_value())
+
+  # The run directory alone names no item: the error says what the checkpoint holds.
+  with ofx.CheckpointCallback(str(tmp_path / "f2"), {"init_from": root}) as bad:
+    with pytest.raises(ofx.errors.TreeMismatchError) as e:
+      bad.restore_or_init(make(1))
+  text = str(e.value)
+  assert "items model (linear); optimizer (opt_state, step); step (a value)" in text, text
+  assert f"'{root}:model'" in text
+  # A wrong item or subtree: the keys it does hold.
+  with ofx.CheckpointCallback(str(tmp_path / "f3"), {"init_from": f"{root}:optimizer"}) as bad:
+    with pytest.raises(ofx.errors.TreeMismatchError) as e:
+      bad.restore_or_init(make(1))
+  assert "linear/kernel/value: in target, not in checkpoint" in str(e.value)
+  assert "key paths in optimizer include opt_state/0/count/value" in str(e.value), str(e.value)
+  with ofx.CheckpointCallback(str(tmp_path / "f4"), {"init_from": f"{root}:model/nothing"}) as bad:
+    with pytest.raises(ofx.errors.TreeMismatchError, match="item 'model' has no subtree 'nothing'"):
+      bad.restore_or_init(make(1))
+
+
+def test_init_from_a_subtree_of_our_own_checkpoint_and_a_path_with_a_colon(tmp_path):
+  donor, _, _ = make(4)
+  params = nnx.state(donor, nnx.Param)
+  run = tmp_path / "10:00"  # a timestamped directory: the ':' is part of the path
+  ofx.save(str(run / "checkpoints" / "5"), {"state": {"student": params, "step": 5}})
+  model, opt, rngs = make(1)
+  with ofx.CheckpointCallback(str(tmp_path / "fine"),
+                              {"init_from": f"{run}:state/student"}) as fine:
+    fine.restore_or_init((model, opt, rngs))
+  same(nnx.state(model, nnx.Param), params)
+  with ofx.CheckpointCallback(str(tmp_path / "fine2"), {"init_from": str(run)}) as bad:
+    with pytest.raises(ofx.errors.TreeMismatchError, match=r"(?s)no item 'params'.*items state"
+                       r" \(step, student\)"):
+      bad.restore_or_init(make(1))
