@@ -301,3 +301,35 @@ def test_init_from_a_subtree_of_our_own_checkpoint_and_a_path_with_a_colon(tmp_p
     with pytest.raises(ofx.errors.TreeMismatchError, match=r"(?s)no item 'params'.*items state"
                        r" \(step, student\)"):
       bad.restore_or_init(make(1))
+
+
+# ------------------------------------------------------------------ the int step
+
+
+def test_a_python_int_step_comes_back_as_an_int(tmp_path):
+  """The target's int step stays an int, from orbax-checkpoint and from our own format."""
+  module = nn.Dense(4)
+  x = jnp.ones((2, 3))
+
+  def fresh():
+    return train_state.TrainState.create(apply_fn=module.apply, tx=optax.adam(1e-2),
+                                         params=module.init(jax.random.key(0), x)["params"])
+
+  @jax.jit
+  def step_fn(state):
+    grads = jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, x) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+  trained = step_fn(step_fn(fresh()))
+  assert isinstance(trained.step, jax.Array)  # a jitted update makes it an array
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(str(tmp_path / "ocp"), trained)
+  checkpointer.wait_until_finished()
+  checkpointer.close()
+  ofx.save(str(tmp_path / "ours"), {"state": trained})
+  for path in ("ocp", "ours"):
+    target = ofx.abstract(fresh())
+    assert type(target.step) is int
+    restored = ofx.restore(str(tmp_path / path), {"state": target})["state"]
+    assert type(restored.step) is int and restored.step == 2, (path, type(restored.step))
+    assert int(step_fn(restored).step) == 3
