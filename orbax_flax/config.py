@@ -82,7 +82,7 @@ class CheckpointPolicy:
     save_on_preemption: on a preemption signal every process saves the same
       step and the loop stops.
     preemption_signals: signal names that mean preemption, e.g. ("SIGTERM",
-      "SIGUSR1").
+      "SIGUSR1"); add "SIGINT" to make Ctrl-C save the next step and stop.
     preemption_grace_seconds: seconds the job has after the signal; a save
       that cannot commit in time is abandoned, never committed half-written
       (0: no limit).
@@ -90,7 +90,8 @@ class CheckpointPolicy:
       before re-raising.
     directory: where checkpoints go ("": ``<workdir>/checkpoints``).
     init_from: a checkpoint to initialise params from when there is nothing
-      to resume (fine-tuning); "": off.
+      to resume (fine-tuning); "": off. ``"<path>:<item>/<sub/tree>"`` names
+      the item and subtree to take, e.g. ``"/runs/gemma/checkpoints:model"``.
     max_host_bytes: budget for the host memory of one save or restore, in
       bytes (0: none). A larger async save stages in rounds (the caller waits
       for all but the last); a restore reads in rounds.
