@@ -7,8 +7,12 @@ r"""Train a small transformer language model with checkpointing, preemption hand
 Kill it (SIGTERM, or the signals in config.checkpoint.preemption_signals) and
 start it again as often as you like: it resumes from the latest committed
 step, on whatever devices and processes the new run has, and ends with the
-same model an uninterrupted run would have. On a CPU-only machine it
-simulates 8 devices unless XLA_FLAGS says otherwise.
+same model an uninterrupted run would have. To make Ctrl-C save and stop the
+same way, add SIGINT:
+
+    python examples/train.py --workdir=/tmp/run --config.checkpoint.preemption_signals="('SIGTERM','SIGINT')"
+
+On a CPU-only machine it simulates 8 devices unless XLA_FLAGS says otherwise.
 """
 
 from __future__ import annotations
@@ -102,7 +106,9 @@ def main(argv):
   try:
     train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except KeyboardInterrupt:
-    print("interrupted (Ctrl-C); rerun the same command to resume from the last committed step",
+    print("interrupted (Ctrl-C); rerun the same command to resume from the last committed step"
+          " (with --config.checkpoint.preemption_signals=\"('SIGTERM','SIGINT')\" Ctrl-C saves"
+          " first)",
           file=sys.stderr)
     sys.exit(130)
 

@@ -34,10 +34,10 @@ from orbax_flax import _progress
 from orbax_flax import _tree
 from orbax_flax import callbacks
 from orbax_flax import errors
+from orbax_flax import init_from
 from orbax_flax import preemption
 from orbax_flax import restoring
 from orbax_flax import state_items
-from orbax_flax import step_dir
 from orbax_flax import targets
 from orbax_flax._location import Location
 from orbax_flax.config import CheckpointPolicy
@@ -81,53 +81,6 @@ _CURRENT = object()  # _items: take the data iterator's state now
 _FAILED_AGREEMENT_S = 3.0
 
 
-def _checkpoint_in(source: str) -> Location:
-  """``init_from``: a checkpoint (any format ``restore`` reads), or a run's step directory or
-  workdir (its latest step), ours or orbax-checkpoint's."""
-  from orbax_flax.formats import orbax_checkpoint  # pylint: disable=g-import-not-at-top
-  loc = Location.parse(source)
-  for candidate in (loc, loc.join("checkpoints")):
-    try:
-      restoring.open_manifest(candidate)
-      return candidate
-    except errors.CheckpointNotFoundError:
-      pass
-    ocp_steps = orbax_checkpoint.steps(candidate)
-    if ocp_steps:
-      return candidate.join(str(ocp_steps[-1]))
-    try:
-      steps, _ = step_dir.list_steps(candidate)
-    except NotADirectoryError:
-      break
-    if steps:
-      return candidate.join(str(steps[-1]))
-  raise errors.CheckpointNotFoundError(
-      f"init_from={source!r}: no committed checkpoint there, nor a step directory (or a run"
-      " with a checkpoints/ directory) holding one; point it at a checkpoint such as"
-      " <workdir>/checkpoints/<step>, at the run's workdir, or at an orbax-checkpoint run"
-      " directory or step.")
-
-
-def _from_orbax_checkpoint(source: Location, manifest: dict[str, Any], name: str, target: Any) -> Any:
-  """``init_from`` an orbax-checkpoint step: the params (or whole state) from its state item.
-
-  The item is the only one, else ``default`` or ``state``; the params are its
-  ``params`` subtree when it has one (a saved TrainState), else the item itself.
-  """
-  names = sorted(manifest["items"])
-  item = names[0] if len(names) == 1 else next((n for n in ("default", "state") if n in names), None)
-  if item is None:
-    raise errors.CheckpointNotFoundError(
-        f"init_from={source}: an orbax-checkpoint step with items {names}; none is 'default' or"
-        " 'state', so the one holding the model is not known. Point init_from at the item's"
-        " directory.")
-  paths = [r["path"] for r in manifest["items"][item]["leaves"]]
-  nested = name == "params" and any(p and p[0] == "params" for p in paths)
-  wanted = {item: {"params": target} if nested else target}
-  out = restoring.restore(source, wanted, partial=True)[item]
-  return out["params"] if nested else out
-
-
 class CheckpointCallback(callbacks.Callback):
   """Saves on the checkpoint policy, on preemption and on errors; resumes on start.
 
@@ -158,8 +111,9 @@ class CheckpointCallback(callbacks.Callback):
       self._local_schedule = schedule.LocalSchedule(self.policy.local_trigger(), clock=clock)
     self.metadata = dict(metadata or {})
     self.writer = writer
-    self._watcher = (preemption.PreemptionWatcher(self.policy.preemption_signals)
-                     if self.policy.save_on_preemption else None)
+    # Installed by the run's first call (restore_or_init or on_step_end), not here: a
+    # process that builds the callback and never trains must still die of SIGTERM.
+    self._watcher: preemption.PreemptionWatcher | None = None
     self._data = None
     self._last: tuple[int, Any] | None = None
     self.preempted = False
@@ -179,8 +133,20 @@ class CheckpointCallback(callbacks.Callback):
     unchanged, or with params from ``init_from`` if the policy sets one.
     ``data_iterator`` (anything with ``get_state()``/``set_state()``) is moved
     to where the restored run stopped, and saved with every checkpoint.
+
+    Every part of ``state`` is checked first (each member of a tuple such as
+    ``(model, optimizer, rngs)`` is saved: see :mod:`orbax_flax.state_items`);
+    a leaf that cannot be saved raises here, before anything is written. The
+    preemption signal handlers are installed here (or by the first
+    :meth:`on_step_end`), not when the callback is built.
+
+    Raises:
+      UnsupportedLeafError: a leaf of the state cannot be saved.
+      TypeError: NNX objects nested inside a plain pytree.
     """
     self._check_open()
+    state_items.check(state)  # every part of the state can be saved, before anything runs
+    self._watch()
     self._data = data_iterator if hasattr(data_iterator, "get_state") else None
     if data_iterator is not None and self._data is None:
       log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
@@ -277,18 +243,12 @@ class CheckpointCallback(callbacks.Callback):
         " repair it:\n  " + "\n  ".join(failures))
 
   def _init_from(self, state: Any) -> Any:
-    source = _checkpoint_in(self.policy.init_from)
     items = state_items.to_items(state)
     name = "params" if "params" in items else "state"
-    target = _targets({name: items[name]})
-    _, manifest = restoring.open_manifest(source)
-    if manifest.get("format", "orbax_flax") == "orbax-checkpoint":
-      restored = {name: _from_orbax_checkpoint(source, manifest, name, target[name])}
-    else:
-      restored = restoring.restore(source, target, partial=True)
+    target = _targets({name: items[name]})[name]
+    items[name], source = init_from.load(self.policy.init_from, name, target)
     _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)", name, source,
                   self.manager.directory)
-    items[name] = restored[name]
     return state_items.from_items(state, items)
 
   def _restore_data(self, step: int) -> None:
@@ -359,6 +319,11 @@ class CheckpointCallback(callbacks.Callback):
     log.error("CHECKPOINT SAVE FAILED, training goes on (on_save_error='warn'); the last"
               " committed step is %s: %s", self.manager.latest_step(), e)
 
+  def _watch(self) -> None:
+    """Starts watching for preemption signals (once, at the run's first call)."""
+    if self._watcher is None and self.policy.save_on_preemption:
+      self._watcher = preemption.PreemptionWatcher(self.policy.preemption_signals)
+
   def _check_open(self) -> None:
     if self._closed:
       raise RuntimeError("this CheckpointCallback is closed (its run ended, so its manager and"
@@ -386,6 +351,8 @@ class CheckpointCallback(callbacks.Callback):
       # the batch the failing step had already taken.
       self._data_after_last = (step, self._data.get_state())
     self._flush_events()
+    if self._watcher is None:
+      self._watch()
     if self._watcher is not None and self._watcher.reached(step):
       self._save_preemption(step, state, metrics)
       return True
@@ -453,13 +420,29 @@ class CheckpointCallback(callbacks.Callback):
   def on_exception(self, step: int, state: Any, error: BaseException) -> None:
     """Saves the last good state (if the policy says so) and closes; never raises.
 
+    ``step`` is the last step handed to :meth:`on_step_end` and ``state`` the
+    state after it. A Linen ``TrainState`` or a pytree is immutable, so that
+    state is exactly step ``step``'s and is saved (reason ``exception``). NNX
+    objects are updated in place: the failing step may already have changed
+    them, so they could hold step ``step + 1`` (or half of it) under the label
+    ``step``. Their exception save is therefore refused, with a WARNING that
+    says so, and a resume continues from the last committed (periodic,
+    preemption) step. A KeyboardInterrupt (Ctrl-C) is reported as an interrupt;
+    add ``"SIGINT"`` to the policy's ``preemption_signals`` to make Ctrl-C save
+    the next step and stop as a preemption does.
+
     The training error is what the loop raises: a failure of this save, or of
     a background save, is logged and attached to it as a note.
     """
     try:
       try:
-        if self.policy.save_on_exception and not self.preempted:
+        if self.preempted:
+          pass
+        elif self.policy.save_on_exception:
           self._save_exception(step, state, error)
+        elif isinstance(error, KeyboardInterrupt):
+          log.warning("%s; nothing saved (save_on_exception is off). %s%s", _failure(step, error),
+                      self._resume_point(), self._sigint_hint())
       except Exception as e:  # pylint: disable=broad-except  # the training error comes first
         log.error("the exception save of step %d failed too: %s: %s", step, type(e).__name__, e)
         error.add_note(f"orbax_flax: saving step {step} after this error failed too:"
@@ -482,13 +465,41 @@ class CheckpointCallback(callbacks.Callback):
             f" committed half-written); the last committed step is {self.manager.latest_step()}",
             file=sys.stderr, flush=True)
 
+  def _sigint_hint(self) -> str:
+    if "SIGINT" in self.policy.preemption_signals and self.policy.save_on_preemption:
+      return ""
+    return (" To make Ctrl-C save at the next step end and stop cleanly, as a preemption does,"
+            " add SIGINT to the policy's preemption_signals, e.g. preemption_signals=('SIGTERM',"
+            " 'SIGINT') (on the command line:"
+            " --config.checkpoint.preemption_signals=\"('SIGTERM','SIGINT')\").")
+
+  def _resume_point(self) -> str:
+    """Where a resume would start, as a sentence (a save in flight commits before the close)."""
+    inflight = self.manager.inflight_step()
+    if inflight is not None:
+      return (f"A resume continues from step {inflight}, whose save is still being written (it"
+              " commits before the callback closes).")
+    latest = self.manager.latest_step()
+    if latest is None:
+      return "No step is committed yet: a resume starts from scratch."
+    return f"A resume continues from step {latest}, the last committed."
+
   def _save_exception(self, step: int, state: Any, error: BaseException) -> None:
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-      log.error("training failed at step %d; the last state's buffers were donated, so it"
-                " cannot be saved", step)
+    interrupted = isinstance(error, KeyboardInterrupt)
+    latest = self._resume_point()
+    hint = self._sigint_hint() if interrupted else ""
+    if state_items.kind(state) == "nnx":
+      log.warning("%s; not saving it: NNX objects are updated in place, so the live model and"
+                  " optimizer may already be ahead of step %d, the last step handed to"
+                  " on_step_end, and a save labelled %d could hold a later state. %s%s",
+                  _failure(step, error), step, step, latest, hint)
+    elif any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+      (log.warning if interrupted else log.error)(
+          "%s; the state of step %d cannot be saved: its buffers were donated to the next"
+          " step. %s%s", _failure(step, error), step, latest, hint)
     elif not self.manager.has_step(step) and self._every_process_failed(step):
-      log.error("training failed after step %d (%s: %s); saving that step", step,
-                type(error).__name__, error)
+      (log.warning if interrupted else log.error)("%s; saving that step.%s",
+                                                  _failure(step, error), hint)
       data_state = None  # no position known for this step: saved without one
       if self._data_after_last is not None and self._data_after_last[0] == step:
         data_state = self._data_after_last[1]
@@ -561,6 +572,13 @@ class CheckpointCallback(callbacks.Callback):
         scalars["checkpoint/expected_loss_s"] = e.expected_loss_s
       self.writer.write_scalars(e.step, scalars)
     self.writer.flush()
+
+
+def _failure(step: int, error: BaseException) -> str:
+  """What ended training, in words, for the log."""
+  if isinstance(error, KeyboardInterrupt):
+    return f"interrupted after step {step} (KeyboardInterrupt: Ctrl-C or SIGINT)"
+  return f"training failed after step {step} ({type(error).__name__}: {error})"
 
 
 def _says_global(iterator: Any) -> bool:

@@ -89,16 +89,18 @@ class CheckpointPolicy:
     save_on_preemption: on a preemption signal every process saves the same
       step, and the loop stops once it is committed.
     preemption_signals: the signals that mean preemption, by name or number
-      (e.g. add "SIGUSR1" for SLURM).
+      (e.g. add "SIGUSR1" for SLURM, "SIGINT" to make Ctrl-C save and stop).
     preemption_grace_seconds: abandon (never commit) a preemption save that
       cannot commit within this many seconds of the signal (0: no limit).
     save_on_exception: if the training step raises, save the last good state,
-      then re-raise.
+      then re-raise (not NNX objects, which change in place and may already
+      hold the failing step's update: a WARNING says so).
     directory: where checkpoints go ("": ``<workdir>/checkpoints``).
     init_from: a checkpoint to take params from when there is nothing to
       resume (fine-tuning): a checkpoint of any format ``restore`` reads, or
       a run's workdir or ``checkpoints/`` directory (its latest step); "":
-      off.
+      off. ``"<path>:<item>/<sub/tree>"`` names the item and subtree to take,
+      e.g. ``"/runs/gemma/checkpoints:model"``.
     max_host_bytes: budget for the host memory of one save or restore, in
       bytes (0: none); a larger async save stages in rounds (the caller waits
       for all but the last), a restore reads in rounds.

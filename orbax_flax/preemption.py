@@ -14,6 +14,9 @@ Two mechanisms, chosen automatically:
 
 A handler the user had installed for the signal is chained: it runs after
 ours, on the first signal (if it exits the process, no checkpoint is saved).
+Python's default SIGINT handler is not chained: with ``"SIGINT"`` among the
+signals, Ctrl-C saves and stops like a preemption instead of raising
+KeyboardInterrupt (a second Ctrl-C still ends the process at once).
 A second signal while the first is being handled restores the default action
 and re-sends the signal: the process dies at once. That is safe: a checkpoint
 is committed atomically, so a kill leaves no half-written step marked
@@ -89,7 +92,9 @@ class PreemptionWatcher:
     else:
       self._flag.set()
     previous = self._previous.get(signal.Signals(signum))
-    if callable(previous):  # a handler the user installed before: it runs too (chained)
+    # A handler the user installed before runs too (chained); Python's own SIGINT handler
+    # (raise KeyboardInterrupt) does not: SIGINT named as a preemption signal saves and stops.
+    if callable(previous) and previous is not signal.default_int_handler:
       previous(signum, frame)
 
   def reached(self, step: int) -> bool:

@@ -7,7 +7,9 @@ The target is a dict of items, each a pytree whose leaves say what to build:
   process reads only the chunks its own devices need, so any mesh, device
   count or process count works.
 * ``np.ndarray``: a host numpy array of that dtype.
-* a Python or numpy scalar, str or bytes: the saved value.
+* a Python or numpy scalar, str or bytes: the saved value. A Python scalar
+  (e.g. a ``TrainState``'s int ``step``) stays a Python scalar even when the
+  checkpoint holds a 0-d array (a step saved after a jitted update).
 
 A target dtype that differs from the saved one is converted with numpy's
 ``astype`` when that is exact (int8 -> float32); a conversion that loses
@@ -238,6 +240,7 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   bad_shardings: list[str] = []
   results: dict[str, tuple[Any, list[Any]]] = {}
   wants: list[tuple[_Want, str, int]] = []
+  as_python: set[tuple[str, int]] = set()  # Python scalar targets read from 0-d arrays
   whole: list[str] = []
   for item, subtree in target.items():
     saved_item = manifest["items"].get(item)
@@ -275,6 +278,8 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
         out[i] = want.value
       else:
         wants.append((want, item, i))
+        if type(leaf) in (bool, int, float, complex) and want.shape == () and not want.key_impl:
+          as_python.add((item, i))
     if not partial:
       for path_ in saved:
         if path_ not in seen:
@@ -295,7 +300,7 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     progress.phase = "reading"
   arrays = read_arrays(loc, manifest, [w for w, _, _ in wants], max_host_bytes, progress)
   for (_, item, i), value in zip(wants, arrays):
-    results[item][1][i] = value
+    results[item][1][i] = value.item() if (item, i) in as_python else value
   out = _restore_all(loc, manifest, whole, max_host_bytes, progress) if whole else {}
   out.update({item: jax.tree_util.tree_unflatten(treedef, leaves)
               for item, (treedef, leaves) in results.items()})

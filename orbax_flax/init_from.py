@@ -1,0 +1,182 @@
+"""``init_from``: which checkpoint, item and subtree a fine-tuning run starts from.
+
+``CheckpointPolicy.init_from`` is read when a run has nothing to resume. It
+names a checkpoint or a run (its latest step) in any format ``restore`` reads:
+ours (``<workdir>``, ``<workdir>/checkpoints``, ``.../checkpoints/<step>``), an
+orbax-checkpoint ``CheckpointManager`` directory or step or an item directory,
+or safetensors. ``"<checkpoint>:<item>/<sub/tree>"`` names the item to take and
+optionally the subtree inside it (keys joined by ``/``, as ``python -m
+orbax_flax show`` prints them), e.g. ``"/runs/gemma/checkpoints:model"`` for the
+Flax Gemma example's ``model`` item. Without a selector: our ``params`` item;
+for orbax-checkpoint, its only item, else ``default`` or ``state``, and that
+item's ``params`` subtree when it has one.
+
+A target that does not match raises ``TreeMismatchError`` listing every
+difference, the checkpoint's items with their top-level keys and example key
+paths of the chosen item, and the ``init_from`` to write.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from orbax_flax import _tree
+from orbax_flax import errors
+from orbax_flax import restoring
+from orbax_flax import step_dir
+from orbax_flax._location import Location
+
+
+def load(text: str, name: str, target: Any) -> tuple[Any, Location]:
+  """What ``init_from=text`` names, restored into ``target``; and the step it came from.
+
+  Args:
+    text: the policy's ``init_from``.
+    name: the part of the state the target is (``params``, or ``state`` for a
+      plain pytree), the item taken when ``text`` names none.
+    target: the restore target (shapes, dtypes, shardings of this run).
+
+  Raises:
+    CheckpointNotFoundError: nothing committed where ``text`` points.
+    TreeMismatchError: the named item or subtree is missing, or does not match
+      ``target``; the message lists what the checkpoint holds.
+  """
+  path, selector = split(text)
+  source = _checkpoint_in(path, text)
+  _, manifest = restoring.open_manifest(source)
+  if selector:
+    return _take(text, source, manifest, selector, target), source
+  if manifest.get("format", "orbax_flax") == "orbax-checkpoint":
+    return _from_orbax_checkpoint(text, source, manifest, name, target), source
+  return _take(text, source, manifest, name, target), source
+
+
+def split(text: str) -> tuple[str, str]:
+  """``init_from`` as (checkpoint, selector); the selector is "" when none is given.
+
+  ``"<checkpoint>:<item>/<sub/tree>"`` names the item of the checkpoint to take,
+  and optionally the subtree inside it (keys joined by ``/`` as ``python -m
+  orbax_flax show`` prints them). The selector follows the last ``:`` that
+  does not start a URL's ``//``; a local path that exists as written is never
+  split (a directory name may contain ``:``).
+
+  Example:
+    >>> split("/runs/gemma/checkpoints:model")
+    ('/runs/gemma/checkpoints', 'model')
+    >>> split("gs://bucket/run/checkpoints/1000:default/params")
+    ('gs://bucket/run/checkpoints/1000', 'default/params')
+    >>> split("gs://bucket/run")
+    ('gs://bucket/run', '')
+  """
+  head, sep, tail = text.rpartition(":")
+  if not sep or not head or not tail.strip("/") or tail.startswith("/") or os.path.exists(text):
+    return text, ""
+  return head, tail.strip("/")
+
+
+def _checkpoint_in(source: str, text: str) -> Location:
+  """``init_from``: a checkpoint (any format ``restore`` reads), or a run's step directory or
+  workdir (its latest step), ours or orbax-checkpoint's."""
+  from orbax_flax.formats import orbax_checkpoint  # pylint: disable=g-import-not-at-top
+  loc = Location.parse(source)
+  for candidate in (loc, loc.join("checkpoints")):
+    try:
+      restoring.open_manifest(candidate)
+      return candidate
+    except errors.CheckpointNotFoundError:
+      pass
+    ocp_steps = orbax_checkpoint.steps(candidate)
+    if ocp_steps:
+      return candidate.join(str(ocp_steps[-1]))
+    try:
+      steps, _ = step_dir.list_steps(candidate)
+    except NotADirectoryError:
+      break
+    if steps:
+      return candidate.join(str(steps[-1]))
+  raise errors.CheckpointNotFoundError(
+      f"init_from={text!r}: no committed checkpoint at {source}, nor a step directory (or a run"
+      " with a checkpoints/ directory) holding one; point it at a checkpoint such as"
+      " <workdir>/checkpoints/<step>, at the run's workdir, or at an orbax-checkpoint run"
+      " directory or step (add :<item>/<sub/tree> to name what to take from it).")
+
+
+def _holdings(manifest: dict[str, Any], item: str | None = None,
+              under: tuple[str, ...] = ()) -> str:
+  """What a checkpoint holds, for an error: its items and their top-level keys, and
+  example key paths of ``item``/``under``."""
+  def keys(leaves, prefix):
+    found = sorted({_tree.path_str((r["path"][len(prefix)],)) for r in leaves
+                    if len(r["path"]) > len(prefix) and tuple(r["path"][:len(prefix)]) == prefix})
+    return ", ".join(found[:8]) + (f", ... ({len(found)} keys)" if len(found) > 8 else "")
+  parts = []
+  for name, saved in sorted(manifest["items"].items()):
+    top = keys(saved["leaves"], ())
+    parts.append(f"{name} ({top})" if top else f"{name} (a value)")
+  text = "items " + "; ".join(parts)
+  if item in manifest["items"]:
+    paths = [r["path"] for r in manifest["items"][item]["leaves"]
+             if tuple(r["path"][:len(under)]) == under]
+    if paths:
+      shown = ", ".join(_tree.path_str(tuple(p)) for p in paths[:6])
+      text += f"; key paths in {item} include {shown}"
+  return text
+
+
+def _init_from_mismatch(text: str, source: Location, manifest: dict[str, Any], problem: str,
+                        item: str | None = None, under: tuple[str, ...] = (),
+                        diffs: list[str] | None = None) -> errors.TreeMismatchError:
+  example = next(iter(sorted(manifest["items"])), "<item>")
+  return errors.TreeMismatchError(
+      f"init_from={text!r}: {problem}.\n{source} holds {_holdings(manifest, item, under)}.\n"
+      f"Name the item and subtree that hold the model with"
+      f" init_from='<checkpoint>:<item>/<sub/tree>', e.g."
+      f" {split(text)[0] + ':' + example!r}.", diffs or [])
+
+
+def _take(text: str, source: Location, manifest: dict[str, Any], selector: str, target: Any) -> Any:
+  """``init_from`` with a selector: the named item's subtree, restored into ``target``."""
+  item, _, sub = selector.partition("/")
+  under = tuple(k for k in sub.split("/") if k)
+  names = sorted(manifest["items"])
+  if item not in manifest["items"]:
+    if manifest.get("any_item") and len(names) == 1:
+      item = names[0]  # one unnamed item (an orbax item directory, safetensors): any name reads it
+    else:
+      raise _init_from_mismatch(text, source, manifest, f"no item {item!r} in {source}")
+  leaves = manifest["items"][item]["leaves"]
+  if under and not any(tuple(r["path"][:len(under)]) == under for r in leaves):
+    raise _init_from_mismatch(text, source, manifest,
+                              f"item {item!r} has no subtree {_tree.path_str(under)!r}", item)
+  wanted = target
+  for k in reversed(under):
+    wanted = {k: wanted}
+  try:
+    out = restoring.restore(source, {item: wanted}, partial=True)[item]
+  except errors.TreeMismatchError as e:
+    raise _init_from_mismatch(text, source, manifest,
+                              f"this run's state does not match {'/'.join((item,) + under)} of"
+                              " the checkpoint:\n  " + "\n  ".join(e.differences), item, under,
+                              e.differences) from None
+  for k in under:
+    out = out[k]
+  return out
+
+
+def _from_orbax_checkpoint(text: str, source: Location, manifest: dict[str, Any], name: str,
+                           target: Any) -> Any:
+  """``init_from`` an orbax-checkpoint step: the params (or whole state) from its state item.
+
+  The item is the only one, else ``default`` or ``state``; the params are its
+  ``params`` subtree when it has one (a saved TrainState), else the item itself.
+  """
+  names = sorted(manifest["items"])
+  item = names[0] if len(names) == 1 else next((n for n in ("default", "state") if n in names), None)
+  if item is None:
+    raise _init_from_mismatch(text, source, manifest, f"an orbax-checkpoint step with items"
+                              f" {names}; none is 'default' or 'state', so the one holding the"
+                              " model is not known")
+  paths = [r["path"] for r in manifest["items"][item]["leaves"]]
+  nested = name == "params" and any(p and p[0] == "params" for p in paths)
+  return _take(text, source, manifest, f"{item}/params" if nested else item, target)
