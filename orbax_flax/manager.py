@@ -56,7 +56,7 @@ class SaveEvent:
   expected_loss_s: float | None = None  # work lost by a failure now, on average (interval / 2)
   blocking_items_s: float = 0.0  # building the items from the state (the caller's, e.g. the callback's)
   blocking_data_s: float = 0.0   # the data iterator's get_state() and the gather of positions
-  blocking_wait_s: float = 0.0   # waiting for the previous save to commit
+  blocking_wait_s: float = 0.0   # before the save began: the previous save still committing
   blocking_copy_s: float = 0.0   # the engine's blocking phase: plan and snapshot (a blocking save: all)
 
 
