@@ -107,17 +107,23 @@ def _libc() -> ctypes.CDLL | None:
   return libc
 
 
-def touch(address: int, nbytes: int) -> None:
+def touch(address: int, nbytes: int, populate: bool) -> None:
   """Faults in ``nbytes`` of anonymous memory at ``address``, without holding the GIL.
 
-  ``madvise(MADV_POPULATE_WRITE)`` where the kernel has it (the pages are
-  allocated and zeroed, not written twice); ``memset`` otherwise. Both run in
-  C through ctypes, which releases the GIL, so Python threads go on meanwhile.
+  ``populate``: ``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14), which
+  allocates the pages without writing them, so it may run while another
+  thread copies into them; else ``memset``, which writes zeros. Both run in C
+  through ctypes, which releases the GIL.
   """
-  libc = _libc()
-  if libc is not None and libc.madvise(address, nbytes, _MADV_POPULATE_WRITE) == 0:
+  if populate and _libc().madvise(address, nbytes, _MADV_POPULATE_WRITE) == 0:
     return
   ctypes.memset(address, 0, nbytes)
+
+
+def _can_populate(address: int) -> bool:
+  """True if the kernel faults pages in for ``madvise(MADV_POPULATE_WRITE)`` (tried on one page)."""
+  libc = _libc()
+  return libc is not None and libc.madvise(address, mmap.PAGESIZE, _MADV_POPULATE_WRITE) == 0
 
 
 def _lower_priority() -> None:
@@ -192,6 +198,7 @@ class Staging:
     self._prepared = 0
     self._preparer: threading.Thread | None = None
     self._stop = threading.Event()
+    self._zeroing = False  # the preparer writes zeros (no MADV_POPULATE_WRITE): always joined
 
   @property
   def nbytes(self) -> int:
@@ -202,13 +209,14 @@ class Staging:
     """What is held and prepared now (see :class:`Stats`)."""
     preparer = self._preparer
     return Stats(self.nbytes, self._prepared, self._mappings,
-                 preparer is not None and preparer.is_alive())
+                 preparer is not None and preparer.is_alive() and not self._stop.is_set())
 
   def _size_for(self, need: int) -> int:
     size = -(-need // _GRAIN) * _GRAIN
     return max(need, self._limit) if self._limit and size > self._limit else size
 
   def _map(self, need: int) -> None:
+    self._stop_preparing(wait=True)  # its thread holds the old mapping until it ends
     self._arena = None  # drop the old mapping first: never hold two
     self._arena = _mapping(self._size_for(need))
     self._mappings += 1
@@ -219,9 +227,13 @@ class Staging:
 
     For the first save of a process, called as soon as its size is known:
     the save then copies into touched memory, the same memory :meth:`arrays`
-    hands out. A low-priority daemon thread touches it in 8 MiB slices (the
-    GIL released), pausing after each as long as the slice took. An arena
-    already large enough is kept as it is.
+    hands out. A daemon thread touches it in 8 MiB slices (the GIL released),
+    pausing after each as long as the slice took, at the lowest priority (nice
+    19) where the kernel faults pages in without writing them: then a save
+    never waits for it (it may finish its slice while the save copies). Where
+    the kernel cannot (before Linux 5.14) it writes zeros, at normal priority,
+    and a save waits for its current slice (milliseconds). An arena already
+    large enough is kept as it is.
 
     Returns:
       The bytes being prepared: 0 if the arena held is large enough already,
@@ -234,36 +246,47 @@ class Staging:
       return 0
     self._map(need)
     self._stop = threading.Event()
-    self._preparer = threading.Thread(target=self._touch, args=(self._arena, self._stop),
+    self._zeroing = not _can_populate(self._arena.ctypes.data)
+    self._preparer = threading.Thread(target=self._touch,
+                                      args=(self._arena, self._stop, not self._zeroing),
                                       name="orbax_flax-prepare-staging", daemon=True)
     self._preparer.start()
     return self._arena.nbytes
 
-  def _touch(self, arena: np.ndarray, stop: threading.Event) -> None:
-    _lower_priority()
+  def _touch(self, arena: np.ndarray, stop: threading.Event, populate: bool) -> None:
+    if populate:  # it never writes: nothing has to wait for it, so it may wait for everyone
+      _lower_priority()
     address, n, done = arena.ctypes.data, arena.nbytes, 0
     while done < n and not stop.is_set():
       size = min(_TOUCH_SLICE, n - done)
       start = time.perf_counter()
-      touch(address + done, size)
+      touch(address + done, size, populate)
       done += size
-      self._prepared = done
+      if not stop.is_set():
+        self._prepared = done
       stop.wait((time.perf_counter() - start) * (1 / _TOUCH_DUTY - 1))
 
   def wait_prepared(self, timeout: float | None = None) -> bool:
-    """Waits for the background touching to end; True if none is running any more."""
+    """Waits for the background touching to end; True if none is pending any more."""
     preparer = self._preparer
-    if preparer is None:
+    if preparer is None or self._stop.is_set():
       return True
     preparer.join(timeout)
     return not preparer.is_alive()
 
-  def _stop_preparing(self) -> None:
-    """Stops the background touching (within one slice) before anything else uses the arena."""
-    preparer, self._preparer = self._preparer, None
-    if preparer is not None:
-      self._stop.set()
+  def _stop_preparing(self, wait: bool = False) -> None:
+    """Stops the background touching before anything else uses the arena.
+
+    Waits for its current slice only if it writes zeros, or if ``wait`` (the
+    arena is about to be dropped: its thread holds it until it ends).
+    """
+    preparer = self._preparer
+    if preparer is None:
+      return
+    self._stop.set()
+    if wait or self._zeroing:
       preparer.join()
+      self._preparer = None
 
   def arrays(self, specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
     """Uninitialised aligned arrays of (shape, dtype) inside the arena (grown if needed).
@@ -302,7 +325,11 @@ class Staging:
       f.result()
 
   def release(self) -> None:
-    """Hands the staging memory back to the OS (its arrays must be unused)."""
+    """Hands the staging memory back to the OS (its arrays must be unused).
+
+    A preparation still running is stopped; its thread lets go of the memory
+    at the end of its current slice.
+    """
     self._stop_preparing()
     self._arena = None
     self._prepared = 0
