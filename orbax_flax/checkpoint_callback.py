@@ -188,17 +188,18 @@ class CheckpointCallback(callbacks.Callback):
     to where the restored run stopped, and saved with every checkpoint.
     """
     self._check_open()
-    state = self._resume(state, data_iterator)
-    # The first save's staging memory, prepared in the background from now on.
-    self.manager.prepare(state_items.to_items(state))
-    return state
-
-  def _resume(self, state: Any, data_iterator: Any) -> Any:
     self._data = data_iterator if hasattr(data_iterator, "get_state") else None
     if data_iterator is not None and self._data is None:
       log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
                   " checkpointed, so a resumed run restarts it (grain iterators have both)",
                   type(data_iterator).__name__)
+
+    state = self._resume(state)
+    # The first save's staging memory, prepared in the background from now on.
+    self.manager.prepare(state_items.to_items(state))
+    return state
+
+  def _resume(self, state: Any) -> Any:
     steps = self.manager.all_steps()
     if self._local is not None:
       resumed = self._restore_local(state, steps[-1] if steps else None)
