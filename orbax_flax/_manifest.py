@@ -11,25 +11,39 @@ process and device count, custom metadata, bytes per item), then the JSON
 *body* (items). The summary's own hash lets a manager list thousands of steps
 by reading a few KB of each manifest; a flipped byte anywhere is detected, not
 parsed.
+
+An array of many chunks (thousands of hosts) stores its chunk owners compactly
+(``owners_z``: zlib-compressed little-endian uint32, base64), which makes the
+manifest format version 2; :func:`decode` turns them back into the ``owners``
+list, so readers see the same manifest either way. A manifest without such an
+array is written as version 1, readable by every orbax_flax.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import hashlib
 import json
+import math
 import re
+import zlib
 from typing import Any
 
 import jax
+import numpy as np
 
 from orbax_flax import errors
 
 MANIFEST_KEY = "_CHECKPOINT"
 FORMAT = "orbax_flax"
-VERSION = 1
+VERSION = 2                 # the newest format version, written only when needed (see encode)
+READS = (1, 2)              # the format versions this library reads
+COMPACT_OWNERS = 1024       # an array of this many chunks or more stores its owners compactly
+_MAX_OWNERS = 1 << 24       # chunks of one array a reader accepts (512 TB at 32 MiB a chunk)
 _MAGIC = b"orbax_flax checkpoint v1 "
-SUMMARY_READ_BYTES = 1 << 16  # enough for the header and a typical summary
+SUMMARY_READ_BYTES = 4 << 10  # enough for the header and a typical summary (else see summary_extent)
 
 
 def _sha(data: bytes) -> str:
@@ -40,14 +54,33 @@ def _dumps(obj: Any) -> bytes:
   return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def encode(manifest: dict[str, Any]) -> bytes:
-  """Serialises a manifest: header, summary line, body."""
+def encode(manifest: dict[str, Any], compact_owners: int = COMPACT_OWNERS) -> bytes:
+  """Serialises a manifest: header, summary line, body.
+
+  Owner lists of ``compact_owners`` chunks or more are stored as ``owners_z``
+  (format version 2); a manifest without any is version 1. The records of
+  ``manifest`` are not changed.
+  """
+  items, compacted = {}, False
+  for name, item in manifest["items"].items():
+    leaves = []
+    for rec in item["leaves"]:
+      owners = rec.get("owners") if isinstance(rec, dict) else None
+      if owners is not None and len(owners) >= compact_owners:
+        rec = {k: v for k, v in rec.items() if k != "owners"}
+        rec["owners_z"] = _pack_owners(owners)
+        compacted = True
+      leaves.append(rec)
+    items[name] = dict(item, leaves=leaves)
+  version = 2 if compacted else 1
   summary = {k: v for k, v in manifest.items() if k != "items"}
+  summary["version"] = version
   summary["item_bytes"] = {name: sum(r.get("nbytes", 0) for r in item["leaves"])
                            for name, item in manifest["items"].items()}
   summary_line = _dumps(summary)
-  body = _dumps({"format": FORMAT, "version": VERSION, "items": manifest["items"]})
-  header = _MAGIC + f"summary_sha256={_sha(summary_line)} sha256={_sha(body)}".encode()
+  body = _dumps({"format": FORMAT, "version": version, "items": items})
+  header = _MAGIC + (f"summary_sha256={_sha(summary_line)} sha256={_sha(body)}"
+                     f" summary_bytes={len(summary_line)}").encode()
   return header + b"\n" + summary_line + b"\n" + body
 
 
@@ -81,6 +114,23 @@ def decode_summary(data: bytes, where: str) -> dict[str, Any] | None:
   return json.loads(line)
 
 
+def summary_extent(data: bytes) -> int | None:
+  """How many leading bytes of a manifest hold its header and summary, if its header says so.
+
+  For a summary longer than :data:`SUMMARY_READ_BYTES`: the reader reads that
+  many bytes instead of the whole manifest. None for manifests written before
+  the header recorded it (or a header that is not ours: decoding tells why).
+  """
+  header, newline, _ = data.partition(b"\n")
+  if not newline or not header.startswith(_MAGIC):
+    return None
+  for field in header[len(_MAGIC):].split():
+    name, _, value = field.partition(b"=")
+    if name == b"summary_bytes" and value.isdigit():
+      return len(header) + 1 + int(value) + 1
+  return None
+
+
 def decode(data: bytes, where: str) -> dict[str, Any]:
   """Parses, verifies and validates a whole manifest; raises CheckpointCorruptedError."""
   fields, rest = _split_header(data, where)
@@ -97,15 +147,53 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
         f"{where}: format {parsed.get('format')!r}, not {FORMAT!r}; this is not an orbax_flax"
         " checkpoint.")
   version = parsed.get("version")
-  if version != VERSION:
-    newer = isinstance(version, int) and version > VERSION
+  if type(version) is not int or version not in READS:
+    newer = type(version) is int and version > VERSION
     raise errors.CheckpointFormatError(
         f"{where}: written in orbax_flax checkpoint format version {version!r}"
-        f"{' (by a newer orbax_flax)' if newer else ''}; this orbax_flax reads format version"
-        f" {VERSION}." + (" Upgrade orbax_flax to read it." if newer else ""))
+        f"{' (by a newer orbax_flax)' if newer else ''}; this orbax_flax reads format versions"
+        f" {', '.join(map(str, READS))}." + (" Upgrade orbax_flax to read it." if newer else ""))
   manifest["items"] = parsed["items"]
+  if version >= 2:
+    _expand_owners(manifest["items"], where)
   validate(manifest, where)
+  manifest["version"] = version
   return manifest
+
+
+def _pack_owners(owners: list[int]) -> str:
+  return base64.b64encode(zlib.compress(np.asarray(owners, "<u4").tobytes(), 1)).decode()
+
+
+def _expand_owners(items: Any, where: str) -> None:
+  """Replaces every ``owners_z`` by the ``owners`` list it encodes (checked by validate next)."""
+  def bad(problem: str):
+    raise errors.CheckpointCorruptedError(
+        f"{where}: {problem}; this manifest was not written by orbax_flax (damaged or crafted).")
+
+  if not isinstance(items, dict):
+    return  # validate says what is wrong
+  for name, item in items.items():
+    for rec in item.get("leaves", []) if isinstance(item, dict) else []:
+      if not isinstance(rec, dict) or "owners_z" not in rec:
+        continue
+      shape, chunk, text = rec.get("shape"), rec.get("chunk_shape"), rec.pop("owners_z")
+      if (not isinstance(shape, list) or not isinstance(chunk, list) or len(shape) != len(chunk)
+          or not all(type(d) is int and d >= 0 for d in shape)
+          or not all(type(c) is int and c >= 1 for c in chunk) or "owners" in rec):
+        bad(f"item {name!r}: compact owners for shape {shape!r}, chunk shape {chunk!r}")
+      count = math.prod(-(-s // c) for s, c in zip(shape, chunk))
+      if count > _MAX_OWNERS or not isinstance(text, str):
+        bad(f"item {name!r}: {count} chunk owners (at most {_MAX_OWNERS} read)")
+      try:
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(base64.b64decode(text, validate=True), count * 4 + 1)
+        complete = inflate.eof and not inflate.unconsumed_tail
+      except (binascii.Error, zlib.error, ValueError) as e:
+        bad(f"item {name!r}: compact owners do not decode ({e})")
+      if not complete or len(raw) != count * 4:
+        bad(f"item {name!r}: compact owners hold {len(raw) // 4} entries for {count} chunks")
+      rec["owners"] = np.frombuffer(raw, "<u4").tolist()
 
 
 ITEM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -172,8 +260,10 @@ def validate(manifest: dict[str, Any], where: str) -> None:
       for d in shape + list(rec.get("chunk_shape", [])):
         count(d, f"item {name!r}: a dimension")
       owners = rec.get("owners", [])
-      if not isinstance(owners, list) or any(count(o, "an owner") >= nproc for o in owners):
-        bad(f"item {name!r}: owners {owners!r} for {nproc} process(es)")
+      # In C (map, min, max): a manifest of 8,192 devices has millions of owners.
+      if not isinstance(owners, list) or (owners and (
+          not set(map(type, owners)) <= {int} or min(owners) < 0 or max(owners) >= nproc)):
+        bad(f"item {name!r}: owners {str(owners)[:200]} for {nproc} process(es)")
       if "packed_offset" in rec:
         count(rec["packed_offset"], f"item {name!r}: packed offset")
         if len(owners) != 1 or str(owners[0]) not in packed:

@@ -182,16 +182,7 @@ def make_plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
   except (TypeError, ValueError) as e:
     raise TypeError(f"custom_metadata must be a JSON-serialisable dict: {e}") from None
   me, nproc = _multihost.process_index(), _multihost.process_count()
-  flat = {item: jax.tree_util.tree_flatten(tree) for item, tree in items.items()}
-  key = (me, nproc, tuple((item, treedef, tuple(_signature(l) for l in leaves))
-                          for item, (leaves, treedef) in flat.items()))
-  template = _TEMPLATES.get(key)
-  if template is None:
-    template = _Template.build(items, me, nproc)
-    if template.cacheable(flat):
-      if len(_TEMPLATES) >= 16:
-        _TEMPLATES.pop(next(iter(_TEMPLATES)))
-      _TEMPLATES[key] = template
+  template, flat = _template(items, me, nproc)
   items_meta, pieces = template.bind({item: leaves for item, (leaves, _) in flat.items()})
   check_destination(loc, overwrite)
   manifest = {
@@ -202,6 +193,33 @@ def make_plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
       "custom": custom, "items": items_meta,
   }
   return Plan(loc, manifest, pieces, overwrite)
+
+
+def layout_pieces(items: Mapping[str, Any]) -> list[Piece]:
+  """This process's pieces of a save of ``items``: shapes and dtypes, no data bound.
+
+  For sizing the staging memory of a save before it is due. Reads no array
+  data and no storage; the layout is memoized, so the save's own planning
+  that follows is quick. The pieces are shared: do not change them.
+  """
+  check_items(items)
+  template, _ = _template(items, _multihost.process_index(), _multihost.process_count())
+  return template.pieces
+
+
+def _template(items: Mapping[str, Any], me: int, nproc: int) -> tuple[_Template, dict[str, Any]]:
+  """The (memoized) layout of ``items``, and the items flattened."""
+  flat = {item: jax.tree_util.tree_flatten(tree) for item, tree in items.items()}
+  key = (me, nproc, tuple((item, treedef, tuple(_signature(l) for l in leaves))
+                          for item, (leaves, treedef) in flat.items()))
+  template = _TEMPLATES.get(key)
+  if template is None:
+    template = _Template.build(items, me, nproc)
+    if template.cacheable(flat):
+      if len(_TEMPLATES) >= 16:
+        _TEMPLATES.pop(next(iter(_TEMPLATES)))
+      _TEMPLATES[key] = template
+  return template, flat
 
 
 def _signature(leaf: Any) -> tuple:

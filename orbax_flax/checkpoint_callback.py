@@ -92,7 +92,12 @@ class CheckpointCallback(callbacks.Callback):
     metadata: JSON-serialisable data recorded with every step (e.g. the
       config), also saved as the item ``meta``.
     writer: an optional clu ``MetricWriter`` that receives checkpoint timings
-      (``checkpoint/blocking_s``, ``checkpoint/total_s``, ``checkpoint/bytes``).
+      (``checkpoint/blocking_s``: the whole time ``on_step_end`` waited for
+      the save, and its parts ``checkpoint/blocking_items_s``,
+      ``checkpoint/blocking_data_s`` (the data iterator's ``get_state()``),
+      ``checkpoint/blocking_wait_s`` (the previous save still committing) and
+      ``checkpoint/blocking_copy_s`` (the snapshot); ``checkpoint/total_s``,
+      ``checkpoint/bytes``).
     clock: wall-time source for time-based policies (tests pass a fake).
   """
 
@@ -122,6 +127,7 @@ class CheckpointCallback(callbacks.Callback):
     self._last_metrics: Any = None   # of the last step seen: recorded by final and exception saves
     self._preempted_at: int | None = None
     self._closed = False
+    self._built: tuple[float, float, float] | None = None  # _items: (start, items_s, data_s)
 
   # ------------------------------------------------------------------ resume
 
@@ -152,6 +158,13 @@ class CheckpointCallback(callbacks.Callback):
       log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
                   " checkpointed, so a resumed run restarts it (grain iterators have both)",
                   type(data_iterator).__name__)
+
+    state = self._resume(state)
+    # The first save's staging memory, prepared in the background from now on.
+    self.manager.prepare(state_items.to_items(state))
+    return state
+
+  def _resume(self, state: Any) -> Any:
     steps = self.manager.all_steps()
     if self._local is not None:
       resumed = self._restore_local(state, steps[-1] if steps else None)
@@ -288,7 +301,9 @@ class CheckpointCallback(callbacks.Callback):
   # ------------------------------------------------------------------ saving
 
   def _items(self, step: int, state: Any, data_state: Any = _CURRENT) -> dict[str, Any]:
+    start = time.perf_counter()
     items = state_items.to_items(state)
+    data_start = time.perf_counter()
     if data_state is _CURRENT and self._data is not None:
       data_state = self._data.get_state()
     if data_state is not _CURRENT and data_state is not None:
@@ -297,17 +312,26 @@ class CheckpointCallback(callbacks.Callback):
       states = _multihost.all_gather(key, _encode(data_state))
       items[DATA_ITEM] = {"processes": [_decode(s) for s in states],
                           "global": _says_global(self._data)}
+    data_s = time.perf_counter() - data_start
     if self.metadata:
       items[META_ITEM] = {"json": json.dumps(self.metadata, sort_keys=True)}
+    self._built = (start, time.perf_counter() - start - data_s, data_s)
     return items
 
   def _save(self, step: int, state: Any, metrics: Any, reason: str | None,
-            data_state: Any = _CURRENT, items: dict[str, Any] | None = None) -> bool:
+            data_state: Any = _CURRENT, items: dict[str, Any] | None = None,
+            since: float | None = None) -> bool:
     items = self._items(step, state, data_state) if items is None else items
+    built, self._built = self._built, None
+    start, items_s, data_s = built or (time.perf_counter(), 0.0, 0.0)
+    # What the training thread waited for before the manager's part: since
+    # on_step_end began (or since the items were built).
+    before = {"items": items_s, "data": data_s,
+              "total": time.perf_counter() - (start if since is None else since)}
     for _ in range(2):  # a failure of the previous (background) save surfaces here first
       try:
         return self.manager.save(step, items, metrics=metrics, reason=reason,
-                                 custom_metadata=self.metadata)
+                                 custom_metadata=self.metadata, blocking_before=before)
       except errors.StorageError as e:
         self._save_failed(e)
     return False
@@ -332,6 +356,7 @@ class CheckpointCallback(callbacks.Callback):
 
   def on_step_end(self, step: int, state: Any, metrics: Any = None) -> bool:
     """Saves if due; returns True when preempted (saved, committed: stop now)."""
+    entered = time.perf_counter()
     if self._closed:
       self._check_open()
     if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
@@ -365,7 +390,7 @@ class CheckpointCallback(callbacks.Callback):
       if local_due:
         self._save_local(step, items)
       if reason is not None:
-        self._save(step, state, metrics, reason, items=items)
+        self._save(step, state, metrics, reason, items=items, since=entered)
     return False
 
   def _save_local(self, step: int, items: dict[str, Any]) -> None:
@@ -567,7 +592,11 @@ class CheckpointCallback(callbacks.Callback):
       return
     for e in events:
       scalars = {"checkpoint/blocking_s": e.blocking_s, "checkpoint/total_s": e.total_s,
-                 "checkpoint/bytes": float(e.nbytes)}
+                 "checkpoint/bytes": float(e.nbytes),
+                 "checkpoint/blocking_items_s": e.blocking_items_s,
+                 "checkpoint/blocking_data_s": e.blocking_data_s,
+                 "checkpoint/blocking_wait_s": e.blocking_wait_s,
+                 "checkpoint/blocking_copy_s": e.blocking_copy_s}
       if e.expected_loss_s is not None:
         scalars["checkpoint/expected_loss_s"] = e.expected_loss_s
       self.writer.write_scalars(e.step, scalars)

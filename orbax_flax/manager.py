@@ -42,13 +42,25 @@ log = logging.getLogger("orbax_flax")
 
 @dataclasses.dataclass(frozen=True)
 class SaveEvent:
-  """A committed save, for logs and metric writers."""
+  """A committed save, for logs and metric writers.
+
+  ``blocking_s`` is the whole time the caller's thread waited for the save
+  (with the training callback: inside ``on_step_end``, from its start); the
+  ``blocking_*_s`` fields are its main parts.
+  """
   step: int
   reason: str
   blocking_s: float
-  total_s: float
+  total_s: float                        # from the start of blocking_s to the commit
   nbytes: int
   expected_loss_s: float | None = None  # work lost by a failure now, on average (interval / 2)
+  blocking_items_s: float = 0.0  # building the items from the state (the caller's, e.g. the callback's)
+  blocking_data_s: float = 0.0   # the data iterator's get_state() and the gather of positions
+  blocking_wait_s: float = 0.0   # before the save began: the previous save still committing
+  blocking_copy_s: float = 0.0   # the engine's blocking phase: plan and snapshot (a blocking save: all)
+
+
+_BEFORE_KEYS = ("total", "items", "data")
 
 
 @dataclasses.dataclass
@@ -102,6 +114,7 @@ class CheckpointManager:
     self._last_step: int | None = None
     self._last_time = clock()
     self._first = True
+    self._prepared = False  # staging memory prepared (or a save made): see prepare()
     self._inflight: _InFlight | None = None
     self._error: BaseException | None = None
     self._lock = threading.Lock()
@@ -241,7 +254,8 @@ class CheckpointManager:
 
   def save(self, step: int, items: Mapping[str, Any], *, metrics: Mapping[str, Any] | None = None,
            force: bool = False, reason: str | None = None,
-           custom_metadata: Mapping[str, Any] | None = None) -> bool:
+           custom_metadata: Mapping[str, Any] | None = None,
+           blocking_before: Mapping[str, float] | None = None) -> bool:
     """Saves ``step`` if the policy says so (or ``force``); returns whether it started.
 
     With ``async_save`` the call returns once the state is on the host; the
@@ -256,14 +270,24 @@ class CheckpointManager:
       force: save even if the policy would not.
       reason: the reason to record ("final", "preemption", ...); implies force.
       custom_metadata: JSON-serialisable data recorded with the step.
+      blocking_before: seconds the caller's thread already spent on this save
+        before the call, counted in the blocking time reported
+        (:class:`SaveEvent`): ``"items"`` (building them), ``"data"`` (the
+        data iterator's state) and ``"total"`` (all of it; default: their
+        sum). The training callback passes them.
     """
+    entered = time.perf_counter()
     self._raise_error()
+    before = _blocking_before(blocking_before)
     step = _as_step(step)
     if reason is not None and reason not in policy_lib.REASONS:
       raise ValueError(f"reason must be one of {policy_lib.REASONS}, got {reason!r}")
     decided = reason or ("forced" if force else None) or self.should_save(step)
     if decided is None:
+      if not self._prepared:  # the first call that does not save: the memory of the first that will
+        self.prepare(items)
       return False
+    self._prepared = True
     with self._lock:
       exists = step in self._steps
       replaces_abandoned = step in self._abandoned
@@ -292,6 +316,7 @@ class CheckpointManager:
                  decided, step)
         return False
     self._finish_inflight()
+    wait_s = time.perf_counter() - entered
     now = self._clock()
     custom = {"step": step, "reason": decided, "time": now, "metrics": _scalars(metrics or {}),
               "mesh": _mesh_of(items), "user": dict(custom_metadata or {})}
@@ -316,11 +341,17 @@ class CheckpointManager:
     except BaseException:
       _set_writing(str(self._dir), step, False)
       raise
+    returned = time.perf_counter()
+    blocking = SaveEvent(step, decided, before["total"] + returned - entered, 0.0, 0,
+                         blocking_items_s=before["items"], blocking_data_s=before["data"],
+                         blocking_wait_s=wait_s,
+                         blocking_copy_s=handle.blocking_s if handle is not None else returned - start)
     info = policy_lib.StepInfo(step, now, custom["metrics"], decided)
     abandoned = threading.Event()
     new_run = self._rollback_to is not None
     thread = threading.Thread(target=self._after_save,
-                              args=(info, handle, start, abandoned, new_run),
+                              args=(info, handle, entered - before["total"], abandoned,
+                                    new_run, blocking),
                               name=f"orbax_flax-commit-{step}")
     self._inflight = _InFlight(step, handle, thread, abandoned)
     thread.start()
@@ -330,7 +361,10 @@ class CheckpointManager:
     return True
 
   def _after_save(self, info: policy_lib.StepInfo, handle: saving.AsyncSave | None,
-                  start: float, abandoned: threading.Event, new_run: bool = False) -> None:
+                  start: float, abandoned: threading.Event, new_run: bool,
+                  blocked: SaveEvent) -> None:
+    """Waits for the commit, records it (``blocked``: the blocking times, from save()),
+    and deletes what the keep rules drop; ``start``: when the caller's wait began."""
     step = info.step
     try:
       if handle is not None:
@@ -351,12 +385,14 @@ class CheckpointManager:
       if gone:
         log.info("rolled back: removing step(s) %s of the abandoned run now that step %d of"
                  " this run is committed", sorted(gone), step)
-      blocking = handle.blocking_s if handle is not None else time.perf_counter() - start
       total = time.perf_counter() - start
+      blocking = blocked.blocking_s
       nbytes = handle.nbytes if handle is not None else 0
-      log.info("checkpoint step %d (%s) committed to %s: blocking %.3f s, total %.3f s, %s"
-               " written by this process", step, info.reason, self.step_path(step), blocking,
-               total, metadata_lib.human_bytes(nbytes))
+      log.info("checkpoint step %d (%s) committed to %s: blocking %.3f s (items %.3f, data"
+               " iterator %.3f, previous save %.3f, snapshot %.3f), total %.3f s, %s written by"
+               " this process", step, info.reason, self.step_path(step), blocking,
+               blocked.blocking_items_s, blocked.blocking_data_s, blocked.blocking_wait_s,
+               blocked.blocking_copy_s, total, metadata_lib.human_bytes(nbytes))
       self._costs.add(blocking)
       now = self._clock()
       if self._auto is not None:
@@ -370,7 +406,8 @@ class CheckpointManager:
                  " saving every %.1f s; a failure loses %.1f s of work on average", self.save_cost(),
                  len(self._costs), self._auto.mtbf_seconds, interval, loss)
       with self._lock:
-        self._events.append(SaveEvent(step, info.reason, blocking, total, nbytes, loss))
+        self._events.append(dataclasses.replace(blocked, total_s=total, nbytes=nbytes,
+                                                expected_loss_s=loss))
       doomed = policy_lib.to_delete(self._keep_inputs(), self._rules) if not self._abandoned else []
       with self._lock:
         self._steps -= set(doomed)
@@ -385,6 +422,25 @@ class CheckpointManager:
         self._error = e
     finally:
       _set_writing(str(self._dir), step, False)
+
+  def prepare(self, items: Mapping[str, Any]) -> int:
+    """Prepares the staging memory of the first async save of ``items``, in the background.
+
+    So that the first save blocks like the later ones (see
+    :meth:`Checkpointer.prepare`). :meth:`save` does it by itself at its first
+    call that does not save; :class:`orbax_flax.CheckpointCallback` calls it
+    when it has the state, at ``restore_or_init``. Returns the bytes being
+    prepared (0: none, e.g. with ``async_save=False``).
+    """
+    self._prepared = True
+    if not self.policy.async_save:
+      return 0
+    return self._ckptr.prepare(items)
+
+  @property
+  def staging_bytes(self) -> int:
+    """Host memory held now for the snapshots of async saves (prepared or kept)."""
+    return self._ckptr.staging_bytes
 
   def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:
     """``items`` copied to host memory as this manager's async save would (see
@@ -650,6 +706,19 @@ def _set_writing(directory: str, step: int, on: bool) -> None:
 def _being_written(directory: str) -> set[int]:
   with _writing_lock:
     return set(_writing.get(directory, ()))
+
+
+def _blocking_before(before: Mapping[str, float] | None) -> dict[str, float]:
+  """``save(blocking_before=...)`` checked, with every key ("total" at least the parts)."""
+  out = {"items": 0.0, "data": 0.0}
+  for k, v in dict(before or {}).items():
+    if k not in _BEFORE_KEYS or isinstance(v, bool) or not isinstance(v, (int, float)) \
+        or not math.isfinite(v) or v < 0:
+      raise ValueError(f"blocking_before[{k!r}]={v!r}: keys must be {_BEFORE_KEYS} and values"
+                       " seconds >= 0, e.g. {'items': 0.01, 'data': 0.2}")
+    out[k] = float(v)
+  out["total"] = max(out.get("total", 0.0), out["items"] + out["data"])
+  return out
 
 
 def _info_from_summary(step: int, summary: Mapping[str, Any]) -> policy_lib.StepInfo:

@@ -140,7 +140,11 @@ def read_summary(loc: Location) -> dict[str, Any]:
   if data is None:
     raise _not_found(loc)
   summary = _manifest.decode_summary(data, where)
-  if summary is None:  # an unusually long summary: read it all
+  extent = _manifest.summary_extent(data) if summary is None else None
+  if extent is not None and extent > len(data):  # a long summary: read just that much
+    data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=extent)
+    summary = None if data is None else _manifest.decode_summary(data, where)
+  if summary is None:  # a long summary of a manifest that does not say its length: read it all
     summary = {k: v for k, v in read_manifest(loc).items() if k != "items"}
   return summary
 

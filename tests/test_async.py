@@ -195,3 +195,106 @@ def test_keep_staging_memory_false_releases_it_after_every_save(tmp_path):
   with ofx.Checkpointer(keep_staging_memory=False) as ckptr:
     ckptr.save_async(str(tmp_path / "x"), {"state": state}).wait()
     assert ckptr.staging_bytes == 0
+
+
+def test_prepare_touches_the_staging_memory_the_first_save_copies_into(tmp_path):
+  state = _state(32)
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  with ofx.Checkpointer() as ckptr:
+    n = ckptr.prepare({"state": state})
+    assert nbytes <= n <= nbytes + (2 << 20), (n, nbytes)
+    assert ckptr.staging_bytes == n  # mapped now: the budget and RSS see it at once
+    assert ckptr.wait_prepared(120)
+    assert ckptr.staging_stats() == (n, n, 1, False)  # held, all touched, one arena, done
+    ckptr.save_async(str(tmp_path / "c"), {"state": state}).wait()
+    assert ckptr.staging_stats().mappings == 1 and ckptr.staging_bytes == n  # reused, not remapped
+    assert ckptr.prepare({"state": state}) == 0  # held already
+  jax.tree.map(np.testing.assert_array_equal, ofx.restore(str(tmp_path / "c"))["state"],
+               jax.tree.map(np.asarray, state))
+
+
+def test_a_save_during_preparation_stops_it_and_copies_into_the_same_memory(tmp_path):
+  state = _state(64)
+  with ofx.Checkpointer() as ckptr:
+    n = ckptr.prepare({"state": state})
+    ckptr.save_async(str(tmp_path / "c"), {"state": state}).wait()  # at once: mid-preparation
+    stats = ckptr.staging_stats()
+    assert not stats.preparing and stats.mappings == 1 and stats.nbytes == n, stats
+  jax.tree.map(np.testing.assert_array_equal, ofx.restore(str(tmp_path / "c"))["state"],
+               jax.tree.map(np.asarray, state))
+
+
+def test_prepare_never_goes_over_max_host_bytes(tmp_path):
+  state = _state(32)  # 8 chunks of 4 MiB (shards of (2048, 512) float32)
+  with ofx.Checkpointer(max_host_bytes=8 << 20) as ckptr:
+    n = ckptr.prepare({"state": state})
+    assert 0 < n <= 8 << 20, n  # the largest staging round, not the state
+    assert ckptr.wait_prepared(120)
+    ckptr.save_async(str(tmp_path / "c"), {"state": state}).wait()
+    assert ckptr.staging_stats().mappings == 1 and ckptr.staging_bytes == n
+  with ofx.Checkpointer(max_host_bytes=1 << 20) as ckptr:  # below one chunk: nothing prepared
+    assert ckptr.prepare({"state": state}) == 0 and ckptr.staging_bytes == 0
+  with ofx.Checkpointer(keep_staging_memory=False) as ckptr:  # memory-tight: holds none early
+    assert ckptr.prepare({"state": state}) == 0 and ckptr.staging_bytes == 0
+  with ofx.Checkpointer(host_transfer="pinned_host") as ckptr:  # stages nothing
+    assert ckptr.prepare({"state": state}) == 0 and ckptr.staging_bytes == 0
+
+
+def test_the_callback_and_the_manager_prepare_before_their_first_save(tmp_path):
+  state = _state(32)
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  policy = ofx.CheckpointPolicy(save_interval_steps=5)
+  with ofx.CheckpointCallback(str(tmp_path / "cb"), policy) as ckpt:
+    state = ckpt.restore_or_init(state)
+    assert ckpt.manager.staging_bytes >= nbytes  # at restore_or_init, before any step
+  with ofx.CheckpointManager(str(tmp_path / "m"), policy) as mngr:
+    assert mngr.staging_bytes == 0
+    assert not mngr.save(1, {"state": state})  # not due: the first save's memory is prepared
+    assert mngr.staging_bytes >= nbytes
+  no_async = ofx.CheckpointPolicy(save_interval_steps=5, async_save=False)
+  with ofx.CheckpointManager(str(tmp_path / "s"), no_async) as mngr:
+    assert not mngr.save(1, {"state": state}) and mngr.staging_bytes == 0
+
+
+class _SlowStateIterator:
+  """A data iterator whose get_state() takes 0.2 s."""
+
+  def __init__(self):
+    self.i = 0
+
+  def __next__(self):
+    self.i += 1
+    return self.i
+
+  def get_state(self):
+    time.sleep(0.2)
+    return {"i": self.i}
+
+  def set_state(self, s):
+    self.i = s["i"]
+
+
+def test_reported_blocking_is_the_whole_wait_of_on_step_end(tmp_path):
+  from jobs import RecordingWriter  # pylint: disable=g-import-not-at-top
+  state = _state(8)
+  writer = RecordingWriter()
+  waited = {}
+  with ofx.CheckpointCallback(str(tmp_path), ofx.CheckpointPolicy(save_interval_steps=2),
+                              writer=writer) as ckpt:
+    it = _SlowStateIterator()
+    state = ckpt.restore_or_init(state, data_iterator=it)
+    for step in range(1, 6):
+      next(it)
+      start = time.perf_counter()
+      ckpt.on_step_end(step, state)
+      waited[step] = time.perf_counter() - start
+  events = {s: d for s, d in writer.scalars if "checkpoint/blocking_s" in d}
+  assert sorted(events) == [2, 4, 5], events
+  for step in (2, 4):
+    e = events[step]
+    # The whole of on_step_end, with the get_state() of the exception save's position too.
+    assert 0.4 <= e["checkpoint/blocking_s"] <= waited[step], (e, waited[step])
+    assert e["checkpoint/blocking_s"] >= waited[step] - 0.05, (e, waited[step])
+    assert e["checkpoint/blocking_data_s"] >= 0.2, e  # get_state() of the save's data item
+    parts = sum(e[f"checkpoint/blocking_{p}_s"] for p in ("items", "data", "wait", "copy"))
+    assert parts <= e["checkpoint/blocking_s"] <= e["checkpoint/total_s"], e

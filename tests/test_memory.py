@@ -17,10 +17,11 @@ MB = 1 << 20
 SLACK = 8 * MB  # Python objects, thread stacks, tensorstore's own bookkeeping
 
 
-def run(mode, directory, mb=256, budget_mb=0, src=""):
+def run(mode, directory, mb=256, budget_mb=0, src="", flags=()):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   r = subprocess.run([sys.executable, os.path.join(HERE, "memory_worker.py"), mode,
-                      f"--dir={directory}", f"--mb={mb}", f"--budget_mb={budget_mb}", f"--src={src}"],
+                      f"--dir={directory}", f"--mb={mb}", f"--budget_mb={budget_mb}", f"--src={src}",
+                      *flags],
                      capture_output=True, text=True, env=env, timeout=300, check=False)
   lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
   assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
@@ -80,3 +81,16 @@ def test_conversion_streams_array_by_array(saved):
   run("write_orbax", d)
   r = run("convert", d, src=os.path.join(d, "ckpt-orbax"))
   assert r["extra"] <= 2.5 * r["largest"] + 4 * SLACK, r  # tensorstore's read copy, then ours
+
+
+def test_prepared_first_save_copies_into_touched_memory_and_holds_one_copy(tmp_path):
+  """Checkpointer.prepare: the first save_async faults (almost) no page in, and the prepared
+  memory is the save's staging copy, not a second one (4 KiB pages, fresh process each)."""
+  cold = run("first_save", str(tmp_path / "cold"), mb=128)
+  warm = run("first_save", str(tmp_path / "warm"), mb=128, flags=["--prepare"])
+  pages = cold["state"] // 4096
+  assert cold["faults"] >= 0.9 * pages, cold  # unprepared: every staging page faulted in
+  assert warm["prepared"] >= warm["state"] and warm["prepared_in_time"], warm
+  assert warm["faults"] <= 0.02 * pages, (warm, cold)
+  assert warm["mappings"] == 1 and warm["staging"] == warm["prepared"], warm  # reused
+  assert warm["extra"] <= 1.02 * warm["state"] + SLACK, warm  # one staging copy in all
