@@ -17,6 +17,7 @@ from orbax_flax.config import CheckpointPolicy
 from orbax_flax.errors import CheckpointCorruptedError
 from orbax_flax.errors import CheckpointError
 from orbax_flax.errors import CheckpointExistsError
+from orbax_flax.errors import CheckpointFormatError
 from orbax_flax.errors import CheckpointNotFoundError
 from orbax_flax.errors import SaveCancelledError
 from orbax_flax.errors import StorageError
@@ -43,7 +44,7 @@ from orbax_flax.formats.safetensors_io import export_safetensors
 __all__ = [
     "ArrayMetadata", "AsyncSave", "Callback", "CheckpointCallback", "CheckpointCorruptedError",
     "CheckpointError", "CheckpointManager", "Checkpointer", "CheckpointPolicy", "LogProgress", "Trainer",
-    "CheckpointExistsError", "CheckpointMetadata", "CheckpointNotFoundError",
+    "CheckpointExistsError", "CheckpointFormatError", "CheckpointMetadata", "CheckpointNotFoundError",
     "ItemMetadata", "SaveCancelledError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
     "TensorBoardWriter", "abstract", "checkpoints_iterator", "convert", "export_safetensors", "metadata", "restore", "save",
     "save_async", "transforms", "verify",
