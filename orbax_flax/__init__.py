@@ -25,6 +25,7 @@ _EXPORTS = {
     "CheckpointCorruptedError": "orbax_flax.errors",
     "CheckpointError": "orbax_flax.errors",
     "CheckpointExistsError": "orbax_flax.errors",
+    "CheckpointFormatError": "orbax_flax.errors",
     "CheckpointNotFoundError": "orbax_flax.errors",
     "SaveCancelledError": "orbax_flax.errors",
     "StorageError": "orbax_flax.errors",
@@ -52,7 +53,7 @@ _EXPORTS = {
 __all__ = [
     "ArrayMetadata", "AsyncSave", "Callback", "CheckpointCallback", "CheckpointCorruptedError",
     "CheckpointError", "CheckpointManager", "Checkpointer", "CheckpointPolicy", "LogProgress", "Trainer",
-    "CheckpointExistsError", "CheckpointMetadata", "CheckpointNotFoundError",
+    "CheckpointExistsError", "CheckpointFormatError", "CheckpointMetadata", "CheckpointNotFoundError",
     "ItemMetadata", "SaveCancelledError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
     "TensorBoardWriter", "abstract", "checkpoints_iterator", "convert", "export_safetensors", "metadata", "restore", "save",
     "save_async", "transforms", "verify",

@@ -48,7 +48,7 @@ PACK_MAX_BYTES = 1 << 20      # arrays up to this size are packed
 PACK_CHUNK_BYTES = 4 << 20    # checksum granularity of a packed buffer
 PACK_PIECE_BYTES = 32 << 20   # a packed buffer is staged and written in pieces of at most this
 PACKED = "packed"             # name of the packed zarr3 array in each database
-_PACK_ALIGN = 16
+_PACK_ALIGN = _manifest.PACK_ALIGN  # the manifest's validation checks this layout
 _ITEM_NAME = _manifest.ITEM_NAME
 
 

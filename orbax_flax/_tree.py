@@ -75,6 +75,33 @@ def is_supported_dtype(dtype: np.dtype) -> bool:
   return dtype.kind in "biufc" or hasattr(ml_dtypes, dtype.name)
 
 
+# The most bytes an array's dimensions may span (zero dimensions counted as one):
+# numpy and jax index with signed 64-bit sizes.
+MAX_ARRAY_BYTES = 1 << 62
+
+
+def shape_problem(shape: Any, itemsize: int) -> str | None:
+  """What is wrong with a shape read from a file, or None: a list of ints >= 0 whose
+  extent (zero dimensions counted as one) times ``itemsize`` fits in ``MAX_ARRAY_BYTES``.
+
+  Example:
+    >>> shape_problem([2, 3], 4) is None, shape_problem([-1], 4), shape_problem([0, 2**61], 4)
+    (True, 'dimension -1 is negative', 'spans more than 2**62 bytes')
+  """
+  if not isinstance(shape, (list, tuple)):
+    return f"{shape!r} is not a list of dimensions"
+  extent = itemsize
+  for d in shape:
+    if isinstance(d, bool) or not isinstance(d, int):
+      return f"dimension {d!r} is not an integer"
+    if d < 0:
+      return f"dimension {d} is negative"
+    extent *= max(d, 1)
+    if extent > MAX_ARRAY_BYTES:
+      return "spans more than 2**62 bytes"
+  return None
+
+
 def leaf_kind(leaf: Any) -> str | None:
   """Classifies a leaf: "jax", "numpy", "value", or None if unsupported."""
   if isinstance(leaf, jax.Array):
@@ -231,6 +258,18 @@ class _Slot:
     self.i = i
 
 
+def _collision(name: Path, leaf: Path, inner: Path) -> errors.TreeMismatchError:
+  return errors.TreeMismatchError(
+      f"{path_str(name)} is both a leaf ({path_str(leaf)}) and a subtree (holding"
+      f" {path_str(inner)})", [path_str(leaf), path_str(inner)])
+
+
+def _first_leaf(node: dict[str, Any], paths: list[Path]) -> Path:
+  while not isinstance(node, _Slot):
+    node = next(iter(node.values()))
+  return paths[node.i]
+
+
 def structure_from_paths(paths: list[Path], sequences: frozenset[Path] = frozenset()
                          ) -> tuple[dict, list[int]]:
   """The structure of nested dicts (lists at ``sequences``) holding leaves at ``paths``.
@@ -245,15 +284,23 @@ def structure_from_paths(paths: list[Path], sequences: frozenset[Path] = frozens
   """
   root: dict[str, Any] = {}
   for i, path in enumerate(paths):
+    if not path:
+      if len(paths) != 1:
+        raise errors.TreeMismatchError(
+            f"the root is a leaf and also holds {len(paths) - 1} other leaves", ["<root>"])
+      return {"t": "leaf", "i": 0}, [0]
     node = root
-    for k in path[:-1]:
+    for d, k in enumerate(path[:-1]):
       child = node.setdefault(k, {})
       if isinstance(child, _Slot):
-        raise errors.TreeMismatchError(f"{path_str(path)}: {path_str(path[:len(path) - 1])} is"
-                                       " both a leaf and a subtree", [path_str(path)])
+        raise _collision(path[:d + 1], paths[child.i], path)
       node = child
-    if path:
-      node[path[-1]] = _Slot(i)
+    there = node.get(path[-1])
+    if isinstance(there, _Slot):
+      raise errors.TreeMismatchError(f"{path_str(path)} is named twice", [path_str(path)])
+    if there is not None:  # a subtree already: some earlier path goes through this one
+      raise _collision(path, path, _first_leaf(there, paths))
+    node[path[-1]] = _Slot(i)
 
   def build(node: Any, prefix: Path) -> Any:
     if isinstance(node, _Slot):

@@ -33,7 +33,23 @@ class CheckpointCorruptedError(CheckpointError, OSError):
 
 
 class CheckpointFormatError(CheckpointCorruptedError):
-  """The checkpoint was written in a format this version cannot read (e.g. a newer one)."""
+  """The checkpoint was written in a format this version cannot read (e.g. a newer one).
+
+  Also raised for a file that breaks its format's rules (a crafted or damaged
+  safetensors header, orbax-checkpoint metadata or manifest: an offset outside
+  the data, a negative dimension, a path leaving the checkpoint directory); the
+  message names the file, the field and the value.
+
+  Example:
+    >>> import orbax_flax as ofx, tempfile, os
+    >>> f = os.path.join(tempfile.mkdtemp(), "x.safetensors")
+    >>> _ = open(f, "wb").write(b"\\x02" + b"\\x00" * 7 + b"[]")
+    >>> try:
+    ...   ofx.restore(f)
+    ... except ofx.CheckpointFormatError as e:
+    ...   print(str(e).split(": ", 1)[1])
+    the header is a list ([]), not a JSON object
+  """
 
 
 class TreeMismatchError(CheckpointError, ValueError):

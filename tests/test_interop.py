@@ -1,8 +1,10 @@
 """Foreign formats: orbax-checkpoint and safetensors in, safetensors out, transforms, convert."""
 
+import contextlib
 import io
 import json
 import os
+import re
 
 import flax.linen as nn
 import jax
@@ -386,3 +388,106 @@ def test_orbax_checkpoint_leaves_in_the_legacy_aggregate_file(tmp_path):
   (path / "checkpoint").unlink()
   with pytest.raises(ofx.errors.CheckpointFormatError, match="aggregate file 'checkpoint'.*missing"):
     ofx.restore(str(path))
+
+
+def _doc_blocks(name):
+  text = open(os.path.join(jobs.ROOT, "docs", name)).read()
+  return re.findall(r"```python\n(.*?)```", text, re.S)
+
+
+def test_docs_interop_runs_end_to_end(tmp_path, monkeypatch):
+  """docs/hf_llama.md's blocks run in order, as a reader would paste them, and print what it says."""
+  monkeypatch.chdir(tmp_path)
+  blocks = _doc_blocks("hf_llama.md")
+  assert len(blocks) == 5
+  out = io.StringIO()
+  scope = {"__name__": "interop_doc"}
+  with contextlib.redirect_stdout(out):
+    for code in blocks:
+      exec(compile(code, "docs/hf_llama.md", "exec"), scope)  # pylint: disable=exec-used
+  assert out.getvalue().split("\n")[:2] == ["P(None, 'model')", "(1, 8, 64)"]
+
+
+class _Linear(nn.Module):
+  """A two-layer MLP named like a Hugging Face checkpoint's modules."""
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(16, use_bias=False, name="up_proj")(x))
+    return nn.Dense(8, use_bias=False, name="down_proj")(x)
+
+
+class _TinyHF(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for i in range(2):
+      x = x + _Linear(name=f"layers_{i}")(nn.RMSNorm(name=f"norm_{i}")(x))
+    return x
+
+
+def test_transpose_loads_torch_layout_weights_as_flax_kernels_shard_by_shard(tmp_path, monkeypatch):
+  """safetensors in torch layout ((out, in) weights) into a Flax model's (in, out) kernels on a
+  mesh: each device's box is read as the transposed region of the weight, not the whole."""
+  rng = np.random.default_rng(5)
+  hf = {}
+  for i in range(2):
+    hf[f"model.layers.{i}.mlp.up_proj.weight"] = rng.standard_normal((16, 8)).astype(np.float32)
+    hf[f"model.layers.{i}.mlp.down_proj.weight"] = rng.standard_normal((8, 16)).astype(np.float32)
+    hf[f"model.norm_{i}.weight"] = rng.standard_normal(8).astype(np.float32)
+  f = str(tmp_path / "model.safetensors")
+  save_file(hf, f, metadata={"format": "pt"})
+  model, x = _TinyHF(), jnp.ones((2, 8))
+  mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))
+  shapes = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+  sharding = lambda spec: NamedSharding(mesh, spec)  # noqa: E731
+  target = {f"layers_{i}": {"up_proj": {"kernel": jax.ShapeDtypeStruct((8, 16), np.float32,
+                                                                       sharding=sharding(P(None, "model")))},
+                            "down_proj": {"kernel": jax.ShapeDtypeStruct((16, 8), np.float32,
+                                                                         sharding=sharding(P("model")))}}
+            for i in range(2)}
+  target.update({f"norm_{i}": {"scale": jax.ShapeDtypeStruct((8,), np.float32, sharding=sharding(P()))}
+                 for i in range(2)})
+  assert jax.tree.map(lambda a: a.shape, target) == jax.tree.map(lambda a: a.shape, shapes)
+  from orbax_flax.formats import _cbytes
+  reads = []
+  original = _cbytes.pread_box
+
+  def counting(fd, base, shape, box, out):
+    reads.append((tuple(shape), tuple(box)))
+    return original(fd, base, shape, box, out)
+  monkeypatch.setattr(_cbytes, "pread_box", counting)
+  t = ofx.transforms
+  params = ofx.restore(f, {"params": target}, transforms=[
+      t.Rename(r"model/(.*)", r"\1"), t.Rename(r"layers/(\d+)/mlp/(.*)", r"layers_\1/\2"),
+      t.Rename(r"(norm_\d+)/weight", r"\1/scale"), t.Rename(r"(.*)/weight", r"\1/kernel"),
+      t.Transpose(r".*/kernel")])["params"]
+  monkeypatch.undo()
+  for i in range(2):
+    up, down = params[f"layers_{i}"]["up_proj"]["kernel"], params[f"layers_{i}"]["down_proj"]["kernel"]
+    assert up.sharding == target[f"layers_{i}"]["up_proj"]["kernel"].sharding
+    np.testing.assert_array_equal(np.asarray(up), hf[f"model.layers.{i}.mlp.up_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(down), hf[f"model.layers.{i}.mlp.down_proj.weight"].T)
+    for shard in up.addressable_shards:  # column block j of the kernel: rows j of the weight
+      np.testing.assert_array_equal(np.asarray(shard.data),
+                                    hf[f"model.layers.{i}.mlp.up_proj.weight"][shard.index[::-1]].T)
+  # Each of the 8 devices' column blocks of up_proj (8, 16) is read as 2 rows of the (16, 8)
+  # weight; each row block of down_proj (16, 8) as 2 columns of the (8, 16) weight.
+  up_reads = [b for s, b in reads if s == (16, 8)]
+  down_reads = [b for s, b in reads if s == (8, 16)]
+  assert len(up_reads) == len(down_reads) == 16
+  assert sorted(up_reads)[:2] == [((0, 2), (0, 8)), ((0, 2), (0, 8))]
+  assert sorted(down_reads)[:2] == [((0, 8), (0, 2)), ((0, 8), (0, 2))]
+  # The result runs in the model, and gives what the same weights transposed by hand (and
+  # placed alike) give.
+  by_hand = {f"layers_{i}": {"up_proj": {"kernel": hf[f"model.layers.{i}.mlp.up_proj.weight"].T},
+                             "down_proj": {"kernel": hf[f"model.layers.{i}.mlp.down_proj.weight"].T}}
+             for i in range(2)}
+  by_hand.update({f"norm_{i}": {"scale": hf[f"model.norm_{i}.weight"]} for i in range(2)})
+  by_hand = jax.device_put(by_hand, jax.tree.map(lambda a: a.sharding, target))
+  apply = jax.jit(model.apply)
+  np.testing.assert_array_equal(np.asarray(apply({"params": params}, x)),
+                                np.asarray(apply({"params": by_hand}, x)))
+  # A permutation that does not fit the array is named before anything is read.
+  with pytest.raises(ofx.TreeMismatchError, match=r"norm_0/weight: Transpose axes \(1, 0\) are not"
+                     r" a permutation of the 1 axes of shape \[8\]"):
+    ofx.restore(f, transforms=[t.Transpose(r"model/norm_0/weight", axes=(1, 0))])

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from orbax_flax import _tree
+from orbax_flax import errors
 from orbax_flax.formats import _read
 from orbax_flax.formats import safetensors_io as safetensors
 
@@ -71,6 +72,8 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
   reader = restoring.reader_for(loc, manifest)
   flat: dict[str, Any] = {}
   meta: dict[str, str] = {}
+  source: dict[str, str] = {}  # tensor name -> the leaf it is made from
+  clashes: list[str] = []
   several = len(manifest["items"]) > 1
   for item, saved in manifest["items"].items():
     for rec in saved["leaves"]:
@@ -79,12 +82,34 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
         value = _tree.decode_value(rec["value"])
         if isinstance(value, (str, bytes)):
           meta[name] = value if isinstance(value, str) else value.decode(errors="replace")
-        else:
-          flat[name] = np.asarray(value)
+          continue
+        value = np.asarray(value)
       else:
-        flat[name] = LazyArray(reader, item, rec, progress)
+        value = LazyArray(reader, item, rec, progress)
+      leaf = f"{item}/{_tree.path_str(tuple(rec['path']))}"
+      if name in source:
+        clashes.append(f"{source[name]} and {leaf} are both named {name!r}")
+      source[name] = leaf
+      flat[name] = value
+  _check_names(source, clashes, dst)
   with _progress.Monitor(progress):  # bytes, GB/s and ETA on a terminal; quiet in logs and CI
     names = safetensors.export_safetensors(dst, flat, dtype=dtype, max_shard_bytes=max_shard_bytes,
                                            name_fn=lambda p: p[0], metadata=meta,
                                            overwrite=overwrite)
   return f"wrote {dst} (safetensors, {len(flat)} tensors in {len(names)} file(s))"
+
+
+def _check_names(source: dict[str, str], clashes: list[str], dst: str) -> None:
+  """ValueError, before anything is written, when two leaves would share a tensor name, or
+  when one name is also a prefix of another (``a`` and ``a.b``: the file would not read
+  back as a tree)."""
+  if not clashes:
+    try:
+      _tree.structure_from_paths([tuple(n.split(".")) for n in source])
+    except errors.TreeMismatchError as e:
+      clashes.append(f"{e} (tensor names split at '.')")
+  if clashes:
+    raise ValueError(
+        f"cannot convert to safetensors at {dst}: tensor names are key paths joined by '.', and"
+        " here they collide:\n  " + "\n  ".join(clashes) + "\nRestore the checkpoint and write"
+        " it with ofx.export_safetensors(..., name_fn=...) to choose other names.")

@@ -25,9 +25,9 @@ opened (they are small and a target may want them as values).
 from __future__ import annotations
 
 import ast
-import json
+import math
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorstore as ts
@@ -36,6 +36,7 @@ from orbax_flax import _location
 from orbax_flax import _tree
 from orbax_flax import errors
 from orbax_flax._location import Location
+from orbax_flax.formats import _checks
 
 FORMAT = "orbax-checkpoint"
 DEFAULT_ITEM = "default"
@@ -43,7 +44,7 @@ _PYTREE_METADATA = "_METADATA"
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 _STRINGS = "_strings.json"
 _ARRAY_TYPES = ("jax.Array", "np.ndarray")
-_SEQUENCE = 1  # orbax's KeyType.SEQUENCE; 2 is DICT
+_SEQUENCE, _DICT = 1, 2  # orbax's KeyType
 _SLAB_BYTES = 16 << 20
 
 
@@ -51,10 +52,141 @@ def _read_json(loc: Location, key: str) -> Any | None:
   data = _location.read_key(loc, key)
   if data is None:
     return None
-  try:
-    return json.loads(data)
-  except ValueError as e:
-    raise errors.CheckpointFormatError(f"{loc}/{key} is not valid JSON ({e}); damaged?") from e
+  return _checks.load_json(data, f"{loc}/{key}")
+
+
+class _Leaf(NamedTuple):
+  keys: tuple[tuple[str, int], ...]  # (key, orbax key type) from the root
+  value_type: str
+  skip_deserialize: bool
+
+  @property
+  def path(self) -> list[str]:
+    return [k for k, _ in self.keys]
+
+
+def read_tree_metadata(loc: Location) -> tuple[list[_Leaf], bool, bool] | None:
+  """A pytree item's ``_METADATA``, checked in one pass; None if there is none.
+
+  Checked: the file is a JSON object whose ``tree_metadata`` is an object of
+  leaves; each leaf's keys (``key_metadata``: objects of a string or integer
+  ``key`` and a ``key_type`` of 1 or 2, or else the entry's own name, a Python
+  tuple literal) and its ``value_metadata`` (an object with a string
+  ``value_type``); ``use_ocdbt``/``use_zarr3`` are booleans; and the name an
+  array is stored under (its keys joined by ``.``) names an entry inside the
+  item (no ``/``, ``..``), so a crafted file cannot open another directory's
+  arrays. Anything else raises CheckpointFormatError naming the file, the leaf,
+  the field and the value.
+
+  Returns:
+    ``(leaves without the empty nodes, use_ocdbt, use_zarr3)``.
+  """
+  where = f"{loc}/{_PYTREE_METADATA}"
+  meta = _read_json(loc, _PYTREE_METADATA)
+  if meta is None:
+    return None
+  meta = _checks.json_object(meta, where)
+  tree_meta = meta.get("tree_metadata")
+  if not isinstance(tree_meta, dict):
+    raise errors.CheckpointFormatError(
+        f"{where}: tree_metadata is {_checks.short(tree_meta)}, not an object; written by an"
+        " orbax-checkpoint version this reader does not know, or damaged")
+  flags = []
+  for field, default in (("use_ocdbt", True), ("use_zarr3", False)):
+    flag = meta.get(field, default)
+    if not isinstance(flag, bool):
+      raise errors.CheckpointFormatError(f"{where}: {field} is {_checks.short(flag)}, not a"
+                                         " boolean")
+    flags.append(flag)
+
+  def bad(key_text: str, problem: str) -> errors.CheckpointFormatError:
+    return errors.CheckpointFormatError(f"{where}: leaf {_checks.short(key_text)}: {problem};"
+                                        " damaged or crafted")
+
+  leaves = []
+  for key_text, info in tree_meta.items():
+    if not isinstance(info, dict):
+      raise bad(key_text, f"is {_checks.kind(info)} ({_checks.short(info)}), not an object")
+    raw = info.get("key_metadata")
+    if raw:
+      if not isinstance(raw, list):
+        raise bad(key_text, f"key_metadata is {_checks.short(raw)}, not a list")
+      keys = []
+      for k in raw:
+        key = k.get("key") if isinstance(k, dict) else None
+        ktype = k.get("key_type", _DICT) if isinstance(k, dict) else None
+        if not (isinstance(key, str) or _checks.is_int(key)) or not _checks.is_int(ktype) or ktype not in (_SEQUENCE, _DICT):
+          raise bad(key_text, f"key_metadata entry {_checks.short(k)} is not {{'key': a string"
+                    " or integer, 'key_type': 1 or 2}")
+        keys.append((str(key), ktype))
+    else:
+      try:
+        parsed = ast.literal_eval(key_text)
+      except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        parsed = None
+      if not isinstance(parsed, tuple) or not all(
+          isinstance(k, str) or _checks.is_int(k) for k in parsed):
+        raise bad(key_text, "has no key_metadata, and its name is not a tuple of keys")
+      keys = [(str(k), _DICT) for k in parsed]
+    vm = info.get("value_metadata", {})
+    if not isinstance(vm, dict) or not isinstance(vm.get("value_type"), str):
+      raise bad(key_text, f"value_metadata is {_checks.short(vm)}, not an object with a string"
+                " value_type")
+    skip = vm.get("skip_deserialize", False)
+    if not isinstance(skip, bool):
+      raise bad(key_text, f"skip_deserialize is {_checks.short(skip)}, not a boolean")
+    if vm["value_type"] == "None":
+      continue  # an empty node (None, optax.EmptyState()): no leaf to read
+    leaf = _Leaf(tuple(keys), vm["value_type"], skip)
+    if not skip and leaf.value_type in _ARRAY_TYPES + ("scalar",):
+      _checks.plain_name(".".join(leaf.path), where, f"the array name of leaf {key_text!r}")
+    leaves.append(leaf)
+  return leaves, flags[0], flags[1]
+
+
+class _StepMetadata(NamedTuple):
+  handlers: dict[str, str] | None  # item name -> handler; None: not a step of named items
+  custom: dict[str, Any]
+  metrics: dict[str, Any]
+  time_ns: int
+
+
+def read_step_metadata(loc: Location) -> _StepMetadata:
+  """A step's ``_CHECKPOINT_METADATA``, checked in one pass (all empty if there is none).
+
+  Checked: the file is a JSON object; ``item_handlers`` is a handler name, or
+  an object of item names to handler names (or null) where every item name
+  names a directory inside the step (no ``/``, ``..``, absolute paths); the
+  custom metadata and metrics are objects; the timestamps are integers.
+  """
+  where = f"{loc}/{_STEP_METADATA}"
+  meta = _read_json(loc, _STEP_METADATA)
+  if meta is None:
+    return _StepMetadata(None, {}, {}, 0)
+  meta = _checks.json_object(meta, where)
+  handlers = meta.get("item_handlers")
+  if isinstance(handlers, dict):
+    for name, handler in handlers.items():
+      _checks.plain_name(name, where, "item name")
+      if handler is not None and not isinstance(handler, str):
+        raise errors.CheckpointFormatError(f"{where}: item {name!r} has handler"
+                                           f" {_checks.short(handler)}, not a name")
+  elif handlers is not None and not isinstance(handlers, str):
+    raise errors.CheckpointFormatError(f"{where}: item_handlers is {_checks.short(handlers)},"
+                                       " not an object of item names")
+  out = {}
+  for field in ("custom_metadata", "metrics"):
+    value = meta.get(field) or {}
+    if not isinstance(value, dict):
+      raise errors.CheckpointFormatError(f"{where}: {field} is {_checks.short(value)}, not an"
+                                         " object")
+    out[field] = value
+  t = meta.get("commit_timestamp_nsecs") or meta.get("init_timestamp_nsecs") or 0
+  if not _checks.is_int(t) or t < 0:
+    raise errors.CheckpointFormatError(f"{where}: timestamp {_checks.short(t)} is not an integer"
+                                       " of nanoseconds")
+  return _StepMetadata(handlers if isinstance(handlers, dict) else None, out["custom_metadata"],
+                       out["metrics"], t)
 
 
 def detect(loc: Location) -> bool:
@@ -83,6 +215,12 @@ class _Array:
     self.store, self.name = store, name
 
   def read(self, box: tuple[tuple[int, int], ...], out: np.ndarray) -> None:
+    try:
+      self._read(box, out)
+    except ValueError as e:  # tensorstore's errors: a damaged or missing chunk, a bad codec
+      raise errors.CheckpointCorruptedError(f"cannot read array {self.name!r}: {e}") from e
+
+  def _read(self, box: tuple[tuple[int, int], ...], out: np.ndarray) -> None:
     if not box:
       ts.array(out, copy=False, write=True).write(self.store).result()
       return
@@ -146,6 +284,10 @@ def _aggregate_leaf(loc: Location, aggregate: Any, path: list[str]) -> dict[str,
     else:
       raise errors.CheckpointFormatError(
           f"{loc}: leaf {'.'.join(path)} is marked as aggregated but is not in {_AGGREGATE!r}")
+  if isinstance(node, (np.ndarray, np.generic)) and not _tree.is_supported_dtype(node.dtype):
+    raise errors.CheckpointFormatError(
+        f"{loc}: aggregated leaf {'.'.join(path)} has dtype {node.dtype}, which orbax_flax cannot"
+        " read")
   if isinstance(node, np.ndarray) and node.ndim > 0:
     return {"kind": "array", "path": path, "shape": list(node.shape), "dtype": node.dtype.name,
             "nbytes": node.nbytes, "sharding": {"text": "aggregate file"},
@@ -160,95 +302,96 @@ def _aggregate_leaf(loc: Location, aggregate: Any, path: list[str]) -> dict[str,
 
 def open_item(loc: Location) -> dict[str, Any]:
   """Our manifest item (leaves and structure) for one orbax pytree or JSON item."""
-  meta = _read_json(loc, _PYTREE_METADATA)
-  if meta is None:
+  where = f"{loc}/{_PYTREE_METADATA}"
+  found = read_tree_metadata(loc)
+  if found is None:
     json_item = _read_json(loc, "metadata")
     if json_item is None:
       raise errors.CheckpointNotFoundError(f"{loc} is not an orbax-checkpoint item (no"
                                            f" {_PYTREE_METADATA})")
-    structure, leaves = _tree.encode_structure(json_item)
+    try:
+      structure, leaves = _tree.encode_structure(json_item)
+    except RecursionError:
+      raise errors.CheckpointFormatError(f"{loc}/metadata: nested too deeply") from None
     return {"structure": structure, "leaves": [
         {"kind": "value", "path": list(p), "value": _tree.encode_value(v), "nbytes": 0}
         for p, v in leaves]}
-  tree_meta = meta.get("tree_metadata")
-  if not isinstance(tree_meta, dict):
-    raise errors.CheckpointFormatError(f"{loc}/{_PYTREE_METADATA} has no tree_metadata; written"
-                                       " by an orbax-checkpoint version this reader does not know")
-  ocdbt = bool(meta.get("use_ocdbt", True))
-  zarr3 = bool(meta.get("use_zarr3", False))
+  entries, ocdbt, zarr3 = found
+  try:
+    sequences = frozenset(tuple(k for k, _ in e.keys[:d]) for e in entries
+                          for d, (_, t) in enumerate(e.keys) if t == _SEQUENCE)
+    structure, order = _tree.structure_from_paths([tuple(e.path) for e in entries], sequences)
+  except errors.TreeMismatchError as e:
+    raise errors.CheckpointFormatError(f"{where}: {e}") from None
   strings = None
-  entries = []
-  for key_text, info in tree_meta.items():
-    keys = tuple((str(k["key"]), int(k.get("key_type", 2))) for k in info.get("key_metadata", ()))
-    if not keys:
-      keys = tuple((str(k), 2) for k in ast.literal_eval(key_text))
-    vm = info.get("value_metadata", {})
-    if vm.get("value_type") == "None":
-      continue  # an empty node (None, optax.EmptyState()): no leaf to read
-    entries.append((keys, vm))
   context = _location.default_context()
   aggregate = None
   opening = []
   recs: list[dict[str, Any] | None] = [None] * len(entries)
-  for i, (keys, vm) in enumerate(entries):
-    path = [k for k, _ in keys]
-    name = ".".join(path)
-    vtype = vm.get("value_type")
-    if vm.get("skip_deserialize"):
+  for i, e in enumerate(entries):
+    path, name, vtype = e.path, ".".join(e.path), e.value_type
+    if e.skip_deserialize:
       # Kept in the msgpack aggregate file (``checkpoint``) of older orbax versions.
       if aggregate is None:
         aggregate = _read_aggregate(loc)
       recs[i] = _aggregate_leaf(loc, aggregate, path)
     elif vtype == "string":
       if strings is None:
-        strings = _read_json(loc, _STRINGS) or {}
-      if name not in strings:
-        raise errors.CheckpointFormatError(f"{loc}: string leaf {name!r} missing from {_STRINGS}")
-      recs[i] = {"kind": "value", "path": path, "value": _tree.encode_value(str(strings[name])),
+        strings = _checks.json_object(_read_json(loc, _STRINGS) or {}, f"{loc}/{_STRINGS}")
+      if not isinstance(strings.get(name), str):
+        raise errors.CheckpointFormatError(
+            f"{loc}/{_STRINGS}: string leaf {name!r} is {_checks.short(strings.get(name))}, not a"
+            " string")
+      recs[i] = {"kind": "value", "path": path, "value": _tree.encode_value(strings[name]),
                  "nbytes": 0}
     elif vtype in _ARRAY_TYPES or vtype == "scalar":
       opening.append((i, path, name, vtype, ts.open(_array_spec(loc, name, ocdbt, zarr3),
                                                     open=True, read=True, context=context)))
     else:
       raise errors.CheckpointFormatError(
-          f"{loc}: leaf {name!r} has value_type {vtype!r}, which orbax_flax cannot read (it reads"
+          f"{where}: leaf {name!r} has value_type {vtype!r}, which orbax_flax cannot read (it reads"
           f" {', '.join(_ARRAY_TYPES)}, scalars and strings)")
-  scalars = []
-  for i, path, name, vtype, fut in opening:
+
+  def opened(fut: Any, name: str) -> Any:
     try:
-      store = fut.result()
+      return fut.result()
     except Exception as e:  # tensorstore raises ValueError and friends  pylint: disable=broad-except
       raise errors.CheckpointCorruptedError(
-          f"{loc}: cannot open array {name!r} ({'zarr3' if zarr3 else 'zarr'}"
+          f"{loc}: cannot open or read array {name!r} ({'zarr3' if zarr3 else 'zarr'}"
           f"{' in OCDBT' if ocdbt else ''}): {e}") from e
+
+  scalars = []
+  for i, path, name, vtype, fut in opening:
+    store = opened(fut, name)
     dtype = np.dtype(store.dtype.numpy_dtype)
     shape = tuple(int(s) for s in store.shape)
+    if not _tree.is_supported_dtype(dtype):
+      raise errors.CheckpointFormatError(f"{loc}: array {name!r} has dtype {dtype}, which"
+                                         " orbax_flax cannot read")
     if vtype == "scalar":
-      scalars.append((i, path, store.read()))
+      if math.prod(shape) != 1:
+        raise errors.CheckpointFormatError(f"{where}: leaf {name!r} is a scalar, but its array"
+                                           f" has shape {list(shape)}")
+      scalars.append((i, path, name, store.read()))
       continue
     recs[i] = {"kind": "array", "path": path, "shape": list(shape), "dtype": dtype.name,
-               "nbytes": int(np.prod(shape, dtype=np.int64)) * dtype.itemsize,
+               "nbytes": math.prod(shape) * dtype.itemsize,
                "sharding": {"text": "zarr3" if zarr3 else "zarr"}, "source": _Array(store, name)}
-  for i, path, fut in scalars:
-    value = fut.result()
+  for i, path, name, fut in scalars:
+    value = opened(fut, name)
     recs[i] = {"kind": "value", "path": path, "value": _tree.encode_value(np.asarray(value).item()),
                "nbytes": 0}
-  sequences = frozenset(tuple(k for k, _ in keys[:d]) for keys, _ in entries
-                        for d, (_, t) in enumerate(keys) if t == _SEQUENCE)
-  structure, order = _tree.structure_from_paths([tuple(k for k, _ in keys) for keys, _ in entries],
-                                                sequences)
   return {"structure": structure, "leaves": [recs[i] for i in order],
           "layout": ("OCDBT, " if ocdbt else "") + ("zarr3" if zarr3 else "zarr")}
 
 
 def open_checkpoint(loc: Location) -> dict[str, Any]:
   """A manifest-like description of an orbax-checkpoint item or step directory."""
-  step_meta = _read_json(loc, _STEP_METADATA) or {}
+  step = read_step_metadata(loc)
   has_tree = _location.read_key(loc, _PYTREE_METADATA, max_bytes=1) is not None
-  handlers = step_meta.get("item_handlers")
   items: dict[str, Any] = {}
   skipped: dict[str, str] = {}
-  if has_tree or not isinstance(handlers, dict):
+  if has_tree or step.handlers is None:
     if has_tree:
       items[DEFAULT_ITEM] = open_item(loc)
     elif _location.read_key(loc.join(DEFAULT_ITEM), _PYTREE_METADATA, max_bytes=1) is not None:
@@ -260,21 +403,20 @@ def open_checkpoint(loc: Location) -> dict[str, Any]:
           " unfinished save?); pass the directory of one of its pytree items")
     any_item = True
   else:
-    for name, handler in sorted(handlers.items()):
+    for name, handler in sorted(step.handlers.items()):
       sub = loc.join(name)
       if "PyTree" in str(handler) or "Standard" in str(handler) or "Json" in str(handler):
         items[name] = open_item(sub)
       else:
         skipped[name] = str(handler)
     any_item = False
-  t = step_meta.get("commit_timestamp_nsecs") or step_meta.get("init_timestamp_nsecs") or 0
-  custom = dict(step_meta.get("custom_metadata") or {})
+  custom = dict(step.custom)
   if skipped:
     custom["items_not_read"] = skipped
   layouts = sorted({i.pop("layout") for i in items.values() if "layout" in i})
   return {
       "format": FORMAT, "any_item": any_item, "default_item": DEFAULT_ITEM, "items": items,
-      "created": t / 1e9, "process_count": 0, "device_count": 0,
+      "created": step.time_ns / 1e9, "process_count": 0, "device_count": 0,
       "library_version": "orbax-checkpoint" + (f" ({', '.join(layouts)})" if layouts else ""),
-      "custom": custom, "metrics": step_meta.get("metrics") or {},
+      "custom": custom, "metrics": step.metrics,
   }

@@ -28,11 +28,12 @@ The target directory must be on a file system every process can write.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import struct
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_dtypes
@@ -43,6 +44,7 @@ from orbax_flax import _multihost
 from orbax_flax import _tree
 from orbax_flax import errors
 from orbax_flax.formats import _cbytes
+from orbax_flax.formats import _checks
 
 FORMAT = "safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -77,19 +79,19 @@ def dtype_name(dtype: Any) -> str:
   return name
 
 
-def _files_of(path: str) -> list[str] | None:
-  """The safetensors files at ``path`` (a file, or a directory), or None if it is not one."""
+def _files_of(path: str) -> tuple[list[str], dict[str, str] | None] | None:
+  """The safetensors files at ``path`` (a file, or a directory) and the index's weight map
+  (None without an index), or None if it is not one."""
   if os.path.isfile(path):
-    return [path] if path.endswith(".safetensors") else None
+    return ([path], None) if path.endswith(".safetensors") else None
   if not os.path.isdir(path):
     return None
-  index = os.path.join(path, INDEX_NAME)
-  if os.path.isfile(index):
-    with open(index) as f:
-      weight_map = json.load(f).get("weight_map", {})
-    return [os.path.join(path, n) for n in dict.fromkeys(weight_map.values())]
-  names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-  return [os.path.join(path, n) for n in names] or None
+  if os.path.isfile(os.path.join(path, INDEX_NAME)):
+    weight_map = read_index(path)
+    return list(dict.fromkeys(weight_map.values())), weight_map
+  names = sorted(n for n in os.listdir(path)
+                 if n.endswith(".safetensors") and os.path.isfile(os.path.join(path, n)))
+  return ([os.path.join(path, n) for n in names], None) if names else None
 
 
 def detect(path: str) -> bool:
@@ -97,21 +99,123 @@ def detect(path: str) -> bool:
   return _files_of(path) is not None
 
 
-def read_header(file: str) -> tuple[dict[str, Any], int]:
-  """The JSON header of one file and the offset where its data starts."""
+def _read_prefix(file: str, limit: int) -> bytes:
   with open(file, "rb") as f:
+    data = f.read(limit + 1)
+  if len(data) > limit:
+    raise errors.CheckpointFormatError(f"{file}: larger than {limit} bytes; not an index")
+  return data
+
+
+def read_index(directory: str) -> dict[str, str]:
+  """``model.safetensors.index.json``'s weight map, tensor name -> shard path, checked.
+
+  Every shard must be a plain file name inside ``directory`` (see
+  :func:`orbax_flax.formats._checks.inside`): an index cannot make a reader
+  open a file elsewhere.
+  """
+  where = os.path.join(directory, INDEX_NAME)
+  index = _checks.json_object(_checks.load_json(_read_prefix(where, _MAX_HEADER), where), where)
+  weight_map = index.get("weight_map")
+  if not isinstance(weight_map, dict) or not weight_map:
+    raise errors.CheckpointFormatError(
+        f"{where}: weight_map is {_checks.short(weight_map)}, not an object naming each"
+        " tensor's file")
+  return {name: _checks.inside(directory, file, where, f"weight_map[{name!r}]")
+          for name, file in weight_map.items()}
+
+
+def read_header(file: str) -> tuple[dict[str, Any], int, int]:
+  """The JSON header of one file, the offset where its data starts, and the file's size."""
+  with open(file, "rb") as f:
+    size = os.fstat(f.fileno()).st_size
     head = f.read(8)
     if len(head) < 8:
-      raise errors.CheckpointFormatError(f"{file}: too short to be a safetensors file")
+      raise errors.CheckpointFormatError(f"{file}: {size} bytes, too short to be a safetensors"
+                                         " file")
     (n,) = struct.unpack("<Q", head)
-    if n > _MAX_HEADER:
-      raise errors.CheckpointFormatError(f"{file}: header length {n} is not plausible; not a"
-                                         " safetensors file, or damaged")
-    try:
-      header = json.loads(f.read(n))
-    except ValueError as e:
-      raise errors.CheckpointFormatError(f"{file}: header is not JSON ({e}); damaged?") from e
-  return header, 8 + n
+    if n > min(_MAX_HEADER, size - 8):
+      raise errors.CheckpointFormatError(
+          f"{file}: header length {n} (the first 8 bytes), in a file of {size} bytes; not a"
+          " safetensors file, or damaged")
+    header = _checks.load_json(f.read(n), f"{file}: header")
+  return header, 8 + n, size
+
+
+class _Entry(NamedTuple):
+  name: str
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  lo: int  # data_offsets, relative to the start of the data section
+  hi: int
+
+
+def read_tensors(file: str) -> tuple[list[_Entry], dict[str, str], int]:
+  """Every tensor of one file, all of its header checked in one pass.
+
+  Checked: the header is a JSON object of tensors (and an optional
+  ``__metadata__`` of strings); each tensor's name is a non-empty string, its
+  ``dtype`` one orbax_flax reads, its ``shape`` a list of integers >= 0 whose
+  size fits in memory, its ``data_offsets`` exactly two integers ``0 <= begin
+  <= end`` inside the data section whose length is the shape's bytes; and the
+  tensors tile the data section (no byte shared, none left over: the format's
+  rule, which the safetensors package enforces too). Anything else raises
+  CheckpointFormatError naming the file, the tensor, the field and its value.
+
+  Returns:
+    ``(tensors, metadata, data_start)``: the data section starts at byte
+    ``data_start`` of the file.
+  """
+  header, data_start, size = read_header(file)
+  header = _checks.json_object(header, file, "the header")
+  data_size = size - data_start
+
+  def bad(problem: str) -> errors.CheckpointFormatError:
+    return errors.CheckpointFormatError(f"{file}: {problem}; damaged or crafted (the data"
+                                        f" section has {data_size} bytes)")
+
+  metadata = header.pop("__metadata__", None)
+  metadata = {} if metadata is None else metadata
+  if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    raise bad(f"__metadata__ is {_checks.short(metadata)}, not an object of strings")
+  entries = []
+  for name, info in header.items():
+    if not name:
+      raise bad("a tensor has an empty name")
+    if not isinstance(info, dict):
+      raise bad(f"tensor {name!r} is {_checks.kind(info)} ({_checks.short(info)}), not an object"
+                " with dtype, shape and data_offsets")
+    dtype = _DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+    if dtype is None:
+      raise bad(f"tensor {name!r} has dtype {_checks.short(info.get('dtype'))}, which orbax_flax"
+                f" cannot read (it reads {', '.join(_DTYPES)})")
+    shape = info.get("shape")
+    problem = _tree.shape_problem(shape, dtype.itemsize)
+    if problem:
+      raise bad(f"tensor {name!r} has shape {_checks.short(shape)}: {problem}")
+    offsets = info.get("data_offsets")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+        or not all(_checks.is_int(x) for x in offsets)):
+      raise bad(f"tensor {name!r} has data_offsets {_checks.short(offsets)}, not two integers")
+    lo, hi = offsets
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not 0 <= lo <= hi <= data_size or hi - lo != nbytes:
+      raise bad(f"tensor {name!r} ({dtype}{list(shape)}, {nbytes} bytes) has data_offsets"
+                f" {offsets}, not {nbytes} bytes inside the data section")
+    entries.append(_Entry(name, dtype, tuple(shape), lo, hi))
+  # The tensors tile the data section, as the format requires ("no holes", so
+  # no byte is two tensors' or none's) and the safetensors package checks.
+  at, last = 0, None
+  for e in sorted(entries, key=lambda e: (e.lo, e.hi)):
+    if e.lo < at:
+      raise bad(f"tensors {last.name!r} (data_offsets [{last.lo}, {last.hi}]) and {e.name!r}"
+                f" ([{e.lo}, {e.hi}]) share bytes")
+    if e.lo > at:
+      raise bad(f"no tensor holds bytes [{at}, {e.lo}) of the data section (before {e.name!r})")
+    at, last = e.hi, e
+  if at != data_size:
+    raise bad(f"no tensor holds the last {data_size - at} bytes of the data section")
+  return entries, metadata, data_start
 
 
 class _File:
@@ -142,6 +246,8 @@ class _Tensor:
       _cbytes.pread_box(self.file.fd(), self.base, self.shape, box, out)
     except EOFError as e:
       raise errors.CheckpointCorruptedError(f"{self.file.path}: {e} (truncated?)") from e
+    except OSError as e:
+      raise errors.StorageError(f"{self.file.path}: cannot read: {e}") from e
 
   def describe(self) -> str:
     return os.path.basename(self.file.path)
@@ -154,41 +260,49 @@ def _name_to_path(name: str) -> list[str]:
 def open_checkpoint(path: str) -> dict[str, Any]:
   """A manifest-like description of a safetensors file or directory (headers only).
 
+  Every file is checked by :func:`read_tensors` (and the index by
+  :func:`read_index`) before anything is read; a tensor named in two files,
+  a tensor the index places in a file that lacks it, and names that make one
+  key path both a leaf and a subtree (``a`` and ``a.b``) raise
+  CheckpointFormatError.
+
   Returns:
     ``{"format", "items": {"params": {"leaves", "structure"}}, "any_item": True, ...}``
     in the shape of our own manifests, each array record carrying a ``source``
     that reads its boxes.
   """
-  files = _files_of(path)
-  if files is None:
+  found_files = _files_of(path)
+  if found_files is None:
     raise errors.CheckpointNotFoundError(f"no safetensors file at {path}")
+  files, weight_map = found_files
   leaves: list[dict[str, Any]] = []
   metadata: dict[str, Any] = {}
+  found: dict[str, str] = {}  # tensor name -> its file
   for file in files:
     if not os.path.isfile(file):
       raise errors.CheckpointNotFoundError(f"{file}, named by {INDEX_NAME}, does not exist")
-    header, base = read_header(file)
-    size = os.path.getsize(file)
+    entries, meta, base = read_tensors(file)
     handle = _File(file)
-    metadata.update(header.pop("__metadata__", None) or {})
-    for name, info in header.items():
-      dtype = _DTYPES.get(info.get("dtype"))
-      if dtype is None:
-        raise errors.CheckpointFormatError(
-            f"{file}: tensor {name!r} has dtype {info.get('dtype')!r}, which orbax_flax cannot"
-            f" read (it reads {', '.join(_DTYPES)})")
-      shape = tuple(int(s) for s in info["shape"])
-      lo, hi = (int(x) for x in info["data_offsets"])
-      nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-      if hi - lo != nbytes or base + hi > size:
-        raise errors.CheckpointCorruptedError(
-            f"{file}: tensor {name!r} ({dtype}{list(shape)}, {nbytes} bytes) has data_offsets"
-            f" [{lo}, {hi}] in a file of {size} bytes; the file is damaged or truncated")
-      leaves.append({"kind": "array", "path": _name_to_path(name), "name": name,
-                     "shape": list(shape), "dtype": dtype.name,
+    metadata.update(meta)
+    for e in entries:
+      if e.name in found:
+        raise errors.CheckpointFormatError(f"{path}: tensor {e.name!r} is in both {found[e.name]}"
+                                           f" and {file}")
+      found[e.name] = file
+      nbytes = e.hi - e.lo
+      leaves.append({"kind": "array", "path": _name_to_path(e.name), "name": e.name,
+                     "shape": list(e.shape), "dtype": e.dtype.name,
                      "nbytes": nbytes, "sharding": {"text": os.path.basename(file)},
-                     "source": _Tensor(handle, base + lo, shape, dtype)})
-  structure, order = _tree.structure_from_paths([tuple(r["path"]) for r in leaves])
+                     "source": _Tensor(handle, base + e.lo, e.shape, e.dtype)})
+  missing = [f"{n!r} (in {f})" for n, f in (weight_map or {}).items() if found.get(n) != f]
+  if missing:
+    raise errors.CheckpointFormatError(
+        f"{os.path.join(path, INDEX_NAME)}: weight_map places tensors in files whose headers do"
+        f" not hold them: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+  try:
+    structure, order = _tree.structure_from_paths([tuple(r["path"]) for r in leaves])
+  except errors.TreeMismatchError as e:
+    raise errors.CheckpointFormatError(f"{path}: tensor names (split at '.'): {e}") from None
   leaves = [leaves[i] for i in order]
   return {
       "format": FORMAT, "any_item": True, "default_item": DEFAULT_ITEM,

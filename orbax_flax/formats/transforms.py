@@ -18,10 +18,14 @@ are regular expressions matched against the whole path.
   layer number goes.
 * :class:`Cast` ``(pattern, dtype)``: convert the matching leaves to ``dtype``,
   even where that loses precision (asking is the opt-in).
+* :class:`Transpose` ``(pattern, axes=None)``: permute the axes of the
+  matching arrays (default: reverse them), e.g. a PyTorch/Hugging Face
+  ``Linear`` weight ``(out, in)`` into a Flax ``Dense`` kernel ``(in, out)``.
 
-Stacking, unstacking and casting read each source array's box straight into
-the result's buffer (a cast through a temporary of the box's size): no leaf is
-ever materialised whole when only a shard of it is needed.
+Stacking, unstacking, casting and transposing read each source array's box
+straight into the result's buffer (a cast or a transpose through a temporary
+of the box's size): no leaf is ever materialised whole when only a shard of it
+is needed.
 
 Example:
   >>> import numpy as np, orbax_flax as ofx, tempfile, os
@@ -211,6 +215,62 @@ class Unstack(Transform):
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Transpose(Transform):
+  """Permutes the axes of the matching saved arrays (default: reverses them).
+
+  A PyTorch/Hugging Face ``Linear`` weight is ``(out, in)``, a Flax ``Dense``
+  kernel ``(in, out)``: ``[Rename(r"(.*)/weight", r"\\1/kernel"),
+  Transpose(r".*/kernel")]`` turns one into the other. ``axes`` is a
+  permutation as for ``numpy.transpose``: axis ``j`` of the result is axis
+  ``axes[j]`` of the saved array.
+
+  The read stays sharded: a box of the result is read as the matching box of
+  the saved array (each process reads only the region its devices hold; a
+  column block of the kernel is a block of whole rows of the weight, a few long
+  runs of the file). What it costs: each box passes through a temporary buffer
+  of its own size and is copied once, transposed, into place.
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> ofx.save(path, {"m": {"up": {"weight": np.arange(6.0).reshape(2, 3)}}})
+    >>> t = ofx.transforms
+    >>> out = ofx.restore(path, {"m": {"up": {"kernel": np.zeros((3, 2))}}}, transforms=[
+    ...     t.Rename(r"(.*)/weight", r"\\1/kernel"), t.Transpose(r".*/kernel")])
+    >>> out["m"]["up"]["kernel"].tolist()
+    [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+  """
+  pattern: str
+  axes: tuple[int, ...] | None = None
+
+  def apply(self, item, recs):
+    out = []
+    for r in recs:
+      if not re.fullmatch(self.pattern, _text(r)):
+        out.append(r)
+        continue
+      _arrays_only([r], "Transpose")
+      shape = list(r["shape"])
+      n = len(shape)
+      axes = tuple(range(n - 1, -1, -1)) if self.axes is None else tuple(self.axes)
+      if (not all(isinstance(a, int) and -n <= a < n for a in axes)
+          or sorted(a % n for a in axes) != list(range(n))):
+        raise errors.TreeMismatchError(
+            f"{_text(r)}: Transpose axes {axes} are not a permutation of the {n} axes of"
+            f" shape {shape}", [_text(r)])
+      axes = tuple(a % n for a in axes)
+      if axes == tuple(range(n)):
+        out.append(r)
+        continue
+      saved = r.get("sharding", {}).get("text", "")
+      out.append({"kind": "array", "path": r["path"], "shape": [shape[a] for a in axes],
+                  "dtype": r["dtype"], "nbytes": r["nbytes"],
+                  "sharding": {"text": f"transposed {list(axes)} of {saved}"},
+                  "derived": _Transposed(item, r, axes)})
+    return out
+
+
 # Derived records: each expands a request for one box into requests on the records it comes from.
 Request = tuple[str, dict[str, Any], tuple[tuple[int, int], ...], np.ndarray]
 
@@ -250,6 +310,24 @@ class _Cast:
     return [(self.item, self.base, box, tmp)], finish
 
 
+@dataclasses.dataclass(frozen=True)
+class _Transposed:
+  item: str
+  base: dict[str, Any]
+  axes: tuple[int, ...]
+
+  def expand(self, box, out):
+    # Axis j of the result is axis axes[j] of the saved array.
+    src = [None] * len(self.axes)
+    for j, a in enumerate(self.axes):
+      src[a] = box[j]
+    tmp = np.empty(tuple(hi - lo for lo, hi in src), out.dtype)
+
+    def finish():
+      out[...] = tmp.transpose(self.axes)
+    return [(self.item, self.base, tuple(src), tmp)], finish
+
+
 def apply(manifest: dict[str, Any], transforms: Sequence[Transform]) -> dict[str, Any]:
   """``manifest`` with every item's leaves transformed (a new dict; the input is kept)."""
   if not transforms:
@@ -257,7 +335,7 @@ def apply(manifest: dict[str, Any], transforms: Sequence[Transform]) -> dict[str
   for t in transforms:
     if not isinstance(t, Transform):
       raise TypeError(f"transforms must be orbax_flax.transforms objects (Rename, Drop,"
-                      f" FromTarget, Stack, Unstack, Cast); got {t!r}")
+                      f" FromTarget, Stack, Unstack, Cast, Transpose); got {t!r}")
   items = {}
   for name, item in manifest["items"].items():
     recs = list(item["leaves"])
