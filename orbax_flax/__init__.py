@@ -32,6 +32,18 @@ _EXPORTS = {
     "TreeMismatchError": "orbax_flax.errors",
     "UnsupportedLeafError": "orbax_flax.errors",
     "CheckpointManager": "orbax_flax.manager",
+    "SaveEvent": "orbax_flax.manager",
+    # The pure policy pieces CheckpointPolicy is built from, to compose by hand.
+    "EveryNSteps": "orbax_flax.policy",
+    "EveryNSeconds": "orbax_flax.policy",
+    "OnSteps": "orbax_flax.policy",
+    "FirstStep": "orbax_flax.policy",
+    "any_of": "orbax_flax.policy",
+    "KeepLast": "orbax_flax.policy",
+    "KeepEvery": "orbax_flax.policy",
+    "KeepBest": "orbax_flax.policy",
+    "KeepOnePer": "orbax_flax.policy",
+    "to_delete": "orbax_flax.policy",
     "ArrayMetadata": "orbax_flax.describe",
     "CheckpointMetadata": "orbax_flax.describe",
     "ItemMetadata": "orbax_flax.describe",
@@ -57,6 +69,8 @@ __all__ = [
     "ItemMetadata", "SaveCancelledError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
     "TensorBoardWriter", "abstract", "checkpoints_iterator", "convert", "export_safetensors", "metadata", "restore", "save",
     "save_async", "transforms", "verify",
+    "SaveEvent", "EveryNSteps", "EveryNSeconds", "OnSteps", "FirstStep", "any_of", "KeepLast",
+    "KeepEvery", "KeepBest", "KeepOnePer", "to_delete",
     "__version__",
 ]
 

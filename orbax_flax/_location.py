@@ -217,8 +217,14 @@ def _local_cause(path: str, code: int | None) -> str | None:
   return None
 
 
-def _storage_error(loc: Location, what: str, e: BaseException) -> errors.StorageError:
-  """A storage failure as a StorageError naming the user's ``loc`` and the likely fix."""
+def storage_error(loc: Location, what: str, e: BaseException) -> errors.StorageError:
+  """A storage failure as a StorageError naming the user's ``loc`` and the likely fix.
+
+  Example:
+    >>> e = storage_error(Location.parse("/tmp/x"), "writing", OSError(28, "No space left on device"))
+    >>> type(e).__name__, "the store is full" in str(e)
+    ('StorageError', True)
+  """
   text = str(e)
   code = _os_errno(e)
   if ("No space left" in text or "ENOSPC" in text or code in (errno.ENOSPC, errno.EDQUOT)):
@@ -249,7 +255,7 @@ def open_kvstore(loc: Location, sub: str = "", context: ts.Context | None = None
   try:
     return ts.KvStore.open(loc.spec(sub), context=context or default_context()).result()
   except ValueError as e:
-    raise _storage_error(loc, "opening the store", e) from e
+    raise storage_error(loc, "opening the store", e) from e
 
 
 def read_key(loc: Location, key: str, context: ts.Context | None = None,
@@ -268,7 +274,7 @@ def read_key(loc: Location, key: str, context: ts.Context | None = None,
   except ValueError as e:
     if max_bytes is not None and "OUT_OF_RANGE" in str(e):
       return read_key(loc, key, context)  # shorter than max_bytes
-    raise _storage_error(loc, f"reading {key!r}", e) from e
+    raise storage_error(loc, f"reading {key!r}", e) from e
   return r.value if r.state == "value" else None
 
 
@@ -277,7 +283,7 @@ def write_key(loc: Location, key: str, data: bytes, context: ts.Context | None =
   try:
     open_kvstore(loc, "", context).write(key, data).result()
   except ValueError as e:
-    raise _storage_error(loc, f"writing {key!r}", e) from e
+    raise storage_error(loc, f"writing {key!r}", e) from e
 
 
 def delete_key(loc: Location, key: str, context: ts.Context | None = None) -> None:
@@ -288,12 +294,12 @@ def delete_key(loc: Location, key: str, context: ts.Context | None = None) -> No
     except FileNotFoundError:
       pass
     except OSError as e:
-      raise _storage_error(loc, f"deleting {key!r}", e) from e
+      raise storage_error(loc, f"deleting {key!r}", e) from e
     return
   try:
     open_kvstore(loc, "", context).write(key, None).result()
   except ValueError as e:
-    raise _storage_error(loc, f"deleting {key!r}", e) from e
+    raise storage_error(loc, f"deleting {key!r}", e) from e
 
 
 def list_keys(loc: Location, context: ts.Context | None = None) -> list[str]:
@@ -302,7 +308,7 @@ def list_keys(loc: Location, context: ts.Context | None = None) -> list[str]:
     store = open_kvstore(loc, "", context)
     return sorted(k.decode() for k in store.list().result())
   except ValueError as e:
-    raise _storage_error(loc, "listing", e) from e
+    raise storage_error(loc, "listing", e) from e
 
 
 def delete_prefix(loc: Location, sub: str, context: ts.Context | None = None) -> None:
@@ -314,7 +320,7 @@ def delete_prefix(loc: Location, sub: str, context: ts.Context | None = None) ->
     store = open_kvstore(loc, sub, context)
     store.delete_range(ts.KvStore.KeyRange()).result()
   except ValueError as e:
-    raise _storage_error(loc, f"deleting {sub!r}", e) from e
+    raise storage_error(loc, f"deleting {sub!r}", e) from e
 
 
 def write_local_durably(path: str, data: bytes) -> None:

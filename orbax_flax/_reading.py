@@ -165,7 +165,7 @@ class _Index:
         raise errors.CheckpointCorruptedError(
             f"checkpoint data is corrupted: the index of database {base} cannot be read: {e}."
             " Restore from another checkpoint.") from e
-      raise _location._storage_error(self.loc, f"reading the index of {db}", e) from e  # pylint: disable=protected-access
+      raise _location.storage_error(self.loc, f"reading the index of {db}", e) from e
     except (KeyError, TypeError, IndexError, AttributeError):
       return None  # an index layout this reader does not know: let tensorstore read
 
@@ -350,7 +350,7 @@ class Reader:
     except FileNotFoundError as e:
       raise self._corrupted(item, what, owner, f"data file {located.file} is missing") from e
     except OSError as e:
-      raise _location._storage_error(self.loc, f"reading {located.file}", e) from e  # pylint: disable=protected-access
+      raise _location.storage_error(self.loc, f"reading {located.file}", e) from e
     if got != located.length:
       raise self._corrupted(item, what, owner, f"data file {located.file} is shorter than its"
                             f" index says ({got} of {located.length} bytes at {located.offset}:"
@@ -589,4 +589,4 @@ def _packed_groups(packed: Sequence[PackedFill], manifest: dict[str, Any]):
 def _read_error(loc: Location, item: str, path: str, db: str, e: Exception) -> Exception:
   if _tsio.is_corruption(e):
     return _tsio.corrupted(item, path, loc, db, e)
-  return _location._storage_error(loc, f"reading {item}/{path}", e)  # pylint: disable=protected-access
+  return _location.storage_error(loc, f"reading {item}/{path}", e)

@@ -91,13 +91,13 @@ def _write(loc: Location, key: str) -> None:
       return
     except FileNotFoundError as e:
       if attempt == 4:
-        raise _location._storage_error(d, f"writing {key!r}", e) from e
+        raise _location.storage_error(d, f"writing {key!r}", e) from e
       try:
         os.makedirs(d.local_path, exist_ok=True)
       except OSError as e2:
-        raise _location._storage_error(d, f"creating {d}", e2) from e2
+        raise _location.storage_error(d, f"creating {d}", e2) from e2
     except OSError as e:
-      raise _location._storage_error(d, f"writing {key!r}", e) from e
+      raise _location.storage_error(d, f"writing {key!r}", e) from e
 
 
 def _fresh(loc: Location, key: str, now: float) -> bool:

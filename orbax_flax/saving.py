@@ -337,7 +337,7 @@ class SaveRun:
             os.makedirs(os.path.dirname(final.local_path), exist_ok=True)
             os.makedirs(_target(final, gen).local_path)
           except OSError as e:
-            raise _location._storage_error(final, "creating the checkpoint directory", e) from e  # pylint: disable=protected-access
+            raise _location.storage_error(final, "creating the checkpoint directory", e) from e
         _multihost.publish(f"{self.key}/gen", gen)
       except BaseException as e:
         _multihost.publish(f"{self.key}/gen", f"error: {e}")
@@ -401,7 +401,7 @@ class SaveRun:
       for w in self.writers.values():
         w.wait()
     except ValueError as e:
-      raise _location._storage_error(self.plan.loc, "writing array data", e) from e  # pylint: disable=protected-access
+      raise _location.storage_error(self.plan.loc, "writing array data", e) from e
     for batch in in_flight:
       self._done(batch)
       self.bytes_written += sum(p.nbytes for p in batch)
@@ -424,7 +424,7 @@ class SaveRun:
     try:
       self._sync_local()
     except OSError as e:
-      raise _location._storage_error(self.plan.loc, "syncing the written data to disk", e) from e  # pylint: disable=protected-access
+      raise _location.storage_error(self.plan.loc, "syncing the written data to disk", e) from e
 
   def _sync_local(self) -> None:
     for db in self.writers:
@@ -594,7 +594,7 @@ class SaveRun:
     except errors.CheckpointError:
       raise
     except OSError as e:
-      raise _location._storage_error(final, "committing the checkpoint", e) from e  # pylint: disable=protected-access
+      raise _location.storage_error(final, "committing the checkpoint", e) from e
 
 
 def _commit_local(plan: _planning.Plan, gen: str, target: Location, data: bytes) -> None:

@@ -36,11 +36,11 @@ def list_steps(loc: Location) -> tuple[list[int], list[Leftover]]:
       return [], []
     except NotADirectoryError as e:
       if not os.path.isfile(loc.local_path):  # a parent is a file
-        raise _location._storage_error(loc, "listing the steps", e) from e  # pylint: disable=protected-access
+        raise _location.storage_error(loc, "listing the steps", e) from e
       raise NotADirectoryError(f"{loc} is a file; checkpoint steps live in a directory: pass"
                                " the directory that holds (or will hold) the steps.") from None
     except OSError as e:
-      raise _location._storage_error(loc, "listing the steps", e) from e  # pylint: disable=protected-access
+      raise _location.storage_error(loc, "listing the steps", e) from e
     for name in names:
       if _is_step(name):
         steps.append(int(name))
@@ -88,7 +88,7 @@ def delete_step(loc: Location, step: int) -> None:
     except FileNotFoundError:
       return
     except OSError as e:
-      raise _location._storage_error(loc, f"deleting step {step}", e) from e  # pylint: disable=protected-access
+      raise _location.storage_error(loc, f"deleting step {step}", e) from e
     shutil.rmtree(os.path.join(loc.local_path, doomed), ignore_errors=True)
     return
   _location.delete_key(loc.join(name), _manifest.MANIFEST_KEY)
