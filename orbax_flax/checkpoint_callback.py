@@ -153,7 +153,8 @@ class CheckpointCallback(callbacks.Callback):
     self._local_schedule = None
     if self.policy.local_tier:
       from orbax_flax.tiers import local, schedule  # pylint: disable=g-import-not-at-top
-      self._local = local.LocalTier(self.policy.local_directory, replicas=self.policy.replicas,
+      self._local = local.LocalTier(self.policy.local_directory, run=self.manager.directory,
+                                    replicas=self.policy.replicas,
                                     max_to_keep=self.policy.local_max_to_keep,
                                     timeout_seconds=self.policy.coordination_timeout_seconds)
       self._local_schedule = schedule.LocalSchedule(self.policy.local_trigger(), clock=clock)
@@ -217,10 +218,11 @@ class CheckpointCallback(callbacks.Callback):
     if self._data is not None:
       target[DATA_ITEM] = None
     newer_than = None if persistent_latest is None else persistent_latest - 1
-    got = self._local.restore(target, newer_than=newer_than)
+    timeline = self.manager.timeline
+    got = self._local.restore(target, newer_than=newer_than, timeline=timeline)
     if got is None and self._data is not None:  # saved without a data position: try without
       target.pop(DATA_ITEM)
-      got = self._local.restore(target, newer_than=newer_than)
+      got = self._local.restore(target, newer_than=newer_than, timeline=timeline)
     if got is None:
       return None
     step, restored, where = got
@@ -405,7 +407,7 @@ class CheckpointCallback(callbacks.Callback):
   def _save_local(self, step: int, items: dict[str, Any]) -> None:
     """A local-tier save: this process's shards to its own disk and its replicas' (collective)."""
     try:
-      seconds = self._local.save(step, items)
+      seconds = self._local.save(step, items, timeline=self.manager.timeline)
       self._local_schedule.record(step, seconds)
       interval = self._local_schedule.interval_s()
       log.info("local checkpoint step %d committed in %.3f s (%s, %d replica(s))%s", step, seconds,

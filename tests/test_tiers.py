@@ -1,6 +1,7 @@
 """The local tier with real processes: own copies, peer replicas, agreement, fallbacks."""
 
 import os
+import pathlib
 import shutil
 
 import pytest
@@ -8,6 +9,7 @@ import pytest
 from orbax_flax.tiers import local
 
 import jobs
+import tier_worker
 
 
 def _run(mode, d, n=4, devices=2, extra=()):
@@ -41,6 +43,11 @@ def saved(tmp_path_factory):
   return d
 
 
+def proc_dir(d, p, run=tier_worker.RUN):
+  """Where process ``p`` keeps its local steps of ``run`` under the local directory ``d``."""
+  return os.path.join(d, local.run_dir(run), f"process_{p}")
+
+
 def _copy(saved, tmp_path):
   d = str(tmp_path / "local")
   shutil.copytree(saved, d)
@@ -55,7 +62,7 @@ def test_four_processes_save_and_restore_from_their_own_copies(saved, tmp_path):
 
 def test_a_replaced_host_gets_its_shards_from_the_peer_replica(saved, tmp_path):
   d = _copy(saved, tmp_path)
-  shutil.rmtree(os.path.join(d, "process_2"))  # a fresh host with an empty local disk
+  shutil.rmtree(proc_dir(d, 2))  # a fresh host with an empty local disk
   res = _run("restore", d)
   assert "RESTORED step 3 from the replica held by process 3" in res.outputs[2], res.outputs[2]
   assert all("RESTORED step 3 from its own local copy" in res.outputs[p] for p in (0, 1, 3))
@@ -64,7 +71,7 @@ def test_a_replaced_host_gets_its_shards_from_the_peer_replica(saved, tmp_path):
 def test_two_lost_disks_with_one_replica_fall_back(saved, tmp_path):
   d = _copy(saved, tmp_path)
   for p in (1, 2):  # 1's replica lived on 2
-    shutil.rmtree(os.path.join(d, f"process_{p}"))
+    shutil.rmtree(proc_dir(d, p))
   res = _run("restore", d)
   assert all("NO LOCAL STEP" in o for o in res.outputs), res.outputs
   assert "no step that every process can get" in res.outputs[0]
@@ -72,7 +79,7 @@ def test_two_lost_disks_with_one_replica_fall_back(saved, tmp_path):
 
 def test_a_damaged_own_copy_is_replaced_by_the_peer_replica(saved, tmp_path):
   d = _copy(saved, tmp_path)
-  blob = os.path.join(d, "process_1", "3", local.OWN)
+  blob = os.path.join(proc_dir(d, 1), "3", local.OWN)
   with open(blob, "r+b") as f:  # one flipped bit in the shard data, past the index
     f.seek(-1000, 2)
     b = f.read(1)
@@ -126,8 +133,10 @@ def test_tiered_run_preempted_then_a_replaced_host_resumes_from_local_and_the_re
   step = saved[0]
   for i in range(4):
     assert re.search(rf"\[{i}\] .*PREEMPTED at step {step}", out), i
-  assert sorted(os.listdir(local_dir)) == [f"process_{i}" for i in range(4)]
-  shutil.rmtree(local_dir / "process_2")  # host 2 comes back with an empty local disk
+  run = str(tmp_path / "checkpoints")
+  assert os.listdir(local_dir) == [local.run_dir(run)]
+  assert sorted(os.listdir(os.path.dirname(proc_dir(local_dir, 0, run)))) == [f"process_{i}" for i in range(4)]
+  shutil.rmtree(proc_dir(local_dir, 2, run))  # host 2 comes back with an empty local disk
   out = ex.run(tmp_path, step + 2, n=4, devices=2, extra=_tiered(local_dir))
   for i in (0, 1, 3):
     assert re.search(rf"\[{i}\] .*restored step {step} from the local tier .*process {i} read its"
@@ -148,7 +157,7 @@ def test_killed_job_with_a_replaced_host_resumes_from_local_and_the_peer_replica
   p.kill()
   p.communicate(timeout=60)
   assert not ofx_steps(tmp_path)
-  shutil.rmtree(local_dir / "process_2")  # host 2 comes back with an empty local disk
+  shutil.rmtree(proc_dir(local_dir, 2, str(tmp_path / "checkpoints")))  # an empty local disk
   out = ex.run(tmp_path, 12, n=4, devices=2, extra=_tiered(local_dir))
   steps = {int(s) for s in re.findall(r"restored step (\d+) from the local tier", out)}
   assert len(steps) == 1 and steps.pop() >= 6, out[-4000:]
@@ -239,12 +248,12 @@ def test_callback_local_auto_interval_uses_the_measured_local_save_time(tmp_path
     assert r["checkpoint/local_expected_loss_s"] == pytest.approx(interval / 2)
     if nxt is not None:  # the first step at least `interval` after this save
       assert nxt[0] - step == max(1, math.ceil(interval / 10.0 - 1e-9)), (step, nxt, interval)
-  held = local_tier_steps(tmp_path / "local")
+  held = local_tier_steps(tmp_path / "local", str(tmp_path / "run" / "checkpoints"))
   assert held == [local[-1][0]]  # local_max_to_keep=1: the newest
 
 
-def local_tier_steps(d):
-  p = d / "process_0"
+def local_tier_steps(d, run):
+  p = pathlib.Path(proc_dir(d, 0, run))
   return sorted(int(x) for x in os.listdir(p) if x.isdigit() and (p / x / "COMMITTED").exists())
 
 
@@ -314,3 +323,75 @@ def test_a_step_due_in_both_tiers_crosses_to_host_memory_once(tmp_path, monkeypa
   for name in ("w", "b"):
     for shard in bumped[name].addressable_shards:
       np.testing.assert_array_equal(np.asarray(shard.data), expected[name][shard.index] + 1)
+
+
+# ---------------------------------------------------------------- a local step belongs to a run
+
+def _policy(tmp_path, **kw):
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  base = dict(local_directory=str(tmp_path / "shm"), local_save_interval_steps=2,
+              save_interval_steps=1000, save_final_step=False, save_on_preemption=False,
+              save_on_exception=False)
+  base.update(kw)
+  return ofx.CheckpointPolicy(**base)
+
+
+def test_a_run_in_another_workdir_never_sees_nor_deletes_the_local_steps_of_another(tmp_path):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  pol = _policy(tmp_path)  # one local_directory for both runs, like /dev/shm/ckpt
+  a = ofx.CheckpointCallback(str(tmp_path / "a"), pol)
+  a.restore_or_init({"w": jnp.zeros(4), "step": 0})
+  for step in range(1, 11):
+    a.on_step_end(step, {"w": jnp.full(4, 7.0), "step": step})
+  a.close()
+  b = ofx.CheckpointCallback(str(tmp_path / "b"), pol)
+  got = b.restore_or_init({"w": jnp.zeros(4), "step": 0})
+  assert b.restored_step is None and float(got["w"][0]) == 0.0 and got["step"] == 0
+  for step in range(1, 5):  # B's saves and retention leave A's local step alone
+    b.on_step_end(step, {"w": jnp.full(4, -1.0), "step": step})
+  b.close()
+  again = ofx.CheckpointCallback(str(tmp_path / "a"), pol)
+  got = again.restore_or_init({"w": jnp.zeros(4), "step": 0})
+  again.close()
+  assert again.restored_step == 10 and float(got["w"][0]) == 7.0
+
+
+def test_after_a_rollback_a_resume_never_takes_the_abandoned_timeline_local_step(tmp_path, caplog):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  pol = _policy(tmp_path, save_interval_steps=4, max_to_keep=10, local_max_to_keep=3)
+  cb = ofx.CheckpointCallback(str(tmp_path / "run"), pol)
+  state = cb.restore_or_init({"w": jnp.zeros(2), "step": 0})
+  for step in range(1, 13):  # the old run: w = step; local steps 8, 10, 12 kept
+    state = {"w": jnp.full(2, float(step)), "step": step}
+    cb.on_step_end(step, state)
+  cb.manager.wait()
+  state = cb.manager.restore(4, {"state": state})["state"]  # a loss spike: roll back
+  for step in range(5, 8):  # the new run: w = -step; local step 6, no persistent save yet
+    state = {"w": jnp.full(2, -float(step)), "step": step}
+    cb.on_step_end(step, state)
+  cb.manager.wait()
+  # The job dies before this run's first persistent commit: the abandoned run's steps (12,
+  # local and persistent) are the latest durable state; the new run's local step 6 is not
+  # of the persistent latest step's timeline, so it is not taken either.
+  first = ofx.CheckpointCallback(str(tmp_path / "run"), pol)
+  with caplog.at_level("INFO", logger="orbax_flax"):
+    first.restore_or_init({"w": jnp.zeros(2), "step": 0})
+  assert first.restored_step == 12, first.restored_step
+  first.manager.close()
+  cb2 = ofx.CheckpointCallback(str(tmp_path / "run"), pol)
+  state = cb2.manager.restore(4, {"state": state})["state"]  # roll back again, and train on
+  for step in range(5, 10):  # persistent step 8 of the new run commits; local 6, 8 of it
+    state = {"w": jnp.full(2, -float(step)), "step": step}
+    cb2.on_step_end(step, state)
+  cb2.manager.wait()
+  caplog.clear()
+  again = ofx.CheckpointCallback(str(tmp_path / "run"), pol)
+  with caplog.at_level("INFO", logger="orbax_flax"):
+    got = again.restore_or_init({"w": jnp.zeros(2), "step": 0})
+  again.close()
+  assert again.restored_step == 8 and float(got["w"][0]) == -8.0, (again.restored_step, got)
+  # The old run's local step 12 is of the timeline the rollbacks abandoned.
+  assert "which a rollback abandoned" in caplog.text, caplog.text
+

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -41,6 +42,7 @@ import numpy as np
 
 from orbax_flax import _crc
 from orbax_flax import _layout
+from orbax_flax import _manifest
 from orbax_flax import _multihost
 from orbax_flax import _progress
 from orbax_flax import _staging
@@ -466,19 +468,65 @@ def plan_restore(holdings: list[Holdings], newer_than: int | None) -> RestorePla
   return None
 
 
+def run_dir(run: str) -> str:
+  """The subdirectory of the local directory that holds the steps of ``run``.
+
+  A digest of the run's persistent directory: two jobs that share a
+  ``local_directory`` (``/dev/shm/ckpt`` on one host) but save to different
+  places never see nor delete each other's local steps.
+
+  Example:
+    >>> run_dir("/tmp/exp1/checkpoints") != run_dir("/tmp/exp2/checkpoints")
+    True
+    >>> run_dir("/tmp/exp1/checkpoints")
+    'run-c948a8532e42830d'
+  """
+  return "run-" + hashlib.sha256(run.encode()).hexdigest()[:16]
+
+
+_RECORD_MAGIC = b"orbax_flax local step v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+  """What a local step's ``COMMITTED`` file records (sealed with a SHA-256)."""
+  step: int
+  run: str               # the persistent directory of the run that saved it
+  timeline: str          # the manager's timeline when it was saved (see CheckpointManager.timeline)
+  seq: int               # commit order in this directory: retention keeps the newest commits
+  process_count: int
+
+  def encode(self) -> bytes:
+    return _manifest.seal(_RECORD_MAGIC, json.dumps(dataclasses.asdict(self)).encode())
+
+  @classmethod
+  def decode(cls, data: bytes, where: str) -> "StepRecord":
+    body = _manifest.unseal(_RECORD_MAGIC, data, where)
+    try:
+      d = json.loads(body)
+      return cls(int(d["step"]), str(d["run"]), str(d["timeline"]), int(d["seq"]),
+                 int(d["process_count"]))
+    except (ValueError, KeyError, TypeError) as e:
+      raise errors.CheckpointCorruptedError(f"{where}: not a local step record ({e})") from None
+
+
 class LocalTier:
-  """Saves and restores this process's shards in ``directory/process_<i>``.
+  """Saves and restores this process's shards in ``directory/run-<digest>/process_<i>``.
 
   Args:
-    directory: a fast local directory (e.g. ``/dev/shm/ckpt``); each process
-      uses its own ``process_<i>`` below it.
+    directory: a fast local directory (e.g. ``/dev/shm/ckpt``), which jobs
+      may share: each run uses its own ``run-<digest>`` below it
+      (:func:`run_dir`), each process its own ``process_<i>`` below that.
+    run: what identifies the run, the persistent tier's directory (the
+      callback passes its manager's): a local step of another run is never
+      read, listed or deleted.
     replicas: how many other processes hold a copy of each process's shards
       (losing any ``replicas`` local directories loses no local step).
-    max_to_keep: committed local steps kept (the newest ones).
+    max_to_keep: committed local steps kept (the newest commits).
     timeout_seconds: how long a process waits for the others.
   """
 
-  def __init__(self, directory: str, *, replicas: int = 1, max_to_keep: int = 1,
+  def __init__(self, directory: str, *, run: str, replicas: int = 1, max_to_keep: int = 1,
                timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S):
     n = jax.process_count()
     if replicas < 0:
@@ -488,13 +536,13 @@ class LocalTier:
                        " can hold a copy; lower replicas")
     if max_to_keep < 1:
       raise ValueError(f"local_max_to_keep={max_to_keep}: keep at least 1 local step")
-    self.root = os.path.join(directory, f"process_{jax.process_index()}")
+    self.run = run
+    self.root = os.path.join(directory, run_dir(run), f"process_{jax.process_index()}")
     self.replicas = replicas if n > 1 else 0
     self.max_to_keep = max_to_keep
     self.timeout = timeout_seconds
     self._key = _multihost.namespace("local_tier")
     self._calls = 0
-    os.makedirs(self.root, exist_ok=True)
 
   def _next_key(self, what: str) -> str:
     """A coordination key unique to this call: every process makes the same calls in order."""
@@ -504,8 +552,8 @@ class LocalTier:
   def _dir(self, step: int) -> str:
     return os.path.join(self.root, str(step))
 
-  def save(self, step: int, items: Mapping[str, Any]) -> float:
-    """Saves ``step`` to the local tier on every process; returns the seconds it took.
+  def save(self, step: int, items: Mapping[str, Any], *, timeline: str = "") -> float:
+    """Saves ``step`` of ``timeline`` to the local tier on every process; returns the seconds.
 
     Collective: every process calls it with the same step. Raises if any
     process failed (then nobody marks the step committed).
@@ -543,46 +591,69 @@ class LocalTier:
       shutil.rmtree(tmp, ignore_errors=True)
       raise errors.StorageError(f"local save of step {step} failed; it does not count:\n  "
                                 + "\n  ".join(failed))
-    _write(os.path.join(self._dir(step), COMMITTED), b"1")
+    records, _ = self._records()
+    seq = 1 + max((r.seq for r in records.values()), default=0)
+    _write(os.path.join(self._dir(step), COMMITTED),
+           StepRecord(step, self.run, timeline, seq, n).encode())
     self._prune()
     return time.perf_counter() - start
 
+  def _records(self) -> tuple[dict[int, StepRecord], list[str]]:
+    """The committed steps here (this run's, by their records), and the damaged ones, why."""
+    out, damaged = {}, []
+    for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
+      path = os.path.join(self.root, name, COMMITTED)
+      if not name.isdigit() or not os.path.exists(path):
+        continue
+      try:
+        with open(path, "rb") as f:
+          record = StepRecord.decode(f.read(1 << 16), path)
+      except (OSError, errors.CheckpointCorruptedError) as e:
+        damaged.append(f"step {name}: {e}")
+        continue
+      if record.run != self.run or record.step != int(name):
+        damaged.append(f"step {name}: its record names run {record.run!r} step {record.step}")
+        continue
+      out[record.step] = record
+    return out, damaged
+
   def _prune(self) -> None:
-    steps = self.holdings().own
-    for old in steps[:-self.max_to_keep]:
-      shutil.rmtree(self._dir(old), ignore_errors=True)
+    """Keeps the ``max_to_keep`` newest commits (not the highest step numbers: after a
+    rollback the new timeline's steps are the lower ones) and removes everything else."""
+    records, _ = self._records()
+    keep = {r.step for r in sorted(records.values(), key=lambda r: r.seq)[-self.max_to_keep:]}
     for name in os.listdir(self.root):
-      if _TMP in name:
+      if (name.isdigit() and int(name) not in keep) or _TMP in name:
         shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
-  def holdings(self) -> Holdings:
-    """Committed local steps here, and the peers' replicas held here."""
+  def holdings(self, timeline: str | None = None) -> Holdings:
+    """Committed local steps here (of ``timeline``, if given), and the peers' replicas held
+    here; the steps left out, and why, are logged."""
     own, replicas = [], {}
     n = jax.process_count()
-    for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
-      d = os.path.join(self.root, name)
-      if not name.isdigit() or not os.path.exists(os.path.join(d, COMMITTED)):
+    records, ignored = self._records()
+    for step, record in sorted(records.items()):
+      if timeline is not None and record.timeline != timeline:
+        ignored.append(f"step {step}: of timeline {record.timeline or '(the first)'!r}, which"
+                       f" a rollback abandoned; this run continues timeline"
+                       f" {timeline or '(the first)'!r}")
         continue
-      step = int(name)
+      d = self._dir(step)
       if os.path.exists(os.path.join(d, OWN)):
         own.append(step)
       for f in os.listdir(d):
-        if f.startswith("replica-") and f.endswith(".blob"):
+        if f.startswith("replica-") and f.endswith(".blob") and f[8:-5].isdigit():
           replicas.setdefault(int(f[len("replica-"):-len(".blob")]), []).append(step)
-    layout_n = self._saved_process_count(own)
+    if ignored:
+      _progress.say("local tier (%s): ignoring %s", self.root, "; ".join(ignored))
+    counts = [records[s].process_count for s in own]
     return Holdings(sorted(own), {k: sorted(v) for k, v in replicas.items()},
-                    layout_n if layout_n is not None else n)
+                    counts[-1] if counts else n)
 
-  def _saved_process_count(self, own: list[int]) -> int | None:
-    if not own:
-      return None
-    with open(os.path.join(self._dir(max(own)), OWN), "rb") as f:
-      (n,) = struct.unpack("<Q", f.read(8))
-      return json.loads(f.read(n))["process_count"]
-
-  def restore(self, target: Mapping[str, Any], newer_than: int | None = None
-              ) -> tuple[int, dict[str, Any], str] | None:
-    """The newest local step every process can assemble, if newer than ``newer_than``.
+  def restore(self, target: Mapping[str, Any], newer_than: int | None = None, *,
+              timeline: str | None = None) -> tuple[int, dict[str, Any], str] | None:
+    """The newest local step of ``timeline`` every process can assemble, if newer than
+    ``newer_than``.
 
     Collective. Returns ``(step, items, source)`` (``source`` says where this
     process's shards came from), or None when the local tier has nothing newer
@@ -590,7 +661,7 @@ class LocalTier:
     """
     n = jax.process_count()
     key = self._next_key("restore")
-    mine = self.holdings()
+    mine = self.holdings(timeline)
     reports = _multihost.all_gather(f"{key}/holdings", mine.to_json(), self.timeout,
                                     what="report its local steps")
     holdings = [Holdings.from_json(r) for r in reports]
