@@ -395,3 +395,51 @@ def test_after_a_rollback_a_resume_never_takes_the_abandoned_timeline_local_step
   # The old run's local step 12 is of the timeline the rollbacks abandoned.
   assert "which a rollback abandoned" in caplog.text, caplog.text
 
+
+# ---------------------------------------------------------------- a failing tier never costs the other
+
+import disks  # noqa: E402
+
+
+def test_a_full_local_disk_at_preemption_still_saves_the_persistent_step(tmp_path):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  with disks.small_disk(str(tmp_path / "shm"), "1m"):  # a RAM disk too small for the state
+    pol = _policy(tmp_path, local_save_interval_steps=10, save_on_preemption=True)
+    big = lambda v: {"w": jnp.full(1 << 19, v)}  # noqa: E731  # 2 MiB
+    with ofx.CheckpointCallback(str(tmp_path / "run"), pol) as cb:
+      cb.restore_or_init(big(0.0))
+      for step in range(1, 100):
+        if step == 7:
+          os.kill(os.getpid(), signal.SIGTERM)  # the preemption notice
+        if cb.on_step_end(step, big(float(step))):
+          break
+    assert cb.preempted and step == 7
+  manager = ofx.CheckpointManager(str(tmp_path / "run" / "checkpoints"))
+  assert manager.all_steps() == [7]
+  assert float(manager.restore(7)["state"]["w"][0]) == 7.0
+
+
+def test_a_failed_local_save_at_an_interval_raises_after_the_persistent_save_ran(tmp_path, caplog):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  with disks.small_disk(str(tmp_path / "shm"), "1m"):
+    pol = _policy(tmp_path, save_interval_steps=2)
+    cb = ofx.CheckpointCallback(str(tmp_path / "run"), pol)
+    state = cb.restore_or_init({"w": jnp.zeros(1 << 19)})
+    cb.on_step_end(1, state)
+    with pytest.raises(ofx.errors.StorageError, match="local save of step 2 failed"):
+      cb.on_step_end(2, state)
+    assert "local checkpoint of step 2 failed" in caplog.text
+    cb.manager.wait()
+    assert cb.manager.all_steps() == [2]
+    cb.close()
+    # With on_save_error="warn" it is logged and training goes on.
+    warn = ofx.CheckpointCallback(str(tmp_path / "run2"), _policy(
+        tmp_path, save_interval_steps=2, on_save_error="warn"))
+    warn.restore_or_init(state)
+    for step in range(1, 5):
+      warn.on_step_end(step, state)
+    warn.close()
+    assert warn.manager.all_steps() == [2, 4]
+

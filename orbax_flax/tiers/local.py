@@ -591,11 +591,15 @@ class LocalTier:
       shutil.rmtree(tmp, ignore_errors=True)
       raise errors.StorageError(f"local save of step {step} failed; it does not count:\n  "
                                 + "\n  ".join(failed))
-    records, _ = self._records()
-    seq = 1 + max((r.seq for r in records.values()), default=0)
-    _write(os.path.join(self._dir(step), COMMITTED),
-           StepRecord(step, self.run, timeline, seq, n).encode())
-    self._prune()
+    try:
+      records, _ = self._records()
+      seq = 1 + max((r.seq for r in records.values()), default=0)
+      _write(os.path.join(self._dir(step), COMMITTED),
+             StepRecord(step, self.run, timeline, seq, n).encode())
+      self._prune()
+    except OSError as e:  # this process's copy does not count: a restore finds it uncommitted
+      raise errors.StorageError(f"local save of step {step}: process {me} could not commit it"
+                                f" ({type(e).__name__}: {e})") from e
     return time.perf_counter() - start
 
   def _records(self) -> tuple[dict[int, StepRecord], list[str]]:
