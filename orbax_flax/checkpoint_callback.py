@@ -224,18 +224,19 @@ class CheckpointCallback(callbacks.Callback):
     if self._data is not None:
       target[DATA_ITEM] = None
     newer_than = None if persistent_latest is None else persistent_latest - 1
-    timeline = self.manager.timeline
-    try:
-      got = self._local.restore(target, newer_than=newer_than, timeline=timeline)
-      if got is None and self._data is not None:  # saved without a data position: try without
-        target.pop(DATA_ITEM)
-        got = self._local.restore(target, newer_than=newer_than, timeline=timeline)
+    # The target is checked as the persistent tier checks it: a TreeMismatchError is raised.
+    options = dict(newer_than=newer_than, timeline=self.manager.timeline,
+                   allow_lossy_casts=self.policy.allow_lossy_casts)
+    casts: list = []
+    try:  # a step saved without a data position restores without one
+      got = self._local.restore(target, casts=casts, optional=(DATA_ITEM,), **options)
     except (errors.StorageError, TimeoutError) as e:  # the local tier never stops a start
       log.error("local tier: cannot resume from %s (%s); reading the persistent tier",
                 self.policy.local_directory, e)
       got = None
     if got is None:
       return None
+    _log_casts(casts)
     step, restored, where = got
     data = restored.pop(DATA_ITEM, None)
     state = state_items.from_items(state, restored)

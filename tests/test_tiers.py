@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from orbax_flax.tiers import _blob
 from orbax_flax.tiers import local
 
 import jobs
@@ -290,20 +291,20 @@ def test_a_step_due_in_both_tiers_crosses_to_host_memory_once(tmp_path, monkeypa
   state = ckpt.restore_or_init(make())
   expected = jax.tree.map(np.array, state)
   pinned, seen_by_local = [], []
-  real_put, real_encode = jax.device_put, local.encode
+  real_put, real_encode = jax.device_put, _blob.encode
 
   def put(x, device=None, **kw):
     out = real_put(x, device, **kw)
     pinned.extend(y for y in jax.tree.leaves(out) if y.sharding.memory_kind == "pinned_host")
     return out
 
-  def encode(step, items):
+  def encode(step, items, **kw):
     seen_by_local.extend(x.sharding.memory_kind for x in jax.tree.leaves(items)
                          if isinstance(x, jax.Array))
-    return real_encode(step, items)
+    return real_encode(step, items, **kw)
 
   monkeypatch.setattr(jax, "device_put", put)
-  monkeypatch.setattr(local, "encode", encode)
+  monkeypatch.setattr(_blob, "encode", encode)
   ckpt.on_step_end(2, state)
   jax.block_until_ready(jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)(state))
   ckpt.close()
@@ -443,3 +444,172 @@ def test_a_failed_local_save_at_an_interval_raises_after_the_persistent_save_ran
     warn.close()
     assert warn.manager.all_steps() == [2, 4]
 
+
+def test_three_processes_fall_back_together_from_a_damaged_local_header(tmp_path):
+  """Process 1's own copy of the newest local step has a zeroed header, and the peer replica of
+  it is damaged too: every process learns it at once, tries the replica, then reads the
+  persistent tier (step 8), within seconds rather than a coordination timeout."""
+  import glob  # pylint: disable=g-import-not-at-top
+  local_dir = tmp_path / "local"
+  flags = [f"--config.checkpoint.local_directory={local_dir}", "--config.batch_size=12",
+           "--config.checkpoint.local_save_interval_steps=2",
+           "--config.checkpoint.save_interval_steps=4", "--config.checkpoint.save_final_step=False"]
+  ex.run(tmp_path, 10, n=3, devices=2, extra=flags)
+  run = str(tmp_path / "checkpoints")
+  own = os.path.join(proc_dir(local_dir, 1, run), "10", local.OWN)
+  (replica,) = glob.glob(os.path.join(os.path.dirname(proc_dir(local_dir, 0, run)), "*", "10",
+                                      "replica-1.blob"))
+  with open(own, "r+b") as f:
+    f.write(bytes(64))                 # the header: length and index
+  with open(replica, "r+b") as f:
+    f.truncate(40)                     # the replica: cut inside its index
+  out = ex.run(tmp_path, 12, n=3, devices=2, extra=flags)
+  assert "trying the peers' replicas" in out and "the persistent tier is used" in out, out[-4000:]
+
+  def when(i, what):  # the log time of process i's line saying `what`, in seconds
+    h, m, s = re.search(rf"\[{i}\] [IWE]\d{{4}} (\d+):(\d+):([\d.]+) .*{what}", out).groups()
+    return int(h) * 3600 + int(m) * 60 + float(s)
+  for i in range(3):  # every process tried the replica, then read persistent step 8
+    took = when(i, "restored step 8 \\(interval\\)") - when(i, "trying the peers' replicas")
+    assert 0 <= took < 10, (i, took)  # a process left behind would hold the others 600 s
+  assert len(set(ex.done(out))) == 1
+
+
+# ---------------------------------------------------------------- one engine under both tiers
+
+def _two_tiers(tmp_path, state, **kw):
+  """Step 2 saved to both tiers by a callback; returns its policy."""
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  pol = _policy(tmp_path, save_interval_steps=2, **kw)
+  cb = ofx.CheckpointCallback(str(tmp_path / "run"), pol)
+  cb.restore_or_init(state)
+  cb.on_step_end(2, state)
+  cb.close()
+  return pol
+
+
+def _resume(tmp_path, pol, state):
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  cb = ofx.CheckpointCallback(str(tmp_path / "run"), pol)
+  try:
+    return cb, cb.restore_or_init(state)
+  finally:
+    cb.close()
+
+
+def test_the_local_tier_checks_the_target_as_the_persistent_tier_does(tmp_path, caplog):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  saved = {"w": jnp.arange(4, dtype=jnp.float32) + 0.25, "h": np.arange(3, dtype=np.int8)}
+  pol = _two_tiers(tmp_path, saved)
+  path = str(tmp_path / "run" / "checkpoints" / "2")
+  # A model change: the persistent tier refuses it, and so does a resume from the local tier.
+  changed = {"w": jnp.zeros(8, jnp.bfloat16), "h": np.zeros(5, np.int32)}
+  with pytest.raises(ofx.errors.TreeMismatchError) as persistent:
+    ofx.restore(path, {"state": changed})
+  with pytest.raises(ofx.errors.TreeMismatchError) as resumed:
+    _resume(tmp_path, pol, changed)
+  assert "state/w: shape (4,) in checkpoint, (8,) in target" in str(resumed.value)
+  assert "state/h: shape (3,) in checkpoint, (5,) in target" in str(resumed.value)
+  assert "local step 2" in str(resumed.value)
+  # A lossy cast is refused without allow_lossy_casts, exact ones happen, as in the engine.
+  cast = {"w": jnp.zeros(4, jnp.bfloat16), "h": np.zeros(3, np.int32)}
+  with pytest.raises(ofx.errors.TreeMismatchError, match="float32 in checkpoint, bfloat16"):
+    _resume(tmp_path, pol, cast)
+  lossy = _policy(tmp_path, save_interval_steps=2, allow_lossy_casts=True)
+  with caplog.at_level("INFO", logger="orbax_flax"):
+    cb, got = _resume(tmp_path, lossy, cast)
+  assert "from the local tier" in caplog.text and cb.restored_step == 2
+  want = ofx.restore(path, {"state": cast}, allow_lossy_casts=True)["state"]
+  assert got["w"].dtype == ml_dtypes.bfloat16 and got["h"].dtype == np.int32
+  np.testing.assert_array_equal(np.asarray(got["w"]), np.asarray(want["w"]))
+  np.testing.assert_array_equal(got["h"], want["h"])
+  assert "state/w converted from float32 (checkpoint) to bfloat16" in caplog.text
+  assert resumed.value.differences == persistent.value.differences  # the same error
+
+
+def test_a_partial_local_restore_matches_the_persistent_one(tmp_path):
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  state = {"w": jnp.arange(6.0), "opt": {"mu": jnp.ones(6), "count": 3},
+           "key": jax.random.key(7)}
+  tier = local.LocalTier(str(tmp_path / "shm"), run="r", max_to_keep=1)
+  tier.save(5, {"state": state})
+  ofx.save(str(tmp_path / "p"), {"state": state})
+  sub = {"state": {"w": jax.ShapeDtypeStruct((6,), jnp.float32, sharding=state["w"].sharding),
+                   "key": jax.random.key(0)}}
+  step, got, _ = tier.restore(sub, partial=True)
+  want = ofx.restore(str(tmp_path / "p"), sub, partial=True)
+  assert step == 5 and set(got["state"]) == set(want["state"]) == {"w", "key"}
+  np.testing.assert_array_equal(np.asarray(got["state"]["w"]), np.asarray(want["state"]["w"]))
+  assert jax.random.key_impl(got["state"]["key"]) == jax.random.key_impl(state["key"])
+  np.testing.assert_array_equal(jax.random.key_data(got["state"]["key"]),
+                                jax.random.key_data(state["key"]))
+  with pytest.raises(ofx.errors.TreeMismatchError, match="in checkpoint, not in target"):
+    tier.restore(sub)
+
+
+class _Position:
+  def __init__(self):
+    self.pos = 0
+
+  def get_state(self):
+    return {"pos": self.pos}
+
+  def set_state(self, s):
+    self.pos = s["pos"]
+
+
+def test_a_flipped_bit_in_the_local_index_is_detected_not_restored(tmp_path, caplog):
+  import glob  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  pol = _policy(tmp_path, local_save_interval_steps=5, save_interval_steps=5)
+  cb = ofx.CheckpointCallback(str(tmp_path / "run"), pol)
+  it = _Position()
+  cb.restore_or_init({"w": jnp.zeros(4)}, data_iterator=it)
+  for step in range(1, 11):
+    it.pos = 1000 + step
+    if step == 10:
+      cb.manager.save_interval_steps = None
+    cb.on_step_end(step, {"w": jnp.full(4, float(step))})
+  cb.close()
+  # Local steps 10 (persistent 10 too); damage the local one's index where the position is.
+  (blob,) = glob.glob(str(tmp_path / "shm" / "*" / "process_0" / "10" / local.OWN))
+  raw = bytearray(open(blob, "rb").read())
+  at = raw.find(b'"1010"')
+  raw[at + 1] ^= 0x02  # '1' -> '3': the position would read 3010
+  open(blob, "wb").write(raw)
+  it2 = _Position()
+  again = ofx.CheckpointCallback(str(tmp_path / "run"), pol)
+  with caplog.at_level("INFO", logger="orbax_flax"):
+    again.restore_or_init({"w": jnp.zeros(4)}, data_iterator=it2)
+  again.close()
+  assert "checksum mismatch in local step 10" in caplog.text, caplog.text
+  assert again.restored_step == 10 and it2.pos == 1010  # from the persistent tier
+
+
+@pytest.mark.parametrize("damage", ["zeroed", "truncated", "length bit 63", "record"])
+def test_a_damaged_local_header_falls_back_to_the_persistent_tier(tmp_path, damage, caplog):
+  import glob  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  pol = _two_tiers(tmp_path, {"w": jnp.full(4, 2.0)})
+  (step_dir,) = glob.glob(str(tmp_path / "shm" / "*" / "process_0" / "2"))
+  name = local.COMMITTED if damage == "record" else local.OWN
+  raw = bytearray(open(os.path.join(step_dir, name), "rb").read())
+  if damage == "zeroed":
+    raw = bytearray(len(raw))
+  elif damage == "truncated":
+    raw = raw[:4]
+  else:
+    raw[15 if damage == "length bit 63" else 30] ^= 0x80
+  open(os.path.join(step_dir, name), "wb").write(raw)
+  with caplog.at_level("INFO", logger="orbax_flax"):
+    cb, got = _resume(tmp_path, pol, {"w": jnp.zeros(4)})
+  assert cb.restored_step == 2 and float(got["w"][0]) == 2.0
+  assert "from the local tier" not in caplog.text
+  assert ("CheckpointCorruptedError" if damage != "record" else "COMMITTED: damaged") in caplog.text

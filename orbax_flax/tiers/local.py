@@ -1,31 +1,36 @@
 """The local tier: each process's own shards on its own fast disk, replicated to peers.
 
-Layout, per process (``<directory>/process_<i>/``, never read by another
-process):
+Layout (``docs/format.md``), per run and process, never read by another run or process:
 
 ```
-<step>/
-  own.blob               this process's shards: an 8-byte index length, the JSON index
-                         (with a CRC-32C per 16 MiB of each shard), the bytes
-  replica-<q>.blob       the same blob of process q (received with a JAX collective)
-  COMMITTED              written once every process reported its part durable
+<directory>/run-<digest of the run's persistent directory>/process_<i>/
+  <step>/
+    own.blob             this process's shards (:mod:`orbax_flax.tiers._blob`): a
+                         header, the sealed (SHA-256) index, the bytes (CRC-32C each 16 MiB)
+    replica-<q>.blob     the same blob of process q (received with a JAX collective)
+    COMMITTED            a sealed record (run, timeline, commit order), written once every
+                         process reported its part durable
 ```
 
 A step counts only once ``COMMITTED`` exists: every process (and its replicas)
 wrote its part, agreed through the coordination service, so a restore never
-mixes steps. A local step is tied to the process layout that wrote it (the
-same process count, the same devices per process, the same shardings): a job
-with another layout ignores the local tier and reads the persistent one.
+mixes steps. A step belongs to a run (the persistent directory) and to a
+timeline (:attr:`orbax_flax.CheckpointManager.timeline`): a resume never takes
+one of another run or of a timeline a rollback abandoned. A local step is tied
+to the process layout that wrote it (the same process count, the same devices
+per process, the same shardings): a job with another layout ignores the local
+tier and reads the persistent one.
 
 Restore: every process reports what it holds; each computes, from the same
 reports, the newest step every process can get (its own blob, else a peer's
 replica of it), and the processes whose own copy is missing receive it from a
-replica holder with the same collective. See :meth:`LocalTier.plan_restore`.
+replica holder with the same collective. Every process learns every other's
+verdict, so a damaged copy anywhere sends all to the replica, then to the
+persistent tier, together. See :func:`plan_restore`.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import hashlib
 import json
@@ -40,15 +45,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_flax import _crc
-from orbax_flax import _layout
 from orbax_flax import _manifest
 from orbax_flax import _multihost
 from orbax_flax import _progress
-from orbax_flax import _staging
-from orbax_flax import _tree
 from orbax_flax import errors
-from orbax_flax.formats import _cbytes
+from orbax_flax.tiers import _blob
 from orbax_flax.tiers import _exchange
 
 log = logging.getLogger("orbax_flax")
@@ -57,359 +58,11 @@ OWN = "own.blob"
 COMMITTED = "COMMITTED"
 _TMP = ".ofx-tmp-local"
 _DAMAGED = "damaged own copy: "
-
-
-def _is_key(x: Any) -> bool:
-  return jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-@dataclasses.dataclass
-class Blob:
-  """A local checkpoint of one process: ``header`` (length + JSON index), then ``pieces``."""
-  header: bytes
-  pieces: list[np.ndarray]  # uint8 views of the shards, in payload order
-
-  @property
-  def nbytes(self) -> int:
-    return len(self.header) + sum(p.nbytes for p in self.pieces)
-
-  def parts(self) -> list[np.ndarray]:
-    return [np.frombuffer(self.header, np.uint8)] + self.pieces
-
-
-def encode(step: int, items: Mapping[str, Any]) -> Blob:
-  """This process's shards of ``items``: an index and views of the shard bytes (no copy on CPU).
-
-  Each shard's bytes carry one CRC-32C per :data:`SEGMENT` bytes, computed in
-  parallel, so that a restore checks each segment as it reads it, in parallel.
-  """
-  pieces: list[np.ndarray] = []
-  entries: list[dict[str, Any]] = []
-  at = 0
-  out_items = {}
-  for item, tree in items.items():
-    structure, leaves = _tree.encode_structure(tree)
-    recs = []
-    for path, leaf in leaves:
-      kind = _tree.leaf_kind(leaf)
-      if kind is None:
-        raise _tree.unsupported_leaf_error(item, path, leaf)
-      if kind == "value":
-        recs.append({"path": list(path), "kind": "value", "value": _tree.encode_value(leaf)})
-        continue
-      rec: dict[str, Any] = {"path": list(path), "kind": kind}
-      data = leaf
-      if kind == "jax" and _is_key(leaf):
-        rec["key_impl"] = getattr(getattr(leaf.dtype, "_impl", None), "name", None)
-        data = jax.random.key_data(leaf)
-      rec.update(shape=list(data.shape), dtype=np.dtype(data.dtype).name)
-      boxes: dict[tuple, dict[str, Any]] = {}
-      shards = ([(_layout.slices_to_box(sh.index, data.shape), sh.device.id, sh.data)
-                 for sh in data.addressable_shards] if kind == "jax"
-                else [(tuple((0, n) for n in data.shape), None, data)])
-      for box, device, value in shards:
-        entry = boxes.get(box)
-        if entry is None:
-          raw = np.ascontiguousarray(np.asarray(value)).reshape(-1).view(np.uint8)
-          entry = boxes[box] = {"box": [list(b) for b in box], "devices": [], "offset": at,
-                                "nbytes": raw.nbytes}
-          pieces.append(raw)
-          entries.append(entry)
-          at += raw.nbytes
-        if device is not None:
-          entry["devices"].append(device)
-      rec["boxes"] = list(boxes.values())
-      recs.append(rec)
-    out_items[item] = {"structure": structure, "leaves": recs}
-  segments = [(k, lo) for k, p in enumerate(pieces) for lo in range(0, p.nbytes, SEGMENT)]
-  with concurrent.futures.ThreadPoolExecutor(_WRITERS) as pool:  # ctypes CRC: no GIL
-    crcs = list(pool.map(lambda t: _crc.value(pieces[t[0]][t[1]:t[1] + SEGMENT]), segments))
-  for entry in entries:
-    entry["crc32c"] = []
-  for (k, _), crc in zip(segments, crcs):
-    entries[k]["crc32c"].append(crc)
-  index = json.dumps({
-      "step": step, "process_index": jax.process_index(), "process_count": jax.process_count(),
-      "devices": sorted(d.id for d in jax.local_devices()), "segment": SEGMENT,
-      "items": out_items}).encode()
-  return Blob(struct.pack("<Q", len(index)) + index, pieces)
-
-
-_WRITERS = 8
-SEGMENT = 16 << 20  # bytes per checksum, and per parallel read
-
-
-def write_parts(path: str, parts: list[np.ndarray]) -> None:
-  """Writes ``parts`` one after another into ``path`` with parallel pwrites, then fsyncs."""
-  offsets, at = [], 0
-  for part in parts:
-    offsets.append(at)
-    at += part.nbytes
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-  try:
-    os.ftruncate(fd, at)
-
-    def put(task: tuple[int, int]) -> None:  # one segment of a part (a large part is many)
-      k, lo = task
-      view = memoryview(parts[k]).cast("B")[lo:lo + SEGMENT]
-      done = 0
-      while done < len(view):
-        done += os.pwrite(fd, view[done:], offsets[k] + lo + done)
-    _parallel(put, [(k, lo) for k, p in enumerate(parts) for lo in range(0, p.nbytes, SEGMENT)])
-    os.fsync(fd)
-  finally:
-    os.close(fd)
-
-
-@dataclasses.dataclass
-class Payload:
-  """A blob's shard bytes: ``data``, with each shard at ``at[its offset in the blob]``.
-
-  Read from a file, every shard starts 64-byte aligned in one fresh mapping,
-  so that JAX's CPU client adopts it without a copy; in memory (a received
-  replica), ``at`` is None and shards lie as in the blob.
-  """
-  data: np.ndarray
-  at: dict[int, int] | None = None
-
-  def pos(self, offset: int) -> int:
-    return offset if self.at is None else self.at[offset]
-
-  def box(self, offset: int, nbytes: int) -> np.ndarray:
-    if not nbytes:
-      return np.empty(0, np.uint8)
-    lo = self.pos(offset)
-    return self.data[lo:lo + nbytes]
-
-
-def read_blob(path: str, where: str) -> tuple[dict[str, Any], Payload]:
-  """The index and shard bytes of a blob file, read by parallel preads.
-
-  Every segment's CRC-32C is checked by the thread that read it, while the
-  bytes are in its cache; CheckpointCorruptedError names the array if not.
-  """
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    head = os.pread(fd, 8, 0)
-    if len(head) < 8:
-      raise errors.CheckpointCorruptedError(f"{where}: truncated local checkpoint ({path})")
-    (n,) = struct.unpack("<Q", head)
-    index = _parse_index(os.pread(fd, n, 8), where)
-    size = max(os.fstat(fd).st_size - 8 - n, 0)
-    segments = _segments(index, size)
-    if "segment" in index:
-      ends: dict[int, int] = {}
-      for lo, length, _, _, base in segments:
-        ends[base] = max(ends.get(base, 0), lo + length - base)
-      at, total = {}, 0
-      for base in sorted(ends):
-        at[base] = total
-        total += -(-ends[base] // 64) * 64
-      payload = Payload(_staging.fresh_arrays([((total,), np.dtype(np.uint8))])[0], at)
-    else:
-      payload = Payload(np.empty(size, np.uint8))
-    view = memoryview(payload.data)
-
-    def read(t: tuple[int, int, str, int | None, int]) -> None:
-      lo, length, _, _, base = t
-      dst = payload.pos(base) + lo - base
-      _pread_into(fd, view[dst:dst + length], 8 + n + lo,
-                  f"{where}: {path} is shorter than its index says")
-      _check(payload, t, where)
-    _parallel(read, segments)
-  finally:
-    os.close(fd)
-  return index, payload
-
-
-def read_bytes(path: str) -> np.ndarray:
-  """A whole file into one fresh buffer, by parallel preads."""
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    size = os.fstat(fd).st_size
-    out = np.empty(size, np.uint8)
-    view = memoryview(out)
-
-    _parallel(lambda lo: _pread_into(fd, view[lo:lo + SEGMENT], lo,
-                                     f"{path}: shorter than expected"),
-              list(range(0, size, SEGMENT)))
-  finally:
-    os.close(fd)
-  return out
-
-
-def _pread_into(fd: int, view: memoryview, offset: int, short: str) -> None:
-  """Fills ``view`` from ``fd`` at ``offset``; CheckpointCorruptedError(``short``) at end of file."""
-  try:
-    _cbytes.pread_exact(fd, view, offset)
-  except EOFError as e:
-    raise errors.CheckpointCorruptedError(short) from e
-
-
-def decode(blob: np.ndarray, where: str) -> tuple[dict[str, Any], Payload]:
-  """The index and the bytes of a blob in memory; CheckpointCorruptedError if damaged."""
-  if blob.nbytes < 8:
-    raise errors.CheckpointCorruptedError(f"{where}: truncated local checkpoint")
-  (n,) = struct.unpack("<Q", blob[:8].tobytes())
-  index = _parse_index(blob[8:8 + n].tobytes(), where)
-  payload = Payload(blob[8 + n:])
-  _parallel(lambda t: _check(payload, t, where), _segments(index, payload.data.nbytes))
-  return index, payload
-
-
-def _parse_index(data: bytes, where: str) -> dict[str, Any]:
-  try:
-    return json.loads(data)
-  except ValueError as e:
-    raise errors.CheckpointCorruptedError(f"{where}: damaged index ({e})") from e
-
-
-def _segments(index: dict[str, Any], size: int) -> list[tuple[int, int, str, int | None, int]]:
-  """(blob offset, length, array name, its CRC-32C, its shard's offset) of every segment."""
-  if "crc32c" in index:  # written before per-segment checksums: one over the whole payload
-    return [(0, size, "the local checkpoint", index["crc32c"], 0)]
-  seg = index["segment"]
-  out = []
-  for item, saved in index["items"].items():
-    for rec in saved["leaves"]:
-      for entry in rec.get("boxes", ()):
-        name = f"{item}/{_tree.path_str(tuple(rec['path']))} box {entry['box']}"
-        for k, crc in enumerate(entry["crc32c"]):
-          lo = entry["offset"] + k * seg
-          out.append((lo, min(seg, entry["nbytes"] - k * seg), name, crc, entry["offset"]))
-  if sum(t[1] for t in out) != size:
-    raise errors.CheckpointCorruptedError(f"the local checkpoint holds {size} bytes of data,"
-                                          f" its index {sum(t[1] for t in out)}")
-  return out
-
-
-def _check(payload: Payload, t: tuple[int, int, str, int | None, int], where: str) -> None:
-  lo, length, name, crc, base = t
-  dst = payload.pos(base) + lo - base
-  if crc is not None and _crc.value(payload.data[dst:dst + length]) != crc:
-    raise errors.CheckpointCorruptedError(
-        f"{where}: checksum mismatch in {name}; the local copy is damaged")
-
-
-def _parallel(fn, tasks: list) -> None:
-  if len(tasks) <= 1:
-    for t in tasks:
-      fn(t)
-    return
-  with concurrent.futures.ThreadPoolExecutor(min(_WRITERS, len(tasks))) as pool:
-    for f in [pool.submit(fn, t) for t in tasks]:
-      f.result()
-
-
-def build(index: dict[str, Any], payload: Payload, target: Mapping[str, Any]) -> dict[str, Any]:
-  """The items of a blob as jax/numpy values laid out as ``target`` wants.
-
-  Every device shard is placed with one batched ``device_put``; the first
-  device of each shard adopts the aligned host buffer (no copy on CPU).
-
-  Raises:
-    LayoutChanged: the target's shardings (or this process's devices) are not
-      the ones the blob was saved with.
-  """
-  placing = _Placing()
-  out = {}
-  for item, tree in target.items():
-    saved = index["items"].get(item)
-    if saved is None:
-      raise LayoutChanged(f"item {item!r} is not in the local checkpoint")
-    if tree is None:  # the item as saved (host values only, e.g. data iterator states)
-      values = [_one(r, None, payload, f"{item}/{_tree.path_str(tuple(r['path']))}", placing)
-                for r in saved["leaves"]]
-      out[item] = (saved["structure"], values, None)
-      continue
-    recs = {tuple(r["path"]): r for r in saved["leaves"]}
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    leaves = []
-    for kp, want in flat:
-      path = tuple(_tree.key_part(k) for k in kp)
-      rec = recs.get(path)
-      if rec is None:
-        raise LayoutChanged(f"{item}/{_tree.path_str(path)} is not in the local checkpoint")
-      leaves.append(_one(rec, want, payload, f"{item}/{_tree.path_str(path)}", placing))
-    out[item] = (None, leaves, treedef)
-  placed = placing.place()
-  result = {}
-  for item, (structure, leaves, treedef) in out.items():
-    leaves = [placed[id(x)] if isinstance(x, _Pending) else x for x in leaves]
-    result[item] = (_tree.decode_structure(structure, leaves) if treedef is None
-                    else jax.tree_util.tree_unflatten(treedef, leaves))
-  return result
-
-
-class LayoutChanged(ValueError):
-  """The local checkpoint was written with another process layout or other shardings."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Pending:
-  """A device array to assemble once its shards are placed."""
-  shape: tuple[int, ...]
-  sharding: Any
-  shards: int
-  key_impl: str | None
-
-
-class _Placing:
-  """Collects every shard of a restore for one batched ``device_put``."""
-
-  def __init__(self):
-    self.values, self.devices, self.alias, self.pending = [], [], [], []
-    self._adopted: set[int] = set()
-
-  def add(self, pending: _Pending, shards: list[tuple[np.ndarray, Any, int]]) -> _Pending:
-    for data, device, box_offset in shards:
-      self.values.append(data)
-      self.devices.append(device)
-      # One device per shard adopts the buffer; the others get copies, so that
-      # donating one array cannot change another.
-      self.alias.append(box_offset not in self._adopted)
-      self._adopted.add(box_offset)
-    self.pending.append(pending)
-    return pending
-
-  def place(self) -> dict[int, Any]:
-    placed = jax.device_put(self.values, self.devices, may_alias=self.alias) if self.values else []
-    out, k = {}, 0
-    for p in self.pending:
-      array = jax.make_array_from_single_device_arrays(p.shape, p.sharding, placed[k:k + p.shards])
-      k += p.shards
-      out[id(p)] = jax.random.wrap_key_data(array, impl=p.key_impl) if p.key_impl else array
-    return out
-
-
-def _one(rec: dict[str, Any], want: Any, payload: Payload, where: str, placing: _Placing) -> Any:
-  if rec["kind"] == "value":
-    return _tree.decode_value(rec["value"])
-  dtype = _tree.dtype_from_name(rec["dtype"])
-  shape = tuple(rec["shape"])
-
-  def data(entry):  # a view of the payload
-    raw = payload.box(entry["offset"], entry["nbytes"])
-    return raw.view(dtype).reshape(_layout.box_shape(tuple(map(tuple, entry["box"]))))
-
-  if rec["kind"] == "numpy":
-    return data(rec["boxes"][0])
-  if not isinstance(want, (jax.Array, jax.ShapeDtypeStruct)) or want.sharding is None:
-    raise LayoutChanged(f"{where}: the target is not a sharded array as saved")
-  sharding = want.sharding
-  if rec.get("key_impl"):
-    sharding = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(
-        *sharding.spec, None)) if isinstance(sharding, jax.sharding.NamedSharding) else sharding
-  by_device = {d: e for e in rec["boxes"] for d in e["devices"]}
-  shards = []
-  for device, index in sharding.addressable_devices_indices_map(shape).items():
-    entry = by_device.get(device.id)
-    box = _layout.slices_to_box(index, shape)
-    if entry is None or tuple(map(tuple, entry["box"])) != box:
-      raise LayoutChanged(f"{where}: device {device.id} needs box {box}, which the local"
-                          " checkpoint does not hold as one shard (another mesh or sharding)")
-    shards.append((data(entry), device, entry["offset"]))
-  return placing.add(_Pending(shape, sharding, len(shards), rec.get("key_impl")), shards)
+_MISMATCH = "target mismatch: "
+# What reading a damaged local file can raise: it becomes this process's verdict, which every
+# process learns, so that all fall back together instead of one raising and the rest waiting.
+_UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, OverflowError, MemoryError,
+               struct.error)
 
 
 @dataclasses.dataclass
@@ -565,17 +218,17 @@ class LocalTier:
     error = ""
     parts: list[np.ndarray] = []
     try:
-      parts = encode(step, items).parts()
+      parts = _blob.encode(step, items, run=self.run, timeline=timeline).parts()
       shutil.rmtree(tmp, ignore_errors=True)
       os.makedirs(tmp)
-      write_parts(os.path.join(tmp, OWN), parts)
+      _blob.write_parts(os.path.join(tmp, OWN), parts)
     except (OSError, ValueError, TypeError) as e:
       error = f"{type(e).__name__}: {e}"
     for k in range(1, self.replicas + 1):  # every process takes part, even after a failure
       got = _exchange.shift_parts(parts, k, f"{key}/x{k}", self.timeout)
       if not error:
         try:
-          write_parts(os.path.join(tmp, f"replica-{(me - k) % n}.blob"), [got])
+          _blob.write_parts(os.path.join(tmp, f"replica-{(me - k) % n}.blob"), [got])
         except OSError as e:
           error = f"{type(e).__name__}: {e}"
     if not error:
@@ -655,17 +308,32 @@ class LocalTier:
                     counts[-1] if counts else n)
 
   def restore(self, target: Mapping[str, Any], newer_than: int | None = None, *,
-              timeline: str | None = None) -> tuple[int, dict[str, Any], str] | None:
+              timeline: str | None = None, partial: bool = False,
+              allow_lossy_casts: bool = False, casts: list | None = None,
+              optional: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], str] | None:
     """The newest local step of ``timeline`` every process can assemble, if newer than
     ``newer_than``.
 
     Collective. Returns ``(step, items, source)`` (``source`` says where this
-    process's shards came from), or None when the local tier has nothing newer
-    or was written by another layout; every process gets the same answer.
+    process's shards came from), or None when the local tier has nothing newer,
+    was written by another layout, or is damaged beyond its replicas; every
+    process gets the same answer. The target is checked as the persistent tier
+    checks it (``partial``, ``allow_lossy_casts``, ``casts`` as for
+    :func:`orbax_flax.restore`); items named in ``optional`` are left out
+    where the step does not hold them.
+
+    Raises:
+      TreeMismatchError: on every process, when the target does not match the
+        step (the persistent tier would refuse it too).
     """
     n = jax.process_count()
     key = self._next_key("restore")
-    mine = self.holdings(timeline)
+    try:
+      mine = self.holdings(timeline)
+    except OSError as e:  # an unreadable local directory holds nothing: the others go on
+      _progress.say("local tier: cannot list %s (%s); this process holds no local step",
+                    self.root, e)
+      mine = Holdings([], {}, n)
     reports = _multihost.all_gather(f"{key}/holdings", mine.to_json(), self.timeout,
                                     what="report its local steps")
     holdings = [Holdings.from_json(r) for r in reports]
@@ -673,6 +341,7 @@ class LocalTier:
       _progress.say("local tier: written by a job of another process count; it is tied to the process"
                " layout, so the persistent tier is used")
       return None
+    options = dict(partial=partial, allow_lossy_casts=allow_lossy_casts, optional=optional)
     for attempt in range(n + 1):
       plan = plan_restore(holdings, newer_than)
       if plan is None:
@@ -681,36 +350,46 @@ class LocalTier:
                       " replica)%s; steps held: %s",
                       "" if newer_than is None else f" newer than step {newer_than}", held or "none")
         return None
-      got, verdicts = self._assemble(plan, target, f"{key}/{attempt}")
+      found: list = []
+      got, verdicts = self._assemble(plan, target, options, found, f"{key}/{attempt}")
+      mismatch = next((v for v in verdicts if v.startswith(_MISMATCH)), None)
+      if mismatch is not None:  # every process raises, as the persistent tier would
+        if casts is not None:
+          casts.extend(found)
+        message = mismatch.removeprefix(_MISMATCH)
+        raise errors.TreeMismatchError(message, [l.strip() for l in message.splitlines()[1:]])
       damaged = [p for p, v in enumerate(verdicts) if v.startswith(_DAMAGED)]
       bad = [f"process {p}: {v.removeprefix(_DAMAGED)}" for p, v in enumerate(verdicts) if v]
       if not bad:
+        if casts is not None:
+          casts.extend(found)
         return got
       if len(damaged) == len(bad):  # damaged own copies: try their peers' replicas of them
-        _progress.say("local tier: step %d: %s; trying the peers' replicas", plan.step,
-                      "; ".join(bad))
+        log.warning("local tier: step %d: %s; trying the peers' replicas", plan.step,
+                    "; ".join(bad))
         for p in damaged:
           holdings[p].own = [s for s in holdings[p].own if s != plan.step]
         continue
-      _progress.say("local tier: step %d cannot be used (%s); the persistent tier is used",
-                    plan.step, "; ".join(bad))
+      log.warning("local tier: step %d cannot be used (%s); the persistent tier is used",
+                  plan.step, "; ".join(bad))
       return None
     return None
 
-  def _assemble(self, plan: RestorePlan, target: Mapping[str, Any], key: str
-                ) -> tuple[tuple[int, dict[str, Any], str] | None, list[str]]:
+  def _assemble(self, plan: RestorePlan, target: Mapping[str, Any], options: dict[str, Any],
+                casts: list, key: str) -> tuple[tuple[int, dict[str, Any], str] | None, list[str]]:
     """Every process gets its blob of ``plan.step`` and builds it; collective.
 
     Returns this process's result and every process's verdict ("" when it
-    succeeded; prefixed with ``_DAMAGED`` when its own copy is damaged).
+    succeeded; prefixed with ``_DAMAGED`` when its own copy is damaged, with
+    ``_MISMATCH`` when the target does not match).
     """
     me, n = jax.process_index(), jax.process_count()
     blob, decoded, where, error = None, None, "nowhere", ""
     what = f"local step {plan.step} of process {me}"
     if plan.source[me] == me:
       try:
-        decoded = read_blob(os.path.join(self._dir(plan.step), OWN), what)
-      except (OSError, errors.CheckpointCorruptedError) as e:  # the others still exchange
+        decoded = _blob.read_blob(os.path.join(self._dir(plan.step), OWN), what)
+      except _UNREADABLE as e:  # the others still exchange
         error = f"{_DAMAGED}{type(e).__name__}: {e}"
       where = "its own local copy"
     # Replica holders send to the processes that lost their copy, one shift at a time.
@@ -719,8 +398,8 @@ class LocalTier:
       target_p = (me + shift) % n
       if plan.source[target_p] == me and target_p != me:
         try:
-          send = [read_bytes(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"))]
-        except OSError as e:  # the receiver gets nothing and says so
+          send = [_blob.read_bytes(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"))]
+        except _UNREADABLE as e:  # the receiver gets nothing and says so
           error = f"{type(e).__name__}: {e}"
       got = _exchange.shift_parts(send, shift, f"{key}/x{shift}", self.timeout)
       if plan.source[me] == (me - shift) % n and plan.source[me] != me:
@@ -729,10 +408,23 @@ class LocalTier:
     items = None
     if not error:
       try:
-        index, payload = decoded if decoded is not None else decode(blob, what)
-        items = build(index, payload, target)
-      except (LayoutChanged, errors.CheckpointCorruptedError) as e:
-        error = str(e)
+        index, payload = decoded if decoded is not None else _blob.decode(blob, what)
+      except _UNREADABLE as e:
+        error = f"{type(e).__name__}: {e}"
+    if not error:
+      try:
+        optional = options["optional"]
+        m = _blob.match(index, {k: v for k, v in target.items()
+                                if k not in optional or k in index["items"]},
+                        casts=casts, source=f"local step {plan.step} ({self.root})",
+                        partial=options["partial"], allow_lossy_casts=options["allow_lossy_casts"])
+      except (errors.TreeMismatchError, ValueError) as e:
+        error = f"{_MISMATCH}{e}"
+    if not error:
+      try:
+        items = _blob.build(m, index, payload)
+      except _UNREADABLE as e:  # damaged, or another layout: every process learns it
+        error = f"{type(e).__name__}: {e}"
     verdicts = _multihost.all_gather(f"{key}/ok", error, self.timeout,
                                      what="assemble the local step")
     return (plan.step, items, where) if not any(verdicts) else None, verdicts
