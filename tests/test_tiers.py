@@ -41,6 +41,8 @@ def saved(tmp_path_factory):
   d = str(tmp_path_factory.mktemp("tiers") / "local")
   out = _run("save", d).outputs
   assert all("SAVED ['2', '3']" in o for o in out), out  # local_max_to_keep=2
+  # All four processes run on this one host: the tier says what a replica can survive.
+  assert "replicas=1 needs processes on 2 hosts" in out[0], out[0]
   return d
 
 
@@ -53,6 +55,40 @@ def _copy(saved, tmp_path):
   d = str(tmp_path / "local")
   shutil.copytree(saved, d)
   return d
+
+
+def test_replicas_go_to_other_hosts_so_losing_a_whole_host_loses_no_step(tmp_path):
+  d = str(tmp_path / "local")
+  hosts = ["--hosts=A,A,B,B"]  # two processes per host
+  out = _run("save", d, extra=hosts).outputs
+  assert "needs processes on" not in out[0] and "too unevenly" not in out[0], out[0]
+  for p in (0, 1):
+    shutil.rmtree(proc_dir(d, p))  # host A is lost, both of its processes' disks
+  res = _run("restore", d, extra=hosts)
+  for p in (0, 1):
+    assert re.search(r"RESTORED step 3 from the replica held by process [23]", res.outputs[p]), p
+  assert all("RESTORED step 3 from its own local copy" in res.outputs[p] for p in (2, 3))
+
+
+@pytest.mark.parametrize("hosts,replicas", [
+    ("AABB", 1), ("AAABBC", 1), ("ABCABC", 2), ("AAAABBBBCCCC", 2), ("AABBCCDD", 3),
+    ("ABCD", 3), ("AAB", 1), ("AAAB", 1), ("AA", 1)])
+def test_a_safe_replica_ring_survives_the_loss_of_any_replicas_hosts(hosts, replicas):
+  """No I/O: the ring's placement, then every choice of lost hosts, through plan_restore."""
+  import itertools  # pylint: disable=g-import-not-at-top
+  n = len(hosts)
+  ring, warning = local.replica_ring(list(hosts), replicas)
+  assert sorted(ring) == list(range(n))
+  held = [local.Holdings([7], {}, n) for _ in range(n)]
+  for i, p in enumerate(ring):  # what a save leaves: p's blob on the next `replicas` of the ring
+    for k in range(1, replicas + 1):
+      held[ring[(i + k) % n]].replicas[p] = [7]
+  survives = all(
+      local.plan_restore([local.Holdings([], {}, n) if hosts[p] in lost else held[p]
+                          for p in range(n)], None) is not None
+      for lost in itertools.combinations(sorted(set(hosts)), min(replicas, len(set(hosts)))))
+  assert survives == (not warning), (ring, warning)
+  assert not warning or "host" in warning
 
 
 def test_four_processes_save_and_restore_from_their_own_copies(saved, tmp_path):

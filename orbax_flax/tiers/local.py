@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import struct
 import time
 from collections.abc import Mapping
@@ -121,6 +122,55 @@ def plan_restore(holdings: list[Holdings], newer_than: int | None) -> RestorePla
   return None
 
 
+HOST_ENV = "ORBAX_FLAX_HOST"  # overrides the host name a process reports (see LocalTier)
+
+
+def replica_ring(hosts: list[str], replicas: int) -> tuple[tuple[int, ...], str]:
+  """The ring of processes replicas travel along, and a warning ("" if none is due).
+
+  Process ``ring[i]`` keeps the replicas of ``ring[i - 1]``, ..., ``ring[i -
+  replicas]``. The ring interleaves hosts so that every ``replicas + 1``
+  consecutive processes are on distinct hosts: then each process's copies are
+  on ``replicas`` hosts other than its own, and losing any ``replicas`` hosts
+  loses no local step. Where ``hosts`` allow no such ring (one host, fewer
+  hosts than ``replicas + 1``, or too many processes on one host), the warning
+  says so.
+
+  Example:
+    >>> replica_ring(["a", "a", "b", "b"], 1)   # process 0's replica goes to host b
+    ((0, 2, 1, 3), '')
+    >>> replica_ring(["a", "a"], 1)[1][:40]
+    'replicas=1 needs processes on 2 hosts; a'
+  """
+  n = len(hosts)
+  if n < 2 or not replicas:
+    return tuple(range(n)), ""
+  groups: dict[str, list[int]] = {}
+  for p, h in enumerate(hosts):
+    groups.setdefault(h, []).append(p)
+  ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0]))
+  flat = [p for g in ordered for p in g]
+  robin = [g[i] for i in range(len(ordered[0])) for g in ordered if i < len(g)]
+  stride = [None] * n
+  slots = [j for r in range(replicas + 1) for j in range(r, n, replicas + 1)]
+  for j, p in zip(slots, flat):
+    stride[j] = p
+  def safe(ring):
+    return all(len({hosts[ring[(i + k) % n]] for k in range(replicas + 1)}) == replicas + 1
+               for i in range(n))
+  for ring in (robin, stride):
+    if safe(ring):
+      return tuple(ring), ""
+  if len(groups) < replicas + 1:
+    why = (f"replicas={replicas} needs processes on {replicas + 1} hosts; all {n} processes are"
+           f" on {len(groups)} ({', '.join(sorted(groups))})")
+  else:
+    why = (f"the {n} processes are spread over hosts {dict((h, len(g)) for h, g in groups.items())}"
+           f" too unevenly for each one's {replicas} replica(s) to sit on other hosts")
+  return tuple(robin), (why + ": a local step survives losing a process's local directory, not"
+                        " necessarily a whole host")
+
+
 def run_dir(run: str) -> str:
   """The subdirectory of the local directory that holds the steps of ``run``.
 
@@ -176,11 +226,20 @@ class LocalTier:
     replicas: how many other processes hold a copy of each process's shards
       (losing any ``replicas`` local directories loses no local step).
     max_to_keep: committed local steps kept (the newest commits).
-    timeout_seconds: how long a process waits for the others.
+    timeout_seconds: how long a process waits for the others (every wait of
+      the tier names the processes it waits for when it times out).
+    host: the host this process runs on, which replica placement spreads over
+      (:func:`replica_ring`); default: the ``ORBAX_FLAX_HOST`` environment
+      variable, else ``socket.gethostname()``. The first save or restore
+      gathers every process's host and warns when the topology cannot keep
+      each process's replicas on other hosts.
+    max_host_bytes: a budget for the host buffers of a replica exchange (0:
+      rounds of 64 MiB); a received replica is written as it arrives.
   """
 
   def __init__(self, directory: str, *, run: str, replicas: int = 1, max_to_keep: int = 1,
-               timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S):
+               timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S, host: str | None = None,
+               max_host_bytes: int = 0):
     n = jax.process_count()
     if replicas < 0:
       raise ValueError(f"replicas={replicas}: must be >= 0")
@@ -196,6 +255,20 @@ class LocalTier:
     self.timeout = timeout_seconds
     self._key = _multihost.namespace("local_tier")
     self._calls = 0
+    self.host = host if host is not None else (os.environ.get(HOST_ENV) or socket.gethostname())
+    self.max_host_bytes = max_host_bytes
+    self._ring: tuple[int, ...] | None = None
+
+  def ring(self) -> tuple[int, ...]:
+    """The replica ring (:func:`replica_ring`) of this job's hosts; collective on first call."""
+    if self._ring is None:
+      n = jax.process_count()
+      hosts = (_multihost.all_gather(f"{self._key}/hosts", self.host, self.timeout,
+                                     what="report its host") if n > 1 else [self.host])
+      self._ring, warning = replica_ring(hosts, self.replicas)
+      if warning:
+        log.warning("local tier: %s", warning)
+    return self._ring
 
   def _next_key(self, what: str) -> str:
     """A coordination key unique to this call: every process makes the same calls in order."""
@@ -224,13 +297,13 @@ class LocalTier:
       _blob.write_parts(os.path.join(tmp, OWN), parts)
     except (OSError, ValueError, TypeError) as e:
       error = f"{type(e).__name__}: {e}"
+    ring = self.ring() if self.replicas else ()
     for k in range(1, self.replicas + 1):  # every process takes part, even after a failure
-      got = _exchange.shift_parts(parts, k, f"{key}/x{k}", self.timeout)
-      if not error:
-        try:
-          _blob.write_parts(os.path.join(tmp, f"replica-{(me - k) % n}.blob"), [got])
-        except OSError as e:
-          error = f"{type(e).__name__}: {e}"
+      source = ring[(ring.index(me) - k) % n]
+      sink = _Sink(None if error else os.path.join(tmp, f"replica-{source}.blob"))
+      _exchange.shift_parts(parts, k, f"{key}/x{k}", self.timeout, order=ring, sink=sink,
+                            max_round_bytes=_exchange.round_bytes(self.max_host_bytes))
+      error = error or sink.close()
     if not error:
       try:
         shutil.rmtree(self._dir(step), ignore_errors=True)
@@ -392,19 +465,23 @@ class LocalTier:
       except _UNREADABLE as e:  # the others still exchange
         error = f"{_DAMAGED}{type(e).__name__}: {e}"
       where = "its own local copy"
-    # Replica holders send to the processes that lost their copy, one shift at a time.
-    for shift in sorted({(p - s) % n for p, s in enumerate(plan.source) if s != p}):
+    # Replica holders send to the processes that lost their copy, one shift along the ring
+    # at a time.
+    ring = self.ring() if any(s != p for p, s in enumerate(plan.source)) else ()
+    pos = {p: i for i, p in enumerate(ring)}
+    for shift in sorted({(pos[p] - pos[s]) % n for p, s in enumerate(plan.source) if s != p}):
       send: list[np.ndarray] = []
-      target_p = (me + shift) % n
+      target_p = ring[(pos[me] + shift) % n]
       if plan.source[target_p] == me and target_p != me:
         try:
           send = [_blob.read_bytes(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"))]
         except _UNREADABLE as e:  # the receiver gets nothing and says so
           error = f"{type(e).__name__}: {e}"
-      got = _exchange.shift_parts(send, shift, f"{key}/x{shift}", self.timeout)
-      if plan.source[me] == (me - shift) % n and plan.source[me] != me:
+      got = _exchange.shift_parts(send, shift, f"{key}/x{shift}", self.timeout, order=ring)
+      source = ring[(pos[me] - shift) % n]
+      if plan.source[me] == source and source != me:
         blob = got
-        where = f"the replica held by process {plan.source[me]}"
+        where = f"the replica held by process {source}"
     items = None
     if not error:
       try:
@@ -428,6 +505,42 @@ class LocalTier:
     verdicts = _multihost.all_gather(f"{key}/ok", error, self.timeout,
                                      what="assemble the local step")
     return (plan.step, items, where) if not any(verdicts) else None, verdicts
+
+
+class _Sink:
+  """Writes a replica to ``path`` as its rounds arrive; a failure is kept, not raised, so
+  that this process still takes part in the rest of the exchange."""
+
+  def __init__(self, path: str | None):
+    self.error = "" if path is not None else "skipped"
+    self.fd = None
+    if path is not None:
+      try:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+      except OSError as e:
+        self.error = f"{type(e).__name__}: {e}"
+
+  def __call__(self, offset: int, chunk: np.ndarray) -> None:
+    if self.fd is None or self.error:
+      return
+    try:
+      view, done = memoryview(chunk), 0
+      while done < len(view):
+        done += os.pwrite(self.fd, view[done:], offset + done)
+    except OSError as e:
+      self.error = f"{type(e).__name__}: {e}"
+
+  def close(self) -> str:
+    """Fsyncs and closes; returns the error ("" if none; "skipped" is not an error)."""
+    if self.fd is not None:
+      try:
+        if not self.error:
+          os.fsync(self.fd)
+      except OSError as e:
+        self.error = f"{type(e).__name__}: {e}"
+      finally:
+        os.close(self.fd)
+    return "" if self.error == "skipped" else self.error
 
 
 def _write(path: str, data: bytes) -> None:
