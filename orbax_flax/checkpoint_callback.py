@@ -162,7 +162,8 @@ class CheckpointCallback(callbacks.Callback):
       self._local = local.LocalTier(self.policy.local_directory, run=self.manager.directory,
                                     replicas=self.policy.replicas,
                                     max_to_keep=self.policy.local_max_to_keep,
-                                    timeout_seconds=self.policy.coordination_timeout_seconds)
+                                    timeout_seconds=self.policy.coordination_timeout_seconds,
+                                    max_host_bytes=self.policy.max_host_bytes)
       self._local_schedule = schedule.LocalSchedule(self.policy.local_trigger(), clock=clock)
     self.metadata = dict(metadata or {})
     self.writer = writer

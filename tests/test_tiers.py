@@ -481,32 +481,40 @@ def test_a_failed_local_save_at_an_interval_raises_after_the_persistent_save_ran
     assert warn.manager.all_steps() == [2, 4]
 
 
+def _run_long(workdir, steps, flags):
+  """examples/train.py with 3 processes; a loaded 2-core machine needs minutes for it."""
+  p = ex.start(workdir, steps, n=3, devices=2, extra=flags)
+  out, _ = p.communicate(timeout=900)
+  assert p.returncode == 0, out[-5000:]
+  return out
+
+
 def test_three_processes_fall_back_together_from_a_damaged_local_header(tmp_path):
   """Process 1's own copy of the newest local step has a zeroed header, and the peer replica of
   it is damaged too: every process learns it at once, tries the replica, then reads the
-  persistent tier (step 8), within seconds rather than a coordination timeout."""
+  persistent tier (step 4), within seconds rather than a coordination timeout."""
   import glob  # pylint: disable=g-import-not-at-top
   local_dir = tmp_path / "local"
   flags = [f"--config.checkpoint.local_directory={local_dir}", "--config.batch_size=12",
            "--config.checkpoint.local_save_interval_steps=2",
            "--config.checkpoint.save_interval_steps=4", "--config.checkpoint.save_final_step=False"]
-  ex.run(tmp_path, 10, n=3, devices=2, extra=flags)
+  _run_long(tmp_path, 6, flags)  # persistent step 4, local step 6
   run = str(tmp_path / "checkpoints")
-  own = os.path.join(proc_dir(local_dir, 1, run), "10", local.OWN)
-  (replica,) = glob.glob(os.path.join(os.path.dirname(proc_dir(local_dir, 0, run)), "*", "10",
+  own = os.path.join(proc_dir(local_dir, 1, run), "6", local.OWN)
+  (replica,) = glob.glob(os.path.join(os.path.dirname(proc_dir(local_dir, 0, run)), "*", "6",
                                       "replica-1.blob"))
   with open(own, "r+b") as f:
     f.write(bytes(64))                 # the header: length and index
   with open(replica, "r+b") as f:
     f.truncate(40)                     # the replica: cut inside its index
-  out = ex.run(tmp_path, 12, n=3, devices=2, extra=flags)
+  out = _run_long(tmp_path, 7, flags)
   assert "trying the peers' replicas" in out and "the persistent tier is used" in out, out[-4000:]
 
   def when(i, what):  # the log time of process i's line saying `what`, in seconds
     h, m, s = re.search(rf"\[{i}\] [IWE]\d{{4}} (\d+):(\d+):([\d.]+) .*{what}", out).groups()
     return int(h) * 3600 + int(m) * 60 + float(s)
-  for i in range(3):  # every process tried the replica, then read persistent step 8
-    took = when(i, "restored step 8 \\(interval\\)") - when(i, "trying the peers' replicas")
+  for i in range(3):  # every process tried the replica, then read persistent step 4
+    took = when(i, "restored step 4 \\(interval\\)") - when(i, "trying the peers' replicas")
     assert 0 <= took < 10, (i, took)  # a process left behind would hold the others 600 s
   assert len(set(ex.done(out))) == 1
 
@@ -649,3 +657,70 @@ def test_a_damaged_local_header_falls_back_to_the_persistent_tier(tmp_path, dama
   assert cb.restored_step == 2 and float(got["w"][0]) == 2.0
   assert "from the local tier" not in caplog.text
   assert ("CheckpointCorruptedError" if damage != "record" else "COMMITTED: damaged") in caplog.text
+
+
+# ---------------------------------------------------------------- snapshots are snapshots
+
+def test_an_array_the_user_keeps_in_pinned_host_memory_is_snapshotted(tmp_path):
+  """save_async and host_snapshot return once the caller may donate its arrays: pinned ones too
+  (host-offloaded optimizer state), on the accelerator path (forced on CPU)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+  make = lambda: jax.device_put(jnp.arange(8 << 20, dtype=jnp.float32), pinned)  # noqa: E731
+  step = jax.jit(lambda x: x * 0 - 7, donate_argnums=0, out_shardings=pinned)
+  jax.block_until_ready(step(make()))  # compiled: the donation below runs at once
+  expected = np.asarray(make())
+  with ofx.Checkpointer(host_transfer="pinned_host") as ck:
+    w = make()
+    snap = ck.host_snapshot({"state": {"w": w}})  # what a step due in both tiers shares
+    jax.block_until_ready(step(w))
+    assert not snap["state"]["w"].is_deleted()
+    np.testing.assert_array_equal(np.asarray(snap["state"]["w"]), expected)
+    for k in range(3):  # a save in flight while the next step donates (32 MiB: a long write)
+      w = make()
+      handle = ck.save_async(str(tmp_path / str(k)), {"state": {"w": w}})
+      w = step(w)
+      jax.block_until_ready(w)
+      handle.wait()
+      np.testing.assert_array_equal(
+          np.asarray(ofx.restore(str(tmp_path / str(k)))["state"]["w"]), expected)
+
+
+_BUDGET_WORKER = r"""
+import json, os, sys
+import jax, jax.numpy as jnp
+import orbax_flax as ofx
+MiB = 1 << 20
+def kb(field):
+  for line in open("/proc/self/status"):
+    if line.startswith(field):
+      return int(line.split()[1]) * 1024
+root = sys.argv[1]
+pol = ofx.CheckpointPolicy(local_directory=os.path.join(root, "shm"), local_save_interval_steps=2,
+                           save_interval_steps=2, max_host_bytes=8 * MiB, save_final_step=False,
+                           save_on_preemption=False, save_on_exception=False)
+cb = ofx.CheckpointCallback(os.path.join(root, "run"), pol)
+cb.manager._ckptr.host_transfer = "pinned_host"  # the GPU/TPU path, forced on CPU
+state = cb.restore_or_init({f"w{i}": jnp.full((4 * MiB,), float(i)) for i in range(8)})  # 128 MiB
+jax.block_until_ready(state)
+open("/proc/self/clear_refs", "w").write("5")
+base = kb("VmRSS:")
+cb.on_step_end(2, state)
+cb.manager.wait()
+print("PEAK", (kb("VmHWM:") - base) // MiB)
+cb.close()
+"""
+
+
+def test_max_host_bytes_bounds_a_step_due_in_both_tiers(tmp_path):
+  """Peak host memory (VmHWM, fresh process) of a 128 MiB step saved to both tiers under an
+  8 MiB budget: no whole host copy of the state (it was 128 MiB)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  out = subprocess.run([sys.executable, "-c", _BUDGET_WORKER, str(tmp_path)], env=jobs.env_for(1),
+                       capture_output=True, text=True, timeout=300, check=True).stdout
+  peak = int(re.search(r"PEAK (-?\d+)", out).group(1))
+  assert peak < 48, peak  # MiB: the budget, the staging rounds and the round in flight

@@ -58,27 +58,48 @@ class LayoutChanged(ValueError):
 
 @dataclasses.dataclass
 class Blob:
-  """A local checkpoint of one process: ``header`` (magic, length, index), then ``pieces``."""
-  header: bytes
-  pieces: list[np.ndarray]  # uint8 views of the shards (and zero padding), in payload order
+  """A local checkpoint of one process before it is written: its index and its shards.
+
+  ``shards`` are what the index's entries name, in payload order: numpy arrays
+  or single-device ``jax.Array`` s, brought to the host only when written
+  (:func:`write`), in rounds within a budget. Their CRC-32Cs are filled in by
+  the writer, which seals the index last, into the space reserved for it.
+  """
+  index: dict[str, Any]
+  entries: list[dict[str, Any]]   # one per shard, in order (inside ``index``)
+  shards: list[Any]
+  payload_bytes: int
 
   @property
   def nbytes(self) -> int:
-    return len(self.header) + sum(p.nbytes for p in self.pieces)
+    return self.header_bytes() + self.payload_bytes
 
-  def parts(self) -> list[np.ndarray]:
-    return [np.frombuffer(self.header, np.uint8)] + self.pieces
+  def header_bytes(self) -> int:
+    """The length of the header (magic, length, sealed index), a multiple of :data:`ALIGN`."""
+    saved = [e["crc32c"] for e in self.entries]
+    for e in self.entries:  # the widest value each CRC can take
+      e["crc32c"] = [0xFFFFFFFF] * len(e["crc32c"])
+    n = _aligned(HEAD + len(_manifest.seal(_INDEX_MAGIC, json.dumps(self.index).encode())))
+    for e, crcs in zip(self.entries, saved):
+      e["crc32c"] = crcs
+    return n
+
+  def header(self, length: int) -> bytes:
+    """The header with the CRCs filled in, padded to exactly ``length`` bytes."""
+    body = json.dumps(self.index).encode()
+    pad = length - HEAD - len(_manifest.seal(_INDEX_MAGIC, body))
+    sealed = _manifest.seal(_INDEX_MAGIC, body + b" " * pad)  # JSON ignores trailing spaces
+    return MAGIC + struct.pack("<Q", len(sealed)) + sealed
+
+
+def _aligned(n: int) -> int:
+  return -(-n // ALIGN) * ALIGN
 
 
 def encode(step: int, items: Mapping[str, Any], *, run: str = "", timeline: str = "") -> Blob:
-  """This process's shards of ``items``: an index and views of the shard bytes (no copy on CPU).
-
-  Each shard's bytes carry one CRC-32C per :data:`SEGMENT` bytes, computed in
-  parallel, so that a restore checks each segment as it reads it, in parallel.
-  """
-  pieces: list[np.ndarray] = []
+  """The index of this process's shards of ``items``, and the shards; reads no array data."""
+  shards: list[Any] = []
   entries: list[dict[str, Any]] = []
-  shard_pieces: list[int] = []
   at = 0
   out_items = {}
   for item, tree in items.items():
@@ -95,66 +116,90 @@ def encode(step: int, items: Mapping[str, Any], *, run: str = "", timeline: str 
         raise _planning.deleted_leaf_error(item, path)
       rec, data = _planning.array_record(path, leaf, kind)
       boxes: dict[tuple, dict[str, Any]] = {}
-      shards = ([(_layout.slices_to_box(sh.index, data.shape), sh.device.id, sh.data)
-                 for sh in data.addressable_shards] if kind == "jax"
-                else [(tuple((0, n) for n in data.shape), None, data)])
-      for box, device, value in shards:
+      itemsize = np.dtype(data.dtype).itemsize
+      held = ([(_layout.slices_to_box(sh.index, data.shape), sh.device.id, sh.data)
+               for sh in data.addressable_shards] if kind == "jax"
+              else [(tuple((0, n) for n in data.shape), None, data)])
+      for box, device, value in held:
         entry = boxes.get(box)
         if entry is None:
-          raw = np.ascontiguousarray(np.asarray(value)).reshape(-1).view(np.uint8)
+          nbytes = int(np.prod(_layout.box_shape(box), dtype=np.int64)) * itemsize
           entry = boxes[box] = {"box": [list(b) for b in box], "devices": [], "offset": at,
-                                "nbytes": raw.nbytes}
-          shard_pieces.append(len(pieces))
-          pieces.append(raw)
+                                "nbytes": nbytes, "crc32c": [0] * -(-nbytes // SEGMENT)}
+          shards.append(value)
           entries.append(entry)
-          at += raw.nbytes
-          pad = -at % ALIGN
-          if pad:
-            pieces.append(np.zeros(pad, np.uint8))
-            at += pad
+          at = _aligned(at + nbytes)
         if device is not None:
           entry["devices"].append(device)
       rec["boxes"] = list(boxes.values())
       recs.append(rec)
     out_items[item] = {"structure": structure, "leaves": recs}
-  shards = [pieces[k] for k in shard_pieces]
-  segments = [(k, lo) for k, p in enumerate(shards) for lo in range(0, p.nbytes, SEGMENT)]
-  with concurrent.futures.ThreadPoolExecutor(WRITERS) as pool:  # ctypes CRC: no GIL
-    crcs = list(pool.map(lambda t: _crc.value(shards[t[0]][t[1]:t[1] + SEGMENT]), segments))
-  for entry in entries:
-    entry["crc32c"] = []
-  for (k, _), crc in zip(segments, crcs):
-    entries[k]["crc32c"].append(crc)
-  body = json.dumps({
-      "step": step, "run": run, "timeline": timeline, "process_index": jax.process_index(),
-      "process_count": jax.process_count(), "devices": sorted(d.id for d in jax.local_devices()),
-      "segment": SEGMENT, "items": out_items}).encode()
-  sealed = _manifest.seal(_INDEX_MAGIC, body)
-  pad = -(HEAD + len(sealed) + 1) % ALIGN + 1  # the JSON ends in spaces: the payload is aligned
-  sealed = _manifest.seal(_INDEX_MAGIC, body + b" " * pad)
-  return Blob(MAGIC + struct.pack("<Q", len(sealed)) + sealed, pieces)
+  index = {"step": step, "run": run, "timeline": timeline, "process_index": jax.process_index(),
+           "process_count": jax.process_count(),
+           "devices": sorted(d.id for d in jax.local_devices()), "segment": SEGMENT,
+           "items": out_items}
+  return Blob(index, entries, shards, at)
 
 
-def write_parts(path: str, parts: list[np.ndarray]) -> None:
-  """Writes ``parts`` one after another into ``path`` with parallel pwrites, then fsyncs."""
-  offsets, at = [], 0
-  for part in parts:
-    offsets.append(at)
-    at += part.nbytes
+def _host_bytes(value: Any) -> np.ndarray:
+  return np.ascontiguousarray(np.asarray(value)).reshape(-1).view(np.uint8)
+
+
+def write(path: str, blob: Blob, max_host_bytes: int = 0) -> int:
+  """Writes ``blob`` to ``path``: shards in rounds of at most ``max_host_bytes`` (0: one), each
+  brought to the host in one transfer and written by parallel pwrites that compute each
+  segment's CRC-32C on the way (one pass over the bytes); the header last; then fsyncs.
+
+  Returns the file's size.
+  """
+  head = blob.header_bytes()
   fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
   try:
-    os.ftruncate(fd, at)
+    os.ftruncate(fd, head + blob.payload_bytes)
+    sizes = [e["nbytes"] for e in blob.entries]
+    for window in (_layout.split_by_size(sizes, max_host_bytes) if max_host_bytes
+                   else [list(range(len(sizes)))]):
+      on_device = [k for k in window if isinstance(blob.shards[k], jax.Array)]
+      fetched = dict(zip(on_device, jax.device_get([blob.shards[k] for k in on_device])))
+      data = {k: _host_bytes(fetched.get(k, blob.shards[k])) for k in window}
 
-    def put(task: tuple[int, int]) -> None:  # one segment of a part (a large part is many)
-      k, lo = task
-      view = memoryview(parts[k]).cast("B")[lo:lo + SEGMENT]
-      done = 0
-      while done < len(view):
-        done += os.pwrite(fd, view[done:], offsets[k] + lo + done)
-    parallel(put, [(k, lo) for k, p in enumerate(parts) for lo in range(0, p.nbytes, SEGMENT)])
+      def put(task: tuple[int, int], data=data) -> None:  # one segment of a shard
+        k, j = task
+        view = data[k][j * SEGMENT:(j + 1) * SEGMENT]
+        blob.entries[k]["crc32c"][j] = _crc.value(view)
+        _pwrite(fd, view, head + blob.entries[k]["offset"] + j * SEGMENT)
+      parallel(put, [(k, j) for k in window for j in range(len(blob.entries[k]["crc32c"]))])
+      del data, fetched
+    _pwrite(fd, np.frombuffer(blob.header(head), np.uint8), 0)
     os.fsync(fd)
   finally:
     os.close(fd)
+  return head + blob.payload_bytes
+
+
+def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
+  view, done = memoryview(data).cast("B"), 0
+  while done < len(view):
+    done += os.pwrite(fd, view[done:], offset + done)
+
+
+class FileReader:
+  """Reads a blob's bytes from its file for a replica exchange, one round at a time
+  (:func:`orbax_flax.tiers._exchange.shift_parts`): nothing larger than a round is held."""
+
+  def __init__(self, path: str):
+    self._fd = os.open(path, os.O_RDONLY)
+    self.nbytes = os.fstat(self._fd).st_size
+
+  def fill(self, row: np.ndarray, lo: int) -> None:
+    """``row`` = bytes ``[lo, lo + len(row))`` of the file, zero past its end."""
+    n = max(0, min(row.size, self.nbytes - lo))
+    if n:
+      _cbytes.pread_exact(self._fd, memoryview(row)[:n], lo)
+    row[n:] = 0
+
+  def close(self) -> None:
+    os.close(self._fd)
 
 
 @dataclasses.dataclass
@@ -209,21 +254,6 @@ def read_blob(path: str, where: str) -> tuple[dict[str, Any], Payload]:
   finally:
     os.close(fd)
   return index, payload
-
-
-def read_bytes(path: str) -> np.ndarray:
-  """A whole file into one fresh buffer, by parallel preads."""
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    size = os.fstat(fd).st_size
-    out = np.empty(size, np.uint8)
-    view = memoryview(out)
-    parallel(lambda lo: _pread_into(fd, view[lo:lo + SEGMENT], lo,
-                                    f"{path}: shorter than expected"),
-             list(range(0, size, SEGMENT)))
-  finally:
-    os.close(fd)
-  return out
 
 
 def _pread_into(fd: int, view: memoryview, offset: int, short: str) -> None:

@@ -8,6 +8,7 @@ global ``uint8`` array over a mesh of one device per process, and a
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import numpy as np
@@ -43,7 +44,7 @@ def round_bytes(max_host_bytes: int = 0) -> int:
                                                                   max_host_bytes // 2))
 
 
-def _fill(row: np.ndarray, parts: list[np.ndarray], lo: int) -> None:
+def _fill(row: np.ndarray, lo: int, parts: list[np.ndarray]) -> None:
   """``row`` = bytes ``[lo, lo + len(row))`` of the concatenated ``parts`` (zero past the end)."""
   at, filled = 0, 0
   for p in parts:
@@ -56,10 +57,13 @@ def _fill(row: np.ndarray, parts: list[np.ndarray], lo: int) -> None:
   row[filled:] = 0
 
 
-def shift_parts(parts: list[np.ndarray], shift: int, key: str, timeout_s: float, *,
+def shift_parts(parts: Any, shift: int, key: str, timeout_s: float, *,
                 order: tuple[int, ...] | None = None, sink=None,
                 max_round_bytes: int = 0) -> np.ndarray | int:
-  """Sends the concatenation of ``parts`` (uint8 arrays) ``shift`` places along the ring.
+  """Sends the concatenation of ``parts`` ``shift`` places along the ring.
+
+  ``parts`` is a list of uint8 arrays, or a reader with ``nbytes`` and
+  ``fill(row, offset)`` (a file, sent one round at a time).
 
   The ring is ``order`` (process indices; default: by index): the process at
   position ``i`` sends to position ``i + shift`` and receives from ``i - shift``.
@@ -75,10 +79,11 @@ def shift_parts(parts: list[np.ndarray], shift: int, key: str, timeout_s: float,
   """
   n, me = jax.process_count(), jax.process_index()
   order = tuple(range(n)) if order is None else tuple(order)
-  size = sum(p.nbytes for p in parts)
+  fill = parts.fill if hasattr(parts, "fill") else functools.partial(_fill, parts=parts)
+  size = parts.nbytes if hasattr(parts, "fill") else sum(p.nbytes for p in parts)
   if n == 1 or shift % n == 0:
-    whole = np.concatenate([p.reshape(-1).view(np.uint8) for p in parts]) if parts else np.zeros(
-        0, np.uint8)
+    whole = np.empty(size, np.uint8)
+    fill(whole, 0)
     if sink is None:
       return whole
     sink(0, whole)
@@ -96,7 +101,7 @@ def shift_parts(parts: list[np.ndarray], shift: int, key: str, timeout_s: float,
   out = np.empty(incoming, np.uint8) if sink is None else None
   row = np.empty(width, np.uint8)
   for lo in range(0, largest, width):
-    _fill(row, parts, lo)
+    fill(row, lo)
     local = jax.device_put(row.reshape(1, width), mesh.devices[pos])
     x = jax.make_array_from_single_device_arrays((n, width), sharding, [local])
     got = np.asarray(move(x).addressable_shards[0].data)[0]

@@ -289,20 +289,28 @@ class LocalTier:
     key = self._next_key(f"save{step}")
     tmp = self._dir(step) + _TMP
     error = ""
-    parts: list[np.ndarray] = []
     try:
-      parts = _blob.encode(step, items, run=self.run, timeline=timeline).parts()
+      blob = _blob.encode(step, items, run=self.run, timeline=timeline)
       shutil.rmtree(tmp, ignore_errors=True)
       os.makedirs(tmp)
-      _blob.write_parts(os.path.join(tmp, OWN), parts)
+      _blob.write(os.path.join(tmp, OWN), blob, self.max_host_bytes)
     except (OSError, ValueError, TypeError) as e:
       error = f"{type(e).__name__}: {e}"
     ring = self.ring() if self.replicas else ()
     for k in range(1, self.replicas + 1):  # every process takes part, even after a failure
       source = ring[(ring.index(me) - k) % n]
       sink = _Sink(None if error else os.path.join(tmp, f"replica-{source}.blob"))
-      _exchange.shift_parts(parts, k, f"{key}/x{k}", self.timeout, order=ring, sink=sink,
-                            max_round_bytes=_exchange.round_bytes(self.max_host_bytes))
+      reader = None
+      try:  # the own copy is sent from its file (in RAM), one round at a time
+        reader = None if error else _blob.FileReader(os.path.join(tmp, OWN))
+      except OSError as e:
+        error = f"{type(e).__name__}: {e}"
+      try:
+        _exchange.shift_parts(reader or [], k, f"{key}/x{k}", self.timeout, order=ring,
+                              sink=sink, max_round_bytes=_exchange.round_bytes(self.max_host_bytes))
+      finally:
+        if reader is not None:
+          reader.close()
       error = error or sink.close()
     if not error:
       try:
@@ -470,14 +478,19 @@ class LocalTier:
     ring = self.ring() if any(s != p for p, s in enumerate(plan.source)) else ()
     pos = {p: i for i, p in enumerate(ring)}
     for shift in sorted({(pos[p] - pos[s]) % n for p, s in enumerate(plan.source) if s != p}):
-      send: list[np.ndarray] = []
+      send: Any = []
       target_p = ring[(pos[me] + shift) % n]
       if plan.source[target_p] == me and target_p != me:
-        try:
-          send = [_blob.read_bytes(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"))]
+        try:  # sent from its file, one round at a time
+          send = _blob.FileReader(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"))
         except _UNREADABLE as e:  # the receiver gets nothing and says so
           error = f"{type(e).__name__}: {e}"
-      got = _exchange.shift_parts(send, shift, f"{key}/x{shift}", self.timeout, order=ring)
+      try:
+        got = _exchange.shift_parts(send, shift, f"{key}/x{shift}", self.timeout, order=ring,
+                                    max_round_bytes=_exchange.round_bytes(self.max_host_bytes))
+      finally:
+        if not isinstance(send, list):
+          send.close()
       source = ring[(pos[me] - shift) % n]
       if plan.source[me] == source and source != me:
         blob = got
