@@ -8,6 +8,7 @@ import pytest
 
 from orbax_flax.tiers import _blob
 from orbax_flax.tiers import local
+from orbax_flax.tiers import placement
 
 import jobs
 import tier_worker
@@ -18,21 +19,21 @@ def _run(mode, d, n=4, devices=2, extra=()):
 
 
 def test_plan_picks_the_newest_step_every_process_can_get():
-  H = local.Holdings
+  H = placement.Holdings
   # Process 2 lost its disk: step 3 comes from process 3, which holds its replica.
   h = [H([2, 3], {3: [2, 3]}, 4), H([2, 3], {0: [2, 3]}, 4), H([], {1: [2, 3]}, 4),
        H([2, 3], {2: [2, 3]}, 4)]
-  assert local.plan_restore(h, None) == local.RestorePlan(3, (0, 1, 3, 3))
-  assert local.plan_restore(h, 3) is None  # the persistent tier has step 3 already
+  assert placement.plan_restore(h, None) == placement.RestorePlan(3, (0, 1, 3, 3))
+  assert placement.plan_restore(h, 3) is None  # the persistent tier has step 3 already
   # Processes 1 and 2 both lost theirs: 1's replica was on 2. Nothing assembles.
   h[1] = H([], {0: [2, 3]}, 4)
   h[2] = H([], {}, 4)
-  assert local.plan_restore(h, None) is None
+  assert placement.plan_restore(h, None) is None
   # A step some process never committed does not count.
   h = [H([5, 6], {1: [5, 6]}, 2), H([5], {0: [5, 6]}, 2)]
-  assert local.plan_restore(h, None).step == 6  # 1's step 6 from process 0's replica
+  assert placement.plan_restore(h, None).step == 6  # 1's step 6 from process 0's replica
   h = [H([5, 6], {1: [5]}, 2), H([5], {0: [5, 6]}, 2)]
-  assert local.plan_restore(h, None).step == 5
+  assert placement.plan_restore(h, None).step == 5
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +78,14 @@ def test_a_safe_replica_ring_survives_the_loss_of_any_replicas_hosts(hosts, repl
   """No I/O: the ring's placement, then every choice of lost hosts, through plan_restore."""
   import itertools  # pylint: disable=g-import-not-at-top
   n = len(hosts)
-  ring, warning = local.replica_ring(list(hosts), replicas)
+  ring, warning = placement.replica_ring(list(hosts), replicas)
   assert sorted(ring) == list(range(n))
-  held = [local.Holdings([7], {}, n) for _ in range(n)]
+  held = [placement.Holdings([7], {}, n) for _ in range(n)]
   for i, p in enumerate(ring):  # what a save leaves: p's blob on the next `replicas` of the ring
     for k in range(1, replicas + 1):
       held[ring[(i + k) % n]].replicas[p] = [7]
   survives = all(
-      local.plan_restore([local.Holdings([], {}, n) if hosts[p] in lost else held[p]
+      placement.plan_restore([placement.Holdings([], {}, n) if hosts[p] in lost else held[p]
                           for p in range(n)], None) is not None
       for lost in itertools.combinations(sorted(set(hosts)), min(replicas, len(set(hosts)))))
   assert survives == (not warning), (ring, warning)

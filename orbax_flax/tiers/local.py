@@ -26,7 +26,8 @@ reports, the newest step every process can get (its own blob, else a peer's
 replica of it), and the processes whose own copy is missing receive it from a
 replica holder with the same collective. Every process learns every other's
 verdict, so a damaged copy anywhere sends all to the replica, then to the
-persistent tier, together. See :func:`plan_restore`.
+persistent tier, together. Where copies go and which to read:
+:mod:`orbax_flax.tiers.placement`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ from orbax_flax import _progress
 from orbax_flax import errors
 from orbax_flax.tiers import _blob
 from orbax_flax.tiers import _exchange
+from orbax_flax.tiers import placement
+from orbax_flax.tiers.placement import Holdings
+from orbax_flax.tiers.placement import RestorePlan
 
 log = logging.getLogger("orbax_flax")
 
@@ -64,111 +68,6 @@ _MISMATCH = "target mismatch: "
 # process learns, so that all fall back together instead of one raising and the rest waiting.
 _UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, OverflowError, MemoryError,
                struct.error)
-
-
-@dataclasses.dataclass
-class Holdings:
-  """What one process holds in its local directory."""
-  own: list[int]
-  replicas: dict[int, list[int]]  # process -> steps of its blob held here
-  process_count: int
-
-  def to_json(self) -> str:
-    return json.dumps({"own": self.own, "replicas": {str(k): v for k, v in self.replicas.items()},
-                       "n": self.process_count})
-
-  @classmethod
-  def from_json(cls, text: str) -> "Holdings":
-    d = json.loads(text)
-    return cls(d["own"], {int(k): v for k, v in d["replicas"].items()}, d["n"])
-
-
-@dataclasses.dataclass(frozen=True)
-class RestorePlan:
-  """Where each process gets step ``step`` from: its own copy or a replica holder."""
-  step: int
-  source: tuple[int, ...]  # source[p]: the process whose local directory holds p's blob
-
-
-def plan_restore(holdings: list[Holdings], newer_than: int | None) -> RestorePlan | None:
-  """The newest step every process can get, if newer than ``newer_than``; pure.
-
-  Example:
-    >>> h = [Holdings([10, 20], {1: [20]}, 2), Holdings([10], {0: [10, 20]}, 2)]
-    >>> plan_restore(h, None)       # process 1 lost step 20; process 0 holds its replica
-    RestorePlan(step=20, source=(0, 0))
-    >>> plan_restore(h, 20) is None
-    True
-  """
-  n = len(holdings)
-  if any(h.process_count != n for h in holdings):
-    return None
-  candidates = sorted({s for h in holdings for s in h.own} |
-                      {s for h in holdings for v in h.replicas.values() for s in v}, reverse=True)
-  for step in candidates:
-    if newer_than is not None and step <= newer_than:
-      return None
-    source = []
-    for p in range(n):
-      if step in holdings[p].own:
-        source.append(p)
-        continue
-      holder = next((r for r in range(n) if step in holdings[r].replicas.get(p, [])), None)
-      if holder is None:
-        break
-      source.append(holder)
-    if len(source) == n:
-      return RestorePlan(step, tuple(source))
-  return None
-
-
-HOST_ENV = "ORBAX_FLAX_HOST"  # overrides the host name a process reports (see LocalTier)
-
-
-def replica_ring(hosts: list[str], replicas: int) -> tuple[tuple[int, ...], str]:
-  """The ring of processes replicas travel along, and a warning ("" if none is due).
-
-  Process ``ring[i]`` keeps the replicas of ``ring[i - 1]``, ..., ``ring[i -
-  replicas]``. The ring interleaves hosts so that every ``replicas + 1``
-  consecutive processes are on distinct hosts: then each process's copies are
-  on ``replicas`` hosts other than its own, and losing any ``replicas`` hosts
-  loses no local step. Where ``hosts`` allow no such ring (one host, fewer
-  hosts than ``replicas + 1``, or too many processes on one host), the warning
-  says so.
-
-  Example:
-    >>> replica_ring(["a", "a", "b", "b"], 1)   # process 0's replica goes to host b
-    ((0, 2, 1, 3), '')
-    >>> replica_ring(["a", "a"], 1)[1][:40]
-    'replicas=1 needs processes on 2 hosts; a'
-  """
-  n = len(hosts)
-  if n < 2 or not replicas:
-    return tuple(range(n)), ""
-  groups: dict[str, list[int]] = {}
-  for p, h in enumerate(hosts):
-    groups.setdefault(h, []).append(p)
-  ordered = sorted(groups.values(), key=lambda g: (-len(g), g[0]))
-  flat = [p for g in ordered for p in g]
-  robin = [g[i] for i in range(len(ordered[0])) for g in ordered if i < len(g)]
-  stride = [None] * n
-  slots = [j for r in range(replicas + 1) for j in range(r, n, replicas + 1)]
-  for j, p in zip(slots, flat):
-    stride[j] = p
-  def safe(ring):
-    return all(len({hosts[ring[(i + k) % n]] for k in range(replicas + 1)}) == replicas + 1
-               for i in range(n))
-  for ring in (robin, stride):
-    if safe(ring):
-      return tuple(ring), ""
-  if len(groups) < replicas + 1:
-    why = (f"replicas={replicas} needs processes on {replicas + 1} hosts; all {n} processes are"
-           f" on {len(groups)} ({', '.join(sorted(groups))})")
-  else:
-    why = (f"the {n} processes are spread over hosts {dict((h, len(g)) for h, g in groups.items())}"
-           f" too unevenly for each one's {replicas} replica(s) to sit on other hosts")
-  return tuple(robin), (why + ": a local step survives losing a process's local directory, not"
-                        " necessarily a whole host")
 
 
 def run_dir(run: str) -> str:
@@ -229,8 +128,8 @@ class LocalTier:
     timeout_seconds: how long a process waits for the others (every wait of
       the tier names the processes it waits for when it times out).
     host: the host this process runs on, which replica placement spreads over
-      (:func:`replica_ring`); default: the ``ORBAX_FLAX_HOST`` environment
-      variable, else ``socket.gethostname()``. The first save or restore
+      (:func:`~orbax_flax.tiers.placement.replica_ring`); default: the
+      ``ORBAX_FLAX_HOST`` environment variable, else ``socket.gethostname()``. The first save or restore
       gathers every process's host and warns when the topology cannot keep
       each process's replicas on other hosts.
     max_host_bytes: a budget for the host buffers of a replica exchange (0:
@@ -255,17 +154,19 @@ class LocalTier:
     self.timeout = timeout_seconds
     self._key = _multihost.namespace("local_tier")
     self._calls = 0
-    self.host = host if host is not None else (os.environ.get(HOST_ENV) or socket.gethostname())
+    self.host = host if host is not None else (os.environ.get(placement.HOST_ENV)
+                                               or socket.gethostname())
     self.max_host_bytes = max_host_bytes
     self._ring: tuple[int, ...] | None = None
 
   def ring(self) -> tuple[int, ...]:
-    """The replica ring (:func:`replica_ring`) of this job's hosts; collective on first call."""
+    """The replica ring (:func:`~orbax_flax.tiers.placement.replica_ring`) of this job's
+    hosts; collective on its first call."""
     if self._ring is None:
       n = jax.process_count()
       hosts = (_multihost.all_gather(f"{self._key}/hosts", self.host, self.timeout,
                                      what="report its host") if n > 1 else [self.host])
-      self._ring, warning = replica_ring(hosts, self.replicas)
+      self._ring, warning = placement.replica_ring(hosts, self.replicas)
       if warning:
         log.warning("local tier: %s", warning)
     return self._ring
@@ -424,7 +325,7 @@ class LocalTier:
       return None
     options = dict(partial=partial, allow_lossy_casts=allow_lossy_casts, optional=optional)
     for attempt in range(n + 1):
-      plan = plan_restore(holdings, newer_than)
+      plan = placement.plan_restore(holdings, newer_than)
       if plan is None:
         held = sorted({s for h in holdings for s in h.own})
         _progress.say("local tier: no step that every process can get (own copy or a peer's"

@@ -10,9 +10,7 @@ runs 100+ kill points and many more damaged bytes.
 import os
 import random
 import re
-import signal
 import sys
-import time
 
 import jax
 import numpy as np
