@@ -310,6 +310,8 @@ class LocalTier:
     """
     n = jax.process_count()
     key = self._next_key("restore")
+    if self.replicas:
+      self.ring()  # at start-up: a topology that cannot keep replicas on other hosts is named
     try:
       mine = self.holdings(timeline)
     except OSError as e:  # an unreadable local directory holds nothing: the others go on
