@@ -340,7 +340,9 @@ class LocalTier:
       if mismatch is not None:  # every process raises, as the persistent tier would
         if casts is not None:
           casts.extend(found)
-        message = mismatch.removeprefix(_MISMATCH)
+        kind, _, message = mismatch.removeprefix(_MISMATCH).partition(": ")
+        if kind != "TreeMismatchError":  # a target sharding that cannot hold its array
+          raise ValueError(message)
         raise errors.TreeMismatchError(message, [l.strip() for l in message.splitlines()[1:]])
       damaged = [p for p, v in enumerate(verdicts) if v.startswith(_DAMAGED)]
       bad = [f"process {p}: {v.removeprefix(_DAMAGED)}" for p, v in enumerate(verdicts) if v]
@@ -412,7 +414,7 @@ class LocalTier:
                         casts=casts, source=f"local step {plan.step} ({self.root})",
                         partial=options["partial"], allow_lossy_casts=options["allow_lossy_casts"])
       except (errors.TreeMismatchError, ValueError) as e:
-        error = f"{_MISMATCH}{e}"
+        error = f"{_MISMATCH}{type(e).__name__}: {e}"
     if not error:
       try:
         items = _blob.build(m, index, payload)
