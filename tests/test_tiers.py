@@ -164,7 +164,7 @@ def test_tiered_run_preempted_then_a_replaced_host_resumes_from_local_and_the_re
   ex.read_until(p, r"\[3\] .*step 5: loss")
   kids = psutil.Process(p.pid).children()
   next(c for c in kids if c.environ().get("JAX_PROCESS_ID") == "1").send_signal(signal.SIGTERM)
-  out, _ = p.communicate(timeout=180)
+  out, _ = p.communicate(timeout=600)
   assert p.returncode == 0, out[-5000:]
   saved = ex.commits(out, "preemption")  # only process 1 was told; all four save one step
   assert len(saved) == 4 and len(set(saved)) == 1, saved
@@ -175,7 +175,7 @@ def test_tiered_run_preempted_then_a_replaced_host_resumes_from_local_and_the_re
   assert os.listdir(local_dir) == [local.run_dir(run)]
   assert sorted(os.listdir(os.path.dirname(proc_dir(local_dir, 0, run)))) == [f"process_{i}" for i in range(4)]
   shutil.rmtree(proc_dir(local_dir, 2, run))  # host 2 comes back with an empty local disk
-  out = ex.run(tmp_path, step + 2, n=4, devices=2, extra=_tiered(local_dir))
+  out = _run_long(tmp_path, step + 2, _tiered(local_dir), n=4)
   for i in (0, 1, 3):
     assert re.search(rf"\[{i}\] .*restored step {step} from the local tier .*process {i} read its"
                      r" own local copy", out), out[-4000:]
@@ -482,9 +482,9 @@ def test_a_failed_local_save_at_an_interval_raises_after_the_persistent_save_ran
     assert warn.manager.all_steps() == [2, 4]
 
 
-def _run_long(workdir, steps, flags):
-  """examples/train.py with 3 processes; a loaded 2-core machine needs minutes for it."""
-  p = ex.start(workdir, steps, n=3, devices=2, extra=flags)
+def _run_long(workdir, steps, flags, n=3):
+  """examples/train.py with n processes; a loaded 2-core machine needs minutes for it."""
+  p = ex.start(workdir, steps, n=n, devices=2, extra=flags)
   out, _ = p.communicate(timeout=900)
   assert p.returncode == 0, out[-5000:]
   return out
