@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 import test_kills  # noqa: E402  pylint: disable=wrong-import-position
 
 LONG = os.environ.get("ORBAX_FLAX_FAULTS") == "long"
-KILLS = 110 if LONG else 2
+KILLS = 110 if LONG else 1
 DAMAGES = 40 if LONG else 4  # damaged copies per file and kind
 
 
