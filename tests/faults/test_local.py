@@ -29,7 +29,7 @@ import test_kills  # noqa: E402  pylint: disable=wrong-import-position
 
 LONG = os.environ.get("ORBAX_FLAX_FAULTS") == "long"
 KILLS = 110 if LONG else 1
-DAMAGES = 40 if LONG else 4  # damaged copies per file and kind
+DAMAGES = 200 if LONG else 4  # damaged copies per file and kind
 
 
 def test_sigkill_during_local_saves_with_replicas_and_retention(tmp_path):
