@@ -167,17 +167,18 @@ def write(path: str, blob: Blob, max_host_bytes: int = 0) -> int:
         k, j = task
         view = data[k][j * SEGMENT:(j + 1) * SEGMENT]
         blob.entries[k]["crc32c"][j] = _crc.value(view)
-        _pwrite(fd, view, head + blob.entries[k]["offset"] + j * SEGMENT)
+        pwrite(fd, view, head + blob.entries[k]["offset"] + j * SEGMENT)
       parallel(put, [(k, j) for k in window for j in range(len(blob.entries[k]["crc32c"]))])
       del data, fetched
-    _pwrite(fd, np.frombuffer(blob.header(head), np.uint8), 0)
+    pwrite(fd, np.frombuffer(blob.header(head), np.uint8), 0)
     os.fsync(fd)
   finally:
     os.close(fd)
   return head + blob.payload_bytes
 
 
-def _pwrite(fd: int, data: np.ndarray, offset: int) -> None:
+def pwrite(fd: int, data: np.ndarray, offset: int) -> None:
+  """All of ``data`` into ``fd`` at ``offset``."""
   view, done = memoryview(data).cast("B"), 0
   while done < len(view):
     done += os.pwrite(fd, view[done:], offset + done)
@@ -194,8 +195,9 @@ class FileReader:
   def fill(self, row: np.ndarray, lo: int) -> None:
     """``row`` = bytes ``[lo, lo + len(row))`` of the file, zero past its end."""
     n = max(0, min(row.size, self.nbytes - lo))
-    if n:
-      _cbytes.pread_exact(self._fd, memoryview(row)[:n], lo)
+    view = memoryview(row)
+    parallel(lambda at: _cbytes.pread_exact(self._fd, view[at:min(n, at + SEGMENT)], lo + at),
+             list(range(0, n, SEGMENT)))
     row[n:] = 0
 
   def close(self) -> None:

@@ -441,10 +441,9 @@ class _Sink:
   def __call__(self, offset: int, chunk: np.ndarray) -> None:
     if self.fd is None or self.error:
       return
-    try:
-      view, done = memoryview(chunk), 0
-      while done < len(view):
-        done += os.pwrite(self.fd, view[done:], offset + done)
+    try:  # parallel pwrites, as for the own copy
+      _blob.parallel(lambda lo: _blob.pwrite(self.fd, chunk[lo:lo + _blob.SEGMENT], offset + lo),
+                     list(range(0, chunk.size, _blob.SEGMENT)))
     except OSError as e:
       self.error = f"{type(e).__name__}: {e}"
 
