@@ -736,7 +736,8 @@ def _mp_tiers(state, root, nproc, reps, res):
   local_root = "/dev/shm" if os.path.isdir("/dev/shm") else root
   for replicas in sorted({0, min(1, nproc - 1)}):
     tier = local.LocalTier(os.path.join(local_root, f"ofx-bench-local{nproc}-r{replicas}"),
-                           replicas=replicas, max_to_keep=1)
+                           run=os.path.join(root, "local-bench"), replicas=replicas,
+                           max_to_keep=1)
     saves, restores = [], []
     for rep in range(reps):
       multihost_utils.sync_global_devices(f"local{replicas}-{rep}")

@@ -274,8 +274,6 @@ class _Template:
           value_slots[item].append((len(records), i))
           records.append(None)
           continue
-        if kind == "numpy" and not leaf.dtype.isnative:
-          leaf = leaf.astype(leaf.dtype.newbyteorder("="))  # stored little-endian, as named
         rec = _plan_array(item, f"a{i}", path, leaf, kind, me, load, pack_sizes, packed, pieces,
                           lambda k, item=item, i=i: _Ref(item, i, k))
         records.append(rec)
@@ -295,10 +293,7 @@ class _Template:
     for item, values in leaves.items():
       for i, leaf in enumerate(values):
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
-          raise errors.UnsupportedLeafError(
-              f"Cannot save leaf {item}/{_tree.path_str(self.leaf_paths[item][i])}: its jax.Array"
-              " was deleted (donated to a jitted function?). Save the state before donating it,"
-              " or save the arrays the function returned.")
+          raise deleted_leaf_error(item, self.leaf_paths[item][i])
     items_meta = {}
     for item, meta in self.items_meta.items():
       records = list(meta["leaves"])
@@ -306,8 +301,7 @@ class _Template:
         value = leaves[item][i]
         if _tree.leaf_kind(value) != "value":  # same type signature, other kind (cannot happen)
           raise TypeError(f"{item}/{_tree.path_str(self.leaf_paths[item][i])}: unexpected leaf")
-        records[r] = {"path": list(self.leaf_paths[item][i]), "kind": "value",
-                      "value": _tree.encode_value(value)}
+        records[r] = value_record(self.leaf_paths[item][i], value)
       items_meta[item] = dict(meta, leaves=records)
     shards: dict[tuple[str, int], Any] = {}  # (item, leaf) -> the leaf, or its addressable shards
 
@@ -361,25 +355,59 @@ def _pack_pieces(item: str, size: int, sources: list[Source]) -> list[Piece]:
   return pieces
 
 
-def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me: int,
-                load: list[int], pack_sizes: list[int], packed: list[Source],
-                pieces: list[Piece], ref: Any) -> dict[str, Any]:
-  """The record of one array, and this process's pieces of it (sources as ``ref(k)``)."""
+def array_record(path: _tree.Path, leaf: Any, kind: str) -> tuple[dict[str, Any], Any]:
+  """The record every tier keeps of an array leaf, and the array whose bytes are stored.
+
+  The one encoding of an array's identity (key path, shape, dtype, PRNG key
+  implementation) that :func:`orbax_flax.restoring.match_target` checks a
+  target against; where the bytes go is up to the tier. PRNG keys are stored
+  as their key data; numpy arrays in little-endian byte order.
+
+  Example:
+    >>> rec, data = array_record(("w",), np.zeros((2, 3), ">f4"), "numpy")
+    >>> rec["shape"], rec["dtype"], rec["nbytes"], data.dtype.isnative
+    ([2, 3], 'float32', 24, True)
+  """
   rec: dict[str, Any] = {"path": list(path), "kind": kind}
   if kind == "jax" and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
     rec.update(key_impl=str(jax.random.key_impl(leaf)), key_shape=list(leaf.shape))
     leaf = jax.random.key_data(leaf)
+  elif kind == "numpy" and not leaf.dtype.isnative:
+    leaf = leaf.astype(leaf.dtype.newbyteorder("="))  # stored little-endian, as named
+  shape = tuple(int(s) for s in leaf.shape)
+  dtype = np.dtype(leaf.dtype)
+  rec.update(shape=list(shape), dtype=dtype.name, stored_dtype=_tsio.stored_dtype(dtype),
+             nbytes=math.prod(shape) * dtype.itemsize)
+  return rec, leaf
+
+
+def value_record(path: _tree.Path, value: Any) -> dict[str, Any]:
+  """The record of an inline value leaf (a scalar, str, bytes), as every tier keeps it."""
+  return {"path": list(path), "kind": "value", "value": _tree.encode_value(value)}
+
+
+def deleted_leaf_error(item: str, path: _tree.Path) -> errors.UnsupportedLeafError:
+  return errors.UnsupportedLeafError(
+      f"Cannot save leaf {item}/{_tree.path_str(path)}: its jax.Array was deleted (donated to a"
+      " jitted function?). Save the state before donating it, or save the arrays the function"
+      " returned.")
+
+
+def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me: int,
+                load: list[int], pack_sizes: list[int], packed: list[Source],
+                pieces: list[Piece], ref: Any) -> dict[str, Any]:
+  """The record of one array, and this process's pieces of it (sources as ``ref(k)``)."""
+  rec, leaf = array_record(path, leaf, kind)
   sharding = leaf.sharding if kind == "jax" else None
   if sharding is not None and len(load) > 1 and leaf.is_fully_addressable:
     # A process-local array (e.g. jnp.int32(0)) in a multi-process job: like a
     # numpy leaf, every process holds its own copy, assumed identical.
     sharding = None
     rec["sharding"] = {"type": "process-local", "text": "process-local (same on every process)"}
-  shape = tuple(int(s) for s in leaf.shape)
+  shape = tuple(rec["shape"])
   dtype = np.dtype(leaf.dtype)
-  nbytes = math.prod(shape) * dtype.itemsize
-  rec.update(name=name, shape=list(shape), dtype=dtype.name,
-             stored_dtype=_tsio.stored_dtype(dtype), nbytes=nbytes)
+  nbytes = rec["nbytes"]
+  rec["name"] = name
   rec.setdefault("sharding", _manifest.describe_sharding(sharding))
   if nbytes == 0:
     rec.update(chunk_shape=list(shape), owners=[])

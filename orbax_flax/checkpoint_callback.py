@@ -81,6 +81,12 @@ _CURRENT = object()  # _items: take the data iterator's state now
 _FAILED_AGREEMENT_S = 3.0
 
 
+def _log_casts(casts: list) -> None:
+  for where, saved, wanted, exact in casts:
+    log.warning("resume: %s converted from %s (checkpoint) to %s (this run's state)%s", where,
+                saved, wanted, "" if exact else ", losing information (allow_lossy_casts)")
+
+
 class CheckpointCallback(callbacks.Callback):
   """Saves on the checkpoint policy, on preemption and on errors; resumes on start.
 
@@ -110,9 +116,11 @@ class CheckpointCallback(callbacks.Callback):
     self._local_schedule = None
     if self.policy.local_tier:
       from orbax_flax.tiers import local, schedule  # pylint: disable=g-import-not-at-top
-      self._local = local.LocalTier(self.policy.local_directory, replicas=self.policy.replicas,
+      self._local = local.LocalTier(self.policy.local_directory, run=self.manager.directory,
+                                    replicas=self.policy.replicas,
                                     max_to_keep=self.policy.local_max_to_keep,
-                                    timeout_seconds=self.policy.coordination_timeout_seconds)
+                                    timeout_seconds=self.policy.coordination_timeout_seconds,
+                                    max_host_bytes=self.policy.max_host_bytes)
       self._local_schedule = schedule.LocalSchedule(self.policy.local_trigger(), clock=clock)
     self.metadata = dict(metadata or {})
     self.writer = writer
@@ -195,12 +203,19 @@ class CheckpointCallback(callbacks.Callback):
     if self._data is not None:
       target[DATA_ITEM] = None
     newer_than = None if persistent_latest is None else persistent_latest - 1
-    got = self._local.restore(target, newer_than=newer_than)
-    if got is None and self._data is not None:  # saved without a data position: try without
-      target.pop(DATA_ITEM)
-      got = self._local.restore(target, newer_than=newer_than)
+    # The target is checked as the persistent tier checks it: a TreeMismatchError is raised.
+    options = dict(newer_than=newer_than, timeline=self.manager.timeline,
+                   allow_lossy_casts=self.policy.allow_lossy_casts)
+    casts: list = []
+    try:  # a step saved without a data position restores without one
+      got = self._local.restore(target, casts=casts, optional=(DATA_ITEM,), **options)
+    except (errors.StorageError, TimeoutError) as e:  # the local tier never stops a start
+      log.error("local tier: cannot resume from %s (%s); reading the persistent tier",
+                self.policy.local_directory, e)
+      got = None
     if got is None:
       return None
+    _log_casts(casts)
     step, restored, where = got
     data = restored.pop(DATA_ITEM, None)
     state = state_items.from_items(state, restored)
@@ -226,9 +241,7 @@ class CheckpointCallback(callbacks.Callback):
         casts: list = []
         restored = self.manager.restore(step, target, allow_lossy_casts=self.policy.allow_lossy_casts,
                                         casts=casts)
-        for where, saved, wanted, exact in casts:
-          log.warning("resume: %s converted from %s (checkpoint) to %s (this run's state)%s", where,
-                      saved, wanted, "" if exact else ", losing information (allow_lossy_casts)")
+        _log_casts(casts)
         error = None
       except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
         error = e
@@ -387,29 +400,38 @@ class CheckpointCallback(callbacks.Callback):
       items = self._items(step, state)  # one gather of the data positions for both tiers
       if local_due and reason is not None:  # one copy to host memory for both tiers
         items = self.manager.host_snapshot(items)
-      if local_due:
-        self._save_local(step, items)
+      failed = self._save_local(step, items) if local_due else None
       if reason is not None:
         self._save(step, state, metrics, reason, items=items, since=entered)
+      if failed is not None:  # a failing local tier never costs the persistent save
+        self._save_failed(failed)
     return False
 
-  def _save_local(self, step: int, items: dict[str, Any]) -> None:
-    """A local-tier save: this process's shards to its own disk and its replicas' (collective)."""
+  def _save_local(self, step: int, items: dict[str, Any]) -> errors.StorageError | None:
+    """A local-tier save: this process's shards to its own disk and its replicas' (collective).
+
+    Returns the error of a failed local save (logged here) instead of raising
+    it, so that the persistent save of the same step runs first; the caller
+    then handles it like a persistent failure (``on_save_error``).
+    """
     try:
-      seconds = self._local.save(step, items)
-      self._local_schedule.record(step, seconds)
-      interval = self._local_schedule.interval_s()
-      log.info("local checkpoint step %d committed in %.3f s (%s, %d replica(s))%s", step, seconds,
-               self.policy.local_directory, self._local.replicas,
-               "" if interval is None else f"; local_save_interval=auto: next in {interval:.1f} s,"
-               f" a failure loses {interval / 2:.1f} s of work on average")
-      if self.writer is not None:
-        scalars = {"checkpoint/local_s": seconds}
-        if interval is not None:
-          scalars["checkpoint/local_expected_loss_s"] = interval / 2
-        self.writer.write_scalars(step, scalars)
-    except errors.StorageError as e:
-      self._save_failed(e)
+      seconds = self._local.save(step, items, timeline=self.manager.timeline)
+    except (errors.StorageError, TimeoutError) as e:
+      log.error("local checkpoint of step %d failed (%s); the persistent tier is not affected: %s",
+                step, self.policy.local_directory, e)
+      return e if isinstance(e, errors.StorageError) else errors.StorageError(str(e))
+    self._local_schedule.record(step, seconds)
+    interval = self._local_schedule.interval_s()
+    log.info("local checkpoint step %d committed in %.3f s (%s, %d replica(s))%s", step, seconds,
+             self.policy.local_directory, self._local.replicas,
+             "" if interval is None else f"; local_save_interval=auto: next in {interval:.1f} s,"
+             f" a failure loses {interval / 2:.1f} s of work on average")
+    if self.writer is not None:
+      scalars = {"checkpoint/local_s": seconds}
+      if interval is not None:
+        scalars["checkpoint/local_expected_loss_s"] = interval / 2
+      self.writer.write_scalars(step, scalars)
+    return None
 
   def _save_preemption(self, step: int, state: Any, metrics: Any) -> None:
     self.preempted = True
@@ -418,7 +440,7 @@ class CheckpointCallback(callbacks.Callback):
     items = self._items(step, state)
     if self._local is not None:  # seconds: done first, whatever the grace period
       items = self.manager.host_snapshot(items)
-      self._save_local(step, items)
+      self._save_local(step, items)  # a failure is logged: the persistent save still runs
     self._save(step, state, metrics, "preemption", items=items)
     grace = self.policy.preemption_grace_seconds
     if grace:

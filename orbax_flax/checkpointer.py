@@ -104,6 +104,7 @@ class Checkpointer:
     self._key = coordination_key or _multihost.namespace("checkpointer")
     self._seq = 0
     self._staging = _staging.Staging(limit=max_host_bytes)
+    self._own_snapshots: dict[int, Any] = {}  # buffer address -> weakref (host_snapshot)
     self._inflight: saving.AsyncSave | None = None
     self._lock = threading.Lock()
     self._closed = False
@@ -279,7 +280,7 @@ class Checkpointer:
     budget = self.max_host_bytes
     try:
       if self._transfer(plan) == "pinned_host" and not budget:
-        saving.to_pinned_host(plan.pieces)
+        saving.to_pinned_host(plan.pieces, keep=self._is_own_snapshot)
         last, materialize = plan.pieces, saving.host_views
       else:
         stage = (saving.host_views if self._transfer(plan) == "pinned_host"
@@ -288,6 +289,8 @@ class Checkpointer:
         for r in rounds[:-1]:  # over the budget: written while the caller waits
           stage(r)
           run.write(r)
+        if self._transfer(plan) == "pinned_host":  # written after the caller goes on: a copy
+          saving.to_pinned_host(rounds[-1], keep=self._is_own_snapshot)
         stage(rounds[-1])
         last, materialize = rounds[-1], None
     except BaseException as e:
@@ -347,11 +350,31 @@ class Checkpointer:
     snapshot, and anyone else (the local tier) reads the same host arrays.
     With the memcpy transfer (CPU) device buffers are host memory already:
     ``items`` is returned as it is (its views are free; the save makes its one
-    copy).
+    copy). With ``max_host_bytes`` it is returned as it is too: a whole copy
+    would exceed the budget, so each tier brings its arrays over in rounds.
+    Arrays the caller already keeps in pinned host memory are copied as well:
+    the result is a snapshot the caller may donate from.
     """
     if self._transfer_of(jax.tree_util.tree_leaves(dict(items))) != "pinned_host":
       return items
-    return saving.pin_on_host(dict(items))
+    if self.max_host_bytes:  # no whole copy: each tier stages in rounds within the budget
+      return items
+    out = saving.pin_on_host(dict(items))
+    # The buffers of these copies, with the arrays that hold them: while an array lives, no
+    # other array can have its buffers' addresses, so a save recognises its shards by address.
+    self._own_snapshots = {
+        sh.data.unsafe_buffer_pointer(): weakref.ref(x) for x in jax.tree_util.tree_leaves(out)
+        if isinstance(x, jax.Array) and x.sharding.memory_kind == "pinned_host"
+        for sh in x.addressable_shards}
+    return out
+
+  def _is_own_snapshot(self, value: Any) -> bool:
+    """Whether ``value`` (an array or one shard of one) is in a copy :meth:`host_snapshot`
+    made that is still alive; a user's own pinned array is not, and gets copied."""
+    if value.sharding.memory_kind != "pinned_host" or value.is_deleted():
+      return False
+    ref = self._own_snapshots.get(value.unsafe_buffer_pointer())
+    return ref is not None and ref() is not None
 
   def _after_save(self) -> None:
     if not self.keep_staging_memory:

@@ -131,8 +131,9 @@ class CheckpointPolicy:
       storage (see ``orbax_flax.restore(read_once=True)``).
     local_directory: the local tier's directory on each host's fast disk
       (RAM disk or local SSD, e.g. ``/dev/shm/ckpt``); each process writes
-      only its own shards, in ``process_<i>/``, never reading another's ("":
-      off).
+      only its own shards, in ``run-<digest>/process_<i>/``, never reading
+      another's; runs with other persistent directories never see its steps
+      ("": off).
     local_save_interval_steps: save to the local tier every N steps (0: off).
     local_save_interval: "auto" also saves to the local tier every
       ``sqrt(2 x local save time x mtbf_seconds)`` seconds, from the median

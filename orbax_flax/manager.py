@@ -19,6 +19,7 @@ import logging
 import math
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
@@ -128,6 +129,8 @@ class CheckpointManager:
     # removed once this run commits its first save.
     self._rollback_to: int | None = None
     self._abandoned: set[int] = set()
+    self._timeline: str | None = None   # see the timeline property
+    self._rollbacks = 0                 # rollbacks so far (their coordination keys)
     self._infos: dict[int, policy_lib.StepInfo] = {}
     self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-delete")
     self._deletions: list[concurrent.futures.Future] = []
@@ -148,6 +151,30 @@ class CheckpointManager:
   @property
   def directory(self) -> str:
     return str(self._dir)
+
+  @property
+  def timeline(self) -> str:
+    """The id of the run's timeline: what this manager's saves continue.
+
+    Recorded with every save (``custom["timeline"]``), so that the local tier
+    can tell the steps of this timeline from those of one a rollback
+    abandoned. It starts as the timeline of the latest committed step ("" with
+    none, or for steps saved before timelines were recorded); a rollback
+    (:meth:`restore` of an older step) starts a new one, the same on every
+    process.
+    """
+    if self._timeline is None:
+      latest = self.latest_step()
+      timeline = ""
+      if latest is not None:
+        try:
+          summary = restoring.read_summary(self._dir.join(str(latest)))
+          timeline = str(summary.get("custom", {}).get("timeline", ""))
+        except (errors.CheckpointNotFoundError, errors.CheckpointCorruptedError) as e:
+          log.warning("the timeline of step %d cannot be read (%s); taking it as unknown",
+                      latest, e)
+      self._timeline = timeline
+    return self._timeline
 
   def step_path(self, step: int) -> str:
     """Where ``step`` is (or would be) stored."""
@@ -319,7 +346,8 @@ class CheckpointManager:
     wait_s = time.perf_counter() - entered
     now = self._clock()
     custom = {"step": step, "reason": decided, "time": now, "metrics": _scalars(metrics or {}),
-              "mesh": _mesh_of(items), "user": dict(custom_metadata or {})}
+              "mesh": _mesh_of(items), "user": dict(custom_metadata or {}),
+              "timeline": self.timeline}
     path = self._dir.join(str(step))
     start = time.perf_counter()
     _set_writing(str(self._dir), step, True)
@@ -646,6 +674,13 @@ class CheckpointManager:
       if newer:
         self._rollback_to, self._abandoned = step, newer
     if newer:
+      # A new timeline, the same on every process (process 0 draws it).
+      self._rollbacks += 1
+      self._timeline = _multihost.broadcast(f"{self._key}/timeline/{self._rollbacks}",
+                                            uuid.uuid4().hex,
+                                            self.policy.coordination_timeout_seconds)
+      log.info("rollback to step %d: new timeline %s (local-tier steps of the old one are"
+               " not resumed)", step, self._timeline)
       log.info("restored step %d of %s, older than the latest (%d): saves of this run replace"
                " the newer steps, which are removed once this run commits a save", step,
                self._dir, max(newer))

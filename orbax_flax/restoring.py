@@ -240,6 +240,56 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   if target is None:
     return _restore_all(loc, manifest, max_host_bytes=max_host_bytes, progress=progress)
 
+  match = match_target(manifest, target, partial=partial, allow_lossy_casts=allow_lossy_casts,
+                       casts=casts, from_target=from_target, source=str(loc))
+  wants, whole = match.wants, match.whole
+  if progress is not None:
+    progress.total = sum(w.rec["nbytes"] for w, _, _ in wants) + sum(
+        r.get("nbytes", 0) for i in whole for r in manifest["items"][i]["leaves"])
+    progress.phase = "reading"
+  arrays = read_arrays(loc, manifest, [w for w, _, _ in wants], max_host_bytes, progress)
+  out = _restore_all(loc, manifest, whole, max_host_bytes, progress) if whole else {}
+  out.update(match.trees(arrays))
+  return {item: out[item] for item in target if item in out}
+
+
+@dataclasses.dataclass
+class Match:
+  """A target checked against a checkpoint's items: what to read and where it goes.
+
+  ``results[item]`` is ``(treedef, leaves)`` with values already in place and
+  ``None`` where an array of ``wants`` (``(want, item, leaf index)``) goes;
+  ``whole`` lists the items the target asks for as saved (``None``).
+  """
+  results: dict[str, tuple[Any, list[Any]]]
+  wants: list[tuple[_Want, str, int]]
+  whole: list[str]
+  as_python: set[tuple[str, int]] = dataclasses.field(default_factory=set)  # Python scalar targets
+
+  def trees(self, arrays: list[Any]) -> dict[str, Any]:
+    """The target's items, with ``arrays`` (one per want, in order) in place.
+
+    A Python scalar target leaf read from a 0-d array comes back a Python scalar.
+    """
+    for (_, item, i), value in zip(self.wants, arrays):
+      self.results[item][1][i] = value.item() if (item, i) in self.as_python else value
+    return {item: jax.tree_util.tree_unflatten(treedef, leaves)
+            for item, (treedef, leaves) in self.results.items()}
+
+
+def match_target(manifest: Mapping[str, Any], target: Mapping[str, Any], *, partial: bool = False,
+                 allow_lossy_casts: bool = False, casts: list | None = None,
+                 from_target: Any = (), source: str = "the checkpoint") -> Match:
+  """Checks ``target`` against the saved items of ``manifest``; reads no array data.
+
+  The one target check of every place a checkpoint lives (the persistent
+  tier, the local tier): missing or extra keys, shapes, dtypes and casts
+  (``allow_lossy_casts``, recorded into ``casts``), PRNG keys, shardings.
+
+  Raises:
+    TreeMismatchError: every difference, by key path.
+    ValueError: a target sharding cannot hold its array.
+  """
   diffs: list[str] = []
   bad_shardings: list[str] = []
   results: dict[str, tuple[Any, list[Any]]] = {}
@@ -291,24 +341,13 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
                        " partial=True to restore a subset)")
   if diffs:
     raise errors.TreeMismatchError(
-        f"restore target does not match the checkpoint at {loc}:\n  " + "\n  ".join(diffs),
+        f"restore target does not match the checkpoint at {source}:\n  " + "\n  ".join(diffs),
         diffs)
   if bad_shardings:
     raise ValueError("target shardings cannot hold these arrays (JAX needs every sharded"
                      " dimension to divide evenly); change the PartitionSpec or mesh:\n  "
                      + "\n  ".join(bad_shardings))
-
-  if progress is not None:
-    progress.total = sum(w.rec["nbytes"] for w, _, _ in wants) + sum(
-        r.get("nbytes", 0) for i in whole for r in manifest["items"][i]["leaves"])
-    progress.phase = "reading"
-  arrays = read_arrays(loc, manifest, [w for w, _, _ in wants], max_host_bytes, progress)
-  for (_, item, i), value in zip(wants, arrays):
-    results[item][1][i] = value.item() if (item, i) in as_python else value
-  out = _restore_all(loc, manifest, whole, max_host_bytes, progress) if whole else {}
-  out.update({item: jax.tree_util.tree_unflatten(treedef, leaves)
-              for item, (treedef, leaves) in results.items()})
-  return {item: out[item] for item in target if item in out}
+  return Match(results, wants, whole, as_python)
 
 
 def read_once_spec(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...],
@@ -641,13 +680,15 @@ def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
     for i in window:
       w = wants[i]
       datas[id(w)] = [b if b.dtype == w.dtype else b.astype(w.dtype) for b in datas[id(w)]]
-    for i, value in zip(window, _assemble([wants[i] for i in window], datas)):
+    for i, value in zip(window, assemble([wants[i] for i in window], datas)):
       out[i] = value
   return out
 
 
-def _assemble(wants: list[_Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:
+def assemble(wants: list[_Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:
   """Host arrays as they are; device arrays placed with one batched device_put.
+
+  The placement of every tier (the local tier's too), PRNG keys wrapped back.
 
   ``datas`` holds, per want, one array per box of ``want.boxes``. An
   uncommitted want (its target was an uncommitted single-device array) is put

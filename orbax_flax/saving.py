@@ -219,21 +219,24 @@ def snapshot(pieces: Sequence[Piece], staging: _staging.Staging) -> None:
   staging.copy(pairs)
 
 
-def to_pinned_host(pieces: Sequence[Piece]) -> None:
+def to_pinned_host(pieces: Sequence[Piece], keep=lambda value: False) -> None:
   """Starts a copy of every device source into pinned host memory, all in one call.
 
   The accelerator path of an async save: it returns before the copies finish.
   XLA orders each copy before any later computation that donates or
-  overwrites the source, so the snapshot is exact. numpy sources (which the
-  caller could change) are copied now. :func:`host_views` later turns the
-  pinned arrays into host views, without another copy.
+  overwrites the source, so the snapshot is exact. Arrays already in pinned
+  host memory (the caller's, e.g. host-offloaded optimizer state) are copied
+  like any other, except those ``keep(array)`` says are a snapshot already
+  (the checkpointer's own, :meth:`Checkpointer.host_snapshot`). numpy sources
+  (which the caller could change) are copied now. :func:`host_views` later
+  turns the pinned arrays into host views, without another copy.
   """
   sources = [s for p in pieces for s in p.sources]
-  device = [s for s in sources if isinstance(s.value, jax.Array)
-            and s.value.sharding.memory_kind != "pinned_host"]  # pinned already: a snapshot
+  device = [s for s in sources if isinstance(s.value, jax.Array) and not keep(s.value)]
   if device:
     shardings = [s.value.sharding.with_memory_kind("pinned_host") for s in device]
-    for s, pinned in zip(device, jax.device_put([s.value for s in device], shardings)):
+    for s, pinned in zip(device, jax.device_put([s.value for s in device], shardings,
+                                                may_alias=False)):
       s.value = pinned
   for s in sources:
     if isinstance(s.value, np.ndarray):
@@ -245,16 +248,17 @@ def pin_on_host(tree: Any) -> Any:
 
   The snapshot a step due in both tiers shares (accelerators): the local tier
   reads these host arrays and the persistent save adopts them as its own
-  snapshot (:func:`to_pinned_host` skips them), so the state crosses to the
-  host once. Arrays already in pinned host memory are kept as they are.
+  snapshot (:func:`to_pinned_host` keeps the ones its ``keep`` names), so the
+  state crosses to the host once. Arrays already in pinned host memory are
+  copied too: the caller may donate them once this returns.
   """
   leaves, treedef = jax.tree_util.tree_flatten(tree)
   moved = [k for k, x in enumerate(leaves) if isinstance(x, jax.Array)
-           and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-           and x.sharding.memory_kind != "pinned_host"]
+           and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
   if moved:
     pinned = jax.device_put([leaves[k] for k in moved],
-                            [leaves[k].sharding.with_memory_kind("pinned_host") for k in moved])
+                            [leaves[k].sharding.with_memory_kind("pinned_host") for k in moved],
+                            may_alias=False)
     for k, x in zip(moved, pinned):
       leaves[k] = x
   return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -12,6 +12,9 @@ import interop_worker
 import jobs
 
 
+RUN = "/persistent/dir/of/the/tier/test"  # the run the local steps belong to
+
+
 def state(mesh, step):
   base = interop_worker.build(mesh)
   out = {k: v + step if v.dtype != np.int32 else v + np.int32(step) for k, v in base.items()}
@@ -29,12 +32,14 @@ def main():
   p.add_argument("--steps", default="1,2,3")
   p.add_argument("--newer_than", type=int, default=-1)
   p.add_argument("--repeat", type=int, default=1)
+  p.add_argument("--hosts", default="", help="the host of each process, comma-separated")
   a = jobs.join(p)
   from orbax_flax.tiers import _exchange, local  # pylint: disable=g-import-not-at-top
   # Small collective rounds, so that every exchange here takes several (as 2 GB states do).
   _exchange._ROUND_BYTES = 4096  # pylint: disable=protected-access
   mesh = interop_worker._mesh()  # pylint: disable=protected-access
-  tier = local.LocalTier(a.dir, replicas=1, max_to_keep=2, timeout_seconds=60)
+  host = a.hosts.split(",")[jax.process_index()] if a.hosts else None
+  tier = local.LocalTier(a.dir, run=RUN, replicas=1, max_to_keep=2, timeout_seconds=60, host=host)
   if a.mode == "save":
     for step in map(int, a.steps.split(",")):
       tier.save(step, {"state": state(mesh, step)})

@@ -1,8 +1,12 @@
 """Fast checkpoint tiers below the persistent store.
 
 :mod:`.local`: every process saves its own shards to a directory on its own
-fast disk (RAM disk or local SSD), sends a copy to ``replicas`` peers with JAX
-collectives, and the processes agree on each step through the coordination
-service; a restore assembles the newest step every process can get, from its
-own copy or a peer's.
+fast disk (RAM disk or local SSD), sends a copy to ``replicas`` peers on other
+hosts with JAX collectives, and the processes agree on each step through the
+coordination service; a restore assembles the newest step every process can
+get, from its own copy or a peer's. :mod:`._blob` is its file format (the
+engine's leaf records, target check and placement, in one file per process),
+:mod:`.placement` the pure choice of where copies go and which to read,
+:mod:`._exchange` the collective that moves bytes, :mod:`.schedule` when the
+tier saves. Modules here import the engine; the engine never imports them.
 """

@@ -8,6 +8,7 @@ global ``uint8`` array over a mesh of one device per process, and a
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,12 +18,12 @@ from jax.sharding import PartitionSpec as P
 from orbax_flax import _multihost
 
 
-def _ring_mesh() -> jax.sharding.Mesh:
+def _ring_mesh(order: tuple[int, ...]) -> jax.sharding.Mesh:
+  """A mesh of one device per process, in ring ``order`` (process indices)."""
   firsts = {}
   for d in jax.devices():
     firsts.setdefault(d.process_index, d)
-  devices = [firsts[p] for p in range(jax.process_count())]
-  return jax.sharding.Mesh(np.array(devices), ("p",))
+  return jax.sharding.Mesh(np.array([firsts[p] for p in order]), ("p",))
 
 
 @functools.lru_cache(maxsize=8)
@@ -37,7 +38,13 @@ def _shifter(n: int, shift: int, mesh: jax.sharding.Mesh):
 _ROUND_BYTES = 64 << 20  # bytes per collective: large messages overflow gloo's int32 sizes
 
 
-def _fill(row: np.ndarray, parts: list[np.ndarray], lo: int) -> None:
+def round_bytes(max_host_bytes: int = 0) -> int:
+  """Bytes per collective round: its two host buffers (sent, received) stay within a budget."""
+  return _ROUND_BYTES if not max_host_bytes else max(1 << 20, min(_ROUND_BYTES,
+                                                                  max_host_bytes // 2))
+
+
+def _fill(row: np.ndarray, lo: int, parts: list[np.ndarray]) -> None:
   """``row`` = bytes ``[lo, lo + len(row))`` of the concatenated ``parts`` (zero past the end)."""
   at, filled = 0, 0
   for p in parts:
@@ -50,35 +57,58 @@ def _fill(row: np.ndarray, parts: list[np.ndarray], lo: int) -> None:
   row[filled:] = 0
 
 
-def shift_parts(parts: list[np.ndarray], shift: int, key: str, timeout_s: float) -> np.ndarray:
-  """Sends the concatenation of ``parts`` (uint8 arrays) to process ``(me + shift) % n``.
+def shift_parts(parts: Any, shift: int, key: str, timeout_s: float, *,
+                order: tuple[int, ...] | None = None, sink=None,
+                max_round_bytes: int = 0) -> np.ndarray | int:
+  """Sends the concatenation of ``parts`` ``shift`` places along the ring.
 
-  Returns what process ``(me - shift) % n`` sent, as a uint8 array. Every
-  process must call it with the same ``shift`` and ``key``. Sizes may differ:
-  they are agreed through the coordination service. The bytes go in rounds of
-  at most 64 MiB (one ``ppermute`` each), copied once into the row each round
-  sends and once out of the row received.
+  ``parts`` is a list of uint8 arrays, or a reader with ``nbytes`` and
+  ``fill(row, offset)`` (a file, sent one round at a time).
+
+  The ring is ``order`` (process indices; default: by index): the process at
+  position ``i`` sends to position ``i + shift`` and receives from ``i - shift``.
+  Every process must call it with the same ``shift``, ``order`` and ``key``.
+  Sizes may differ: they are agreed through the coordination service first,
+  with a timeout that names a missing process. The bytes go in rounds of at
+  most ``max_round_bytes`` (default 64 MiB; one ``ppermute`` each), copied once
+  into the row each round sends and once out of the row received.
+
+  Returns what was received, as a uint8 array; or, with ``sink(offset,
+  chunk)``, hands each round's received bytes to it (streamed: nothing
+  larger than a round is held) and returns the number of bytes received.
   """
   n, me = jax.process_count(), jax.process_index()
-  size = sum(p.nbytes for p in parts)
+  order = tuple(range(n)) if order is None else tuple(order)
+  fill = parts.fill if hasattr(parts, "fill") else functools.partial(_fill, parts=parts)
+  size = parts.nbytes if hasattr(parts, "fill") else sum(p.nbytes for p in parts)
   if n == 1 or shift % n == 0:
-    return np.concatenate([p.reshape(-1).view(np.uint8) for p in parts]) if parts else np.zeros(
-        0, np.uint8)
+    whole = np.empty(size, np.uint8)
+    fill(whole, 0)
+    if sink is None:
+      return whole
+    sink(0, whole)
+    return whole.nbytes
   sizes = [int(s) for s in _multihost.all_gather(f"{key}/size", str(size), timeout_s,
                                                  what="report the size of its bytes")]
   largest = max(1, max(sizes))
-  width = min(_ROUND_BYTES, 1 << (largest - 1).bit_length())  # few shapes: few compilations
-  mesh = _ring_mesh()
+  limit = max_round_bytes or _ROUND_BYTES
+  width = min(limit, 1 << (largest - 1).bit_length())  # few shapes: few compilations
+  mesh = _ring_mesh(order)
   sharding = NamedSharding(mesh, P("p"))
   move = _shifter(n, shift, mesh)
-  incoming = sizes[(me - shift) % n]
-  out = np.empty(incoming, np.uint8)
+  pos = order.index(me)
+  incoming = sizes[order[(pos - shift) % n]]
+  out = np.empty(incoming, np.uint8) if sink is None else None
   row = np.empty(width, np.uint8)
   for lo in range(0, largest, width):
-    _fill(row, parts, lo)
-    local = jax.device_put(row.reshape(1, width), mesh.devices[me])
+    fill(row, lo)
+    local = jax.device_put(row.reshape(1, width), mesh.devices[pos])
     x = jax.make_array_from_single_device_arrays((n, width), sharding, [local])
     got = np.asarray(move(x).addressable_shards[0].data)[0]
     if lo < incoming:
-      out[lo:min(incoming, lo + width)] = got[:min(incoming, lo + width) - lo]
-  return out
+      chunk = got[:min(incoming, lo + width) - lo]
+      if sink is None:
+        out[lo:lo + chunk.size] = chunk
+      else:
+        sink(lo, chunk)
+  return out if sink is None else incoming
