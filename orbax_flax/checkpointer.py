@@ -339,7 +339,8 @@ class Checkpointer:
       return self.host_transfer
     for v in values:
       if isinstance(v, jax.Array):
-        return "memcpy" if v.devices().pop().platform == "cpu" else "pinned_host"
+        # next(iter(...)), never .pop(): devices() is the sharding's own cached set.
+        return "memcpy" if next(iter(v.devices())).platform == "cpu" else "pinned_host"
     return "memcpy"
 
   def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -297,3 +297,17 @@ def test_multiprocess_time_policy_with_disagreeing_clocks(tmp_path):
   expected = list(range(7, 41, 7))
   assert results[0]["saved"] == results[1]["saved"] == expected
   assert results[0]["kept"] == results[1]["kept"] == expected[-3:] == on_disk(tmp_path)
+
+
+def test_asking_the_policy_leaves_the_users_arrays_as_they_were(tmp_path):
+  """Every save() call looks at the state's devices; it must not change them.
+
+  jax.Array.devices() is the sharding's own cached set: popping from it once per step
+  emptied it after eight steps on eight devices, and the next call failed.
+  """
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  x = jax.device_put(np.ones((8, 8), np.float32), NamedSharding(mesh, P("data", "model")))
+  with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(save_interval_steps=100)) as mngr:
+    for step in range(1, 20):
+      assert not mngr.save(step, {"state": {"x": x}})
+  assert len(x.devices()) == 8 and len(x.sharding.device_set) == 8
