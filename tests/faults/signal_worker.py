@@ -2,7 +2,7 @@
 
     signal_worker.py WORKDIR NUM_STEPS [--interval=N]
 
-Prints ``RESTORE_START`` before the callback restores, ``SAVE_STARTED <step>``
+Prints ``RESTORE_START`` when the callback starts to restore (its SIGTERM handler in), ``SAVE_STARTED <step>``
 right after an async save has started, ``FINAL_SAVE`` just before the final
 save, and ``DONE <step> preempted=<bool>`` at the end. The state is 256 MiB, so
 that each of those operations is under way for a while after its line.
@@ -11,7 +11,10 @@ that each of those operations is under way for a while after its line.
 import argparse
 import itertools
 import os
+import signal
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -32,7 +35,16 @@ def main():
       self.ckpt = ckpt
 
     def on_train_start(self, state, data):
-      print("RESTORE_START", flush=True)
+      # RESTORE_START once the callback's SIGTERM handler is in (restore_or_init installs
+      # it before it reads; a SIGTERM before that ends the process, as SIGTERM does).
+      before = signal.getsignal(signal.SIGTERM)
+
+      def announce():
+        while signal.getsignal(signal.SIGTERM) is before:
+          time.sleep(0.001)
+        print("RESTORE_START", flush=True)
+
+      threading.Thread(target=announce, daemon=True).start()
       return state
 
     def on_step_end(self, step, state, metrics):
