@@ -32,6 +32,7 @@ KILLS = 110 if LONG else 1
 DAMAGES = 200 if LONG else 4  # damaged copies per file and kind
 
 
+@pytest.mark.timeout(3600 if LONG else 600)  # the long run: about 11 s per kill point here
 def test_sigkill_during_local_saves_with_replicas_and_retention(tmp_path):
   rng = random.Random(5)
   d = str(tmp_path / "local")
