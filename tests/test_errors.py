@@ -1,9 +1,7 @@
 """Bad input fails loudly, before anything is written, read or deleted."""
 
-import contextlib
 import os
 import shutil
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -214,20 +212,6 @@ def test_bad_paths():
 # (never the save's temporary directory) and the likely fix.
 
 
-@contextlib.contextmanager
-def _read_only_disk(path):
-  """A real read-only tmpfs at ``path`` (chmod would not stop root, who runs the tests)."""
-  os.makedirs(path, exist_ok=True)
-  r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", path],
-                     capture_output=True, text=True, check=False)
-  if r.returncode != 0:
-    pytest.skip(f"cannot mount a read-only tmpfs (needs root): {r.stderr.strip()}")
-  try:
-    yield path
-  finally:
-    subprocess.run(["umount", "-l", path], check=False)
-
-
 def _saves(path):
   """The same small save three ways: save, save_async, a manager."""
   items = {"s": {"w": np.ones(3)}}
@@ -265,7 +249,7 @@ def test_a_file_in_the_way_is_a_storage_error_naming_it(tmp_path):
 
 
 def test_a_read_only_file_system_is_a_storage_error(tmp_path):
-  with _read_only_disk(str(tmp_path / "ro")) as ro:
+  with small_disk(str(tmp_path / "ro"), "1m", read_only=True) as ro:
     for how, save in _saves(os.path.join(ro, "ckpt")):
       with pytest.raises(ofx.StorageError) as e:
         save()
