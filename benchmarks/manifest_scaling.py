@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from orbax_flax import _manifest  # noqa: E402
 from orbax_flax import _planning  # noqa: E402
 from orbax_flax import _tree  # noqa: E402
+from save_restore import llama_shapes  # noqa: E402  (the benchmark state's layout, one copy)
 
 PER_HOST = 8
 DIMS = dict(vocab=128000, d=8192, ff=28672, layers=12)
@@ -110,19 +111,6 @@ class Leaf:
   dtype: np.dtype
   sharding: MeshSharding
   is_fully_addressable: bool = False
-
-
-def llama_shapes(vocab, d, ff, layers):
-  shapes = {"embed": (vocab, d), "final_norm": (d,), "lm_head": (d, vocab)}
-  for i in range(layers):
-    for n in ("wq", "wk", "wv", "wo"):
-      shapes[f"layer_{i:02d}/attn/{n}"] = (d, d)
-    shapes[f"layer_{i:02d}/mlp/w1"] = (d, ff)
-    shapes[f"layer_{i:02d}/mlp/w3"] = (d, ff)
-    shapes[f"layer_{i:02d}/mlp/w2"] = (ff, d)
-    shapes[f"layer_{i:02d}/attn_norm"] = (d,)
-    shapes[f"layer_{i:02d}/mlp_norm"] = (d,)
-  return shapes
 
 
 def state(hosts: int) -> dict:
