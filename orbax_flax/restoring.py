@@ -145,7 +145,7 @@ def read_summary(loc: Location) -> dict[str, Any]:
     data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=extent)
     summary = None if data is None else _manifest.decode_summary(data, where)
   if summary is None:  # a long summary of a manifest that does not say its length: read it all
-    summary = {k: v for k, v in read_manifest(loc).items() if k != "items"}
+    summary = read_manifest(loc).summary()
   return summary
 
 
