@@ -43,6 +43,7 @@ from orbax_flax import _layout
 from orbax_flax import _multihost
 from orbax_flax import _tree
 from orbax_flax import errors
+from orbax_flax._records import Array, Item, Manifest
 from orbax_flax.formats import _cbytes
 from orbax_flax.formats import _checks
 
@@ -257,7 +258,7 @@ def _name_to_path(name: str) -> list[str]:
   return name.split(".")
 
 
-def open_checkpoint(path: str) -> dict[str, Any]:
+def open_checkpoint(path: str) -> Manifest:
   """A manifest-like description of a safetensors file or directory (headers only).
 
   Every file is checked by :func:`read_tensors` (and the index by
@@ -267,15 +268,14 @@ def open_checkpoint(path: str) -> dict[str, Any]:
   CheckpointFormatError.
 
   Returns:
-    ``{"format", "items": {"params": {"leaves", "structure"}}, "any_item": True, ...}``
-    in the shape of our own manifests, each array record carrying a ``source``
-    that reads its boxes.
+    A manifest of one item (``params``, read under any item name), each array
+    record carrying a ``source`` that reads its boxes.
   """
   found_files = _files_of(path)
   if found_files is None:
     raise errors.CheckpointNotFoundError(f"no safetensors file at {path}")
   files, weight_map = found_files
-  leaves: list[dict[str, Any]] = []
+  leaves: list[Array] = []
   metadata: dict[str, Any] = {}
   found: dict[str, str] = {}  # tensor name -> its file
   for file in files:
@@ -290,26 +290,24 @@ def open_checkpoint(path: str) -> dict[str, Any]:
                                            f" and {file}")
       found[e.name] = file
       nbytes = e.hi - e.lo
-      leaves.append({"kind": "array", "path": _name_to_path(e.name), "name": e.name,
-                     "shape": list(e.shape), "dtype": e.dtype.name,
-                     "nbytes": nbytes, "sharding": {"text": os.path.basename(file)},
-                     "source": _Tensor(handle, base + e.lo, e.shape, e.dtype)})
+      leaves.append(Array(path=tuple(_name_to_path(e.name)), kind="array", name=e.name,
+                          shape=tuple(e.shape), dtype=e.dtype.name, nbytes=nbytes,
+                          sharding=os.path.basename(file),
+                          source=_Tensor(handle, base + e.lo, e.shape, e.dtype)))
   missing = [f"{n!r} (in {f})" for n, f in (weight_map or {}).items() if found.get(n) != f]
   if missing:
     raise errors.CheckpointFormatError(
         f"{os.path.join(path, INDEX_NAME)}: weight_map places tensors in files whose headers do"
         f" not hold them: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
   try:
-    structure, order = _tree.structure_from_paths([tuple(r["path"]) for r in leaves])
+    structure, order = _tree.structure_from_paths([r.path for r in leaves])
   except errors.TreeMismatchError as e:
     raise errors.CheckpointFormatError(f"{path}: tensor names (split at '.'): {e}") from None
-  leaves = [leaves[i] for i in order]
-  return {
-      "format": FORMAT, "any_item": True, "default_item": DEFAULT_ITEM,
-      "items": {DEFAULT_ITEM: {"leaves": leaves, "structure": structure}},
-      "created": max(os.path.getmtime(f) for f in files), "process_count": 1, "device_count": 1,
-      "library_version": f"safetensors ({len(files)} file(s))", "custom": metadata,
-  }
+  return Manifest(
+      format=FORMAT, any_item=True,
+      items={DEFAULT_ITEM: Item(structure, tuple(leaves[i] for i in order))},
+      created=max(os.path.getmtime(f) for f in files), process_count=1, device_count=1,
+      library_version=f"safetensors ({len(files)} file(s))", custom=metadata)
 
 
 # ---------------------------------------------------------------------------

@@ -410,7 +410,7 @@ class LocalTier:
       try:
         optional = options["optional"]
         m = _blob.match(index, {k: v for k, v in target.items()
-                                if k not in optional or k in index["items"]},
+                                if k not in optional or k in index.items},
                         casts=casts, source=f"local step {plan.step} ({self.root})",
                         partial=options["partial"], allow_lossy_casts=options["allow_lossy_casts"])
       except (errors.TreeMismatchError, ValueError) as e:
