@@ -39,10 +39,10 @@ from orbax_flax import _crc
 from orbax_flax import _layout
 from orbax_flax import _location
 from orbax_flax import _planning
-from orbax_flax import _tree
 from orbax_flax import _tsio
 from orbax_flax import errors
 from orbax_flax._location import Location
+from orbax_flax._records import Array, Manifest
 
 _DEFAULT_TEMP_BYTES = 64 << 20
 _DATA_FILE = re.compile(r"^d/[0-9A-Za-z_-]+$")  # OCDBT data files: d/<hex>
@@ -54,7 +54,7 @@ _THREADS = 8  # deep queues help cold reads; the copies release the GIL
 class Fill:
   """``box`` of a chunked array, to land in ``out`` (the box's shape, stored dtype)."""
   item: str
-  rec: dict[str, Any]
+  rec: Array
   box: _layout.Box
   out: np.ndarray
 
@@ -212,8 +212,8 @@ def _flat_view(out: np.ndarray, inner: _layout.Box, outer: _layout.Box) -> np.nd
   return view.reshape(-1).view(np.uint8)
 
 
-def _direct_ok(rec: dict[str, Any]) -> bool:
-  dtype = _tree.dtype_from_name(rec["stored_dtype"])
+def _direct_ok(rec: Array) -> bool:
+  dtype = rec.np_stored_dtype
   return sys.byteorder == "little" and dtype.name not in _SUB_BYTE
 
 
@@ -229,48 +229,48 @@ class Reader:
     max_host_bytes: bound on temporary memory (0: 64 MiB).
   """
 
-  def __init__(self, loc: Location, manifest: dict[str, Any], max_host_bytes: int = 0,
+  def __init__(self, loc: Location, manifest: Manifest, max_host_bytes: int = 0,
                progress: Any = None):
     self.loc, self.manifest = loc, manifest
     self.progress = progress  # an orbax_flax._progress.Progress, or None
-    self.index = _Index(loc, manifest["generation"]) if loc.is_local else None
+    self.index = _Index(loc, manifest.generation) if loc.is_local else None
     self.temps = _TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
     self.bytes_read = 0
     self._lock = threading.Lock()
 
   def db(self, item: str, owner: int) -> str:
-    return f"{item}/p{owner}-{self.manifest['generation']}"
+    return f"{item}/p{owner}-{self.manifest.generation}"
 
   # ------------------------------------------------------------------ entry point
 
   def read(self, fills: Sequence[Fill], packed: Sequence[PackedFill] = ()) -> None:
     """Fills every ``out``; raises CheckpointCorruptedError / StorageError naming the array."""
     if self.index is not None:
-      self.index.load([(f.item, o) for f in fills for o in set(f.rec["owners"])]
+      self.index.load([(f.item, o) for f in fills for o in set(f.rec.owners)]
                       + [(p.item, p.owner) for p in packed])
     jobs: list[tuple[tuple, Any]] = []   # (sort key, callable)
     slow: list[Fill] = []
     chunk_needs: dict[tuple[str, int, str, int], list[tuple[Fill, _layout.Box]]] = {}
     for f in fills:
       rec = f.rec
-      chunking = _layout.Chunking(tuple(rec["shape"]), tuple(rec["chunk_shape"]))
+      chunking = _layout.Chunking(rec.shape, rec.chunk_shape)
       direct = self.index is not None and _direct_ok(rec) and all(
-          self.index.get(f.item, o) is not None for o in set(rec["owners"]))
+          self.index.get(f.item, o) is not None for o in set(rec.owners))
       if not direct:
         slow.append(f)
         continue
       for c in chunking.chunks_in_box(f.box):
         inner = _layout.intersect(chunking.chunk_box(c), f.box)
-        chunk_needs.setdefault((f.item, rec["owners"][c], rec["name"], c), []).append((f, inner))
+        chunk_needs.setdefault((f.item, rec.owners[c], rec.name, c), []).append((f, inner))
     for (item, owner, name, c), dests in chunk_needs.items():
       f0 = dests[0][0]
-      chunking = _layout.Chunking(tuple(f0.rec["shape"]), tuple(f0.rec["chunk_shape"]))
+      chunking = _layout.Chunking(f0.rec.shape, f0.rec.chunk_shape)
       coords = chunking.chunk_coords(c)
       located = self.index.get(item, owner).get(_chunk_key(name, coords).encode())
       if located is None:
-        if not self.manifest.get("all_chunks_stored"):
+        if not self.manifest.all_chunks_stored:
           continue  # written before every chunk was stored: an absent chunk is all zeros
-        raise self._corrupted(item, _tree.path_str(tuple(f0.rec["path"])), owner,
+        raise self._corrupted(item, f0.rec.path_text, owner,
                               f"chunk {_chunk_key(name, coords)} is missing from the database")
       chunk_box = chunking.chunk_box(c)
       order = (located.file or "", located.offset, located.length)
@@ -285,7 +285,7 @@ class Reader:
         key = f"{_planning.PACKED}/c/{k}".encode()
         located = self.index.get(item, owner).get(key)
         if located is None:
-          if not self.manifest.get("all_chunks_stored"):
+          if not self.manifest.all_chunks_stored:
             zeros = np.zeros(hi - lo, np.uint8)  # older checkpoints left all-zero chunks out
             for p in pfs:
               p.deliver(lo, zeros, self._lock)
@@ -373,7 +373,7 @@ class Reader:
 
   def _read_into(self, f: Fill, inner: _layout.Box, located: _Located, owner: int,
                  fds: _Files) -> None:
-    what = _tree.path_str(tuple(f.rec["path"]))
+    what = f.rec.path_text
     view = _flat_view(f.out, inner, f.box)
     self._expect(f.item, what, owner, located, view.nbytes)
     data, crc = self._pread(fds, f.item, what, owner, located, view)
@@ -382,7 +382,7 @@ class Reader:
   def _read_scatter(self, dests: list[tuple[Fill, _layout.Box]], chunk_box: _layout.Box,
                     located: _Located, owner: int, fds: _Files) -> None:
     f0 = dests[0][0]
-    what = _tree.path_str(tuple(f0.rec["path"]))
+    what = f0.rec.path_text
     shape = _layout.box_shape(chunk_box)
     n = math.prod(shape) * f0.out.dtype.itemsize
     self._expect(f0.item, what, owner, located, n)
@@ -459,7 +459,7 @@ class Reader:
                       fds: _Files) -> None:
     del fds
     item = pfs[0].item
-    size = self.manifest["items"][item]["packed"][str(owner)]
+    size = self.manifest.items[item].packed[owner]
     st = self._resolve(self._open(item, owner, _planning.PACKED, (size,), "uint8",
                                   (_planning.pack_chunk_bytes(size),), _tsio.context()),
                        item, _packed_names(pfs), owner)
@@ -472,12 +472,12 @@ class Reader:
     ctx = _tsio.context()
     stores = {}
     for f in fills:
-      for owner in set(f.rec["owners"]):
-        k = (f.item, owner, f.rec["name"])
+      for owner in set(f.rec.owners):
+        k = (f.item, owner, f.rec.name)
         if k not in stores:
           r = f.rec
-          stores[k] = self._open(f.item, owner, r["name"], r["shape"], r["stored_dtype"],
-                                 r["chunk_shape"], ctx)
+          stores[k] = self._open(f.item, owner, r.name, r.shape, r.stored_dtype, r.chunk_shape,
+                                 ctx)
     window, used = [], 0
     for f in list(fills) + [None]:
       if f is not None and (not window or used + f.out.nbytes <= self.temps.limit):
@@ -487,15 +487,15 @@ class Reader:
       futures = []
       for g in window:
         rec = g.rec
-        chunking = _layout.Chunking(tuple(rec["shape"]), tuple(rec["chunk_shape"]))
+        chunking = _layout.Chunking(rec.shape, rec.chunk_shape)
         dst = ts.array(g.out, copy=False, write=True).translate_to[tuple(lo for lo, _ in g.box)]
         chunks = chunking.chunks_in_box(g.box)
-        owners = {rec["owners"][c] for c in chunks}
+        owners = {rec.owners[c] for c in chunks}
         pieces = ([(g.box, owners.pop())] if len(owners) == 1 else
-                  [(_layout.intersect(chunking.chunk_box(c), g.box), rec["owners"][c]) for c in chunks])
-        what = _tree.path_str(tuple(rec["path"]))
+                  [(_layout.intersect(chunking.chunk_box(c), g.box), rec.owners[c]) for c in chunks])
+        what = rec.path_text
         for piece, owner in pieces:
-          st = self._resolve(stores[g.item, owner, rec["name"]], g.item, what, owner)
+          st = self._resolve(stores[g.item, owner, rec.name], g.item, what, owner)
           sl = _layout.box_to_slices(piece)
           futures.append((dst[sl].write(st[sl]), g.item, what, owner))
       for fut, item, what, owner in futures:
@@ -569,19 +569,19 @@ def packed_names(names: Sequence[str], shown: int = 16) -> str:
   return f"one of {', '.join(names[:shown])}{more} (packed together)"
 
 
-def _packed_groups(packed: Sequence[PackedFill], manifest: dict[str, Any]):
+def _packed_groups(packed: Sequence[PackedFill], manifest: Manifest):
   """Per packed chunk needed: (item, owner, chunk index, lo, hi, stored bytes, its fills).
 
   A packed buffer's last chunk is stored full length (zarr pads edge chunks).
   """
   groups: dict[tuple[str, int, int], list[PackedFill]] = {}
   for p in packed:
-    size = manifest["items"][p.item]["packed"][str(p.owner)]
+    size = manifest.items[p.item].packed[p.owner]
     chunk = _planning.pack_chunk_bytes(size)
     for k in range(p.lo // chunk, (p.hi - 1) // chunk + 1):
       groups.setdefault((p.item, p.owner, k), []).append(p)
   for (item, owner, k), pfs in groups.items():
-    size = manifest["items"][item]["packed"][str(owner)]
+    size = manifest.items[item].packed[owner]
     chunk = _planning.pack_chunk_bytes(size)
     yield item, owner, k, k * chunk, min(size, (k + 1) * chunk), chunk, pfs
 
