@@ -37,36 +37,8 @@ import numpy as np
 from orbax_flax import _tree
 
 
-class _DictView:
-  """Read access by JSON key, while readers move to attributes (removed when none is left)."""
-
-  def __getitem__(self, key: str) -> Any:
-    if key == "sharding":
-      return {"text": self.sharding}
-    if key == "packed":
-      return {str(k): v for k, v in self.packed.items()}
-    value = getattr(self, key, None)
-    if value is None:
-      raise KeyError(key)
-    return value
-
-  def get(self, key: str, default: Any = None) -> Any:
-    try:
-      return self[key]
-    except KeyError:
-      return default
-
-  def __contains__(self, key: str) -> bool:
-    return getattr(self, key, None) is not None
-
-  def keys(self) -> list[str]:
-    names = [f.name for f in dataclasses.fields(self)] + (["kind"] if isinstance(self, Value) else [])
-    return [n for n in names if n in self]
-
-
-
 @dataclasses.dataclass(frozen=True)
-class Value(_DictView):
+class Value:
   """A leaf stored inline: a scalar, string or bytes (``value``: its tagged JSON form)."""
   path: tuple[str, ...]
   value: Mapping[str, Any]
@@ -93,7 +65,7 @@ class Held:
 
 
 @dataclasses.dataclass(frozen=True)
-class Array(_DictView):
+class Array:
   """An array leaf: what it is (``shape``/``dtype`` of the stored data) and where its bytes are.
 
   For PRNG keys ``key_impl``/``key_shape`` say which keys; ``shape``/``dtype``
@@ -149,7 +121,7 @@ Record = Union[Value, Array]
 
 
 @dataclasses.dataclass(frozen=True)
-class Item(_DictView):
+class Item:
   """One item: its tree ``structure`` (JSON, see ``_tree.decode_structure``) and leaves."""
   structure: Any
   leaves: tuple[Record, ...]
@@ -160,7 +132,7 @@ class Item(_DictView):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Summary(_DictView):
+class Summary:
   """The manifest's summary line: what a listing reads."""
   format: str = "orbax_flax"
   version: int = 1
