@@ -36,7 +36,6 @@ from orbax_flax import restoring
 from orbax_flax import saving
 from orbax_flax import step_dir
 from orbax_flax._location import Location
-from orbax_flax._records import Summary
 from orbax_flax.config import CheckpointPolicy
 
 log = logging.getLogger("orbax_flax")
@@ -757,7 +756,7 @@ def _blocking_before(before: Mapping[str, float] | None) -> dict[str, float]:
   return out
 
 
-def _info_from_summary(step: int, summary: Summary) -> policy_lib.StepInfo:
+def _info_from_summary(step: int, summary: restoring.Summary) -> policy_lib.StepInfo:
   custom = summary.custom
   # "time" is the manager's clock (injectable); "created" the engine's wall time.
   return policy_lib.StepInfo(step=step, time=float(custom.get("time", summary.created)),

@@ -527,8 +527,7 @@ def _want(item: str, rec: Record, leaf: Any, where: str, diffs: list[str],
     return None
   data_shape = rec.shape
   data_dtype = np.dtype(rec.dtype) if (dtype is None or saved_key) else np.dtype(dtype)
-  if not saved_key and not _cast_ok(rec.np_dtype, data_dtype, where,
-                                    allow_lossy, diffs, casts):
+  if not saved_key and not _cast_ok(rec.np_dtype, data_dtype, where, allow_lossy, diffs, casts):
     return None
   if sharding is not None:
     try:
