@@ -24,7 +24,7 @@ from orbax_flax import _tree
 from orbax_flax import errors
 from orbax_flax._records import Array
 from orbax_flax.formats import _read
-from orbax_flax.formats import safetensors_io as safetensors
+from orbax_flax.formats import safetensors_export
 
 
 class LazyArray:
@@ -94,9 +94,9 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
       flat[name] = value
   _check_names(source, clashes, dst)
   with _progress.Monitor(progress):  # bytes, GB/s and ETA on a terminal; quiet in logs and CI
-    names = safetensors.export_safetensors(dst, flat, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                                           name_fn=lambda p: p[0], metadata=meta,
-                                           overwrite=overwrite)
+    names = safetensors_export.export_safetensors(
+        dst, flat, dtype=dtype, max_shard_bytes=max_shard_bytes, name_fn=lambda p: p[0],
+        metadata=meta, overwrite=overwrite)
   return f"wrote {dst} (safetensors, {len(flat)} tensors in {len(names)} file(s))"
 
 
