@@ -269,6 +269,8 @@ class _Checker:
     grid = math.prod(-(-s // c) for s, c in zip(shape, chunk))
     if len(owners) != grid:
       self.bad(f"{where}: {len(owners)} chunk owners for {grid} chunks")
+    # Issue 19 (differential saves): an optional per-chunk field (which step's data holds
+    # chunk c) is checked here, one entry per chunk like owners, and passed to Array.
     return Array(**common, chunk_shape=tuple(chunk), owners=tuple(owners))
 
   def boxes(self, boxes: Any, shape: list[int], where: str) -> tuple[Held, ...]:
