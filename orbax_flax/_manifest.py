@@ -38,6 +38,7 @@ import numpy as np
 from orbax_flax import _tree
 from orbax_flax import _tsio
 from orbax_flax import errors
+from orbax_flax.differential import refs  # references to other steps' bytes
 
 MANIFEST_KEY = "_CHECKPOINT"
 PACK_ALIGN = 16  # packed arrays start at multiples of this (orbax_flax._planning lays them out)
@@ -72,7 +73,8 @@ def encode(manifest: dict[str, Any], compact_owners: int = COMPACT_OWNERS) -> by
       owners = rec.get("owners") if isinstance(rec, dict) else None
       if owners is not None and len(owners) >= compact_owners:
         rec = {k: v for k, v in rec.items() if k != "owners"}
-        rec["owners_z"] = _pack_owners(owners)
+        rec["owners_z"] = base64.b64encode(
+            zlib.compress(np.asarray(owners, "<u4").tobytes(), 1)).decode()
         compacted = True
       leaves.append(rec)
     items[name] = dict(item, leaves=leaves)
@@ -208,12 +210,9 @@ def decode(data: bytes, where: str) -> dict[str, Any]:
   if version >= 2:
     _expand_owners(manifest["items"], where)
   validate(manifest, where)
+  refs.expand(manifest)  # a differential save's references, folded into the owners
   manifest["version"] = version
   return manifest
-
-
-def _pack_owners(owners: list[int]) -> str:
-  return base64.b64encode(zlib.compress(np.asarray(owners, "<u4").tobytes(), 1)).decode()
 
 
 def _expand_owners(items: Any, where: str) -> None:
@@ -310,7 +309,7 @@ class _Checker:
     if not isinstance(s.get("library_version"), str):
       self.bad(f"library_version is {_short(s.get('library_version'))}, not a string")
     for field, kind in (("custom", dict), ("casts", dict), ("item_bytes", dict),
-                        ("all_chunks_stored", bool)):
+                        ("all_chunks_stored", bool), (refs.BASES, list), (refs.STORED_BYTES, dict)):
       if field in s and not isinstance(s[field], kind):
         self.bad(f"{field} is {_short(s[field])}, not a {kind.__name__}")
     for leaf, dtype in s.get("casts", {}).items():
@@ -329,6 +328,7 @@ class _Checker:
       if not isinstance(item, dict) or not isinstance(item.get("leaves"), list):
         self.bad(f"item {name!r} has no list of leaves")
       self.item(name, item, nproc)
+    refs.check_items(manifest, self.bad)  # differential saves
 
   def item(self, name: str, item: dict[str, Any], nproc: int) -> None:
     packed = item.get("packed", {})

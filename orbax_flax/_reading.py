@@ -43,6 +43,7 @@ from orbax_flax import _tree
 from orbax_flax import _tsio
 from orbax_flax import errors
 from orbax_flax._location import Location
+from orbax_flax.differential import refs  # chunks another step holds
 
 _DEFAULT_TEMP_BYTES = 64 << 20
 _DATA_FILE = re.compile(r"^d/[0-9A-Za-z_-]+$")  # OCDBT data files: d/<hex>
@@ -116,13 +117,12 @@ def _chunk_key(name: str, coords: Sequence[int]) -> str:
 class _Index:
   """Chunk locations of the process databases of one checkpoint, loaded on first use."""
 
-  def __init__(self, loc: Location, generation: str):
-    self.loc, self.gen = loc, generation
+  def __init__(self, loc: Location, manifest: dict[str, Any]):
+    self.loc, self.manifest = loc, manifest
     self._dbs: dict[tuple[str, int], dict[bytes, _Located] | None] = {}
-    self._lock = threading.Lock()
 
   def db(self, item: str, owner: int) -> str:
-    return f"{item}/p{owner}-{self.gen}"
+    return refs.db_name(self.loc, self.manifest, item, owner)
 
   def load(self, keys: Sequence[tuple[str, int]]) -> None:
     todo = [k for k in dict.fromkeys(keys) if k not in self._dbs]
@@ -137,7 +137,7 @@ class _Index:
   def _load_one(self, key: tuple[str, int]) -> dict[bytes, _Located] | None:
     """The index of one database; None if it cannot be described (tensorstore then reads)."""
     db = self.db(*key)
-    base = os.path.join(self.loc.local_path, db)
+    base = os.path.normpath(os.path.join(self.loc.local_path, db))
     try:
       store = ts.KvStore.open({"driver": "file", "path": base + "/"},
                               context=_location.default_context()).result()
@@ -233,13 +233,13 @@ class Reader:
                progress: Any = None):
     self.loc, self.manifest = loc, manifest
     self.progress = progress  # an orbax_flax._progress.Progress, or None
-    self.index = _Index(loc, manifest["generation"]) if loc.is_local else None
+    self.index = _Index(loc, manifest) if loc.is_local else None
     self.temps = _TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
     self.bytes_read = 0
     self._lock = threading.Lock()
 
   def db(self, item: str, owner: int) -> str:
-    return f"{item}/p{owner}-{self.manifest['generation']}"
+    return refs.db_name(self.loc, self.manifest, item, owner)
 
   # ------------------------------------------------------------------ entry point
 
@@ -446,8 +446,8 @@ class Reader:
 
   def _open(self, item: str, owner: int, name: str, shape: Any, dtype: str, chunk: Any,
             ctx: ts.Context) -> Any:
-    spec = _tsio.array_spec(self.loc, self.db(item, owner), name, shape, dtype, chunk)
-    return ts.open(spec, open=True, context=ctx)
+    return ts.open(_tsio.array_spec(*refs.home(self.loc, self.manifest, item, owner), name, shape,
+                                    dtype, chunk), open=True, context=ctx)
 
   def _resolve(self, fut: Any, item: str, what: str, owner: int) -> Any:
     try:
