@@ -162,7 +162,16 @@ def locate_step(loc: Location, directory: str, generation: str) -> Location:
 
 
 def holds_generation(path: str, generation: str) -> bool:
-  """True if the local checkpoint directory ``path`` holds databases of ``generation``."""
+  """True if the local checkpoint directory ``path`` is of ``generation`` (its data or manifest).
+
+  A quick look to find a directory, not a check: its manifest is decoded and verified next.
+  """
+  try:
+    with open(os.path.join(path, "_CHECKPOINT"), "rb") as f:
+      if f'"generation":"{generation}"'.encode() in f.read(1 << 16):
+        return True
+  except OSError:
+    pass
   try:
     return any(d.endswith(f"-{generation}") for item in os.scandir(path) if item.is_dir()
                for d in os.listdir(item.path))
