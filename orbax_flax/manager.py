@@ -360,8 +360,8 @@ class CheckpointManager:
         for l in [l for l in self._leftovers if l.step == step]:
           log.info("removing leftover %s of an interrupted save of step %d", l.name, step)
           step_dir.remove(self._dir, l.name)
-      base = max((s for s in self._committed() if s != step), default=None)  # differential saves
-      self._ckptr.differential.set_base(None if base is None else self._dir.join(str(base)))
+      overwrite = retention.before_save(self._ckptr.differential, self._dir, step,
+                                        self._committed(), overwrite)  # differential: base, room
       if self.policy.async_save:
         # A preemption save with a grace period may be cancelled: it writes in short batches.
         cancellable = decided == "preemption" and self.policy.preemption_grace_seconds > 0
@@ -567,8 +567,8 @@ class CheckpointManager:
   def abandon_inflight(self) -> None:
     """Cancels the save in flight so that it never commits, and stops waiting for it.
 
-    Used when a preemption grace period runs out. Its data may still be
-    written; it is left as a leftover, never as a committed step.
+    Used when a preemption grace period runs out. Its data may still be written; it is left
+    as a leftover, never as a committed step.
     """
     inflight = self._inflight
     if inflight is not None and inflight.thread.is_alive() and inflight.handle is not None:

@@ -96,8 +96,9 @@ def test_lora_frozen_base_ten_saves_take_under_twice_one_state(lora_run):
   for e in events[1:]:
     assert e.bytes_written <= 0.12 * full, (e.step, e.bytes_written, full)
     assert e.bytes_written + e.bytes_reused == full
-  # The base (step 0) was deleted by retention: its data lives on, retired, referenced.
-  assert [n for n in os.listdir(root) if ".ofx-base-" in n] and "0" not in os.listdir(root)
+  # The base (step 0) was deleted by retention: not a step any more, its data retired in place.
+  assert os.path.exists(os.path.join(root, "0", "_RETIRED"))
+  assert sorted(os.listdir(root)) == ["0", "7", "8", "9"]
 
 
 def test_every_kept_step_restores_bitwise_after_its_bases_were_deleted(lora_run):
@@ -244,7 +245,7 @@ def test_sweep_removes_retired_data_once_nothing_references_it(tmp_path):
     for step in range(3):
       m.save(step, {"s": {"big": big, "step": step}}, force=True)
     m.wait()
-    assert [n for n in os.listdir(root) if ".ofx-base-" in n]
+    assert m.all_steps() == [2] and os.path.exists(os.path.join(root, "0", "_RETIRED"))
   # The run goes on without differential saves: the old base is referenced by nobody.
   with ofx.CheckpointManager(root, ofx.CheckpointPolicy(max_to_keep=1)) as m:
     for step in range(3, 5):
@@ -270,3 +271,27 @@ def test_multiprocess_differential_saves_restore_on_another_mesh(tmp_path):
     got = ofx.restore(os.path.join(path, str(step)), {"state": engine_worker.target_for(want)})
     engine_worker.check_shards(got["state"], want)
     assert ofx.verify(os.path.join(path, str(step))) > 0
+
+
+def test_replacing_a_referenced_step_or_reusing_a_retired_number_keeps_the_borrowers(tmp_path):
+  root = str(tmp_path / "ckpt")
+  a, b, c = (_RNG.standard_normal((512, 1024)).astype(np.float32) for _ in range(3))
+  # 1 borrows v from 0; 2 borrows w from 1 and v from 0.
+  states = {0: {"w": a, "v": c, "n": 0}, 1: {"w": b, "v": c, "n": 1}, 2: {"w": b, "v": c, "n": 2}}
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(max_to_keep=2, differential=True)) as m:
+    for step, s in states.items():
+      m.save(step, {"s": s}, force=True)
+    m.wait()
+    assert m.pop_events()[-1].bytes_reused == 2 * a.nbytes
+    assert m.all_steps() == [1, 2] and os.path.exists(os.path.join(root, "0", "_RETIRED"))
+  new = {1: {"w": a + 1, "v": c, "n": 10}, 0: {"w": a, "v": c + 1, "n": 20}}
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(max_to_keep=3, differential=True)) as m:
+    m.save(1, {"s": new[1]}, force=True)  # replaces step 1, which step 2 references
+    m.save(0, {"s": new[0]}, force=True)  # the number of step 0, retired but referenced
+    m.wait()
+    assert m.all_steps() == [0, 1, 2]
+  assert len([n for n in os.listdir(root) if ".ofx-base-" in n]) == 2  # old 0 and 1, moved aside
+  for step, want in ((2, states[2]), (1, new[1]), (0, new[0])):
+    got = ofx.restore(os.path.join(root, str(step)))["s"]
+    assert got["w"].tobytes() == want["w"].tobytes() and got["v"].tobytes() == want["v"].tobytes()
+    assert got["n"] == want["n"] and ofx.verify(os.path.join(root, str(step))) == 2 * a.nbytes

@@ -15,7 +15,8 @@ Every reference names the step that holds the bytes itself (never a step that
 borrowed them in turn), in the same parent directory, and the chunk lives in
 that step's database of the same process, under the same array name and chunk
 coordinates. A retired step (deleted by retention while referenced) keeps its
-data under ``<dir>.ofx-base-<generation>``.
+data in place, its ``_CHECKPOINT`` renamed ``_RETIRED``; only when a new step
+of the same number is saved does it move aside, to ``<dir>.ofx-base-<generation>``.
 
 After validation, :func:`expand` folds each reference into the owner number
 the reader uses (``home * OWNER_STRIDE + process``), so the reader finds the
@@ -37,7 +38,8 @@ CHUNK_HASH = "chunk_hash"
 CHUNK_BASE = "chunk_base"
 PACKED_PIECES = "packed_pieces"
 STORED_BYTES = "stored_bytes"
-RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: a retired step's data, still referenced
+RETIRED_KEY = "_RETIRED"  # a retired step's manifest, renamed from _CHECKPOINT: not a step any more
+RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: retired data moved aside for a new step <dir>
 OWNER_STRIDE = 1 << 24     # expanded owners: home * OWNER_STRIDE + process (home 0: this checkpoint)
 _AT = "_at"                # a base's resolved directory name (set by resolve, never stored)
 _DIR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")
@@ -166,12 +168,13 @@ def holds_generation(path: str, generation: str) -> bool:
 
   A quick look to find a directory, not a check: its manifest is decoded and verified next.
   """
-  try:
-    with open(os.path.join(path, "_CHECKPOINT"), "rb") as f:
-      if f'"generation":"{generation}"'.encode() in f.read(1 << 16):
-        return True
-  except OSError:
-    pass
+  for key in ("_CHECKPOINT", RETIRED_KEY):
+    try:
+      with open(os.path.join(path, key), "rb") as f:
+        if f'"generation":"{generation}"'.encode() in f.read(1 << 16):
+          return True
+    except OSError:
+      pass
   try:
     return any(d.endswith(f"-{generation}") for item in os.scandir(path) if item.is_dir()
                for d in os.listdir(item.path))
