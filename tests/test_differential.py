@@ -295,3 +295,22 @@ def test_replacing_a_referenced_step_or_reusing_a_retired_number_keeps_the_borro
     got = ofx.restore(os.path.join(root, str(step)))["s"]
     assert got["w"].tobytes() == want["w"].tobytes() and got["v"].tobytes() == want["v"].tobytes()
     assert got["n"] == want["n"] and ofx.verify(os.path.join(root, str(step))) == 2 * a.nbytes
+
+
+def test_training_callback_reports_bytes_written_and_reused_to_the_metric_writer(tmp_path):
+  frozen = jax.device_put(_FROZEN["embed"], NamedSharding(_mesh(), P("data", None)))
+
+  def step(state, batch):  # a frozen base, an adapter that trains
+    return {"base": state["base"], "adapter": state["adapter"] + batch, "step": state["step"] + 1}, \
+        {"loss": float(batch)}
+
+  writer = jobs.RecordingWriter()
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2, "differential": True},
+                                writer=writer)
+  state = {"base": frozen, "adapter": np.zeros((64, 64), np.float32), "step": 0}
+  ofx.Trainer(step, [ckpt]).fit(state, iter([1.0] * 10), 6)
+  events = [d for _, d in writer.scalars if "checkpoint/bytes_written" in d]
+  assert len(events) == 3, writer.scalars
+  assert events[0]["checkpoint/bytes_reused"] == 0
+  assert all(e["checkpoint/bytes_reused"] == frozen.nbytes for e in events[1:]), events
+  assert all(e["checkpoint/bytes_written"] < frozen.nbytes / 100 for e in events[1:]), events
