@@ -44,6 +44,7 @@ def cmd_list(directory: str, out) -> int:
   from orbax_flax import restoring
   from orbax_flax import step_dir
   from orbax_flax._location import Location
+  from orbax_flax.differential import refs
   loc = Location.parse(directory)
   steps, leftovers = step_dir.list_steps(loc)
   if not steps and not leftovers:
@@ -73,6 +74,10 @@ def cmd_list(directory: str, out) -> int:
       header, rows = header[:4] + header[5:], [r[:4] + r[5:] for r in rows]
     print(_table(header, rows), file=out)
     print(f"\n{len(steps)} committed step(s) in {loc}; latest {steps[-1]}", file=out)
+  retired = refs.retired_dirs(loc.local_path) if loc.is_local else []
+  if retired:
+    print(f"retired, not steps: {', '.join(retired)}: data of deleted steps that kept"
+          " (differential) steps still reference; removed once none does.", file=out)
   for l in leftovers:
     print(f"not committed: {l.name}, a save in progress or an interrupted save or delete. A save"
           " in progress becomes a step when it commits; if no job writes here, it was"

@@ -130,7 +130,7 @@ def test_show_and_list_print_own_and_borrowed_bytes(lora_run):
   assert "borrowed" in out.getvalue() and "own" in out.getvalue(), out.getvalue()
   out = io.StringIO()
   assert cli.main(["list", root], out) == 0
-  assert "BORROWED" in out.getvalue(), out.getvalue()
+  assert "BORROWED" in out.getvalue() and "retired, not steps: 0:" in out.getvalue(), out.getvalue()
 
 
 def _flip(x, index):

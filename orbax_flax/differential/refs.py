@@ -209,3 +209,19 @@ def home(loc: Location, manifest: dict[str, Any], item: str, owner: int) -> tupl
 def _short(x: Any) -> str:
   text = repr(x)
   return text if len(text) <= 120 else text[:117] + "..."
+
+
+def retired_dirs(root: str) -> list[str]:
+  """Names of the retired data under the local directory of steps ``root``, sorted.
+
+  Example:
+    >>> import tempfile
+    >>> retired_dirs(tempfile.mkdtemp())
+    []
+  """
+  try:
+    names = os.listdir(root)
+  except OSError:
+    return []
+  return sorted(n for n in names if parse_retired(n) or (
+      n.isdigit() and os.path.exists(os.path.join(root, n, RETIRED_KEY))))

@@ -157,13 +157,7 @@ def sweep(root: Location, pins: differ.Pins) -> list[str]:
   """
   if not root.is_local:
     return []
-  try:
-    names = os.listdir(root.local_path)
-  except FileNotFoundError:
-    return []
-  retired = {n: refs.parse_retired(n)[1] for n in names if refs.parse_retired(n)}
-  retired.update({n: None for n in names if n.isdigit() and os.path.exists(
-      os.path.join(root.local_path, n, refs.RETIRED_KEY))})
+  retired = {n: (refs.parse_retired(n) or (None, None))[1] for n in refs.retired_dirs(root.local_path)}
   if not retired:
     return []
   removed = []
