@@ -7,7 +7,8 @@ the hash the base step recorded for the same chunk of the same array; an
 equal block is not written: the manifest records that the step holding those
 bytes holds it (``bases``, ``chunk_base``, ``packed_pieces``; see
 ``docs/format.md``). Retention keeps a step's data while any committed step
-references it (``docs/guarantees.md``).
+references it: such a step is retired in place, not deleted, and swept once
+nothing references it (``docs/guarantees.md``, section 9).
 
 Inside:
 

@@ -66,7 +66,7 @@ def referenced(root: Location, exclude: int | None = None) -> set[str] | None:
 
 
 def _generation(path: str, key: str) -> str | None:
-  """The generation of the manifest ``key`` (``_CHECKPOINT``, ``_RETIRED``) in ``path``, if readable."""
+  """The generation of the manifest ``key`` (``_CHECKPOINT``, ``_RETIRED``) in ``path``, or None."""
   try:
     with open(os.path.join(path, key), "rb") as f:
       data = f.read(1 << 20)
@@ -157,7 +157,8 @@ def sweep(root: Location, pins: differ.Pins) -> list[str]:
   """
   if not root.is_local:
     return []
-  retired = {n: (refs.parse_retired(n) or (None, None))[1] for n in refs.retired_dirs(root.local_path)}
+  retired = {n: (refs.parse_retired(n) or (None, None))[1]
+             for n in refs.retired_dirs(root.local_path)}
   if not retired:
     return []
   removed = []

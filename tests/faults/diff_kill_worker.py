@@ -1,4 +1,4 @@
-"""A differential-save job that checkpoints until it is killed (tests/faults/test_differential_kills.py).
+"""A differential-save job that checkpoints until killed (tests/faults/test_differential_kills.py).
 
     diff_kill_worker.py DIR [--steps=N]
 

@@ -89,7 +89,9 @@ def test_sigkill_during_differential_saves_with_retention(tmp_path):
     referenced |= _bases(os.path.join(d, str(step)))
   retired = [n for n in names if ".ofx-base-" in n or not n.isdigit() or int(n) not in steps]
   for n in retired:  # retired in place (<step>/_RETIRED) or moved aside (<step>.ofx-base-<gen>)
-    gen = n.rsplit("-", 1)[1] if ".ofx-base-" in n else _bases(os.path.join(d, n), "_RETIRED", own=True)
+    gen = (n.rsplit("-", 1)[1] if ".ofx-base-" in n
+           else _bases(os.path.join(d, n), "_RETIRED", own=True))
     assert gen in referenced, (n, gen, referenced)
   assert len(names) == len(steps) + len(retired) and len(retired) <= 2, names
-  test_kills._tally("differential saves with retention", KILLS, checked)  # pylint: disable=protected-access
+  test_kills._tally(  # pylint: disable=protected-access
+      "differential saves with retention", KILLS, checked)
