@@ -32,6 +32,7 @@ import shutil
 
 from orbax_flax import _location
 from orbax_flax import _manifest
+from orbax_flax import _multihost
 from orbax_flax import errors
 from orbax_flax import restoring
 from orbax_flax import step_dir
@@ -130,6 +131,8 @@ def make_room(root: Location, step: int, pins: differ.Pins) -> bool:
   path = os.path.join(root.local_path, str(step))
   with pins.lock:
     if os.path.exists(os.path.join(path, "_CHECKPOINT")):
+      if _multihost.process_index() != 0:
+        return False  # process 0 decides (and retires); the others' plans accept either outcome
       keep = referenced(root, exclude=step)
       gen = _generation(path, "_CHECKPOINT")
       if gen is None or (keep is not None and gen not in keep | pins.live()):
@@ -144,6 +147,8 @@ def make_room(root: Location, step: int, pins: differ.Pins) -> bool:
     try:
       os.rename(path, aside)
       _location.fsync_dir(root.local_path)
+    except FileNotFoundError:
+      pass  # another process of the job moved it first
     except OSError as e:
       raise _location.storage_error(root, f"moving the retired data of step {step} aside", e) from e
     return True
