@@ -113,11 +113,12 @@ class Differ:
     with self.pins.lock:
       try:
         summary = restoring.read_summary(base)
-      except (errors.CheckpointError, errors.StorageError, OSError, ValueError) as e:
+        gens = {summary["generation"]} | {b["generation"] for b in summary.get(refs.BASES, [])}
+      except (errors.CheckpointError, errors.StorageError, OSError, ValueError, KeyError,
+              TypeError) as e:  # (a summary checks only that bases is a list)
         log.warning("differential save to %s: base %s cannot be read (%s); saving in full",
                     self.loc, base, e)
         return ""
-      gens = {summary["generation"]} | {b["generation"] for b in summary.get(refs.BASES, [])}
       self.pins.add(gens, self.alive)
     return f"{base.name}:{summary['generation']}"
 
