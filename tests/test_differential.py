@@ -314,3 +314,21 @@ def test_training_callback_reports_bytes_written_and_reused_to_the_metric_writer
   assert events[0]["checkpoint/bytes_reused"] == 0
   assert all(e["checkpoint/bytes_reused"] == frozen.nbytes for e in events[1:]), events
   assert all(e["checkpoint/bytes_written"] < frozen.nbytes / 100 for e in events[1:]), events
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 0])
+def test_async_saves_in_rounds_under_a_host_budget_reuse_exactly(tmp_path, budget):
+  """With max_host_bytes the state is staged and written in rounds; each round decides."""
+  mesh = _mesh()
+  big = jax.device_put(_FROZEN["proj"], NamedSharding(mesh, P("data", None)))  # 8 chunks
+  root = str(tmp_path / "ckpt")
+  with ofx.Checkpointer(differential=True, max_host_bytes=budget) as ckptr:
+    for step in range(3):
+      small = np.full((128, 128), step, np.float32)
+      ckptr.save_async(os.path.join(root, str(step)), {"s": {"big": big, "small": small}}).wait()
+  for step in range(3):
+    got = ofx.restore(os.path.join(root, str(step)))["s"]
+    assert got["big"].tobytes() == _FROZEN["proj"].tobytes() and (got["small"] == step).all()
+  with open(os.path.join(root, "2", "_CHECKPOINT"), "rb") as f:
+    stored = json.loads(f.read().split(b"\n")[1])["stored_bytes"]
+  assert stored == {"own": 128 * 128 * 4, "borrowed": big.nbytes}
