@@ -332,3 +332,24 @@ def test_async_saves_in_rounds_under_a_host_budget_reuse_exactly(tmp_path, budge
   with open(os.path.join(root, "2", "_CHECKPOINT"), "rb") as f:
     stored = json.loads(f.read().split(b"\n")[1])["stored_bytes"]
   assert stored == {"own": 128 * 128 * 4, "borrowed": big.nbytes}
+
+
+def test_a_changed_small_array_rewrites_about_one_packed_chunk_not_the_buffer(tmp_path):
+  """Small arrays are packed together; reuse is per segment (about one 4 MiB chunk)."""
+  rng = np.random.default_rng(7)
+  smalls = [rng.standard_normal(1 << 18).astype(np.float32) for _ in range(12)]  # 12 x 1 MiB
+  root = str(tmp_path / "ckpt")
+  states = [list(smalls)]
+  states.append([x if i != 5 else x + 1 for i, x in enumerate(states[-1])])   # segment 1
+  states.append([x if i != 10 else x + 1 for i, x in enumerate(states[-1])])  # segment 2
+  with ofx.Checkpointer(differential=True) as ckptr:
+    for step, state in enumerate(states):
+      ckptr.save(os.path.join(root, str(step)), {"s": {"smalls": state}})
+  for step, state in enumerate(states):
+    path = os.path.join(root, str(step))
+    got = ofx.restore(path)["s"]["smalls"]
+    assert all(g.tobytes() == w.tobytes() for g, w in zip(got, state)), step
+    assert ofx.verify(path) == 12 << 20
+    with open(os.path.join(path, "_CHECKPOINT"), "rb") as f:
+      stored = json.loads(f.read().split(b"\n")[1])["stored_bytes"]
+    assert stored["own"] == (12 << 20 if step == 0 else 4 << 20), (step, stored)

@@ -21,6 +21,7 @@ save a full one; the save itself never fails for it.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import logging
 import threading
@@ -29,6 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from orbax_flax import _multihost
+from orbax_flax import _planning
 from orbax_flax import errors
 from orbax_flax import restoring
 from orbax_flax._location import Location
@@ -145,27 +147,53 @@ class Differ:
   # ------------------------------------------------------------------ deciding
 
   def select(self, pieces: Sequence[Any]) -> list[Any]:
-    """The pieces to write; the others (equal to the base's) get ``data = None``."""
+    """The pieces to write; the others (equal to the base's) get ``data = None``.
+
+    A chunked array's piece is one chunk. A packed piece is decided per segment (whole
+    small arrays, about one packed chunk each, :func:`segments`): the segments to write
+    go out as pieces of their own, views of the piece's data.
+    """
     if self._base is None:
       self._base = self._load_base() or {}
-    hashes = hashing.hash_all([p.data for p in pieces])
-    out = []
-    for p, h in zip(pieces, hashes):
-      a = p.array
+    blocks = []  # (piece, lo, hi) of every block decided on, lo/hi for packed segments
+    for p in pieces:
       if p.packed:
-        lo, hi = p.slices[0].start, p.slices[0].stop
+        size = self.packed_sizes[p.array.item]
+        blocks += [(p, lo, hi) for lo, hi in segments(p, _planning.pack_chunk_bytes(size))]
+      else:
+        blocks.append((p, None, None))
+    hashes = hashing.hash_all([p.data if lo is None else p.data[lo - p.slices[0].start:
+                                                                hi - p.slices[0].start]
+                               for p, lo, hi in blocks])
+    out, split = [], {}
+    for (p, lo, hi), h in zip(blocks, hashes):
+      a = p.array
+      if lo is not None:
         src = self._packed_source(a.item, lo, hi, h)
         self.packed.append([a.item, lo, hi, h, self._home(src)])
+        split.setdefault(id(p), (p, []))[1].append((lo, hi, src is None))
       else:
         c = _chunk_index(p.slices, a.chunk_shape, a.shape)
         src = self._chunk_source(a.item, a.name, c, h)
         self.chunks.append([a.item, a.name, c, h, self._home(src)])
+      n = p.nbytes if lo is None else hi - lo
       if src is None:
-        out.append(p)
-        self.written += p.nbytes
+        self.written += n
       else:
-        p.data = None
-        self.reused += p.nbytes
+        self.reused += n
+      if lo is None and src is None:
+        out.append(p)
+    for p, segs in split.values():
+      start = p.slices[0].start
+      if all(write for _, _, write in segs):
+        out.append(p)
+        continue
+      out += [dataclasses.replace(p, slices=(slice(lo, hi),), shape=(hi - lo,), sources=[],
+                                  data=p.data[lo - start:hi - start])
+              for lo, hi, write in segs if write]
+    for p in pieces:
+      if all(q is not p for q in out):
+        p.data = None  # reused whole: no longer needed
     return out
 
   def _home(self, src: tuple[str, str] | None) -> int:
@@ -265,6 +293,21 @@ class _Full:
 
 
 FULL = _Full()  # the hooks of a full save (it has no state)
+
+
+def segments(piece: Any, chunk: int) -> list[tuple[int, int]]:
+  """``[lo, hi)`` of the segments a packed piece is decided in: whole small arrays, a new
+  segment at the first array that starts in a later packed chunk (``chunk`` bytes).
+
+  Every array lies in one segment (so it is read from one step), and a segment spans
+  little more than one chunk, so a changed array rewrites about one chunk, not the piece.
+  """
+  start, end = piece.slices[0].start, piece.slices[0].stop
+  cuts = [start]
+  for b in sorted({start + s.offset for s in piece.sources}):
+    if b > cuts[-1] and b // chunk > cuts[-1] // chunk:
+      cuts.append(b)
+  return list(zip(cuts, cuts[1:] + [end]))
 
 
 def _chunk_index(slices: Sequence[slice], chunk_shape: Sequence[int], shape: Sequence[int]) -> int:
