@@ -8,7 +8,7 @@ A differential save records (see ``docs/format.md``, "Differential saves"):
 * ``chunk_base`` (chunked array, when some chunk is borrowed): per chunk -1
   (this checkpoint) or an index into ``bases``;
 * ``packed_pieces`` (item): per process ``[[lo, hi, base, hash], ...]``, the
-  pieces its packed buffer was written in, tiling it;
+  segments its packed buffer was decided in (:func:`.differ.segments`), tiling it;
 * ``stored_bytes`` (summary): ``{"own": n, "borrowed": m}``.
 
 Every reference names the step that holds the bytes itself (never a step that
