@@ -16,6 +16,7 @@ import os
 import re
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import tensorstore as ts
 
@@ -44,13 +45,13 @@ def chunk_key(name: str, coords: Sequence[int]) -> str:
 class ChunkIndex:
   """Chunk locations of the process databases of one checkpoint, loaded on first use."""
 
-  def __init__(self, loc: Location, generation: str):
-    self.loc, self.gen = loc, generation
+  def __init__(self, loc: Location, homes: Any):
+    self.loc, self.homes = loc, homes  # homes: an orbax_flax.differential.refs.Homes
     self._dbs: dict[tuple[str, int], dict[bytes, Located] | None] = {}
     self._lock = threading.Lock()
 
   def db(self, item: str, owner: int) -> str:
-    return f"{item}/p{owner}-{self.gen}"
+    return self.homes.db_name(item, owner)
 
   def load(self, keys: Sequence[tuple[str, int]]) -> None:
     todo = [k for k in dict.fromkeys(keys) if k not in self._dbs]
@@ -65,7 +66,7 @@ class ChunkIndex:
   def _load_one(self, key: tuple[str, int]) -> dict[bytes, Located] | None:
     """The index of one database; None if it cannot be described (tensorstore then reads)."""
     db = self.db(*key)
-    base = os.path.join(self.loc.local_path, db)
+    base = os.path.normpath(os.path.join(self.loc.local_path, db))  # (a base: ../<dir>/...)
     try:
       store = ts.KvStore.open({"driver": "file", "path": base + "/"},
                               context=_location.default_context()).result()

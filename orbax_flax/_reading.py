@@ -47,6 +47,7 @@ from orbax_flax import _tsio
 from orbax_flax import errors
 from orbax_flax._location import Location
 from orbax_flax._records import Array, Manifest
+from orbax_flax.differential import refs  # chunks another step holds
 
 _DEFAULT_TEMP_BYTES = 64 << 20
 _PACKED_SLICE = 512 << 10  # packed chunks are streamed in slices of this size
@@ -125,13 +126,14 @@ class Reader:
                progress: Any = None):
     self.loc, self.manifest = loc, manifest
     self.progress = progress  # an orbax_flax._progress.Progress, or None
-    self.index = _chunk_index.ChunkIndex(loc, manifest.generation) if loc.is_local else None
+    self.homes = refs.Homes(loc, manifest.generation, manifest.bases)
+    self.index = _chunk_index.ChunkIndex(loc, self.homes) if loc.is_local else None
     self.temps = _read_buffers.TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
     self.bytes_read = 0
     self._lock = threading.Lock()
 
   def db(self, item: str, owner: int) -> str:
-    return f"{item}/p{owner}-{self.manifest.generation}"
+    return self.homes.db_name(item, owner)
 
   # ------------------------------------------------------------------ entry point
 
@@ -338,7 +340,7 @@ class Reader:
 
   def _open(self, item: str, owner: int, name: str, shape: Any, dtype: str, chunk: Any,
             ctx: ts.Context) -> Any:
-    spec = _tsio.array_spec(self.loc, self.db(item, owner), name, shape, dtype, chunk)
+    spec = _tsio.array_spec(*self.homes.home(item, owner), name, shape, dtype, chunk)
     return ts.open(spec, open=True, context=ctx)
 
   def _resolve(self, fut: Any, item: str, what: str, owner: int) -> Any:

@@ -87,8 +87,11 @@ class Array:
   boxes: tuple[Held, ...] = ()
   source: Any = None       # a foreign format's reader: ``source.read(box, out)``
   derived: Any = None      # a transform's: ``derived.expand(box, out) -> (requests, finish)``
-  # Issue 19 (differential saves) adds the optional per-chunk reference here: which
-  # step's data holds chunk ``c`` (default: this checkpoint's own databases).
+  # Differential saves (issue 19, orbax_flax.differential.refs): per chunk its xxh3-128 and
+  # the step holding it (-1: this checkpoint, else an index into the summary's bases); the
+  # decoder folds chunk_base into ``owners`` (home * OWNER_STRIDE + process).
+  chunk_hash: tuple[str, ...] | None = None
+  chunk_base: tuple[int, ...] | None = None
 
   @property
   def path_text(self) -> str:
@@ -126,9 +129,19 @@ class Item:
   structure: Any
   leaves: tuple[Record, ...]
   packed: Mapping[int, int] = dataclasses.field(default_factory=dict)  # process -> buffer bytes
+  # A differential save's segments of each process's packed buffer: (lo, hi, base, hash).
+  packed_pieces: Mapping[int, tuple[tuple[int, int, int, str], ...]] = dataclasses.field(
+      default_factory=dict)
 
   def by_path(self) -> dict[tuple[str, ...], Record]:
     return {r.path: r for r in self.leaves}
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+  """A step whose data a differential save references: a sibling directory, its generation."""
+  dir: str
+  generation: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,6 +158,8 @@ class Summary:
   casts: Mapping[str, str] = dataclasses.field(default_factory=dict)  # leaf -> dtype in memory
   item_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   all_chunks_stored: bool = False
+  bases: tuple[Base, ...] = ()                 # a differential save's referenced steps
+  stored_bytes: Mapping[str, int] | None = None  # a differential save's {"own", "borrowed"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -10,6 +10,7 @@ for the commit manifest (:func:`decode`) and the local tier's blob index
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import keyword
 import math
@@ -23,7 +24,7 @@ import numpy as np
 from orbax_flax import _tree
 from orbax_flax import _tsio
 from orbax_flax import errors
-from orbax_flax._records import Array, Held, Item, Manifest, Record, Summary, Value
+from orbax_flax._records import Array, Base, Held, Item, Manifest, Record, Summary, Value
 
 PACK_ALIGN = 16  # packed arrays start at multiples of this (orbax_flax._planning lays them out)
 ITEM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
@@ -31,6 +32,9 @@ _GENERATION = re.compile(r"^[0-9a-f]{16}$")
 _ARRAY_NAME = re.compile(r"^a[0-9]+$")
 _OWNER = re.compile(r"^(0|[1-9][0-9]*)$")
 _INT_TEXT = re.compile(r"^-?[0-9]{1,4000}$")
+_HASH = re.compile(r"^[0-9a-f]{32}$")
+BASE_DIR = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]*$")  # a differential base: a sibling step
+OWNER_STRIDE = 1 << 24  # expanded owners: home * OWNER_STRIDE + process (home 0: this one)
 _NODES = frozenset({"dict", "list", "tuple", "namedtuple", "node", "none", "leaf"})
 
 
@@ -63,6 +67,8 @@ def decode(summary: Mapping[str, Any], items: Any, version: int, where: str) -> 
     process's packed arrays tile its buffer exactly as a save lays them out
     (each at the next multiple of ``PACK_ALIGN`` bytes: no gaps, no overlaps);
     PRNG keys of an implementation jax knows, with its key data's shape.
+  * a differential save's references (bases: sibling steps; per chunk or packed segment: -1
+    or a base; orbax_flax.differential.refs), folded into owners (base + 1) * OWNER_STRIDE.
 
   Raises:
     CheckpointFormatError: naming the manifest, the field and the value.
@@ -91,6 +97,7 @@ class _Checker:
 
   def __init__(self, where: str, local: bool = False):
     self.where, self.local = where, local
+    self.nbases = 0  # the summary's differential bases (issue 19)
 
   def bad(self, problem: str) -> NoReturn:
     what = "index" if self.local else "manifest"
@@ -115,18 +122,20 @@ class _Checker:
     if not isinstance(s.get("library_version"), str):
       self.bad(f"library_version is {_short(s.get('library_version'))}, not a string")
     for field, kind in (("custom", dict), ("casts", dict), ("item_bytes", dict),
-                        ("all_chunks_stored", bool)):
+                        ("all_chunks_stored", bool), ("bases", list)):
       if field in s and not isinstance(s[field], kind):
         self.bad(f"{field} is {_short(s[field])}, not a {kind.__name__}")
     for leaf, dtype in s.get("casts", {}).items():
       if not isinstance(dtype, str):
         self.bad(f"casts[{leaf!r}] is {_short(dtype)}, not a dtype name")
+    bases, stored = _differential(self, s, gen)
     return {"format": s["format"], "version": s["version"], "created": created,
             "process_count": s["process_count"], "device_count": s["device_count"],
             "library_version": s["library_version"], "generation": gen,
             "custom": s.get("custom", {}), "casts": s.get("casts", {}),
             "item_bytes": s.get("item_bytes", {}),
-            "all_chunks_stored": s.get("all_chunks_stored", False)}
+            "all_chunks_stored": s.get("all_chunks_stored", False), "bases": bases,
+            "stored_bytes": stored}
 
   def items(self, items: Any, nproc: int) -> dict[str, Item]:
     if not isinstance(items, dict):
@@ -186,7 +195,15 @@ class _Checker:
                  f" arrays fill {at}")
     structure = item.get("structure")
     self.structure(structure, leaves, f"item {name!r}")
-    return Item(structure, tuple(leaves), {int(k): v for k, v in packed.items()})
+    sizes = {int(k): v for k, v in packed.items()}
+    pieces = {} if self.local else _pieces(self, name, item, packed)
+    for i, r in enumerate(leaves):  # a packed array in a base's segment: that base's buffer
+      if pieces and isinstance(r, Array) and r.is_packed and r.owners[0] in pieces:
+        base = next(p[2] for p in pieces[r.owners[0]] if p[0] <= r.packed_offset < p[1])
+        if base >= 0:
+          leaves[i] = dataclasses.replace(r, owners=(r.owners[0] + (base + 1) * OWNER_STRIDE,))
+          sizes[leaves[i].owners[0]] = sizes[r.owners[0]]
+    return Item(structure, tuple(leaves), sizes, pieces)
 
   def value(self, value: Any, where: str) -> None:
     if not isinstance(value, dict):
@@ -249,6 +266,8 @@ class _Checker:
         not set(map(type, owners)) <= {int} or min(owners) < 0 or max(owners) >= nproc)):
       self.bad(f"{where}: owners {_short(owners)}, for {nproc} process(es)")
     if "packed_offset" in rec:
+      if "chunk_hash" in rec or "chunk_base" in rec:
+        self.bad(f"{where}: a packed array with per-chunk hashes or bases")
       lo = self.count(rec["packed_offset"], f"{where}: packed_offset")
       if len(owners) != 1 or str(owners[0]) not in packed or nbytes == 0:
         self.bad(f"{where}: a packed array of owners {owners}, and packed buffers of processes"
@@ -269,9 +288,17 @@ class _Checker:
     grid = math.prod(-(-s // c) for s, c in zip(shape, chunk))
     if len(owners) != grid:
       self.bad(f"{where}: {len(owners)} chunk owners for {grid} chunks")
-    # Issue 19 (differential saves): an optional per-chunk field (which step's data holds
-    # chunk c) is checked here, one entry per chunk like owners, and passed to Array.
-    return Array(**common, chunk_shape=tuple(chunk), owners=tuple(owners))
+    hashes, homes = rec.get("chunk_hash"), rec.get("chunk_base")  # differential saves
+    if hashes is not None and (not isinstance(hashes, list) or len(hashes) != grid or not all(
+        isinstance(h, str) and _HASH.match(h) for h in hashes)):
+      self.bad(f"{where}: chunk_hash {_short(hashes)} for {grid} chunk(s)")
+    if homes is not None and (not isinstance(homes, list) or len(homes) != grid or not all(
+        type(b) is int and -1 <= b < self.nbases for b in homes)):
+      self.bad(f"{where}: chunk_base {_short(homes)}: per chunk -1 or one of {self.nbases}")
+    if homes is not None:  # each chunk's owner names the step that holds it
+      owners = [o + (b + 1) * OWNER_STRIDE for o, b in zip(owners, homes)]
+    return Array(**common, chunk_shape=tuple(chunk), owners=tuple(owners), chunk_hash=hashes and
+                 tuple(hashes), chunk_base=homes and tuple(homes))
 
   def boxes(self, boxes: Any, shape: list[int], where: str) -> tuple[Held, ...]:
     if not isinstance(boxes, list):
@@ -343,6 +370,48 @@ class _Checker:
       todo.extend((c, path + (k,)) for k, c in zip(keys, children))
     if not all(seen):
       self.bad(f"{where}: the structure omits leaf {seen.index(False)}")
+
+
+def _differential(c: _Checker, s: Mapping[str, Any], gen: str) -> tuple[tuple[Base, ...], Any]:
+  """A differential save's (issue 19) ``bases`` and ``stored_bytes`` (see differential.refs)."""
+  out = []
+  for k, b in enumerate(s.get("bases", [])):  # (a list: checked with the summary's fields)
+    if (not isinstance(b, dict) or not isinstance(b.get("dir"), str)
+        or not BASE_DIR.match(b["dir"]) or not isinstance(b.get("generation"), str)
+        or not _GENERATION.match(b["generation"])):
+      c.bad(f"bases[{k}] is {_short(b)}: a reference must name a sibling step directory (a"
+               " plain name, inside the checkpoint's parent) and a generation of 16 hex digits")
+    if b["generation"] == gen:
+      c.bad(f"bases[{k}] names this checkpoint's own generation")
+    out.append(Base(b["dir"], b["generation"]))
+  stored = s.get("stored_bytes")
+  if stored is not None and (not isinstance(stored, dict) or not all(
+      type(stored.get(k)) is int and stored[k] >= 0 for k in ("own", "borrowed"))):
+    c.bad(f"stored_bytes is {_short(stored)}, not {{'own': n, 'borrowed': m}}")
+  c.nbases = len(out)
+  return tuple(out), stored
+
+
+
+def _pieces(c: _Checker, name: str, item: dict[str, Any], packed: dict[str, int]) -> dict[int, Any]:
+  """A differential save's ``packed_pieces``: per process, segments tiling its buffer."""
+  pieces = item.get("packed_pieces", {})
+  if not isinstance(pieces, dict) or set(pieces) - set(packed):
+    c.bad(f"item {name!r}: packed_pieces {_short(pieces)} for buffers {sorted(packed)}")
+  out = {}
+  for owner, ps in pieces.items():
+    at = 0
+    for p in ps if isinstance(ps, list) else [None]:
+      if (not isinstance(p, list) or len(p) != 4 or not all(type(x) is int for x in p[:3])
+          or p[0] != at or p[1] <= p[0] or not -1 <= p[2] < c.nbases
+          or not isinstance(p[3], str) or not _HASH.match(p[3])):
+        c.bad(f"item {name!r}: packed piece {_short(p)} of process {owner} (pieces tile the"
+                 f" buffer from byte {at}; a base is -1 or one of {c.nbases})")
+      at = p[1]
+    if at != packed[owner]:
+      c.bad(f"item {name!r}: packed pieces of process {owner} cover {at} of {packed[owner]} bytes")
+    out[int(owner)] = tuple(tuple(p) for p in ps)
+  return out
 
 
 def _short(x: Any) -> str:

@@ -614,11 +614,11 @@ class CheckpointCallback(callbacks.Callback):
       return
     for e in events:
       scalars = {"checkpoint/blocking_s": e.blocking_s, "checkpoint/total_s": e.total_s,
-                 "checkpoint/bytes": float(e.nbytes),
+                 "checkpoint/bytes": float(e.nbytes), "checkpoint/bytes_written": e.bytes_written,
+                 "checkpoint/bytes_reused": e.bytes_reused,  # differential saves reference these
                  "checkpoint/blocking_items_s": e.blocking_items_s,
                  "checkpoint/blocking_data_s": e.blocking_data_s,
-                 "checkpoint/blocking_wait_s": e.blocking_wait_s,
-                 "checkpoint/blocking_copy_s": e.blocking_copy_s}
+                 "checkpoint/blocking_wait_s": e.blocking_wait_s, "checkpoint/blocking_copy_s": e.blocking_copy_s}
       if e.expected_loss_s is not None:
         scalars["checkpoint/expected_loss_s"] = e.expected_loss_s
       self.writer.write_scalars(e.step, scalars)

@@ -44,6 +44,7 @@ from orbax_flax import _tree
 from orbax_flax import restoring
 from orbax_flax import saving
 from orbax_flax._location import Location
+from orbax_flax.differential import differ as differ_lib
 
 HOST_TRANSFERS = ("auto", "memcpy", "pinned_host")
 
@@ -52,25 +53,25 @@ class Checkpointer:
   """Saves and restores checkpoints, keeping staging memory between async saves.
 
   Args:
-    max_host_bytes: a budget for the host memory of one save or restore
-      (0: none). A larger async save stages in rounds, blocking the caller
-      longer; a restore reads in rounds. Peak extra host memory stays at most
-      the budget plus the largest chunk (32 MiB by default).
-    keep_staging_memory: keep the staging copy between async saves (fast
-      blocking phase from the second save on). False releases it after every
-      save, for memory-tight hosts; each save then copies into fresh pages.
-    coordination_timeout_seconds: how long a process waits for the others at
-      each rendezvous of a multi-process save; the error names who is missing.
-    host_transfer: how an async save snapshots device arrays: "memcpy" (copy
-      into the staging memory; the default on CPU, where device buffers are
-      host memory), "pinned_host" (a device-to-host transfer into pinned
-      memory, started for every shard at once and ordered by XLA before any
-      later donation; the default on GPU/TPU), or "auto".
-    coordination_key: a coordination-service prefix for this checkpointer's
-      saves, the same on every process. Default: one per Checkpointer, in the
-      order they are created (create them in the same order on every process).
-    watchdog_seconds: a save or restore running longer logs its phase, bytes
-      done, RSS and (once) every thread's Python stack (0: off).
+    max_host_bytes: a budget for the host memory of one save or restore (0: none). A larger async
+      save stages in rounds, blocking the caller longer; a restore reads in rounds. Peak extra host
+      memory stays at most the budget plus the largest chunk (32 MiB by default).
+    keep_staging_memory: keep the staging copy between async saves (fast blocking phase from the
+      second save on). False releases it after every save, for memory-tight hosts; each save then
+      copies into fresh pages.
+    coordination_timeout_seconds: how long a process waits for the others at each rendezvous of a
+      multi-process save; the error names who is missing.
+    host_transfer: how an async save snapshots device arrays: "memcpy" (copy into the staging
+      memory; the default on CPU, where device buffers are host memory), "pinned_host" (a device-
+      to-host transfer into pinned memory, started for every shard at once and ordered by XLA
+      before any later donation; the default on GPU/TPU), or "auto".
+    coordination_key: a coordination-service prefix for this checkpointer's saves, the same on
+      every process. Default: one per Checkpointer, in the order they are created (create them in
+      the same order on every process).
+    watchdog_seconds: a save or restore running longer logs its phase, bytes done, RSS and (once)
+      every thread's Python stack (0: off).
+    differential: write only the chunks that changed since the base step, referencing the rest
+      (``self.differential``: :class:`orbax_flax.differential.differ.Differential`).
 
   Example:
     >>> import numpy as np, orbax_flax as ofx, tempfile, os
@@ -86,7 +87,7 @@ class Checkpointer:
   def __init__(self, *, max_host_bytes: int = 0, keep_staging_memory: bool = True,
                coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S,
                host_transfer: str = "auto", coordination_key: str | None = None,
-               watchdog_seconds: float = 600.0):
+               watchdog_seconds: float = 600.0, differential: bool = False):
     if isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int) or max_host_bytes < 0:
       raise ValueError(f"max_host_bytes={max_host_bytes!r}: must be an int >= 0 (bytes; 0: no"
                        " budget), e.g. 8 << 30 for 8 GiB.")
@@ -101,6 +102,7 @@ class Checkpointer:
     self.coordination_timeout_seconds = float(coordination_timeout_seconds)
     self.host_transfer = host_transfer
     self.watchdog_seconds = watchdog_seconds
+    self.differential = differ_lib.Differential(differential)
     self._key = coordination_key or _multihost.namespace("checkpointer")
     self._seq = 0
     self._staging = _staging.Staging(limit=max_host_bytes)
@@ -257,10 +259,9 @@ class Checkpointer:
                  cancellable: bool = False, dtype: Any = None) -> saving.AsyncSave:
     """Starts a save; returns once the caller may change or donate its arrays.
 
-    The blocking phase is a snapshot: a copy into this checkpointer's staging
-    memory (CPU), or a transfer into pinned host memory that XLA orders
-    before any later donation (GPU/TPU). Only one save runs at a time: this
-    call first waits for the previous one, and raises its error if nobody
+    The blocking phase is a snapshot: a copy into this checkpointer's staging memory (CPU), or a
+    transfer into pinned host memory that XLA orders before any later donation (GPU/TPU). Only one
+    save runs at a time: this call first waits for the previous one, and raises its error if nobody
     called ``wait()``. Arguments as for :func:`orbax_flax.save`, and:
 
     Args:
@@ -329,6 +330,7 @@ class Checkpointer:
     handle = saving.AsyncSave(plan.loc, plan.nbytes, start)
     run = saving.SaveRun(plan, f"{self._key}/{seq}", self.coordination_timeout_seconds,
                          handle.cancelled, f"{self._key}/{seq - 1}" if seq > 1 else None)
+    run.differ = self.differential.differ(plan, lambda: handle.total_s is None)
     return plan, run, handle
 
   def _transfer(self, plan: _planning.Plan) -> str:
@@ -346,15 +348,13 @@ class Checkpointer:
   def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:
     """``items`` as an async save of this checkpointer would snapshot them, to share.
 
-    With the pinned-host transfer (GPU/TPU) every device array is copied into
-    pinned host memory once; a save of the result takes those copies as its
-    snapshot, and anyone else (the local tier) reads the same host arrays.
-    With the memcpy transfer (CPU) device buffers are host memory already:
-    ``items`` is returned as it is (its views are free; the save makes its one
-    copy). With ``max_host_bytes`` it is returned as it is too: a whole copy
-    would exceed the budget, so each tier brings its arrays over in rounds.
-    Arrays the caller already keeps in pinned host memory are copied as well:
-    the result is a snapshot the caller may donate from.
+    With the pinned-host transfer (GPU/TPU) every device array is copied into pinned host memory
+    once; a save of the result takes those copies as its snapshot, and anyone else (the local tier)
+    reads the same host arrays. With the memcpy transfer (CPU) device buffers are host memory
+    already: ``items`` is returned as it is (its views are free; the save makes its one copy). With
+    ``max_host_bytes`` it is returned as it is too: a whole copy would exceed the budget, so each
+    tier brings its arrays over in rounds. Arrays the caller already keeps in pinned host memory
+    are copied as well: the result is a snapshot the caller may donate from.
     """
     if self._transfer_of(jax.tree_util.tree_leaves(dict(items))) != "pinned_host":
       return items

@@ -44,6 +44,7 @@ def cmd_list(directory: str, out) -> int:
   from orbax_flax import restoring
   from orbax_flax import step_dir
   from orbax_flax._location import Location
+  from orbax_flax.differential import refs
   loc = Location.parse(directory)
   steps, leftovers = step_dir.list_steps(loc)
   if not steps and not leftovers:
@@ -57,17 +58,26 @@ def cmd_list(directory: str, out) -> int:
     except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
       damaged += 1
       state = "CORRUPTED" if isinstance(e, errors.CheckpointCorruptedError) else "NO MANIFEST"
-      rows.append([str(step), "?", state, "?", "?", str(e)[:80]])
+      rows.append([str(step), "?", state, "?", "?", "?", str(e)[:80]])
       continue
     custom = s.custom
     metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in sorted(custom.get("metrics", {}).items()))
+    stored = s.stored_bytes  # a differential save: bytes it holds, bytes it borrows
     rows.append([str(step), _when(s.created), custom.get("reason", "-"),
                  metadata_lib.human_bytes(sum(s.item_bytes.values())),
+                 "-" if stored is None else metadata_lib.human_bytes(stored["borrowed"]),
                  f"{s.process_count}p/{s.device_count}d", metrics])
   if rows:
-    print(_table(["STEP", "SAVED", "REASON", "SIZE", "PROCS/DEVS", "METRICS"], rows), file=out)
+    header = ["STEP", "SAVED", "REASON", "SIZE", "BORROWED", "PROCS/DEVS", "METRICS"]
+    if all(r[4] in ("-", "?") for r in rows):  # no differential step: no column
+      header, rows = header[:4] + header[5:], [r[:4] + r[5:] for r in rows]
+    print(_table(header, rows), file=out)
     print(f"\n{len(steps)} committed step(s) in {loc}; latest {steps[-1]}", file=out)
+  retired = refs.retired_dirs(loc.local_path) if loc.is_local else []
+  if retired:
+    print(f"retired, not steps: {', '.join(retired)}: data of deleted steps that kept"
+          " (differential) steps still reference; removed once none does.", file=out)
   for l in leftovers:
     print(f"not committed: {l.name}, a save in progress or an interrupted save or delete. A save"
           " in progress becomes a step when it commits; if no job writes here, it was"
@@ -126,6 +136,11 @@ def cmd_show(path: str, out) -> int:
   loc, manifest = restoring.open_manifest(path)
   meta = metadata_lib.from_manifest(str(loc), manifest)
   print(meta, file=out)
+  stored = manifest.stored_bytes
+  if stored is not None:  # a differential save
+    bases = ", ".join(b.dir for b in manifest.bases) or "none"
+    print(f"  stored: own {metadata_lib.human_bytes(stored['own'])}, borrowed"
+          f" {metadata_lib.human_bytes(stored['borrowed'])} from step(s) {bases}", file=out)
   custom = meta.custom
   if custom:
     print(f"  recorded: {', '.join(f'{k}={v}' for k, v in sorted(custom.items()))}", file=out)

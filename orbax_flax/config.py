@@ -101,24 +101,23 @@ class CheckpointPolicy:
       a run's workdir or ``checkpoints/`` directory (its latest step); "":
       off. ``"<path>:<item>/<sub/tree>"`` names the item and subtree to take,
       e.g. ``"/runs/gemma/checkpoints:model"``.
-    max_host_bytes: budget for the host memory of one save or restore, in
-      bytes (0: none); a larger async save stages in rounds (the caller waits
-      for all but the last), a restore reads in rounds.
-    keep_staging_memory: keep the host staging copy between async saves, so
-      that the blocking phase copies into memory already touched (False:
-      release it after every save, for memory-tight hosts; saves then block
-      longer).
-    coordination_timeout_seconds: how long a process waits for the others at
-      each rendezvous of a multi-process save; the error names the processes
-      that did not arrive.
+    max_host_bytes: budget for the host memory of one save or restore, in bytes (0: none); a
+      larger async save stages in rounds (the caller waits for all but the last), a restore
+      reads in rounds.
+    keep_staging_memory: keep the host staging copy between async saves, so that the blocking
+      phase copies into memory already touched (False: release it after every save, for
+      memory-tight hosts; saves then block longer).
+    differential: a save writes only the chunks that changed since the latest step (xxh3-128
+      of every chunk) and references the rest; retention keeps what kept steps reference.
+    coordination_timeout_seconds: how long a process waits for the others at each rendezvous
+      of a multi-process save; the error names the processes that did not arrive.
     on_unreadable_checkpoint: the latest step cannot be read on resume (a
       damaged or missing file): "fallback" logs it loudly and resumes from
       the newest step that restores, "raise" stops; when committed steps
       exist but none restores, resuming raises either way (it never starts
       fresh over them).
-    on_save_error: a failed save (e.g. a full disk): "raise" stops training
-      with the error, "warn" logs it and goes on (earlier steps stay intact;
-      the next save tries again).
+    on_save_error: a failed save (e.g. a full disk): "raise" stops training with the error,
+      "warn" logs it and goes on (earlier steps stay intact; the next save tries again).
     watchdog_seconds: a save or restore running longer than this logs its
       phase, bytes done, RSS and (once) every thread's Python stack, then
       again every such interval (0: off).
@@ -168,6 +167,7 @@ class CheckpointPolicy:
   init_from: str = ""
   max_host_bytes: int = 0
   keep_staging_memory: bool = True
+  differential: bool = False
   coordination_timeout_seconds: float = 600.0
   on_unreadable_checkpoint: str = "fallback"
   on_save_error: str = "raise"

@@ -1,13 +1,13 @@
 """A series of checkpoints, one per step, under one directory.
 
-:class:`CheckpointManager` is the thin stateful shell around the pure
-policies of :mod:`orbax_flax.policy`: it remembers the last save and the save
-in flight, asks the policy whether a step is due, saves with the engine, and
-deletes what the keep rules no longer keep once a newer step has committed.
+:class:`CheckpointManager` is the thin stateful shell around the pure policies of
+:mod:`orbax_flax.policy`: it remembers the last save and the save in flight, asks the policy
+whether a step is due, saves with the engine, and deletes what the keep rules no longer keep once a
+newer step has committed.
 
-Layout: ``<directory>/<step>/`` is a checkpoint (see :func:`orbax_flax.save`).
-A step exists if and only if it is committed, so listing the directory is
-discovery; nothing else is read until step metadata is needed.
+Layout: ``<directory>/<step>/`` is a checkpoint (see :func:`orbax_flax.save`). A step exists if and
+only if it is committed, so listing the directory is discovery; nothing else is read until step
+metadata is needed.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from orbax_flax import saving
 from orbax_flax import step_dir
 from orbax_flax._location import Location
 from orbax_flax.config import CheckpointPolicy
+from orbax_flax.differential import retention
 
 log = logging.getLogger("orbax_flax")
 
@@ -45,9 +46,9 @@ log = logging.getLogger("orbax_flax")
 class SaveEvent:
   """A committed save, for logs and metric writers.
 
-  ``blocking_s`` is the whole time the caller's thread waited for the save
-  (with the training callback: inside ``on_step_end``, from its start); the
-  ``blocking_*_s`` fields are its main parts.
+  ``blocking_s`` is the whole time the caller's thread waited for the save (with the training
+  callback: inside ``on_step_end``, from its start); the ``blocking_*_s`` fields are its main
+  parts.
   """
   step: int
   reason: str
@@ -59,6 +60,8 @@ class SaveEvent:
   blocking_data_s: float = 0.0   # the data iterator's get_state() and the gather of positions
   blocking_wait_s: float = 0.0   # before the save began: the previous save still committing
   blocking_copy_s: float = 0.0   # the engine's blocking phase: plan and snapshot (a blocking save: all)
+  bytes_written: int = 0  # array bytes the step holds itself, all processes (differential: the changed)
+  bytes_reused: int = 0   # array bytes it references in earlier steps instead (differential saves)
 
 
 _BEFORE_KEYS = ("total", "items", "data")
@@ -142,7 +145,8 @@ class CheckpointManager:
         max_host_bytes=self.policy.max_host_bytes,
         keep_staging_memory=self.policy.keep_staging_memory,
         coordination_timeout_seconds=self.policy.coordination_timeout_seconds,
-        coordination_key=f"{self._key}/save", watchdog_seconds=self.policy.watchdog_seconds)
+        coordination_key=f"{self._key}/save", watchdog_seconds=self.policy.watchdog_seconds,
+        differential=self.policy.differential)
     self.reload()
     self._startup_cleanup()
 
@@ -285,23 +289,21 @@ class CheckpointManager:
            blocking_before: Mapping[str, float] | None = None) -> bool:
     """Saves ``step`` if the policy says so (or ``force``); returns whether it started.
 
-    With ``async_save`` the call returns once the state is on the host; the
-    commit, and deletion of steps the policy no longer keeps, continue in the
-    background. Errors of a background save are raised by the next call.
+    With ``async_save`` the call returns once the state is on the host; the commit, and deletion of
+    steps the policy no longer keeps, continue in the background. Errors of a background save are
+    raised by the next call.
 
     Args:
       step: the training step (a non-negative int).
       items: item name -> pytree, as for :func:`orbax_flax.save`.
-      metrics: scalar metrics to record (jax scalars are fetched only when
-        a save happens).
+      metrics: scalar metrics to record (jax scalars are fetched only when a save happens).
       force: save even if the policy would not.
       reason: the reason to record ("final", "preemption", ...); implies force.
       custom_metadata: JSON-serialisable data recorded with the step.
-      blocking_before: seconds the caller's thread already spent on this save
-        before the call, counted in the blocking time reported
-        (:class:`SaveEvent`): ``"items"`` (building them), ``"data"`` (the
-        data iterator's state) and ``"total"`` (all of it; default: their
-        sum). The training callback passes them.
+      blocking_before: seconds the caller's thread already spent on this save before the call,
+        counted in the blocking time reported (:class:`SaveEvent`): ``"items"`` (building them),
+        ``"data"`` (the data iterator's state) and ``"total"`` (all of it; default: their sum). The
+        training callback passes them.
     """
     entered = time.perf_counter()
     self._raise_error()
@@ -358,6 +360,8 @@ class CheckpointManager:
         for l in [l for l in self._leftovers if l.step == step]:
           log.info("removing leftover %s of an interrupted save of step %d", l.name, step)
           step_dir.remove(self._dir, l.name)
+      overwrite = retention.before_save(self._ckptr.differential, self._dir, step,
+                                        self._committed(), overwrite)  # differential: base, room
       if self.policy.async_save:
         # A preemption save with a grace period may be cancelled: it writes in short batches.
         cancellable = decided == "preemption" and self.policy.preemption_grace_seconds > 0
@@ -435,7 +439,8 @@ class CheckpointManager:
                  len(self._costs), self._auto.mtbf_seconds, interval, loss)
       with self._lock:
         self._events.append(dataclasses.replace(blocked, total_s=total, nbytes=nbytes,
-                                                expected_loss_s=loss))
+                                                expected_loss_s=loss,
+                                                **retention.stored_bytes(self._dir.join(str(step)))))
       doomed = policy_lib.to_delete(self._keep_inputs(), self._rules) if not self._abandoned else []
       with self._lock:
         self._steps -= set(doomed)
@@ -503,9 +508,8 @@ class CheckpointManager:
   def _delete_steps(self, steps: list[int]) -> None:
     """Deletes ``steps`` unless a restore here or an evaluator's lease still reads them.
 
-    The manager's side of the reader-lease protocol (see
-    :mod:`orbax_flax.evaluation`): announce, then read the leases, then
-    uncommit, then withdraw the notice.
+    The manager's side of the reader-lease protocol (see :mod:`orbax_flax.evaluation`): announce,
+    then read the leases, then uncommit, then withdraw the notice.
     """
     from orbax_flax import evaluation  # pylint: disable=g-import-not-at-top  # reader leases
     steps = sorted(set(steps) | self._leased)
@@ -536,7 +540,7 @@ class CheckpointManager:
             continue
           self._leased.discard(step)
         log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
-        step_dir.delete_step(self._dir, step)
+        retention.delete_step(self._dir, step, self._ckptr.differential.pins)  # keeps what is referenced
         with self._lock:
           self._deleting.discard(step)
     finally:
@@ -563,8 +567,8 @@ class CheckpointManager:
   def abandon_inflight(self) -> None:
     """Cancels the save in flight so that it never commits, and stops waiting for it.
 
-    Used when a preemption grace period runs out. Its data may still be
-    written; it is left as a leftover, never as a committed step.
+    Used when a preemption grace period runs out. Its data may still be written; it is left
+    as a leftover, never as a committed step.
     """
     inflight = self._inflight
     if inflight is not None and inflight.thread.is_alive() and inflight.handle is not None:
@@ -627,13 +631,12 @@ class CheckpointManager:
               casts: list | None = None, read_once: bool | None = None) -> dict[str, Any]:
     """Restores ``step`` (default: the latest committed), resharded onto ``target``.
 
-    With ``step=None`` a save in flight is waited for first, so that the
-    latest step includes it. A given ``step`` is read as it is committed now,
-    without waiting for a save of another step, and no keep rule deletes it
-    while it is read (so ``restore(latest_step())`` always works).
-    Restoring a step older than the latest one is a rollback: this run's
-    next saves replace the newer steps of the abandoned run, which are
-    removed once this run commits its first save (see the README).
+    With ``step=None`` a save in flight is waited for first, so that the latest step includes it. A
+    given ``step`` is read as it is committed now, without waiting for a save of another step, and
+    no keep rule deletes it while it is read (so ``restore(latest_step())`` always works).
+    Restoring a step older than the latest one is a rollback: this run's next saves replace the
+    newer steps of the abandoned run, which are removed once this run commits its first save (see
+    the README).
 
     Raises:
       CheckpointNotFoundError: there is no such step (or no step at all).
@@ -703,11 +706,10 @@ class CheckpointManager:
   def _remove_leftovers(self) -> None:
     """Removes leftovers of steps at or below the latest committed step.
 
-    No job saves those any more: a save in flight is newer than the latest
-    committed step, including another job's (an evaluator reading this
-    directory must not remove what the trainer is writing). Steps whose save a
-    manager of this process has started and not finished are never touched
-    (a save below the latest step, after restoring an older one).
+    No job saves those any more: a save in flight is newer than the latest committed step,
+    including another job's (an evaluator reading this directory must not remove what the trainer
+    is writing). Steps whose save a manager of this process has started and not finished are never
+    touched (a save below the latest step, after restoring an older one).
     """
     committed = self._committed()  # before listing: a step committing meanwhile is not debris
     latest = committed[-1] if committed else None
@@ -720,6 +722,7 @@ class CheckpointManager:
         continue
       log.info("removing leftover %s of an interrupted save or delete", l.name)
       step_dir.remove(self._dir, l.name)
+    retention.sweep(self._dir, self._ckptr.differential.pins)  # retired bases nothing references
     _, self._leftovers = step_dir.list_steps(self._dir)
 
 
@@ -732,10 +735,7 @@ _writing_lock = threading.Lock()
 def _set_writing(directory: str, step: int, on: bool) -> None:
   with _writing_lock:
     steps = _writing.setdefault(directory, set())
-    if on:
-      steps.add(step)
-    else:
-      steps.discard(step)
+    (steps.add if on else steps.discard)(step)
 
 
 def _being_written(directory: str) -> set[int]:

@@ -51,6 +51,7 @@ from orbax_flax import errors
 from orbax_flax._location import Location
 from orbax_flax._planning import Piece
 from orbax_flax._planning import TMP_MARKER
+from orbax_flax.differential import differ as differ_lib
 
 log = logging.getLogger("orbax_flax")
 
@@ -324,6 +325,7 @@ class SaveRun:
     self._ctx = None
     self.bytes_written = 0
     self.progress = _progress.Progress(f"save to {plan.loc}", plan.nbytes)
+    self.differ = differ_lib.FULL  # what a differential save reuses (a Differ), or nothing
 
   # ---------------------------------------------------------------- writing
 
@@ -353,6 +355,7 @@ class SaveRun:
         raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
     self.gen, self.target = gen, _target(final, gen)
     self._ctx = _tsio.context()
+    self.differ.agree(self.key, self.timeout_s)
 
   def _writer(self, item: str) -> _tsio.DatabaseWriter:
     db = f"{item}/p{self.me}-{self.gen}"
@@ -387,7 +390,7 @@ class SaveRun:
           i += 1
         if materialize is not None:
           materialize(batch)
-        for p in batch:
+        for p in self.differ.select(batch):
           a = p.array
           self._writer(a.item).add(a.name, a.shape, a.dtype, a.chunk_shape, p.slices, p.data)
         # Two batches in flight: the next one is issued while this one commits.
@@ -395,10 +398,7 @@ class SaveRun:
           w.flush(depth=2)
         in_flight.append(batch)
         if len(in_flight) > 1:  # the oldest batch is committed by now
-          done = in_flight.pop(0)
-          self._done(done)
-          self.bytes_written += sum(p.nbytes for p in done)
-          self.progress.add(sum(p.nbytes for p in done))
+          self._done(in_flight.pop(0))
           if cancellable:
             rate = self.bytes_written / max(time.perf_counter() - start, 1e-3)
             limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
@@ -408,13 +408,12 @@ class SaveRun:
       raise _location.storage_error(self.plan.loc, "writing array data", e) from e
     for batch in in_flight:
       self._done(batch)
-      self.bytes_written += sum(p.nbytes for p in batch)
-      self.progress.add(sum(p.nbytes for p in batch))
 
-  @staticmethod
-  def _done(batch: Sequence[Piece]) -> None:
+  def _done(self, batch: Sequence[Piece]) -> None:
     for p in batch:
       p.data = None  # committed: a view or host copy is no longer needed
+    self.bytes_written += sum(p.nbytes for p in batch)
+    self.progress.add(sum(p.nbytes for p in batch))
 
   def check_cancelled(self) -> None:
     if self.cancelled.is_set():
@@ -463,6 +462,7 @@ class SaveRun:
       self._discard()
       raise error
     status = "ok" if error is None else _describe(error)
+    self.differ.publish(self.key, error)
     self.progress.phase = "waiting for every process to finish writing"
     _multihost.arrive(f"{self.key}/status", status)
     if self.me != 0:
@@ -571,7 +571,7 @@ class SaveRun:
       self.begin()
       gen, target = self.gen, self.target
     final = plan.loc
-    manifest = dict(plan.manifest, generation=gen)
+    manifest = self.differ.complete(dict(plan.manifest, generation=gen), self.key, self.timeout_s)
     data = _manifest.encode(manifest)
     if not final.is_local:
       old = _location.read_key(final, _manifest.MANIFEST_KEY)

@@ -42,8 +42,8 @@ def list_steps(loc: Location) -> tuple[list[int], list[Leftover]]:
     except OSError as e:
       raise _location.storage_error(loc, "listing the steps", e) from e
     for name in names:
-      if _is_step(name):
-        steps.append(int(name))
+      if _is_step(name) and not os.path.exists(os.path.join(loc.local_path, name, "_RETIRED")):
+        steps.append(int(name))  # (_RETIRED: a step retention retired, whose data others use)
       elif TMP_MARKER in name:
         head = name.split(".", 1)[0]
         leftovers.append(Leftover(name, int(head) if _is_step(head) else None))

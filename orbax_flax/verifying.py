@@ -159,6 +159,8 @@ def _batches(manifest: Manifest):
         hi = min(size, lo + chunk)
         names = [r.path_text for r in recs
                  if r.packed_offset < hi and r.packed_offset + r.nbytes > lo]
+        if not names:  # a chunk of another step's buffer that holds none of this step's arrays
+          continue
         name = _reading.packed_names(names)
         batch.append(_reading.PackedFill(item, owner, lo, hi, np.dtype(np.uint8), (hi - lo,), [], name))
         used += hi - lo

@@ -770,3 +770,33 @@ def test_own_manifest_crafted_but_rehashed_is_refused(tmp_path):
     with open(file, "wb") as f:
       f.write(original)
   assert by_path and ofx.restore(path)["state"]["n"] == 3
+
+
+@pytest.fixture(scope="module")
+def diff_ckpt(tmp_path_factory, outside):
+  """Two steps of a differential run; step 1 borrows its big array and packed norms from 0."""
+  root = tmp_path_factory.mktemp("diff")
+  rng = np.random.default_rng(19)
+  w = rng.standard_normal((520, 512)).astype(np.float32)
+  norms = [rng.standard_normal(64).astype(np.float32) for _ in range(3)]
+  ckptr = ofx.Checkpointer(differential=True)
+  for step in range(2):
+    ckptr.save(str(root / str(step)), {"state": {"weights_matrix": w, "norms": norms,
+                                                 "bias_vector": np.full(5, step, np.float32)}})
+  ckptr.close()
+  path = str(root / "1")
+  return path, ofx.restore(path)
+
+
+@settings(_SETTINGS, max_examples=600 if LONG else 100)
+@given(edit=_json_edit.filter(lambda e: e is not None), in_summary=st.booleans())
+def test_fuzz_differential_references(diff_ckpt, outside, edit, in_summary):
+  """A crafted reference (bases, chunk_base, packed_pieces, owners) gives a clean error or
+  values, never a read outside the run's directory (it may legitimately name other chunks)."""
+  path, expected = diff_ckpt
+  file = os.path.join(path, "_CHECKPOINT")
+  _, line, body = open(file, "rb").read().split(b"\n", 2)
+  summary, body = json.loads(line), json.loads(body)
+  mutated, _ = _apply_json(summary if in_summary else body, edit)
+  data = _rehash(mutated, body) if in_summary else _rehash(summary, mutated)
+  check_file_mutation(file, data, lambda: _own_read(path), expected, outside[1], exact=False)

@@ -6,6 +6,7 @@ The servers' own APIs (``store.keys``, ``store.put``...) look behind the
 library's back.
 """
 
+import os
 import threading
 import time
 
@@ -235,3 +236,29 @@ def test_store_killed_mid_save_and_mid_restore(store, bucket):
     assert bucket in str(result["error"]), result["error"]
   else:  # it finished first: whatever came back is right
     np.testing.assert_array_equal(result["value"]["s"]["w"], _big(128, 3.0)["w"])
+
+
+def test_differential_checkpoints_read_through_references_and_are_refused_as_targets(
+    store, bucket, tmp_path):
+  """The one reader follows a differential save's references on object stores too (a run
+  copied there); writing one there is refused before anything is written."""
+  local = tmp_path / "ckpt"
+  rng = np.random.default_rng(19)
+  w = rng.standard_normal((512, 1024)).astype(np.float32)  # chunked: borrowed by step 1
+  small = [rng.standard_normal(64).astype(np.float32) for _ in range(3)]  # packed: borrowed too
+  ckptr = ofx.Checkpointer(differential=True)
+  ckptr.save(str(local / "0"), {"s": {"w": w, "small": small, "b": np.zeros(4)}})
+  ckptr.save(str(local / "1"), {"s": {"w": w, "small": small, "b": np.ones(4)}})
+  with pytest.raises(ValueError, match="local file system"):
+    ckptr.save(store.url(bucket, "run/2"), {"s": {"w": w}})
+  ckptr.close()
+  assert store.keys(bucket, "run/") == []
+  for d, _, files in os.walk(local):
+    for f in files:
+      rel = os.path.relpath(os.path.join(d, f), local)
+      with open(os.path.join(d, f), "rb") as fh:
+        store.put(bucket, f"run/{rel}", fh.read())
+  got = ofx.restore(store.url(bucket, "run/1"))["s"]
+  assert got["w"].tobytes() == w.tobytes() and (got["b"] == 1).all()
+  assert all(g.tobytes() == s.tobytes() for g, s in zip(got["small"], small))
+  assert ofx.verify(store.url(bucket, "run/1")) == w.nbytes + 3 * 256 + 32

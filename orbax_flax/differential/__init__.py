@@ -1,0 +1,24 @@
+"""Differential saves: a chunk that did not change since the base step is not written again.
+
+With ``differential=True`` (:class:`orbax_flax.CheckpointPolicy`,
+:class:`orbax_flax.Checkpointer`) a save hashes every block it would write
+(xxh3-128 of the stored bytes, in the background phase) and compares it with
+the hash the base step recorded for the same chunk of the same array; an
+equal block is not written: the manifest records that the step holding those
+bytes holds it (``bases``, ``chunk_base``, ``packed_pieces``; see
+``docs/format.md``). Retention keeps a step's data while any committed step
+references it: such a step is retired in place, not deleted, and swept once
+nothing references it (``docs/guarantees.md``, section 9).
+
+Inside:
+
+* :mod:`.refs`: the manifest fields, their validation, and where a
+  referenced step's data is found (used by the reader and by retention);
+* :mod:`.hashing`: the content hash, releasing the GIL, over threads;
+* :mod:`.differ`: one save's decisions, process by process, merged at the commit;
+* :mod:`.retention`: deleting a step keeps what other steps reference; the
+  sweep of retired data that nothing references any more.
+
+These modules import the engine's low layers (``_location``, ``_manifest``,
+``_planning``, ``_multihost``); the engine imports only :mod:`.refs`.
+"""

@@ -1,0 +1,167 @@
+"""References to another step's bytes in a manifest: fields, checks, and where the bytes are.
+
+A differential save records (see ``docs/format.md``, "Differential saves"):
+
+* ``bases`` (summary): the steps whose data it references, each
+  ``{"dir": <sibling directory name>, "generation": <16 hex>}``;
+* ``chunk_hash`` (chunked array): the xxh3-128 of every chunk, 32 hex digits;
+* ``chunk_base`` (chunked array, when some chunk is borrowed): per chunk -1
+  (this checkpoint) or an index into ``bases``;
+* ``packed_pieces`` (item): per process ``[[lo, hi, base, hash], ...]``, the
+  segments its packed buffer was decided in (:func:`.differ.segments`), tiling it;
+* ``stored_bytes`` (summary): ``{"own": n, "borrowed": m}``.
+
+Every reference names the step that holds the bytes itself (never a step that
+borrowed them in turn), in the same parent directory, and the chunk lives in
+that step's database of the same process, under the same array name and chunk
+coordinates. A retired step (deleted by retention while referenced) keeps its
+data in place, its ``_CHECKPOINT`` renamed ``_RETIRED``; only when a new step
+of the same number is saved does it move aside, to ``<dir>.ofx-base-<generation>``.
+
+The one decoder (:mod:`orbax_flax._records_decode`) checks these fields and
+folds each reference into the owner number the reader uses (``home *
+OWNER_STRIDE + process``), so the reader finds the database of any chunk from
+its owner alone (:class:`Homes`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from orbax_flax import _records_decode
+from orbax_flax import errors
+from orbax_flax._location import Location
+
+BASES = "bases"
+CHUNK_HASH = "chunk_hash"
+CHUNK_BASE = "chunk_base"
+PACKED_PIECES = "packed_pieces"
+STORED_BYTES = "stored_bytes"
+RETIRED_KEY = "_RETIRED"  # a retired step's manifest (its _CHECKPOINT renamed): not a step
+RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
+OWNER_STRIDE = _records_decode.OWNER_STRIDE  # expanded owners: home * it + process
+_DIR = _records_decode.BASE_DIR
+_GEN = re.compile(r"^[0-9a-f]{16}$")
+
+
+def retired_name(directory: str, generation: str) -> str:
+  """The name a retired step's directory gets: ``<dir>.ofx-base-<generation>``.
+
+  Example:
+    >>> retired_name("100", "0123456789abcdef")
+    '100.ofx-base-0123456789abcdef'
+  """
+  return f"{directory}{RETIRED}{generation}"
+
+
+def parse_retired(name: str) -> tuple[str, str] | None:
+  """(dir, generation) of a retired directory's name, else None."""
+  head, sep, gen = name.rpartition(RETIRED)
+  return (head, gen) if sep and _DIR.match(head) and _GEN.match(gen) else None
+
+
+def split(owner: int) -> tuple[int, int]:
+  """(home, process) of an expanded owner: home 0 is the checkpoint itself, k is bases[k-1]."""
+  return divmod(owner, OWNER_STRIDE)
+
+
+def locate_step(loc: Location, directory: str, generation: str) -> Location:
+  """Where the data of sibling step ``directory`` of ``generation`` is: the step, or retired.
+
+  Raises:
+    CheckpointFormatError: neither holds that generation.
+  """
+  if not loc.is_local:
+    return loc.sibling(directory)
+  for name in (directory, retired_name(directory, generation)):
+    if holds_generation(loc.sibling(name).local_path, generation):
+      return loc.sibling(name)
+  raise errors.CheckpointFormatError(
+      f"{loc}: references data of step {directory!r} (generation {generation}), which is not"
+      f" next to it: neither that step nor its retired data ({retired_name(directory, generation)})"
+      " exists. The referenced step was removed by hand, or the manifest was crafted; restore"
+      " another step.")
+
+
+def holds_generation(path: str, generation: str) -> bool:
+  """True if the local checkpoint directory ``path`` is of ``generation`` (its data or manifest).
+
+  A quick look to find a directory, not a check: its manifest is decoded and verified next.
+  """
+  for key in ("_CHECKPOINT", RETIRED_KEY):
+    try:
+      with open(os.path.join(path, key), "rb") as f:
+        if f'"generation":"{generation}"'.encode() in f.read(1 << 16):
+          return True
+    except OSError:
+      pass
+  try:
+    return any(d.endswith(f"-{generation}") for item in os.scandir(path) if item.is_dir()
+               for d in os.listdir(item.path))
+  except OSError:
+    return False
+
+
+class Homes:
+  """Where the chunks of a checkpoint's (expanded) owners are; the bases' directories cached.
+
+  A base is found (the step itself, or its retired data, :func:`locate_step`)
+  on first use and remembered for the reader's lifetime; the manifest is not
+  changed.
+
+  Example:
+    >>> homes = Homes(Location.parse("/tmp/ckpt/7"), "0123456789abcdef", ())
+    >>> homes.db_name("params", 1)
+    'params/p1-0123456789abcdef'
+  """
+
+  def __init__(self, loc: Location, generation: str, bases: Sequence[Any]):
+    self.loc, self.generation, self.bases = loc, generation, tuple(bases)
+    self._at: dict[int, str] = {}
+    self._lock = threading.Lock()
+
+  def _dir(self, k: int) -> str:
+    with self._lock:
+      if k not in self._at:
+        b = self.bases[k]
+        self._at[k] = locate_step(self.loc, b.dir, b.generation).name
+      return self._at[k]
+
+  def db_name(self, item: str, owner: int) -> str:
+    """The database holding the chunks of ``owner``, relative to the checkpoint.
+
+    Raises:
+      CheckpointFormatError: the step holding them does not exist (see :func:`locate_step`).
+    """
+    h, process = split(owner)
+    if not h:
+      return f"{item}/p{process}-{self.generation}"
+    return f"../{self._dir(h - 1)}/{item}/p{process}-{self.bases[h - 1].generation}"
+
+  def home(self, item: str, owner: int) -> tuple[Location, str]:
+    """(checkpoint location, database name) of the chunks of ``owner``."""
+    h, process = split(owner)
+    if not h:
+      return self.loc, self.db_name(item, owner)
+    return (self.loc.sibling(self._dir(h - 1)),
+            f"{item}/p{process}-{self.bases[h - 1].generation}")
+
+
+def retired_dirs(root: str) -> list[str]:
+  """Names of the retired data under the local directory of steps ``root``, sorted.
+
+  Example:
+    >>> import tempfile
+    >>> retired_dirs(tempfile.mkdtemp())
+    []
+  """
+  try:
+    names = os.listdir(root)
+  except OSError:
+    return []
+  return sorted(n for n in names if parse_retired(n) or (
+      n.isdigit() and os.path.exists(os.path.join(root, n, RETIRED_KEY))))

@@ -1,0 +1,193 @@
+"""Deleting a step that other steps reference: retire it, and sweep what nothing references.
+
+Reference scanning, not counting: a step's data is referenced if a committed
+step's summary names its generation in ``bases`` (differential saves record
+there every step they borrow from), or a save in flight pinned it
+(:class:`.differ.Pins`). Nothing is counted or stored, so no count can go
+stale in a crash; each decision reads the summaries (a few KB each) again.
+
+* :func:`delete_step`: an unreferenced step is deleted as before
+  (:func:`orbax_flax.step_dir.delete_step`); a referenced one is *retired* in
+  place: one atomic rename of its ``_CHECKPOINT`` to ``_RETIRED``. It is no
+  longer a step (listings skip it), and its bytes never move, so a restore of
+  a step that borrows them, running meanwhile, reads on undisturbed.
+* :func:`make_room`: before a new save of a step number whose directory holds
+  retired data (after a rollback), or replaces a committed step others
+  reference, that directory moves aside to ``<step>.ofx-base-<generation>``
+  (one rename; references find it there, :func:`.refs.locate_step`).
+* :func:`sweep`: removes retired data whose generation nothing references any
+  more (a retired step directory is deleted like a step: renamed to a
+  leftover first, so a sweep killed halfway leaves debris the manager removes).
+  A step whose summary cannot be read makes the sweep keep everything.
+
+Local directories only; on object stores differential saves are refused, and
+deleting a step is the plain delete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+from orbax_flax import _location
+from orbax_flax import _manifest
+from orbax_flax import _multihost
+from orbax_flax import errors
+from orbax_flax import restoring
+from orbax_flax import step_dir
+from orbax_flax._location import Location
+from orbax_flax.differential import differ
+from orbax_flax.differential import refs
+
+log = logging.getLogger("orbax_flax")
+
+
+def referenced(root: Location, exclude: int | None = None) -> set[str] | None:
+  """Generations the committed steps under ``root`` (but ``exclude``) borrow from.
+
+  None when a step's summary cannot be read: what it references is unknown.
+  """
+  gens: set[str] = set()
+  steps, _ = step_dir.list_steps(root)
+  for step in steps:
+    if step == exclude:
+      continue
+    try:
+      summary = restoring.read_summary(root.join(str(step)))
+    except errors.CheckpointNotFoundError:
+      continue  # deleted meanwhile
+    except errors.CheckpointError:
+      return None
+    gens |= {b.generation for b in summary.bases}  # (checked by the decoder)
+  return gens
+
+
+def _generation(path: str, key: str) -> str | None:
+  """The generation of the manifest ``key`` (``_CHECKPOINT``, ``_RETIRED``) in ``path``, or None."""
+  try:
+    with open(os.path.join(path, key), "rb") as f:
+      data = f.read(1 << 20)
+    summary = _manifest.decode_summary(data, os.path.join(path, key))
+  except (errors.CheckpointError, OSError):
+    return None
+  return None if summary is None else summary.generation
+
+
+def delete_step(root: Location, step: int, pins: differ.Pins) -> None:
+  """Deletes ``step``, or retires it if a committed step or a save in flight references it."""
+  if not root.is_local:
+    step_dir.delete_step(root, step)
+    return
+  with pins.lock:
+    keep = referenced(root, exclude=step)
+    path = os.path.join(root.local_path, str(step))
+    gen = _generation(path, "_CHECKPOINT")
+    if keep is not None:
+      keep |= pins.live()
+      if gen is None:  # damaged or gone: keep it only if it holds data something uses
+        gen = next((g for g in sorted(keep) if refs.holds_generation(path, g)), None)
+      if gen is None or gen not in keep:
+        step_dir.delete_step(root, step)
+        return
+    log.info("step %d of %s: retired, not deleted (%s)", step, root,
+             "newer steps reference its data" if keep is not None else
+             "another step's summary cannot be read, so what it references is unknown")
+    _retire(root, step)
+
+
+def _retire(root: Location, step: int) -> None:
+  path = os.path.join(root.local_path, str(step))
+  try:
+    os.rename(os.path.join(path, "_CHECKPOINT"), os.path.join(path, refs.RETIRED_KEY))
+    _location.fsync_dir(path)
+  except FileNotFoundError:
+    return
+  except OSError as e:
+    raise _location.storage_error(root, f"retiring step {step}", e) from e
+
+
+def before_save(setting: differ.Differential, root: Location, step: int, committed: list[int],
+                overwrite: bool) -> bool:
+  """A manager's save of ``step``: names the base (the latest other committed step) and makes
+  room (:func:`make_room`). Returns whether the save still overwrites a committed step."""
+  base = max((s for s in committed if s != step), default=None)
+  setting.set_base(None if base is None else root.join(str(base)))
+  return not make_room(root, step, setting.pins) and overwrite
+
+
+def make_room(root: Location, step: int, pins: differ.Pins) -> bool:
+  """Moves referenced data out of ``<root>/<step>`` before a new save of that step.
+
+  Returns:
+    True if the directory was moved aside (a committed step there is no longer
+    one: the new save does not overwrite anything).
+  """
+  if not root.is_local:
+    return False
+  path = os.path.join(root.local_path, str(step))
+  with pins.lock:
+    if os.path.exists(os.path.join(path, "_CHECKPOINT")):
+      if _multihost.process_index() != 0:
+        return False  # process 0 decides (and retires); the others' plans accept either outcome
+      keep = referenced(root, exclude=step)
+      gen = _generation(path, "_CHECKPOINT")
+      if gen is None or (keep is not None and gen not in keep | pins.live()):
+        return False  # nothing references it: the save replaces it as before
+      _retire(root, step)
+    gen = _generation(path, refs.RETIRED_KEY)
+    if gen is None:
+      return False
+    aside = os.path.join(root.local_path, refs.retired_name(str(step), gen))
+    log.info("step %d of %s: its retired data moves aside to %s for the new save", step, root,
+             os.path.basename(aside))
+    try:
+      os.rename(path, aside)
+      _location.fsync_dir(root.local_path)
+    except FileNotFoundError:
+      pass  # another process of the job moved it first
+    except OSError as e:
+      raise _location.storage_error(root, f"moving the retired data of step {step} aside", e) from e
+    return True
+
+
+def sweep(root: Location, pins: differ.Pins) -> list[str]:
+  """Removes retired data that no committed step and no save in flight references.
+
+  Returns:
+    The names of the directories removed.
+  """
+  if not root.is_local:
+    return []
+  retired = {n: (refs.parse_retired(n) or (None, None))[1]
+             for n in refs.retired_dirs(root.local_path)}
+  if not retired:
+    return []
+  removed = []
+  with pins.lock:
+    keep = referenced(root)
+    if keep is None:
+      return []
+    keep |= pins.live()
+    for name, gen in retired.items():
+      path = os.path.join(root.local_path, name)
+      gen = gen or _generation(path, refs.RETIRED_KEY)
+      if gen in keep or (gen is None and any(refs.holds_generation(path, g) for g in keep)):
+        continue  # (unreadable: kept while it holds data of a generation something uses)
+      log.info("removing %s: retired data no step references any more", name)
+      if name.isdigit():
+        step_dir.delete_step(root, int(name))
+      else:
+        shutil.rmtree(path, ignore_errors=True)
+      removed.append(name)
+  return removed
+
+
+def stored_bytes(step: Location) -> dict[str, int]:
+  """``bytes_written`` (held by the step itself) and ``bytes_reused`` (referenced) of a step.
+
+  From its summary; a full save holds all its bytes (``item_bytes``).
+  """
+  summary = restoring.read_summary(step)
+  stored = summary.stored_bytes or {"own": sum(summary.item_bytes.values())}
+  return {"bytes_written": stored["own"], "bytes_reused": stored.get("borrowed", 0)}

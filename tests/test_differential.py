@@ -1,0 +1,355 @@
+"""Differential saves (issue 19): unchanged chunks are referenced, retention keeps them.
+
+Real files, the public API: a LoRA-style run on a frozen base, restores of
+every kept step after retention deleted the steps they borrow from, another
+mesh, two processes, a flipped element, every dtype, and manifests whose
+references point outside the checkpoint or at steps that do not exist.
+"""
+
+import io
+import json
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import engine_worker
+import jobs
+import orbax_flax as ofx
+from orbax_flax import cli
+from orbax_flax import errors
+
+_RNG = np.random.default_rng(19)
+_FROZEN = {
+    "embed": _RNG.standard_normal((2048, 512)).astype(np.float32),     # 4 MiB, sharded rows
+    "proj": _RNG.standard_normal((1024, 1024)).astype(np.float32),     # 4 MiB, replicated
+    "head": _RNG.standard_normal((1024, 512)).astype(ml_dtypes.bfloat16),  # 1 MiB, sharded cols
+    "quant": _RNG.integers(-128, 127, (1536, 1024), dtype=np.int8),     # 1.5 MiB, numpy
+    "norms": [_RNG.standard_normal((512,)).astype(np.float32) for _ in range(8)],  # packed
+}
+
+
+def _mesh(shape=(8,), names=("data",)):
+  return jax.make_mesh(shape, names)
+
+
+def lora_state(step, mesh):
+  """A frozen base (90%+ of the bytes) and small adapters that change every step."""
+  names = mesh.axis_names
+  put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  frozen = {"embed": put(_FROZEN["embed"], P(names[0], None)),
+            "proj": put(_FROZEN["proj"], P()),
+            "head": put(_FROZEN["head"], P(None, names[-1])),
+            "quant": _FROZEN["quant"],
+            "norms": [put(n, P()) for n in _FROZEN["norms"]]}
+  rng = np.random.default_rng(1000 + step)
+  lora = {"a": put(rng.standard_normal((512, 16)).astype(np.float32), P()),
+          "b": put(rng.standard_normal((16, 512)).astype(np.float32), P())}
+  return {"frozen": frozen, "lora": lora, "step": step}
+
+
+def _nbytes(tree):
+  return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+
+
+def _disk_bytes(root):
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+
+
+def _target(state):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                      if isinstance(x, jax.Array) else x, state)
+
+
+def _assert_bitwise(got, want):
+  for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    g, w = np.asarray(g), np.asarray(w)
+    assert g.dtype == w.dtype and g.shape == w.shape, path
+    assert g.tobytes() == w.tobytes(), jax.tree_util.keystr(path)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+  """Ten differential saves of a LoRA-style run, max_to_keep=3 (async saves)."""
+  root = str(tmp_path_factory.mktemp("lora") / "ckpt")
+  mesh = _mesh()
+  policy = ofx.CheckpointPolicy(max_to_keep=3, differential=True)
+  with ofx.CheckpointManager(root, policy) as mngr:
+    for step in range(10):
+      mngr.save(step, {"state": lora_state(step, mesh)}, force=True)
+    mngr.wait()
+    events = mngr.pop_events()
+    steps = mngr.all_steps()
+  return root, steps, events
+
+
+def test_lora_frozen_base_ten_saves_take_under_twice_one_state(lora_run):
+  root, steps, events = lora_run
+  full = _nbytes(lora_state(0, _mesh()))
+  assert steps == [7, 8, 9]
+  assert _disk_bytes(root) <= 2 * full, (_disk_bytes(root), full)
+  assert events[0].bytes_written == full and events[0].bytes_reused == 0
+  for e in events[1:]:
+    assert e.bytes_written <= 0.12 * full, (e.step, e.bytes_written, full)
+    assert e.bytes_written + e.bytes_reused == full
+  # The base (step 0) was deleted by retention: not a step any more, its data retired in place.
+  assert os.path.exists(os.path.join(root, "0", "_RETIRED"))
+  assert sorted(os.listdir(root)) == ["0", "7", "8", "9"]
+
+
+def test_every_kept_step_restores_bitwise_after_its_bases_were_deleted(lora_run):
+  root, steps, _ = lora_run
+  mesh = _mesh()
+  for step in steps:
+    path = os.path.join(root, str(step))
+    want = lora_state(step, mesh)
+    _assert_bitwise(ofx.restore(path, {"state": _target(want)})["state"], want)
+    _assert_bitwise(ofx.restore(path)["state"], want)  # host numpy, the tensorstore-free path too
+    assert ofx.verify(path) == _nbytes(want)
+    meta = ofx.metadata(path)
+    assert meta.items["state"].nbytes == _nbytes(want)
+
+
+def test_restore_onto_another_mesh(lora_run):
+  root, steps, _ = lora_run
+  mesh = _mesh((2, 4), ("x", "y"))
+  want = lora_state(steps[-1], mesh)
+  got = ofx.restore(os.path.join(root, str(steps[-1])), {"state": _target(want)})["state"]
+  _assert_bitwise(got, want)
+  assert got["frozen"]["embed"].sharding == want["frozen"]["embed"].sharding
+
+
+def test_show_and_list_print_own_and_borrowed_bytes(lora_run):
+  root, steps, _ = lora_run
+  out = io.StringIO()
+  assert cli.main(["show", os.path.join(root, str(steps[-1]))], out) == 0
+  assert "borrowed" in out.getvalue() and "own" in out.getvalue(), out.getvalue()
+  out = io.StringIO()
+  assert cli.main(["list", root], out) == 0
+  assert "BORROWED" in out.getvalue() and "retired, not steps: 0:" in out.getvalue(), out.getvalue()
+
+
+def _flip(x, index):
+  bits = np.ascontiguousarray(x).copy()
+  flat = bits.reshape(-1).view(np.uint8)
+  flat[index] ^= 1
+  return bits
+
+
+def test_a_changed_chunk_is_never_reused(tmp_path):
+  """One bit of one element differs: exactly the block holding it is written."""
+  root = str(tmp_path / "ckpt")
+  big = _RNG.standard_normal((1024, 1024)).astype(np.float32)  # 8 chunks of 512 KiB (8 shards)
+  small = [_RNG.standard_normal((64,)).astype(np.float32) for _ in range(4)]  # one packed piece
+  mesh = _mesh()
+  put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None)))  # noqa: E731
+  ckptr = ofx.Checkpointer(differential=True)
+  ckptr.save(os.path.join(root, "0"), {"s": {"big": put(big), "small": small}})
+  flipped = _flip(big, 3 * 1024 * 4 + 2)       # row 3: the first shard's chunk
+  ckptr.save(os.path.join(root, "1"), {"s": {"big": put(flipped), "small": small}})
+  small2 = [small[0], _flip(small[1], 5), small[2], small[3]]
+  ckptr.save(os.path.join(root, "2"), {"s": {"big": put(flipped), "small": small2}})
+  ckptr.close()
+  s1 = ofx.metadata(os.path.join(root, "1")).custom  # noqa: F841  (metadata reads through)
+  for step, want_big, want_small in ((1, flipped, small), (2, flipped, small2)):
+    got = ofx.restore(os.path.join(root, str(step)))["s"]
+    assert got["big"].tobytes() == want_big.tobytes()
+    assert all(g.tobytes() == w.tobytes() for g, w in zip(got["small"], want_small))
+  summaries = [json.loads(open(os.path.join(root, str(s), "_CHECKPOINT"), "rb").read()
+                          .split(b"\n")[1]) for s in range(3)]
+  assert summaries[1]["stored_bytes"] == {"own": 512 * 1024, "borrowed": 7 * 512 * 1024 + 1024}
+  assert summaries[2]["stored_bytes"]["own"] == 1024  # the packed piece only
+
+
+def test_every_dtype_is_referenced_and_restored_exactly(tmp_path):
+  mesh = _mesh()
+  rng = np.random.default_rng(3)
+  arrays = {
+      "bool": rng.integers(0, 2, (64, 40000)).astype(bool),
+      "int4": rng.integers(-8, 7, (256, 8192)).astype(ml_dtypes.int4),
+      "f8": rng.standard_normal((64, 40000)).astype(ml_dtypes.float8_e4m3fn),
+      "c64": (rng.standard_normal((256, 1024)) + 1j).astype(np.complex64),
+      "u16": rng.integers(0, 1 << 16, (512, 2048)).astype(np.uint16),
+      "i64": rng.integers(-(1 << 60), 1 << 60, (8, 32)),  # packed
+  }
+  state = {k: jax.device_put(v, NamedSharding(mesh, P("data" if v.shape[0] % 8 == 0 else None)))
+           for k, v in arrays.items()}
+  state["keys"] = jax.random.split(jax.random.key(1), 8)
+  root = str(tmp_path / "ckpt")
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(differential=True)) as mngr:
+    for step in range(2):
+      mngr.save(step, {"s": state}, force=True)
+    mngr.wait()
+    assert mngr.pop_events()[-1].bytes_written == 0
+    got = mngr.restore(1, {"s": _target(state)})["s"]
+  for k in arrays:
+    assert np.asarray(got[k]).tobytes() == np.asarray(state[k]).tobytes(), k
+  assert np.array_equal(jax.random.key_data(got["keys"]), jax.random.key_data(state["keys"]))
+
+
+def _edit_manifest(path, edit):
+  with open(os.path.join(path, "_CHECKPOINT"), "rb") as f:
+    _, line, body = f.read().split(b"\n", 2)
+  summary, doc = json.loads(line), json.loads(body)
+  edit(summary, doc)
+  import test_hostile_files  # pylint: disable=g-import-not-at-top
+  with open(os.path.join(path, "_CHECKPOINT"), "wb") as f:
+    f.write(test_hostile_files._rehash(summary, doc))  # pylint: disable=protected-access
+
+
+def _array_leaf(doc, name):
+  return next(r for r in doc["items"]["s"]["leaves"] if r["path"] == [name])
+
+
+@pytest.mark.parametrize("case", ["outside", "missing_step", "own_generation", "base_index",
+                                  "packed_tiling", "hash_length"])
+def test_hostile_references_are_refused(tmp_path, case):
+  root = str(tmp_path / "ckpt")
+  big = _RNG.standard_normal((512, 1024)).astype(np.float32)
+  ckptr = ofx.Checkpointer(differential=True)
+  for step in range(2):
+    ckptr.save(os.path.join(root, str(step)), {"s": {"big": big, "small": big[0] + step}})
+  ckptr.close()
+  path = os.path.join(root, "1")
+
+  def edit(summary, doc):
+    if case == "outside":
+      summary["bases"][0]["dir"] = "../../etc"
+    elif case == "missing_step":
+      summary["bases"][0]["dir"] = "77"
+    elif case == "own_generation":
+      summary["bases"][0]["generation"] = summary["generation"]
+    elif case == "base_index":
+      _array_leaf(doc, "big")["chunk_base"][0] = 5
+    elif case == "packed_tiling":
+      doc["items"]["s"]["packed_pieces"]["0"][0][1] -= 16
+    elif case == "hash_length":
+      _array_leaf(doc, "big")["chunk_hash"][0] = "00"
+
+  _edit_manifest(path, edit)
+  with pytest.raises(errors.CheckpointFormatError, match="77|crafted|retired"):
+    ofx.restore(path)
+  if case != "missing_step":  # the manifest itself is refused, before any data is read
+    with pytest.raises(errors.CheckpointFormatError):
+      ofx.metadata(path)
+
+
+def test_sweep_removes_retired_data_once_nothing_references_it(tmp_path):
+  root = str(tmp_path / "ckpt")
+  big = _RNG.standard_normal((512, 1024)).astype(np.float32)
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(max_to_keep=1, differential=True)) as m:
+    for step in range(3):
+      m.save(step, {"s": {"big": big, "step": step}}, force=True)
+    m.wait()
+    assert m.all_steps() == [2] and os.path.exists(os.path.join(root, "0", "_RETIRED"))
+  # The run goes on without differential saves: the old base is referenced by nobody.
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(max_to_keep=1)) as m:
+    for step in range(3, 5):
+      m.save(step, {"s": {"big": big + 1, "step": step}}, force=True)
+    m.wait()
+  assert sorted(os.listdir(root)) == ["4"]
+  assert ofx.restore(os.path.join(root, "4"))["s"]["big"].tobytes() == (big + 1).tobytes()
+
+
+def test_multiprocess_differential_saves_restore_on_another_mesh(tmp_path):
+  path = str(tmp_path / "ckpt")
+  res = jobs.run("diff_worker.py", [f"--path={path}", "--mesh=2,4"], 2, 4).check()
+  lines = [l for out in res.outputs for l in out.splitlines() if l.startswith("DIFF")]
+  assert len(lines) == 2, res.outputs
+  written = json.loads(lines[0].split("written=")[1].split(" reused")[0])
+  reused = json.loads(lines[0].split("reused=")[1])
+  assert reused[0] == 0 and all(r > 0 for r in reused[1:]) and written[1] < written[0] / 4
+  # One process, 8 devices, another mesh: every kept step reads through its references.
+  mesh = engine_worker.make_mesh((4, 2))
+  import diff_worker  # pylint: disable=g-import-not-at-top
+  for step in (2, 3):
+    want = diff_worker.state_at(mesh, step)
+    got = ofx.restore(os.path.join(path, str(step)), {"state": engine_worker.target_for(want)})
+    engine_worker.check_shards(got["state"], want)
+    assert ofx.verify(os.path.join(path, str(step))) > 0
+
+
+def test_replacing_a_referenced_step_or_reusing_a_retired_number_keeps_the_borrowers(tmp_path):
+  root = str(tmp_path / "ckpt")
+  a, b, c = (_RNG.standard_normal((512, 1024)).astype(np.float32) for _ in range(3))
+  # 1 borrows v from 0; 2 borrows w from 1 and v from 0.
+  states = {0: {"w": a, "v": c, "n": 0}, 1: {"w": b, "v": c, "n": 1}, 2: {"w": b, "v": c, "n": 2}}
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(max_to_keep=2, differential=True)) as m:
+    for step, s in states.items():
+      m.save(step, {"s": s}, force=True)
+    m.wait()
+    assert m.pop_events()[-1].bytes_reused == 2 * a.nbytes
+    assert m.all_steps() == [1, 2] and os.path.exists(os.path.join(root, "0", "_RETIRED"))
+  new = {1: {"w": a + 1, "v": c, "n": 10}, 0: {"w": a, "v": c + 1, "n": 20}}
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(max_to_keep=3, differential=True)) as m:
+    m.save(1, {"s": new[1]}, force=True)  # replaces step 1, which step 2 references
+    m.save(0, {"s": new[0]}, force=True)  # the number of step 0, retired but referenced
+    m.wait()
+    assert m.all_steps() == [0, 1, 2]
+  assert len([n for n in os.listdir(root) if ".ofx-base-" in n]) == 2  # old 0 and 1, moved aside
+  for step, want in ((2, states[2]), (1, new[1]), (0, new[0])):
+    got = ofx.restore(os.path.join(root, str(step)))["s"]
+    assert got["w"].tobytes() == want["w"].tobytes() and got["v"].tobytes() == want["v"].tobytes()
+    assert got["n"] == want["n"] and ofx.verify(os.path.join(root, str(step))) == 2 * a.nbytes
+
+
+def test_training_callback_reports_bytes_written_and_reused_to_the_metric_writer(tmp_path):
+  frozen = jax.device_put(_FROZEN["embed"], NamedSharding(_mesh(), P("data", None)))
+
+  def step(state, batch):  # a frozen base, an adapter that trains
+    return {"base": state["base"], "adapter": state["adapter"] + batch, "step": state["step"] + 1}, \
+        {"loss": float(batch)}
+
+  writer = jobs.RecordingWriter()
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2, "differential": True},
+                                writer=writer)
+  state = {"base": frozen, "adapter": np.zeros((64, 64), np.float32), "step": 0}
+  ofx.Trainer(step, [ckpt]).fit(state, iter([1.0] * 10), 6)
+  events = [d for _, d in writer.scalars if "checkpoint/bytes_written" in d]
+  assert len(events) == 3, writer.scalars
+  assert events[0]["checkpoint/bytes_reused"] == 0
+  assert all(e["checkpoint/bytes_reused"] == frozen.nbytes for e in events[1:]), events
+  assert all(e["checkpoint/bytes_written"] < frozen.nbytes / 100 for e in events[1:]), events
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 0])
+def test_async_saves_in_rounds_under_a_host_budget_reuse_exactly(tmp_path, budget):
+  """With max_host_bytes the state is staged and written in rounds; each round decides."""
+  mesh = _mesh()
+  big = jax.device_put(_FROZEN["proj"], NamedSharding(mesh, P("data", None)))  # 8 chunks
+  root = str(tmp_path / "ckpt")
+  with ofx.Checkpointer(differential=True, max_host_bytes=budget) as ckptr:
+    for step in range(3):
+      small = np.full((128, 128), step, np.float32)
+      ckptr.save_async(os.path.join(root, str(step)), {"s": {"big": big, "small": small}}).wait()
+  for step in range(3):
+    got = ofx.restore(os.path.join(root, str(step)))["s"]
+    assert got["big"].tobytes() == _FROZEN["proj"].tobytes() and (got["small"] == step).all()
+  with open(os.path.join(root, "2", "_CHECKPOINT"), "rb") as f:
+    stored = json.loads(f.read().split(b"\n")[1])["stored_bytes"]
+  assert stored == {"own": 128 * 128 * 4, "borrowed": big.nbytes}
+
+
+def test_a_changed_small_array_rewrites_about_one_packed_chunk_not_the_buffer(tmp_path):
+  """Small arrays are packed together; reuse is per segment (about one 4 MiB chunk)."""
+  rng = np.random.default_rng(7)
+  smalls = [rng.standard_normal(1 << 18).astype(np.float32) for _ in range(12)]  # 12 x 1 MiB
+  root = str(tmp_path / "ckpt")
+  states = [list(smalls)]
+  states.append([x if i != 5 else x + 1 for i, x in enumerate(states[-1])])   # segment 1
+  states.append([x if i != 10 else x + 1 for i, x in enumerate(states[-1])])  # segment 2
+  with ofx.Checkpointer(differential=True) as ckptr:
+    for step, state in enumerate(states):
+      ckptr.save(os.path.join(root, str(step)), {"s": {"smalls": state}})
+  for step, state in enumerate(states):
+    path = os.path.join(root, str(step))
+    got = ofx.restore(path)["s"]["smalls"]
+    assert all(g.tobytes() == w.tobytes() for g, w in zip(got, state)), step
+    assert ofx.verify(path) == 12 << 20
+    with open(os.path.join(path, "_CHECKPOINT"), "rb") as f:
+      stored = json.loads(f.read().split(b"\n")[1])["stored_bytes"]
+    assert stored["own"] == (12 << 20 if step == 0 else 4 << 20), (step, stored)
