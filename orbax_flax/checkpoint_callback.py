@@ -116,12 +116,11 @@ class CheckpointCallback(callbacks.Callback):
     self._local_schedule = None
     if self.policy.local_tier:
       from orbax_flax.tiers import local, schedule  # pylint: disable=g-import-not-at-top
-      self._local = local.LocalTier(self.policy.local_directory, run=self.manager.directory,
-                                    replicas=self.policy.replicas,
-                                    max_to_keep=self.policy.local_max_to_keep,
-                                    timeout_seconds=self.policy.coordination_timeout_seconds,
-                                    max_host_bytes=self.policy.max_host_bytes)
-      self._local_schedule = schedule.LocalSchedule(self.policy.local_trigger(), clock=clock)
+      p, run = self.policy, self.manager.directory
+      self._local = local.LocalTier(p.local_directory, run=run, replicas=p.replicas,
+                                    max_to_keep=p.local_max_to_keep, max_host_bytes=p.max_host_bytes,
+                                    coordination_timeout_seconds=p.coordination_timeout_seconds)
+      self._local_schedule = schedule.LocalSchedule(p.local_trigger(), clock=clock)
     self.metadata = dict(metadata or {})
     self.writer = writer
     # Installed by the run's first call (restore_or_init or on_step_end), not here: a

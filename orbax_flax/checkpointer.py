@@ -253,8 +253,8 @@ class Checkpointer:
     handle.wait()
 
   def save_async(self, path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
-                 custom_metadata: Mapping[str, Any] | None = None,
-                 cancellable: bool = False, dtype: Any = None) -> saving.AsyncSave:
+                 custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None,
+                 cancellable: bool = False) -> saving.AsyncSave:
     """Starts a save; returns once the caller may change or donate its arrays.
 
     The blocking phase is a snapshot: a copy into this checkpointer's staging
@@ -383,23 +383,24 @@ class Checkpointer:
 
   # ------------------------------------------------------------------ restoring
 
-  def restore(self, path: Any, target: Mapping[str, Any] | None = None, *,
-              partial: bool = False, max_host_bytes: int | None = None,
-              allow_lossy_casts: bool = False, casts: list | None = None,
-              transforms: Any = None, read_once: bool = False) -> dict[str, Any]:
+  def restore(self, path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
+              allow_lossy_casts: bool = False, transforms: Any = None, read_once: bool = False,
+              max_host_bytes: int | None = None, progress: Any = None,
+              casts: list | None = None) -> dict[str, Any]:
     """Restores a checkpoint (see :func:`orbax_flax.restore`).
 
     A save of this checkpointer to the same path still in flight is waited
-    for first. ``max_host_bytes`` defaults to the checkpointer's budget.
+    for first. ``max_host_bytes`` defaults to the checkpointer's budget;
+    ``progress`` to a new one the watchdog watches.
     """
     loc = Location.parse(path)
     self.wait_for(loc)
     budget = self.max_host_bytes if max_host_bytes is None else max_host_bytes
-    progress = _progress.Progress(f"restore of {loc}")
+    progress = _progress.Progress(f"restore of {loc}") if progress is None else progress
     with _progress.Monitor(progress, self.watchdog_seconds):
-      return restoring.restore(loc, target, partial=partial, max_host_bytes=budget,
-                               allow_lossy_casts=allow_lossy_casts, progress=progress, casts=casts,
-                               transforms=transforms, read_once=read_once)
+      return restoring.restore(loc, target, partial=partial, allow_lossy_casts=allow_lossy_casts,
+                               transforms=transforms, read_once=read_once, max_host_bytes=budget,
+                               progress=progress, casts=casts)
 
   def wait_for(self, path: Any) -> None:
     """Blocks until this checkpointer's save to ``path``, if in flight, is done. Never raises:
@@ -496,11 +497,11 @@ def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
 
 
 def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
-               custom_metadata: Mapping[str, Any] | None = None,
-               dtype: Any = None) -> saving.AsyncSave:
+               custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None,
+               cancellable: bool = False) -> saving.AsyncSave:
   """Starts a save and returns once the state is copied to host memory.
 
-  Arguments are those of :func:`save`. The caller may then donate or change
+  Arguments are those of :func:`save` and :meth:`Checkpointer.save_async`. The caller may then donate or change
   its arrays. Only one save of the module functions runs at a time: this
   call first waits for the previous one, and raises its error if nobody
   called ``wait()``. The host copy goes into fresh memory, released when the
@@ -519,15 +520,17 @@ def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
     3.0
   """
   return default().save_async(path, items, overwrite=overwrite, custom_metadata=custom_metadata,
-                              dtype=dtype)
+                              dtype=dtype, cancellable=cancellable)
 
 
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
-            max_host_bytes: int = 0, allow_lossy_casts: bool = False,
-            transforms: Any = None, read_once: bool = False) -> dict[str, Any]:
+            allow_lossy_casts: bool = False, transforms: Any = None, read_once: bool = False,
+            max_host_bytes: int | None = None, progress: Any = None,
+            casts: list | None = None) -> dict[str, Any]:
   """Restores a checkpoint, resharded onto the target's shardings.
 
-  See :func:`orbax_flax.restoring.restore` for the arguments; a
+  See :func:`orbax_flax.restoring.restore` for the arguments
+  (``max_host_bytes`` None: no budget); a
   ``save_async`` of the module functions to the same path still in flight is
   waited for first.
 
@@ -540,9 +543,10 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     >>> ofx.restore(path, target, partial=True)["state"]["w"]
     Array([0., 1., 2., 3.], dtype=float32)
   """
-  return default().restore(path, target, partial=partial, max_host_bytes=max_host_bytes,
-                           allow_lossy_casts=allow_lossy_casts, transforms=transforms,
-                           read_once=read_once)
+  return default().restore(path, target, partial=partial, allow_lossy_casts=allow_lossy_casts,
+                           transforms=transforms, read_once=read_once,
+                           max_host_bytes=0 if max_host_bytes is None else max_host_bytes,
+                           progress=progress, casts=casts)
 
 
 def wait_for_inflight(path: Any) -> None:

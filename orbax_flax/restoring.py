@@ -163,9 +163,9 @@ class _Want:
 
 
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
-            max_host_bytes: int = 0, allow_lossy_casts: bool = False, progress: Any = None,
-            casts: list | None = None, transforms: Any = None,
-            read_once: bool = False) -> dict[str, Any]:
+            allow_lossy_casts: bool = False, transforms: Any = None, read_once: bool = False,
+            max_host_bytes: int | None = None, progress: Any = None,
+            casts: list | None = None) -> dict[str, Any]:
   """Restores a checkpoint of any format, resharded onto the target's shardings.
 
   Reads our own checkpoints, orbax-checkpoint ones (an item, a step of its
@@ -185,7 +185,7 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     partial: restore only the leaves the target names. Otherwise a leaf in the
       checkpoint that the target lacks is an error.
     max_host_bytes: a budget for host memory beyond the restored arrays
-      (0: none): arrays are read and placed in rounds of at most this many
+      (0 or None: none): arrays are read and placed in rounds of at most this many
       bytes, and temporary buffers stay within it (plus one chunk).
     allow_lossy_casts: allow dtype conversions that lose information (float to
       int or bool, a wider type into a narrower one such as float32 to
@@ -223,11 +223,12 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   """
   from orbax_flax import formats  # pylint: disable=g-import-not-at-top  # formats imports us
   from orbax_flax.formats import transforms as transforms_lib  # pylint: disable=g-import-not-at-top
+  max_host_bytes = max_host_bytes or 0
   if read_once and target is not None:
     read_target = _read_once_target(dict(target), None if transforms else open_manifest(path)[1])
-    out = restore(path, read_target, partial=partial, max_host_bytes=max_host_bytes,
-                  allow_lossy_casts=allow_lossy_casts, progress=progress, casts=casts,
-                  transforms=transforms)
+    out = restore(path, read_target, partial=partial, allow_lossy_casts=allow_lossy_casts,
+                  transforms=transforms, max_host_bytes=max_host_bytes, progress=progress,
+                  casts=casts)
     return _reshard_like(out, {k: target[k] for k in out})
   loc, manifest = open_manifest(path)
   if target is not None and not isinstance(target, Mapping):
