@@ -120,7 +120,7 @@ class CheckpointCallback(callbacks.Callback):
       self._local = local.LocalTier(p.local_directory, run=run, replicas=p.replicas,
                                     max_to_keep=p.local_max_to_keep, max_host_bytes=p.max_host_bytes,
                                     coordination_timeout_seconds=p.coordination_timeout_seconds)
-      self._local_schedule = schedule.LocalSchedule(p.local_trigger(), clock=clock)
+      self._local_schedule = schedule.LocalSchedule(p.local_trigger(), clock=clock, directory=run)
     self.metadata = dict(metadata or {})
     self.writer = writer
     # Installed by the run's first call (restore_or_init or on_step_end), not here: a

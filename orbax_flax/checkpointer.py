@@ -3,10 +3,12 @@
 :class:`Checkpointer` owns what outlives one call: the host memory an async
 save stages into (kept between saves, so that from the second save on the
 blocking phase is a copy into memory already touched), the save in flight
-(one at a time; its error is raised by the next call if nobody waited), and
-the coordination-service names its saves use. The module functions
-:func:`save`, :func:`save_async` and :func:`restore` use a default
-checkpointer that keeps no staging memory between saves.
+(one at a time; its error is raised by the next call if nobody waited).
+
+The module functions :func:`save` and :func:`save_async` make a checkpointer
+of their own for each call (its keys derive from the path; it keeps no
+staging memory), and :func:`restore` needs none: each call is independent of
+every other (use a :class:`Checkpointer` for one save at a time).
 
 Host memory, in short: an async save holds one staging copy of what this
 process writes (or ``max_host_bytes``, whichever is smaller) from its first
@@ -25,7 +27,6 @@ manager call it before their first save.
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
 import weakref
@@ -48,6 +49,9 @@ from orbax_flax._location import Location
 HOST_TRANSFERS = ("auto", "memcpy", "pinned_host")
 
 
+_WATCHDOG_SECONDS = 600.0
+
+
 class Checkpointer:
   """Saves and restores checkpoints, keeping staging memory between async saves.
 
@@ -67,8 +71,10 @@ class Checkpointer:
       memory, started for every shard at once and ordered by XLA before any
       later donation; the default on GPU/TPU), or "auto".
     coordination_key: a coordination-service prefix for this checkpointer's
-      saves, the same on every process. Default: one per Checkpointer, in the
-      order they are created (create them in the same order on every process).
+      saves, the same on every process (a manager passes one derived from its
+      directory, the module functions one derived from the path). Default:
+      one per checkpointer, counted in the coordination service: create
+      checkpointers without a key in the same order on every process.
     watchdog_seconds: a save or restore running longer logs its phase, bytes
       done, RSS and (once) every thread's Python stack (0: off).
 
@@ -86,7 +92,7 @@ class Checkpointer:
   def __init__(self, *, max_host_bytes: int = 0, keep_staging_memory: bool = True,
                coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S,
                host_transfer: str = "auto", coordination_key: str | None = None,
-               watchdog_seconds: float = 600.0):
+               watchdog_seconds: float = _WATCHDOG_SECONDS):
     if isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int) or max_host_bytes < 0:
       raise ValueError(f"max_host_bytes={max_host_bytes!r}: must be an int >= 0 (bytes; 0: no"
                        " budget), e.g. 8 << 30 for 8 GiB.")
@@ -101,15 +107,15 @@ class Checkpointer:
     self.coordination_timeout_seconds = float(coordination_timeout_seconds)
     self.host_transfer = host_transfer
     self.watchdog_seconds = watchdog_seconds
-    self._key = coordination_key or _multihost.namespace("checkpointer")
+    # Taken now, not at the first save: a save's first wait is a timed one (a frozen process 0
+    # makes the others time out, not hang in an untimed call to its coordination service).
+    self._key = coordination_key or _multihost.namespace("checkpointer", "")
     self._seq = 0
     self._staging = _staging.Staging(limit=max_host_bytes)
     self._own_snapshots: dict[int, Any] = {}  # buffer address -> weakref (host_snapshot)
     self._inflight: saving.AsyncSave | None = None
     self._lock = threading.Lock()
     self._closed = False
-    ref = weakref.ref(self)
-    atexit.register(lambda: ref() is not None and ref()._finish_at_exit())
 
   # ------------------------------------------------------------------ state
 
@@ -163,12 +169,6 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
-
-  def _finish_at_exit(self) -> None:
-    """At interpreter exit, a save someone started (and did not cancel) still commits."""
-    h = self._inflight
-    if h is not None and not h.done() and not h.cancelled.is_set():
-      h.join()
 
   # ------------------------------------------------------------------ saving
 
@@ -325,10 +325,9 @@ class Checkpointer:
       plan.manifest["casts"] = casts
     with self._lock:
       self._seq += 1
-      seq = self._seq
+      key = f"{self._key}/{self._seq}"
     handle = saving.AsyncSave(plan.loc, plan.nbytes, start)
-    run = saving.SaveRun(plan, f"{self._key}/{seq}", self.coordination_timeout_seconds,
-                         handle.cancelled, f"{self._key}/{seq - 1}" if seq > 1 else None)
+    run = saving.SaveRun(plan, key, self.coordination_timeout_seconds, handle.cancelled)
     return plan, run, handle
 
   def _transfer(self, plan: _planning.Plan) -> str:
@@ -395,12 +394,11 @@ class Checkpointer:
     """
     loc = Location.parse(path)
     self.wait_for(loc)
-    budget = self.max_host_bytes if max_host_bytes is None else max_host_bytes
-    progress = _progress.Progress(f"restore of {loc}") if progress is None else progress
-    with _progress.Monitor(progress, self.watchdog_seconds):
-      return restoring.restore(loc, target, partial=partial, allow_lossy_casts=allow_lossy_casts,
-                               transforms=transforms, read_once=read_once, max_host_bytes=budget,
-                               progress=progress, casts=casts)
+    return _watched_restore(loc, target, self.watchdog_seconds, partial=partial,
+                            allow_lossy_casts=allow_lossy_casts, transforms=transforms,
+                            read_once=read_once, progress=progress, casts=casts,
+                            max_host_bytes=self.max_host_bytes if max_host_bytes is None
+                            else max_host_bytes)
 
   def wait_for(self, path: Any) -> None:
     """Blocks until this checkpointer's save to ``path``, if in flight, is done. Never raises:
@@ -451,17 +449,6 @@ def cast_items(items: Mapping[str, Any], dtype: Any) -> tuple[Mapping[str, Any],
   return out, casts
 
 
-_default: list[Checkpointer] = []
-
-
-def default() -> Checkpointer:
-  """The checkpointer behind the module functions (no staging memory kept between saves)."""
-  if not _default:
-    _default.append(Checkpointer(keep_staging_memory=False,
-                                 coordination_key="orbax_flax/checkpointer/default"))
-  return _default[0]
-
-
 def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
          custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None) -> None:
   """Saves ``items`` as one checkpoint and returns once it is committed.
@@ -493,7 +480,8 @@ def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
     >>> ofx.restore(path)["extra"]
     {'epoch': 3}
   """
-  default().save(path, items, overwrite=overwrite, custom_metadata=custom_metadata, dtype=dtype)
+  with _one_save(path) as ckptr:
+    ckptr.save(path, items, overwrite=overwrite, custom_metadata=custom_metadata, dtype=dtype)
 
 
 def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
@@ -501,12 +489,14 @@ def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
                cancellable: bool = False) -> saving.AsyncSave:
   """Starts a save and returns once the state is copied to host memory.
 
-  Arguments are those of :func:`save` and :meth:`Checkpointer.save_async`. The caller may then donate or change
-  its arrays. Only one save of the module functions runs at a time: this
-  call first waits for the previous one, and raises its error if nobody
-  called ``wait()``. The host copy goes into fresh memory, released when the
-  save ends; for repeated saves a :class:`Checkpointer` (or
-  :class:`orbax_flax.CheckpointManager`) keeps it, and blocks much less.
+  Arguments are those of :func:`save` and :meth:`Checkpointer.save_async`.
+  The caller may then donate or change its arrays. Each call is independent:
+  it waits for no earlier save, and its error is raised by the handle's
+  ``wait()`` (or logged, if the handle is dropped without one). The host copy
+  goes into fresh memory, released when the save ends. For repeated saves a
+  :class:`Checkpointer` (or :class:`orbax_flax.CheckpointManager`) keeps it,
+  and blocks much less; it also runs one save at a time and raises the error
+  of a save nobody waited for on its next call.
 
   Returns:
     An :class:`AsyncSave`; ``wait()`` blocks until committed.
@@ -519,8 +509,14 @@ def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
     >>> float(ofx.restore(path)["state"]["w"].sum())
     3.0
   """
-  return default().save_async(path, items, overwrite=overwrite, custom_metadata=custom_metadata,
-                              dtype=dtype, cancellable=cancellable)
+  return _one_save(path).save_async(path, items, overwrite=overwrite, dtype=dtype,
+                                    custom_metadata=custom_metadata, cancellable=cancellable)
+
+
+def _one_save(path: Any) -> Checkpointer:
+  """The checkpointer of one module-function save: no staging memory kept, keys of ``path``."""
+  key = _multihost.namespace("save", str(Location.parse(path)))
+  return Checkpointer(keep_staging_memory=False, coordination_key=key)
 
 
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
@@ -530,9 +526,9 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   """Restores a checkpoint, resharded onto the target's shardings.
 
   See :func:`orbax_flax.restoring.restore` for the arguments
-  (``max_host_bytes`` None: no budget); a
-  ``save_async`` of the module functions to the same path still in flight is
-  waited for first.
+  (``max_host_bytes`` None: no budget). A save still in flight is not waited
+  for: ``wait()`` on its handle first (a :class:`Checkpointer` waits for its
+  own).
 
   Example:
     >>> import jax, numpy as np, orbax_flax as ofx, tempfile, os
@@ -543,12 +539,14 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     >>> ofx.restore(path, target, partial=True)["state"]["w"]
     Array([0., 1., 2., 3.], dtype=float32)
   """
-  return default().restore(path, target, partial=partial, allow_lossy_casts=allow_lossy_casts,
-                           transforms=transforms, read_once=read_once,
-                           max_host_bytes=0 if max_host_bytes is None else max_host_bytes,
-                           progress=progress, casts=casts)
+  return _watched_restore(Location.parse(path), target, _WATCHDOG_SECONDS, partial=partial,
+                          allow_lossy_casts=allow_lossy_casts, transforms=transforms, casts=casts,
+                          read_once=read_once, max_host_bytes=max_host_bytes, progress=progress)
 
 
-def wait_for_inflight(path: Any) -> None:
-  """Blocks until a module-function save to ``path`` still in flight is done. Never raises."""
-  default().wait_for(path)
+def _watched_restore(loc: Location, target: Any, watchdog_seconds: float, *,
+                     progress: Any = None, **kwargs) -> dict[str, Any]:
+  """:func:`orbax_flax.restoring.restore` under the watchdog (and a terminal progress line)."""
+  progress = _progress.Progress(f"restore of {loc}") if progress is None else progress
+  with _progress.Monitor(progress, watchdog_seconds):
+    return restoring.restore(loc, target, progress=progress, **kwargs)

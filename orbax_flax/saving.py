@@ -25,6 +25,7 @@ does not name it.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import math
@@ -60,7 +61,9 @@ class AsyncSave:
 
   ``wait()`` blocks until the checkpoint is committed on every process and
   re-raises any error of the background phase. An error that nobody waited
-  for is raised by the checkpointer's next call instead: it is never lost.
+  for is raised by the checkpointer's next call instead (a handle of the
+  module function :func:`orbax_flax.save_async`, which has no next call,
+  logs it when dropped): it is never lost.
 
   Attributes:
     path: where the checkpoint is written.
@@ -82,7 +85,7 @@ class AsyncSave:
     self.cancelled = threading.Event()
 
   def run_in_background(self, work: Callable[[], None]) -> None:
-    """Runs ``work`` in a daemon thread (the checkpointer waits for it at exit)."""
+    """Runs ``work`` in a daemon thread; at interpreter exit it still commits unless cancelled."""
     def body() -> None:
       try:
         work()
@@ -90,8 +93,14 @@ class AsyncSave:
         self._error = e
       finally:
         self.total_s = time.perf_counter() - self._start
+        atexit.unregister(self._finish_at_exit)
     self._thread = threading.Thread(target=body, name=f"orbax_flax-save-{self.path}", daemon=True)
+    atexit.register(self._finish_at_exit)
     self._thread.start()
+
+  def _finish_at_exit(self) -> None:
+    if not self.cancelled.is_set():
+      self.join()
 
   def run_here(self, work: Callable[[], None]) -> None:
     """Runs ``work`` in the caller's thread (a blocking save)."""
@@ -147,6 +156,12 @@ class AsyncSave:
 
   def mark_reported(self) -> None:
     self._reported = True
+
+  def __del__(self) -> None:
+    error = self.unreported_error()
+    if error is not None:  # dropped with an error nobody waited for: say it, once
+      log.error("save to %s failed and nobody waited for it: %s: %s", self.path,
+                type(error).__name__, error)
 
   def __repr__(self) -> str:
     state = "running" if not self.done() else ("failed" if self._error else "committed")
@@ -311,12 +326,13 @@ class SaveRun:
     key: a coordination-service prefix unique to this save, same on every process.
     timeout_s: how long a process waits for another at each rendezvous.
     cancelled: set by ``AsyncSave.cancel()``.
+
+  The keys of a save are deleted by the last process done with them.
   """
 
   def __init__(self, plan: _planning.Plan, key: str, timeout_s: float,
-               cancelled: threading.Event, previous_key: str | None = None):
+               cancelled: threading.Event):
     self.plan, self.key, self.timeout_s, self.cancelled = plan, key, timeout_s, cancelled
-    self.previous_key = previous_key
     self.me, self.nproc = _multihost.process_index(), _multihost.process_count()
     self.gen: str | None = None
     self.target: Location | None = None
@@ -465,10 +481,13 @@ class SaveRun:
     status = "ok" if error is None else _describe(error)
     self.progress.phase = "waiting for every process to finish writing"
     _multihost.arrive(f"{self.key}/status", status)
-    if self.me != 0:
-      self._follow(error)
-    else:
-      self._lead(error)
+    try:
+      if self.me != 0:
+        self._follow(error)
+      else:
+        self._lead(error)
+    finally:
+      _multihost.leave(self.key)  # every key of this save is read: the last process deletes them
 
   def _follow(self, error: BaseException | None) -> None:
     try:
@@ -516,9 +535,6 @@ class SaveRun:
       if error is not None:
         raise error
       _raise_verdict(decision)
-    if self.previous_key:
-      # Every process has reported on this save, so each has read the previous verdict.
-      _multihost.delete(self.previous_key)
     failed = [(p, s) for p, s in enumerate(statuses) if s != "ok"]
     if not failed and self.cancelled.is_set():  # cancelled after writing, before the decision
       failed = [(0, _CANCELLED)]

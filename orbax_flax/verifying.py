@@ -16,7 +16,6 @@ from orbax_flax import _planning
 from orbax_flax import _progress
 from orbax_flax import _reading
 from orbax_flax import _tree
-from orbax_flax import checkpointer
 from orbax_flax import errors
 from orbax_flax import restoring
 from orbax_flax._location import Location
@@ -58,7 +57,6 @@ def verify_report(path: Any) -> tuple[int, str]:
     (64, 'orbax_flax')
   """
   loc = Location.parse(path)
-  checkpointer.wait_for_inflight(loc)
   loc, manifest = restoring.open_manifest(loc)  # checks the manifest's own hashes
   if manifest.get("format", "orbax_flax") != "orbax_flax":
     return _verify_foreign(loc, manifest), manifest["format"]
