@@ -1,9 +1,11 @@
-"""The engine as an object: saves and restores, with its staging memory and its save in flight.
+"""The engine as an object: it owns the staging memory of its saves and the save in flight.
 
 :class:`Checkpointer` owns what outlives one call: the host memory an async
 save stages into (kept between saves, so that from the second save on the
 blocking phase is a copy into memory already touched), the save in flight
-(one at a time; its error is raised by the next call if nobody waited).
+(one at a time; its error is raised by the next call if nobody waited), and
+the layouts it planned. The save itself, top to bottom, is
+:mod:`orbax_flax.saving`; a restore is :mod:`orbax_flax.restoring`.
 
 The module functions :func:`save` and :func:`save_async` make a checkpointer
 of their own for each call (its keys derive from the path; it keeps no
@@ -34,19 +36,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from orbax_flax import _multihost
-from orbax_flax import _planning
+from orbax_flax import _planner
 from orbax_flax import _progress
 from orbax_flax import _staging
-from orbax_flax import _tree
 from orbax_flax import restoring
 from orbax_flax import saving
 from orbax_flax._location import Location
 
-HOST_TRANSFERS = ("auto", "memcpy", "pinned_host")
+HOST_TRANSFERS = saving.HOST_TRANSFERS
 
 
 _WATCHDOG_SECONDS = 600.0
@@ -111,6 +110,7 @@ class Checkpointer:
     # makes the others time out, not hang in an untimed call to its coordination service).
     self._key = coordination_key or _multihost.namespace("checkpointer", "")
     self._seq = 0
+    self._planner = _planner.Planner()
     self._staging = _staging.Staging(limit=max_host_bytes)
     self._own_snapshots: dict[int, Any] = {}  # buffer address -> weakref (host_snapshot)
     self._inflight: saving.AsyncSave | None = None
@@ -211,9 +211,9 @@ class Checkpointer:
     self._check_open()
     if not self.keep_staging_memory or self.inflight is not None:
       return 0
-    if self._transfer_of(jax.tree_util.tree_leaves(dict(items))) != "memcpy":
+    if saving.transfer(self.host_transfer, jax.tree_util.tree_leaves(dict(items))) != "memcpy":
       return 0
-    rounds = saving.split_rounds(_planning.layout_pieces(items), self.max_host_bytes)
+    rounds = saving.split_rounds(self._planner.layout_pieces(items), self.max_host_bytes)
     need = max(_staging.arena_bytes([(p.shape, p.dtype) for p in r]) for r in rounds)
     return self._staging.prepare(need)
 
@@ -231,23 +231,10 @@ class Checkpointer:
     """
     self._check_open()
     self._finish_inflight()
-    plan, run, handle = self._prepare(path, items, overwrite, custom_metadata, dtype)
-
-    def work() -> None:
-      error = None
-      try:
-        # Packed small arrays are assembled in the staging memory (kept warm if
-        # the checkpointer keeps it); everything else is written from views.
-        materialize = lambda ps: saving.host_views(ps, self._staging)  # noqa: E731
-        for r in saving.split_rounds(plan.pieces, self.max_host_bytes):
-          run.write(r, materialize=materialize, max_batch_bytes=self.max_host_bytes)
-      except BaseException as e:  # pylint: disable=broad-except  # shared, then raised
-        error = e
-      run.finish(error)
-
+    plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype)
     try:
-      with _progress.Monitor(run.progress, self.watchdog_seconds, terminal=False):
-        handle.run_here(work)
+      saving.save(plan, run, handle, staging=self._staging, max_host_bytes=self.max_host_bytes,
+                  watchdog_seconds=self.watchdog_seconds)
     finally:
       self._after_save()
     handle.wait()
@@ -276,71 +263,22 @@ class Checkpointer:
     """
     self._check_open()
     self._finish_inflight()
-    plan, run, handle = self._prepare(path, items, overwrite, custom_metadata, dtype)
-    budget = self.max_host_bytes
-    try:
-      if self._transfer(plan) == "pinned_host" and not budget:
-        saving.to_pinned_host(plan.pieces, keep=self._is_own_snapshot)
-        last, materialize = plan.pieces, saving.host_views
-      else:
-        stage = (saving.host_views if self._transfer(plan) == "pinned_host"
-                 else lambda ps: saving.snapshot(ps, self._staging))
-        rounds = saving.split_rounds(plan.pieces, budget)
-        for r in rounds[:-1]:  # over the budget: written while the caller waits
-          stage(r)
-          run.write(r)
-        if self._transfer(plan) == "pinned_host":  # written after the caller goes on: a copy
-          saving.to_pinned_host(rounds[-1], keep=self._is_own_snapshot)
-        stage(rounds[-1])
-        last, materialize = rounds[-1], None
-    except BaseException as e:
-      handle.run_here(lambda: run.finish(e))  # tells the other processes, then raises
-      self._after_save()
-      handle.wait()
-      raise
-    handle.blocking_s = time.perf_counter() - handle._start  # pylint: disable=protected-access
-
-    def work() -> None:
-      try:
-        with _progress.Monitor(run.progress, self.watchdog_seconds, terminal=False):
-          error = None
-          try:
-            run.write(last, materialize=materialize, cancellable=cancellable)
-          except BaseException as e:  # pylint: disable=broad-except
-            error = e
-          run.finish(error)
-      finally:
-        self._after_save()
-
+    plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype)
+    saving.save_async(plan, run, handle, host_transfer=self.host_transfer, staging=self._staging,
+                      max_host_bytes=self.max_host_bytes, watchdog_seconds=self.watchdog_seconds,
+                      cancellable=cancellable, keep=self._is_own_snapshot, on_end=self._after_save)
     self._inflight = handle
-    handle.run_in_background(work)
     return handle
 
-  def _prepare(self, path: Any, items: Mapping[str, Any], overwrite: bool,
-               custom_metadata: Mapping[str, Any] | None, dtype: Any = None):
-    start = time.perf_counter()
-    items, casts = cast_items(items, dtype)
-    plan = _planning.make_plan(Location.parse(path), items, overwrite, custom_metadata)
-    if casts:
-      plan.manifest["casts"] = casts
+  def _start(self, path: Any, items: Mapping[str, Any], overwrite: bool,
+             custom_metadata: Mapping[str, Any] | None, dtype: Any):
+    started = time.perf_counter()
+    plan = self._planner.plan(Location.parse(path), items, overwrite, custom_metadata, dtype)
     with self._lock:
       self._seq += 1
       key = f"{self._key}/{self._seq}"
-    handle = saving.AsyncSave(plan.loc, plan.nbytes, start)
-    run = saving.SaveRun(plan, key, self.coordination_timeout_seconds, handle.cancelled)
+    run, handle = saving.start(plan, key, self.coordination_timeout_seconds, started)
     return plan, run, handle
-
-  def _transfer(self, plan: _planning.Plan) -> str:
-    return self._transfer_of(s.value for p in plan.pieces for s in p.sources)
-
-  def _transfer_of(self, values) -> str:
-    if self.host_transfer != "auto":
-      return self.host_transfer
-    for v in values:
-      if isinstance(v, jax.Array):
-        # next(iter(...)), never .pop(): devices() is the sharding's own cached set.
-        return "memcpy" if next(iter(v.devices())).platform == "cpu" else "pinned_host"
-    return "memcpy"
 
   def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:
     """``items`` as an async save of this checkpointer would snapshot them, to share.
@@ -355,7 +293,7 @@ class Checkpointer:
     Arrays the caller already keeps in pinned host memory are copied as well:
     the result is a snapshot the caller may donate from.
     """
-    if self._transfer_of(jax.tree_util.tree_leaves(dict(items))) != "pinned_host":
+    if saving.transfer(self.host_transfer, jax.tree_util.tree_leaves(dict(items))) != "pinned_host":
       return items
     if self.max_host_bytes:  # no whole copy: each tier stages in rounds within the budget
       return items
@@ -407,46 +345,6 @@ class Checkpointer:
     h = self._inflight
     if h is not None and h.loc == loc:
       h.join()
-
-
-def cast_items(items: Mapping[str, Any], dtype: Any) -> tuple[Mapping[str, Any], dict[str, str]]:
-  """``items`` with arrays converted for ``save(..., dtype=...)``, and what each was.
-
-  Example:
-    >>> items, casts = cast_items({"s": {"w": np.ones(2, np.float32), "n": np.arange(2)}}, "float16")
-    >>> items["s"]["w"].dtype, items["s"]["n"].dtype, casts
-    (dtype('float16'), dtype('int64'), {'s/w': 'float32'})
-  """
-  if dtype is None or not isinstance(items, Mapping):
-    return items, {}
-  casts: dict[str, str] = {}
-
-  def wanted(where: str, have: np.dtype) -> np.dtype | None:
-    if callable(dtype) and not isinstance(dtype, (str, np.dtype, type)):
-      got = dtype(where, have)
-    elif jnp.issubdtype(have, jnp.floating):
-      got = dtype
-    else:
-      got = None
-    if got is None:
-      return None
-    got = _tree.dtype_from_name(got) if isinstance(got, str) else np.dtype(got)
-    return None if got == have else got
-
-  out = {}
-  for item, tree in items.items():
-    def one(kp, leaf, item=item):
-      if not isinstance(leaf, (jax.Array, np.ndarray)) or jax.dtypes.issubdtype(
-          leaf.dtype, jax.dtypes.prng_key):
-        return leaf
-      where = f"{item}/{_tree.path_str(tuple(_tree.key_part(k) for k in kp))}"
-      to = wanted(where, np.dtype(leaf.dtype))
-      if to is None:
-        return leaf
-      casts[where] = np.dtype(leaf.dtype).name
-      return leaf.astype(to)
-    out[item] = jax.tree_util.tree_map_with_path(one, tree)
-  return out, casts
 
 
 def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
