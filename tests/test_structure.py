@@ -30,7 +30,7 @@ _SIZE_DEBT = {
     "orbax_flax._manifest": 553, "orbax_flax._reading": 592,
     "orbax_flax.checkpoint_callback": 658,
     "orbax_flax.formats.safetensors_io": 565, "orbax_flax.manager": 794,
-    "orbax_flax.restoring": 727, "orbax_flax.tiers.local": 677,
+    "orbax_flax.tiers.local": 677,
 }
 _CLASS_DEBT = {"CheckpointPolicy": 319, "CheckpointCallback": 536,
                "CheckpointManager": 649, "LocalTier": 311}
