@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -150,7 +151,7 @@ class AsyncSave:
     self._reported = True
 
   def __del__(self) -> None:
-    error = self.unreported_error()
+    error = None if sys.is_finalizing() else self.unreported_error()
     if error is not None:  # dropped with an error nobody waited for: say it, once
       log.error("save to %s failed and nobody waited for it: %s: %s", self.path,
                 type(error).__name__, error)
