@@ -13,18 +13,10 @@ staging memory), and :func:`restore` needs none: each call is independent of
 every other (use a :class:`Checkpointer` for one save at a time).
 
 Host memory, in short: an async save holds one staging copy of what this
-process writes (or ``max_host_bytes``, whichever is smaller) from its first
-save until :meth:`Checkpointer.close`, or only during each save with
-``keep_staging_memory=False``. A state larger than ``max_host_bytes`` is
-staged in rounds: all but the last round are written while the caller
-waits, so the blocking phase is longer, and peak extra host memory is the
-budget plus the largest chunk. A restore streams under the same budget.
-
-The first async save of a process would copy into fresh pages (about 5x a
-copy into touched memory). :meth:`Checkpointer.prepare` maps that staging
-memory as soon as the state exists and touches it in the background, so that
-the first save blocks like the later ones; the training callback and the
-manager call it before their first save.
+process writes (or ``max_host_bytes``, in rounds) from its first save until
+:meth:`Checkpointer.close` (only during each save with
+``keep_staging_memory=False``); :meth:`Checkpointer.prepare` touches it before
+the first save. docs/engine.md ("Host memory and the blocking phase") has the rest.
 """
 
 from __future__ import annotations
