@@ -22,13 +22,14 @@ from orbax_flax import _layout
 from orbax_flax import _tree
 from orbax_flax import errors
 from orbax_flax import targets
+from orbax_flax._records import Array, Manifest, Record
 
 
 @dataclasses.dataclass
 class Want:
   """One array leaf to read: where it comes from and what to build."""
   item: str
-  rec: dict[str, Any]
+  rec: Array
   dtype: np.dtype             # target dtype of the data (key data for PRNG keys)
   sharding: Any               # jax Sharding of the data, or None for host numpy
   shape: tuple[int, ...]      # shape of the data (key data for PRNG keys)
@@ -61,7 +62,7 @@ class Match:
             for item, (treedef, leaves) in self.results.items()}
 
 
-def match_target(manifest: Mapping[str, Any], target: Mapping[str, Any], *, partial: bool = False,
+def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool = False,
                  allow_lossy_casts: bool = False, casts: list | None = None,
                  from_target: Any = (), source: str = "the checkpoint") -> Match:
   """Checks ``target`` against the saved items of ``manifest``; reads no array data.
@@ -81,15 +82,15 @@ def match_target(manifest: Mapping[str, Any], target: Mapping[str, Any], *, part
   as_python: set[tuple[str, int]] = set()  # Python scalar targets read from 0-d arrays
   whole: list[str] = []
   for item, subtree in target.items():
-    saved_item = manifest["items"].get(item)
+    saved_item = manifest.items.get(item)
     if saved_item is None:
       diffs.append(f"item {item!r}: in target, not in checkpoint (it has"
-                   f" {sorted(manifest['items'])})")
+                   f" {sorted(manifest.items)})")
       continue
     if subtree is None:
       whole.append(item)
       continue
-    saved = {tuple(r["path"]): r for r in saved_item["leaves"]}
+    saved = saved_item.by_path()
     flat, treedef = jax.tree_util.tree_flatten_with_path(subtree)
     out: list[Any] = [None] * len(flat)
     results[item] = (treedef, out)
@@ -158,11 +159,11 @@ def _key_data_sharding(sharding: Any, where: str) -> Any:
                    " supported; use a NamedSharding or SingleDeviceSharding.")
 
 
-def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str],
+def _want(item: str, rec: Record, leaf: Any, where: str, diffs: list[str],
           bad_shardings: list[str], allow_lossy: bool = False,
           casts: list | None = None) -> Want | Value | None:
   """Checks one target leaf against its record; returns what to read."""
-  saved_kind = rec["kind"]
+  saved_kind = rec.kind
   if isinstance(leaf, jax.ShapeDtypeStruct) or isinstance(leaf, jax.Array):
     sharding = leaf.sharding
     if sharding is None:
@@ -174,15 +175,15 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
     sharding, shape, dtype = None, leaf.shape, leaf.dtype
   elif _tree.leaf_kind(leaf) == "value":
     if saved_kind == "value":
-      return Value(_tree.decode_value(rec["value"]))
-    sharding, shape, dtype = None, _tree.array_shape(rec), None
+      return Value(rec.decoded())
+    sharding, shape, dtype = None, rec.user_shape, None
   else:
     raise TypeError(f"target leaf {where} is a {type(leaf).__name__}; use a"
                     " jax.ShapeDtypeStruct with a sharding, a jax.Array, a numpy array or a"
                     " scalar.")
 
   if saved_kind == "value":
-    value = _tree.decode_value(rec["value"])
+    value = rec.decoded()
     if shape == () and isinstance(value, (bool, int, float, complex, np.generic)) and not is_key_dtype(dtype):
       if dtype is not None:
         source = np.asarray(value).dtype
@@ -198,7 +199,7 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
                  f" of shape {shape}")
     return None
 
-  saved_key = rec.get("key_impl")
+  saved_key = rec.key_impl
   if dtype is not None and is_key_dtype(dtype) != (saved_key is not None):
     diffs.append(f"{where}: " + ("checkpoint holds PRNG keys, target is not a key array" if saved_key
                                  else "target is a PRNG key array, checkpoint holds plain data"))
@@ -210,14 +211,13 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
                  f" Restore into {saved_key} keys (e.g. a target built with"
                  f" jax.random.key(0, impl={saved_key!r})), or make new keys.")
     return None
-  saved_shape = _tree.array_shape(rec)
+  saved_shape = rec.user_shape
   if tuple(shape) != saved_shape:
     diffs.append(f"{where}: shape {saved_shape} in checkpoint, {tuple(shape)} in target")
     return None
-  data_shape = tuple(rec["shape"])
-  data_dtype = np.dtype(rec["dtype"]) if (dtype is None or saved_key) else np.dtype(dtype)
-  if not saved_key and not _cast_ok(_tree.dtype_from_name(rec["dtype"]), data_dtype, where,
-                                    allow_lossy, diffs, casts):
+  data_shape = rec.shape
+  data_dtype = np.dtype(rec.dtype) if (dtype is None or saved_key) else np.dtype(dtype)
+  if not saved_key and not _cast_ok(rec.np_dtype, data_dtype, where, allow_lossy, diffs, casts):
     return None
   if sharding is not None:
     try:

@@ -16,6 +16,7 @@ import numpy as np
 
 from orbax_flax import _matching
 from orbax_flax import _tree
+from orbax_flax._records import Array, Manifest
 
 
 def read_once_spec(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...],
@@ -58,7 +59,7 @@ def read_once_spec(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...],
   return jax.sharding.PartitionSpec(*spec)
 
 
-def target(target: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:
+def target(target: dict[str, Any], manifest: Manifest | None) -> dict[str, Any]:
   """The target to read with for ``read_once``: leaves split further where that saves bytes.
 
   ``manifest`` (None: unknown, e.g. under transforms) gives each array's stored
@@ -70,14 +71,14 @@ def target(target: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str,
     if manifest is None:
       out[item] = jax.tree.map(lambda x: _leaf(x, None), tree)
       continue
-    saved_item = manifest["items"].get(item) or {}
-    saved = {tuple(r["path"]): r for r in saved_item.get("leaves", [])}
+    saved_item = manifest.items.get(item)
+    saved = saved_item.by_path() if saved_item is not None else {}
 
     def leaf_for(kp, x, saved=saved):
       rec = saved.get(tuple(_tree.key_part(k) for k in kp))
-      if rec is None or "packed_offset" in rec or not rec.get("chunk_shape"):
+      if not isinstance(rec, Array) or rec.is_packed or not rec.chunk_shape:
         return x
-      return _leaf(x, tuple(rec["chunk_shape"]))
+      return _leaf(x, rec.chunk_shape)
     out[item] = jax.tree_util.tree_map_with_path(leaf_for, tree)
   return out
 

@@ -39,6 +39,7 @@ from orbax_flax import _tree
 from orbax_flax import errors
 from orbax_flax._location import Location
 from orbax_flax._planning import TMP_MARKER
+from orbax_flax._records import Array, Manifest, Summary
 
 
 def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
@@ -95,7 +96,7 @@ def _steps_text(steps: list[int]) -> str:
   return f"step(s) [{shown}]"
 
 
-def read_manifest(loc: Location) -> dict[str, Any]:
+def read_manifest(loc: Location) -> Manifest:
   """The committed manifest at ``loc``; CheckpointNotFoundError if none."""
   data = None if TMP_MARKER in loc.name else _location.read_key(loc, _manifest.MANIFEST_KEY)
   if data is None:
@@ -103,7 +104,7 @@ def read_manifest(loc: Location) -> dict[str, Any]:
   return _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
 
 
-def open_manifest(path: Any) -> tuple[Location, dict[str, Any]]:
+def open_manifest(path: Any) -> tuple[Location, Manifest]:
   """The manifest of the checkpoint at ``path``, in any format ``restore`` reads.
 
   Ours is read and verified; an orbax-checkpoint or safetensors checkpoint is
@@ -122,15 +123,15 @@ def open_manifest(path: Any) -> tuple[Location, dict[str, Any]]:
   raise _not_found(loc)
 
 
-def reader_for(loc: Location, manifest: dict[str, Any], max_host_bytes: int = 0,
+def reader_for(loc: Location, manifest: Manifest, max_host_bytes: int = 0,
                progress: Any = None) -> _reading.Reader | None:
   """The engine's reader for our own format; None for a foreign one (its leaves read themselves)."""
-  if manifest.get("format", _manifest.FORMAT) != _manifest.FORMAT:
+  if manifest.format != _manifest.FORMAT:
     return None
   return _reading.Reader(loc, manifest, max_host_bytes, progress)
 
 
-def read_summary(loc: Location) -> dict[str, Any]:
+def read_summary(loc: Location) -> Summary:
   """The manifest's summary (time, sizes, custom metadata), reading a few KB."""
   where = f"{loc}/{_manifest.MANIFEST_KEY}"
   if TMP_MARKER in loc.name:
@@ -144,7 +145,7 @@ def read_summary(loc: Location) -> dict[str, Any]:
     data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=extent)
     summary = None if data is None else _manifest.decode_summary(data, where)
   if summary is None:  # a long summary of a manifest that does not say its length: read it all
-    summary = {k: v for k, v in read_manifest(loc).items() if k != "items"}
+    summary = read_manifest(loc).summary()
   return summary
 
 
@@ -232,8 +233,8 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
                                  from_target=from_target, source=str(loc))
   wants, whole = match.wants, match.whole
   if progress is not None:
-    progress.total = sum(w.rec["nbytes"] for w, _, _ in wants) + sum(
-        r.get("nbytes", 0) for i in whole for r in manifest["items"][i]["leaves"])
+    progress.total = sum(w.rec.nbytes for w, _, _ in wants) + sum(
+        r.nbytes for i in whole for r in manifest.items[i].leaves)
     progress.phase = "reading"
   arrays = read_arrays(loc, manifest, [w for w, _, _ in wants], max_host_bytes, progress)
   out = _restore_all(loc, manifest, whole, max_host_bytes, progress) if whole else {}
@@ -241,28 +242,28 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   return {item: out[item] for item in target if item in out}
 
 
-def _restore_all(loc: Location, manifest: dict[str, Any], items: list[str] | None = None,
+def _restore_all(loc: Location, manifest: Manifest, items: list[str] | None = None,
                  max_host_bytes: int = 0, progress: Any = None) -> dict[str, Any]:
   """Items (default: all) as host numpy arrays, in the saved structure."""
   wants, slots = [], []
   values: dict[str, list[Any]] = {}
-  chosen = {k: v for k, v in manifest["items"].items() if items is None or k in items}
+  chosen = {k: v for k, v in manifest.items.items() if items is None or k in items}
   for item, saved_item in chosen.items():
-    leaves = saved_item["leaves"]
+    leaves = saved_item.leaves
     values[item] = [None] * len(leaves)
     for i, rec in enumerate(leaves):
-      if rec["kind"] == "value":
-        values[item][i] = _tree.decode_value(rec["value"])
+      if not isinstance(rec, Array):
+        values[item][i] = rec.decoded()
         continue
-      shape = tuple(rec["shape"])
-      wants.append(_matching.Want(item, rec, np.dtype(_tree.dtype_from_name(rec["dtype"])), None,
-                                  shape, rec.get("key_impl"), {tuple((0, s) for s in shape): []}))
+      shape = rec.shape
+      wants.append(_matching.Want(item, rec, rec.np_dtype, None, shape, rec.key_impl,
+                         {tuple((0, s) for s in shape): []}))
       slots.append((item, i))
   if progress is not None and not progress.total:
-    progress.total, progress.phase = sum(w.rec["nbytes"] for w in wants), "reading"
+    progress.total, progress.phase = sum(w.rec.nbytes for w in wants), "reading"
   for (item, i), value in zip(slots, read_arrays(loc, manifest, wants, max_host_bytes, progress)):
     values[item][i] = value
-  return {item: _tree.decode_structure(saved_item["structure"], values[item])
+  return {item: _tree.decode_structure(saved_item.structure, values[item])
           for item, saved_item in chosen.items()}
 
 
@@ -284,7 +285,7 @@ def _box_buffers(want: _matching.Want, dtype: np.dtype) -> list[np.ndarray]:
   return _staging.fresh_arrays([(_layout.box_shape(b), dtype) for b in want.boxes])
 
 
-def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_matching.Want],
+def read_arrays(loc: Location, manifest: Manifest, wants: list[_matching.Want],
                 max_host_bytes: int = 0, progress: Any = None) -> list[Any]:
   """Reads the wanted arrays into fresh buffers, then builds host or device arrays.
 
@@ -301,24 +302,24 @@ def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_matching.W
     for i in window:
       w = wants[i]
       rec = w.rec
-      saved = _tree.dtype_from_name(rec["dtype"])
+      saved = rec.np_dtype
       if _read.needs_generic(rec):
         # A foreign format's array, or one a transform made: read box by box.
         bufs = _box_buffers(w, saved)
         requests += [(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
         datas[id(w)] = bufs
-      elif "packed_offset" in rec:
+      elif rec.is_packed:
         # A small array: each box it is needed in gets a buffer of its own.
         bufs = _box_buffers(w, saved)
-        lo = rec["packed_offset"]
+        lo = rec.packed_offset
         dests = [(_layout.box_to_slices(b), buf) for b, buf in zip(w.boxes, bufs)]
-        packed.append(_reading.PackedFill(w.item, rec["owners"][0], lo, lo + rec["nbytes"],
-                                          saved, w.shape, dests, _tree.path_str(tuple(rec["path"]))))
+        packed.append(_reading.PackedFill(w.item, rec.owners[0], lo, lo + rec.nbytes,
+                                          saved, w.shape, dests, rec.path_text))
         datas[id(w)] = bufs
-      elif not rec["owners"]:
+      elif not rec.owners:
         datas[id(w)] = [np.zeros(_layout.box_shape(b), saved) for b in w.boxes]
       else:
-        bufs = _box_buffers(w, _tree.dtype_from_name(rec["stored_dtype"]))
+        bufs = _box_buffers(w, rec.np_stored_dtype)
         fills += [_reading.Fill(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
         datas[id(w)] = [buf if buf.dtype == saved else buf.view(saved) for buf in bufs]
     if fills or packed:
