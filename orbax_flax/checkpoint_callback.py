@@ -42,6 +42,8 @@ from orbax_flax import targets
 from orbax_flax._location import Location
 from orbax_flax.config import CheckpointPolicy
 from orbax_flax.manager import CheckpointManager
+from orbax_flax.tiers import local
+from orbax_flax.tiers import schedule
 
 log = logging.getLogger("orbax_flax")
 
@@ -112,10 +114,8 @@ class CheckpointCallback(callbacks.Callback):
     self.policy = config if isinstance(config, CheckpointPolicy) else CheckpointPolicy.from_config(config)
     directory = self.policy.directory or os.path.join(workdir, "checkpoints")
     self.manager = CheckpointManager(directory, self.policy, clock=clock)
-    self._local = None
-    self._local_schedule = None
+    self._local = self._local_schedule = None
     if self.policy.local_tier:
-      from orbax_flax.tiers import local, schedule  # pylint: disable=g-import-not-at-top
       self._local = local.LocalTier(self.policy.local_directory, run=self.manager.directory,
                                     replicas=self.policy.replicas,
                                     max_to_keep=self.policy.local_max_to_keep,

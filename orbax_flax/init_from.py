@@ -26,6 +26,7 @@ from orbax_flax import errors
 from orbax_flax import restoring
 from orbax_flax import step_dir
 from orbax_flax._location import Location
+from orbax_flax.formats import orbax_checkpoint
 
 
 def load(text: str, name: str, target: Any) -> tuple[Any, Location]:
@@ -78,7 +79,6 @@ def split(text: str) -> tuple[str, str]:
 def _checkpoint_in(source: str, text: str) -> Location:
   """``init_from``: a checkpoint (any format ``restore`` reads), or a run's step directory or
   workdir (its latest step), ours or orbax-checkpoint's."""
-  from orbax_flax.formats import orbax_checkpoint  # pylint: disable=g-import-not-at-top
   loc = Location.parse(source)
   for candidate in (loc, loc.join("checkpoints")):
     try:

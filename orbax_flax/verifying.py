@@ -20,6 +20,7 @@ from orbax_flax import checkpointer
 from orbax_flax import errors
 from orbax_flax import restoring
 from orbax_flax._location import Location
+from orbax_flax.formats import _read
 
 _BATCH_BYTES = 256 << 20
 
@@ -106,7 +107,6 @@ COVERAGE = {
 
 def _verify_foreign(loc: Location, manifest: dict[str, Any]) -> int:
   """Reads every array of a foreign checkpoint in slices of bounded size; lists every failure."""
-  from orbax_flax.formats import _read  # pylint: disable=g-import-not-at-top
   problems, verified = [], 0
   for item, saved in manifest["items"].items():
     for rec in saved["leaves"]:
