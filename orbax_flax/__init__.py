@@ -59,7 +59,7 @@ _EXPORTS = {
     "checkpoints_iterator": "orbax_flax.evaluation",
     "transforms": ("orbax_flax.transforms", None),  # the module itself
     "convert": "orbax_flax.converting",
-    "export_safetensors": "orbax_flax.formats.safetensors_io",
+    "export_safetensors": "orbax_flax.formats.safetensors_export",
 }
 
 __all__ = [

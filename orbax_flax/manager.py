@@ -169,7 +169,7 @@ class CheckpointManager:
       if latest is not None:
         try:
           summary = restoring.read_summary(self._dir.join(str(latest)))
-          timeline = str(summary.get("custom", {}).get("timeline", ""))
+          timeline = str(summary.custom.get("timeline", ""))
         except (errors.CheckpointNotFoundError, errors.CheckpointCorruptedError) as e:
           log.warning("the timeline of step %d cannot be read (%s); taking it as unknown",
                       latest, e)
@@ -756,10 +756,10 @@ def _blocking_before(before: Mapping[str, float] | None) -> dict[str, float]:
   return out
 
 
-def _info_from_summary(step: int, summary: Mapping[str, Any]) -> policy_lib.StepInfo:
-  custom = summary.get("custom", {})
+def _info_from_summary(step: int, summary: restoring.Summary) -> policy_lib.StepInfo:
+  custom = summary.custom
   # "time" is the manager's clock (injectable); "created" the engine's wall time.
-  return policy_lib.StepInfo(step=step, time=float(custom.get("time", summary.get("created", 0.0))),
+  return policy_lib.StepInfo(step=step, time=float(custom.get("time", summary.created)),
                              metrics=dict(custom.get("metrics", {})),
                              reason=str(custom.get("reason", "unknown")))
 

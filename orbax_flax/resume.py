@@ -200,11 +200,11 @@ class Resume:
     state = state_items.from_items(state, restored)
     if data is not None:
       self._restore_data(step, data)
-    saved_mesh = summary["custom"].get("mesh")
+    saved_mesh = summary.custom.get("mesh")
     _progress.say("restored step %d (%s) from %s: saved on %s by %d process(es), restored onto %s"
-                  " with %d process(es)", step, summary["custom"].get("reason"),
+                  " with %d process(es)", step, summary.custom.get("reason"),
                   self._manager.step_path(step), _saved_mesh_text(saved_mesh),
-                  summary["process_count"], _mesh_text(items), jax.process_count())
+                  summary.process_count, _mesh_text(items), jax.process_count())
     return state, step
 
   def _restore_local(self, state: Any, data: DataPosition | None,
