@@ -37,9 +37,14 @@ from orbax_flax import _reading
 from orbax_flax import _staging
 from orbax_flax import _tree
 from orbax_flax import errors
+from orbax_flax import formats
+from orbax_flax import step_dir
+from orbax_flax import transforms as transforms_lib
 from orbax_flax._location import Location
 from orbax_flax._planning import TMP_MARKER
 from orbax_flax._records import Array, Manifest, Summary
+from orbax_flax.formats import _read
+from orbax_flax.formats import orbax_checkpoint
 
 
 def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
@@ -55,8 +60,6 @@ def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
 
 
 def _what_is_there(loc: Location) -> str:
-  from orbax_flax import step_dir  # pylint: disable=g-import-not-at-top  # step_dir needs _planning
-  from orbax_flax.formats import orbax_checkpoint  # pylint: disable=g-import-not-at-top
   ocp_steps = orbax_checkpoint.steps(loc)
   if ocp_steps:
     return (f"it is an orbax-checkpoint run directory holding {_steps_text(ocp_steps)}; pass one"
@@ -111,7 +114,6 @@ def open_manifest(path: Any) -> tuple[Location, Manifest]:
   described by an in-memory manifest of the same shape (see
   :mod:`orbax_flax.formats`).
   """
-  from orbax_flax import formats  # pylint: disable=g-import-not-at-top  # formats imports us
   loc = Location.parse(path)
   if TMP_MARKER not in loc.name:
     data = _location.read_key(loc, _manifest.MANIFEST_KEY)
@@ -208,8 +210,6 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     >>> ofx.restore(path, target, partial=True)["state"]["w"]
     Array([0., 1., 2., 3.], dtype=float32)
   """
-  from orbax_flax import formats  # pylint: disable=g-import-not-at-top  # formats imports us
-  from orbax_flax.formats import transforms as transforms_lib  # pylint: disable=g-import-not-at-top
   max_host_bytes = max_host_bytes or 0
   if read_once and target is not None:
     read_target = _read_once.target(dict(target), None if transforms else open_manifest(path)[1])
@@ -293,7 +293,6 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[_matching.Want],
   mapping per array, so that each array frees its memory on its own), small
   packed arrays included. With a budget, arrays are read and placed in rounds.
   """
-  from orbax_flax.formats import _read  # pylint: disable=g-import-not-at-top  # formats imports us
   reader = reader_for(loc, manifest, max_host_bytes, progress)
   out: list[Any] = [None] * len(wants)
   for window in _windows(wants, max_host_bytes):

@@ -19,6 +19,7 @@ from orbax_flax import errors
 from orbax_flax import restoring
 from orbax_flax._location import Location
 from orbax_flax._records import Array, Manifest
+from orbax_flax.formats import _read
 
 _BATCH_BYTES = 256 << 20
 
@@ -104,7 +105,6 @@ COVERAGE = {
 
 def _verify_foreign(loc: Location, manifest: Manifest) -> int:
   """Reads every array of a foreign checkpoint in slices of bounded size; lists every failure."""
-  from orbax_flax.formats import _read  # pylint: disable=g-import-not-at-top
   problems, verified = [], 0
   for item, saved in manifest.items.items():
     for rec in saved.leaves:
