@@ -10,7 +10,7 @@ for N devices on N/8 hosts (8 devices each, mesh ``("data", "model") = (N/8,
 vocab=128000, plus Adam moments, float32; matrices sharded ``P("data",
 "model")``, norms replicated), with stand-in device and sharding objects that
 answer what planning asks (device -> shard index, ``process_index``). The
-records are then made by the engine's own planning (``_planning._plan_array``,
+records are then made by the engine's own planning (``_planning.plan_array``,
 ``_pack_pieces``: chunk grid, owner of every chunk, packed small arrays), and
 the manifest is encoded and decoded by ``_manifest.encode`` / ``decode``
 (SHA-256 of summary and body, JSON, full validation), as process 0's commit
@@ -126,17 +126,17 @@ def state(hosts: int) -> dict:
 
 def plan_items(tree: dict, nproc: int, me: int = 0) -> tuple[dict, int]:
   """The manifest items of ``{"state": tree}`` and this process's piece count, as
-  ``_planning._Template.build`` makes them (for leaves that are all jax arrays)."""
+  ``_planner._Template.build`` makes them (for leaves that are all jax arrays)."""
   load = [0] * nproc
   structure, leaves = _tree.encode_structure(tree)
   records, pieces, packed = [], [], []
   pack_sizes = [0] * nproc
   for i, (path, leaf) in enumerate(leaves):
-    records.append(_planning._plan_array(  # pylint: disable=protected-access
+    records.append(_planning.plan_array(
         "state", f"a{i}", path, leaf, "jax", me, load, pack_sizes, packed, pieces,
         lambda k: None))
   if pack_sizes[me]:
-    pieces.extend(_planning._pack_pieces("state", pack_sizes[me], packed))  # pylint: disable=protected-access
+    pieces.extend(_planning.pack_pieces("state", pack_sizes[me], packed))
   items = {"state": {"structure": structure, "leaves": records,
                      "packed": {str(p): s for p, s in enumerate(pack_sizes) if s}}}
   return items, len(pieces)

@@ -57,8 +57,8 @@ _EXPORTS = {
     "TensorBoardWriter": "orbax_flax.tensorboard",
     "verify": "orbax_flax.verifying",
     "checkpoints_iterator": "orbax_flax.evaluation",
-    "transforms": ("orbax_flax.formats.transforms", None),  # the module itself
-    "convert": "orbax_flax.formats.convert",
+    "transforms": ("orbax_flax.transforms", None),  # the module itself
+    "convert": "orbax_flax.converting",
     "export_safetensors": "orbax_flax.formats.safetensors_export",
 }
 

@@ -10,15 +10,17 @@ did not arrive. The number of round trips of each helper is constant: it does
 not grow with the number of processes (the cost of a 1,000-host job is the
 cost of a 2-host job plus the service's own fan-in).
 
-Names in the key space: the coordination service is one per job, so the names
-handed out in it (:func:`namespace`) are counted per process, in creation
-order. Objects that coordinate (checkpointers, managers) must therefore be
-created in the same order on every process, as collectives are called.
+Names in the key space: the coordination service is one per job, so every
+prefix handed out in it (:func:`namespace`) derives from the directory its
+object works on, plus a count of the prefixes of that kind already handed
+out for that directory, kept in the service itself. Only the objects and
+saves on one directory must come in the same order on every process (as any
+collective does); nothing depends on what else a process created first.
 """
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import os
 from collections.abc import Sequence
 
@@ -27,18 +29,36 @@ import jax
 # How long a process waits for the others at a rendezvous, unless told otherwise.
 DEFAULT_TIMEOUT_S = 600.0
 
-_namespaces: dict[str, itertools.count] = {}
+def namespace(kind: str, where: str) -> str:
+  """A key prefix for the next object (or save) of ``kind`` on ``where``, the same on every process.
 
-
-def namespace(kind: str) -> str:
-  """A key prefix unique to the ``n``-th object of ``kind`` made by this process.
+  ``orbax_flax/<kind>/<digest of where>/<n>``: the ``n``-th prefix of this
+  kind for this directory that this process asked for, counted by a key of
+  the coordination service (one counter per process and directory, so the
+  count survives no object and needs no module state). Every process that
+  makes the same objects on ``where`` in the same order gets the same
+  prefix. A single-process job shares nothing: its prefix has no count.
 
   Example:
-    >>> namespace("doc-example"), namespace("doc-example")
-    ('orbax_flax/doc-example/1', 'orbax_flax/doc-example/2')
+    >>> namespace("doc-example", "/tmp/run")  # one process
+    'orbax_flax/doc-example/52865a8aedce'
   """
-  n = next(_namespaces.setdefault(kind, itertools.count(1)))
-  return f"orbax_flax/{kind}/{n}"
+  base = f"orbax_flax/{kind}/{hashlib.sha1(str(where).encode()).hexdigest()[:12]}"
+  c = client()
+  if c is None:
+    return base
+  return f"{base}/{c.key_value_increment(f'{base}/count/{process_index()}', 1)}"
+
+
+def leave(key: str) -> None:
+  """Reports that this process is done with every key under ``key``; the last one deletes them.
+
+  For keys unique to one operation (a save): once every process has left,
+  nobody reads them any more.
+  """
+  c = client()
+  if c is not None and c.key_value_increment(f"{key}/left", 1) == process_count():
+    c.key_value_delete(key)
 
 
 def check_distributed() -> None:

@@ -16,17 +16,17 @@ one region of one stored array, and where their bytes come from (device
 shards, numpy arrays). Planning reads no array data; :mod:`orbax_flax.saving`
 brings the bytes to the host (as views, or as a snapshot copy). The plan also
 records the manifest (everything but the generation id, which is chosen when
-the background phase starts).
+the background phase starts). This module says what a plan is and how one
+array is laid out (:func:`plan_array`); :class:`orbax_flax._planner.Planner`
+plans whole saves and keeps the layouts it worked out.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
 import os
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +36,6 @@ import numpy as np
 from orbax_flax import _layout
 from orbax_flax import _location
 from orbax_flax import _manifest
-from orbax_flax import _multihost
 from orbax_flax import _tree
 from orbax_flax import _tsio
 from orbax_flax import errors
@@ -167,174 +166,12 @@ def check_destination(loc: Location, overwrite: bool) -> None:
         " choose another path.")
 
 
-def make_plan(loc: Location, items: Mapping[str, Any], overwrite: bool,
-              custom_metadata: Mapping[str, Any] | None) -> Plan:
-  """Validates everything and plans this process's writes. Writes and reads nothing.
-
-  The layout of a tree depends only on its structure, shapes, dtypes and
-  shardings, so it is worked out once per layout (:class:`_Template`) and
-  each save binds its arrays to it: planning a 300-leaf state takes about a
-  millisecond from the second save on.
-  """
-  check_items(items)
-  try:
-    custom = json.loads(json.dumps(dict(custom_metadata or {}), allow_nan=False))
-  except (TypeError, ValueError) as e:
-    raise TypeError(f"custom_metadata must be a JSON-serialisable dict: {e}") from None
-  me, nproc = _multihost.process_index(), _multihost.process_count()
-  template, flat = _template(items, me, nproc)
-  items_meta, pieces = template.bind({item: leaves for item, (leaves, _) in flat.items()})
-  check_destination(loc, overwrite)
-  manifest = {
-      "format": _manifest.FORMAT, "version": _manifest.VERSION,
-      "library_version": LIBRARY_VERSION, "created": time.time(),
-      "process_count": nproc, "device_count": jax.device_count(),
-      "all_chunks_stored": True,
-      "custom": custom, "items": items_meta,
-  }
-  return Plan(loc, manifest, pieces, overwrite)
-
-
-def layout_pieces(items: Mapping[str, Any]) -> list[Piece]:
-  """This process's pieces of a save of ``items``: shapes and dtypes, no data bound.
-
-  For sizing the staging memory of a save before it is due. Reads no array
-  data and no storage; the layout is memoized, so the save's own planning
-  that follows is quick. The pieces are shared: do not change them.
-  """
-  check_items(items)
-  template, _ = _template(items, _multihost.process_index(), _multihost.process_count())
-  return template.pieces
-
-
-def _template(items: Mapping[str, Any], me: int, nproc: int) -> tuple[_Template, dict[str, Any]]:
-  """The (memoized) layout of ``items``, and the items flattened."""
-  flat = {item: jax.tree_util.tree_flatten(tree) for item, tree in items.items()}
-  key = (me, nproc, tuple((item, treedef, tuple(_signature(l) for l in leaves))
-                          for item, (leaves, treedef) in flat.items()))
-  template = _TEMPLATES.get(key)
-  if template is None:
-    template = _Template.build(items, me, nproc)
-    if template.cacheable(flat):
-      if len(_TEMPLATES) >= 16:
-        _TEMPLATES.pop(next(iter(_TEMPLATES)))
-      _TEMPLATES[key] = template
-  return template, flat
-
-
-def _signature(leaf: Any) -> tuple:
-  """What the layout of a leaf depends on (hashable)."""
-  if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
-    return ("jax", leaf.shape, leaf.dtype, leaf.sharding)
-  if isinstance(leaf, np.ndarray):
-    return ("numpy", leaf.shape, leaf.dtype.str)
-  return ("other", type(leaf))
-
-
-# Layouts already worked out, by what they depend on (a memo of pure results).
-_TEMPLATES: dict[tuple, "_Template"] = {}
-
-
-@dataclasses.dataclass
-class _Ref:
-  """A source of a piece, by position: leaf ``leaf`` of item ``item``, addressable shard ``k``."""
-  item: str
-  leaf: int
-  k: int | None  # None: the leaf itself (numpy, or a process-local jax.Array)
-
-
-class _Template:
-  """The plan of one layout, with references in place of arrays."""
-
-  def __init__(self, items_meta, pieces, value_slots, leaf_paths):
-    self.items_meta = items_meta        # item -> {structure, leaves (records), packed}
-    self.pieces = pieces                # Pieces whose Source.value are _Refs
-    self.value_slots = value_slots      # item -> [(record index, leaf index)] of inline values
-    self.leaf_paths = leaf_paths        # item -> [key path] of every leaf, in flatten order
-
-  @classmethod
-  def build(cls, items: Mapping[str, Any], me: int, nproc: int) -> _Template:
-    load = [0] * nproc
-    pieces: list[Piece] = []
-    items_meta: dict[str, Any] = {}
-    value_slots: dict[str, list[tuple[int, int]]] = {}
-    leaf_paths: dict[str, list[Any]] = {}
-    for item, tree in items.items():
-      structure, leaves = _tree.encode_structure(tree)
-      leaf_paths[item] = [path for path, _ in leaves]
-      records = []
-      pack_sizes = [0] * nproc
-      packed: list[Source] = []  # this process's packed leaves, by offset
-      value_slots[item] = []
-      for i, (path, leaf) in enumerate(leaves):
-        kind = _tree.leaf_kind(leaf)
-        if kind is None:
-          raise _tree.unsupported_leaf_error(item, path, leaf)
-        if kind == "value":
-          value_slots[item].append((len(records), i))
-          records.append(None)
-          continue
-        rec = _plan_array(item, f"a{i}", path, leaf, kind, me, load, pack_sizes, packed, pieces,
-                          lambda k, item=item, i=i: _Ref(item, i, k))
-        records.append(rec)
-      if pack_sizes[me]:
-        pieces.extend(_pack_pieces(item, pack_sizes[me], packed))
-      items_meta[item] = {"structure": structure, "leaves": records,
-                          "packed": {str(p): s for p, s in enumerate(pack_sizes) if s}}
-    return cls(items_meta, pieces, value_slots, leaf_paths)
-
-  def cacheable(self, flat: Mapping[str, Any]) -> bool:
-    """True if jax's flatten order is the one the template was built in (it always is for
-    dicts, lists, tuples, namedtuples and registered nodes)."""
-    return all(len(leaves) == len(self.leaf_paths[item]) for item, (leaves, _) in flat.items())
-
-  def bind(self, leaves: Mapping[str, list[Any]]) -> tuple[dict[str, Any], list[Piece]]:
-    """The manifest items and pieces of one save of this layout."""
-    for item, values in leaves.items():
-      for i, leaf in enumerate(values):
-        if isinstance(leaf, jax.Array) and leaf.is_deleted():
-          raise deleted_leaf_error(item, self.leaf_paths[item][i])
-    items_meta = {}
-    for item, meta in self.items_meta.items():
-      records = list(meta["leaves"])
-      for r, i in self.value_slots[item]:
-        value = leaves[item][i]
-        if _tree.leaf_kind(value) != "value":  # same type signature, other kind (cannot happen)
-          raise TypeError(f"{item}/{_tree.path_str(self.leaf_paths[item][i])}: unexpected leaf")
-        records[r] = value_record(self.leaf_paths[item][i], value)
-      items_meta[item] = dict(meta, leaves=records)
-    shards: dict[tuple[str, int], Any] = {}  # (item, leaf) -> the leaf, or its addressable shards
-
-    def resolve(ref: _Ref) -> Any:
-      got = shards.get((ref.item, ref.leaf))
-      if got is None:
-        leaf = leaves[ref.item][ref.leaf]
-        if isinstance(leaf, np.ndarray):
-          if not leaf.dtype.isnative:
-            leaf = leaf.astype(leaf.dtype.newbyteorder("="))  # stored little-endian, as named
-        elif jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-          leaf = jax.random.key_data(leaf)
-        replicated = isinstance(leaf, jax.Array) and leaf.is_fully_replicated
-        got = shards[(ref.item, ref.leaf)] = (leaf, replicated)
-      leaf, replicated = got
-      if ref.k is None:
-        return leaf
-      return leaf.addressable_data(0 if replicated else ref.k)
-
-    pieces = []
-    for p in self.pieces:
-      sources = [Source(resolve(s.value), s.within, s.offset, s.leaf_shape, s.leaf_dtype, s.index)
-                 for s in p.sources]
-      pieces.append(Piece(p.array, p.slices, p.shape, p.dtype, sources))
-    return items_meta, pieces
-
-
 def pack_chunk_bytes(size: int) -> int:
   """The chunk length of a packed buffer of ``size`` bytes (its checksum granularity)."""
   return min(size, PACK_CHUNK_BYTES)
 
 
-def _pack_pieces(item: str, size: int, sources: list[Source]) -> list[Piece]:
+def pack_pieces(item: str, size: int, sources: list[Source]) -> list[Piece]:
   """This process's packed buffer, cut at leaf boundaries into pieces of bounded size."""
   array = StoredArray(item, PACKED, (size,), "uint8", (pack_chunk_bytes(size),))
   pieces: list[Piece] = []
@@ -359,7 +196,7 @@ def array_record(path: _tree.Path, leaf: Any, kind: str) -> tuple[dict[str, Any]
   """The record every tier keeps of an array leaf, and the array whose bytes are stored.
 
   The one encoding of an array's identity (key path, shape, dtype, PRNG key
-  implementation) that :func:`orbax_flax.restoring.match_target` checks a
+  implementation) that :func:`orbax_flax._matching.match_target` checks a
   target against; where the bytes go is up to the tier. PRNG keys are stored
   as their key data; numpy arrays in little-endian byte order.
 
@@ -393,7 +230,7 @@ def deleted_leaf_error(item: str, path: _tree.Path) -> errors.UnsupportedLeafErr
       " returned.")
 
 
-def _plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me: int,
+def plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me: int,
                 load: list[int], pack_sizes: list[int], packed: list[Source],
                 pieces: list[Piece], ref: Any) -> dict[str, Any]:
   """The record of one array, and this process's pieces of it (sources as ``ref(k)``)."""

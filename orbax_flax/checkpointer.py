@@ -1,31 +1,26 @@
-"""The engine as an object: saves and restores, with its staging memory and its save in flight.
+"""The engine as an object: it owns the staging memory of its saves and the save in flight.
 
 :class:`Checkpointer` owns what outlives one call: the host memory an async
 save stages into (kept between saves, so that from the second save on the
 blocking phase is a copy into memory already touched), the save in flight
 (one at a time; its error is raised by the next call if nobody waited), and
-the coordination-service names its saves use. The module functions
-:func:`save`, :func:`save_async` and :func:`restore` use a default
-checkpointer that keeps no staging memory between saves.
+the layouts it planned. The save itself, top to bottom, is
+:mod:`orbax_flax.saving`; a restore is :mod:`orbax_flax.restoring`.
+
+The module functions :func:`save` and :func:`save_async` make a checkpointer
+of their own for each call (its keys derive from the path; it keeps no
+staging memory), and :func:`restore` needs none: each call is independent of
+every other (use a :class:`Checkpointer` for one save at a time).
 
 Host memory, in short: an async save holds one staging copy of what this
-process writes (or ``max_host_bytes``, whichever is smaller) from its first
-save until :meth:`Checkpointer.close`, or only during each save with
-``keep_staging_memory=False``. A state larger than ``max_host_bytes`` is
-staged in rounds: all but the last round are written while the caller
-waits, so the blocking phase is longer, and peak extra host memory is the
-budget plus the largest chunk. A restore streams under the same budget.
-
-The first async save of a process would copy into fresh pages (about 5x a
-copy into touched memory). :meth:`Checkpointer.prepare` maps that staging
-memory as soon as the state exists and touches it in the background, so that
-the first save blocks like the later ones; the training callback and the
-manager call it before their first save.
+process writes (or ``max_host_bytes``, in rounds) from its first save until
+:meth:`Checkpointer.close` (only during each save with
+``keep_staging_memory=False``); :meth:`Checkpointer.prepare` touches it before
+the first save. docs/engine.md ("Host memory and the blocking phase") has the rest.
 """
 
 from __future__ import annotations
 
-import atexit
 import threading
 import time
 import weakref
@@ -33,45 +28,50 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from orbax_flax import _multihost
-from orbax_flax import _planning
+from orbax_flax import _planner
 from orbax_flax import _progress
 from orbax_flax import _staging
-from orbax_flax import _tree
 from orbax_flax import restoring
 from orbax_flax import saving
 from orbax_flax._location import Location
 from orbax_flax.differential import differ as differ_lib
 
-HOST_TRANSFERS = ("auto", "memcpy", "pinned_host")
+HOST_TRANSFERS = saving.HOST_TRANSFERS
+
+
+_WATCHDOG_SECONDS = 600.0
 
 
 class Checkpointer:
   """Saves and restores checkpoints, keeping staging memory between async saves.
 
   Args:
-    max_host_bytes: a budget for the host memory of one save or restore (0: none). A larger async
-      save stages in rounds, blocking the caller longer; a restore reads in rounds. Peak extra host
-      memory stays at most the budget plus the largest chunk (32 MiB by default).
-    keep_staging_memory: keep the staging copy between async saves (fast blocking phase from the
-      second save on). False releases it after every save, for memory-tight hosts; each save then
-      copies into fresh pages.
-    coordination_timeout_seconds: how long a process waits for the others at each rendezvous of a
-      multi-process save; the error names who is missing.
-    host_transfer: how an async save snapshots device arrays: "memcpy" (copy into the staging
-      memory; the default on CPU, where device buffers are host memory), "pinned_host" (a device-
-      to-host transfer into pinned memory, started for every shard at once and ordered by XLA
-      before any later donation; the default on GPU/TPU), or "auto".
-    coordination_key: a coordination-service prefix for this checkpointer's saves, the same on
-      every process. Default: one per Checkpointer, in the order they are created (create them in
-      the same order on every process).
-    watchdog_seconds: a save or restore running longer logs its phase, bytes done, RSS and (once)
-      every thread's Python stack (0: off).
-    differential: write only the chunks that changed since the base step, referencing the rest
-      (``self.differential``: :class:`orbax_flax.differential.differ.Differential`).
+    max_host_bytes: a budget for the host memory of one save or restore
+      (0: none). A larger async save stages in rounds, blocking the caller
+      longer; a restore reads in rounds. Peak extra host memory stays at most
+      the budget plus the largest chunk (32 MiB by default).
+    keep_staging_memory: keep the staging copy between async saves (fast
+      blocking phase from the second save on). False releases it after every
+      save, for memory-tight hosts; each save then copies into fresh pages.
+    coordination_timeout_seconds: how long a process waits for the others at
+      each rendezvous of a multi-process save; the error names who is missing.
+    host_transfer: how an async save snapshots device arrays: "memcpy" (copy
+      into the staging memory; the default on CPU, where device buffers are
+      host memory), "pinned_host" (a device-to-host transfer into pinned
+      memory, started for every shard at once and ordered by XLA before any
+      later donation; the default on GPU/TPU), or "auto".
+    coordination_key: a coordination-service prefix for this checkpointer's
+      saves, the same on every process (a manager passes one derived from its
+      directory, the module functions one derived from the path). Default:
+      one per checkpointer, counted in the coordination service: create
+      checkpointers without a key in the same order on every process.
+    watchdog_seconds: a save or restore running longer logs its phase, bytes
+      done, RSS and (once) every thread's Python stack (0: off).
+    differential: write only the chunks that changed since the base step,
+      referencing the rest (``self.differential``: a
+      :class:`orbax_flax.differential.differ.Differential`).
 
   Example:
     >>> import numpy as np, orbax_flax as ofx, tempfile, os
@@ -87,7 +87,7 @@ class Checkpointer:
   def __init__(self, *, max_host_bytes: int = 0, keep_staging_memory: bool = True,
                coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S,
                host_transfer: str = "auto", coordination_key: str | None = None,
-               watchdog_seconds: float = 600.0, differential: bool = False):
+               watchdog_seconds: float = _WATCHDOG_SECONDS, differential: bool = False):
     if isinstance(max_host_bytes, bool) or not isinstance(max_host_bytes, int) or max_host_bytes < 0:
       raise ValueError(f"max_host_bytes={max_host_bytes!r}: must be an int >= 0 (bytes; 0: no"
                        " budget), e.g. 8 << 30 for 8 GiB.")
@@ -103,15 +103,16 @@ class Checkpointer:
     self.host_transfer = host_transfer
     self.watchdog_seconds = watchdog_seconds
     self.differential = differ_lib.Differential(differential)
-    self._key = coordination_key or _multihost.namespace("checkpointer")
+    # Taken now, not at the first save: a save's first wait is a timed one (a frozen process 0
+    # makes the others time out, not hang in an untimed call to its coordination service).
+    self._key = coordination_key or _multihost.namespace("checkpointer", "")
     self._seq = 0
+    self._planner = _planner.Planner()
     self._staging = _staging.Staging(limit=max_host_bytes)
     self._own_snapshots: dict[int, Any] = {}  # buffer address -> weakref (host_snapshot)
     self._inflight: saving.AsyncSave | None = None
     self._lock = threading.Lock()
     self._closed = False
-    ref = weakref.ref(self)
-    atexit.register(lambda: ref() is not None and ref()._finish_at_exit())
 
   # ------------------------------------------------------------------ state
 
@@ -166,12 +167,6 @@ class Checkpointer:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def _finish_at_exit(self) -> None:
-    """At interpreter exit, a save someone started (and did not cancel) still commits."""
-    h = self._inflight
-    if h is not None and not h.done() and not h.cancelled.is_set():
-      h.join()
-
   # ------------------------------------------------------------------ saving
 
   def prepare(self, items: Mapping[str, Any]) -> int:
@@ -213,9 +208,9 @@ class Checkpointer:
     self._check_open()
     if not self.keep_staging_memory or self.inflight is not None:
       return 0
-    if self._transfer_of(jax.tree_util.tree_leaves(dict(items))) != "memcpy":
+    if saving.transfer(self.host_transfer, jax.tree_util.tree_leaves(dict(items))) != "memcpy":
       return 0
-    rounds = saving.split_rounds(_planning.layout_pieces(items), self.max_host_bytes)
+    rounds = saving.split_rounds(self._planner.layout_pieces(items), self.max_host_bytes)
     need = max(_staging.arena_bytes([(p.shape, p.dtype) for p in r]) for r in rounds)
     return self._staging.prepare(need)
 
@@ -233,30 +228,17 @@ class Checkpointer:
     """
     self._check_open()
     self._finish_inflight()
-    plan, run, handle = self._prepare(path, items, overwrite, custom_metadata, dtype)
-
-    def work() -> None:
-      error = None
-      try:
-        # Packed small arrays are assembled in the staging memory (kept warm if
-        # the checkpointer keeps it); everything else is written from views.
-        materialize = lambda ps: saving.host_views(ps, self._staging)  # noqa: E731
-        for r in saving.split_rounds(plan.pieces, self.max_host_bytes):
-          run.write(r, materialize=materialize, max_batch_bytes=self.max_host_bytes)
-      except BaseException as e:  # pylint: disable=broad-except  # shared, then raised
-        error = e
-      run.finish(error)
-
+    plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype)
     try:
-      with _progress.Monitor(run.progress, self.watchdog_seconds, terminal=False):
-        handle.run_here(work)
+      saving.save(plan, run, handle, staging=self._staging, max_host_bytes=self.max_host_bytes,
+                  watchdog_seconds=self.watchdog_seconds)
     finally:
       self._after_save()
     handle.wait()
 
   def save_async(self, path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
-                 custom_metadata: Mapping[str, Any] | None = None,
-                 cancellable: bool = False, dtype: Any = None) -> saving.AsyncSave:
+                 custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None,
+                 cancellable: bool = False) -> saving.AsyncSave:
     """Starts a save; returns once the caller may change or donate its arrays.
 
     The blocking phase is a snapshot: a copy into this checkpointer's staging memory (CPU), or a
@@ -277,73 +259,23 @@ class Checkpointer:
     """
     self._check_open()
     self._finish_inflight()
-    plan, run, handle = self._prepare(path, items, overwrite, custom_metadata, dtype)
-    budget = self.max_host_bytes
-    try:
-      if self._transfer(plan) == "pinned_host" and not budget:
-        saving.to_pinned_host(plan.pieces, keep=self._is_own_snapshot)
-        last, materialize = plan.pieces, saving.host_views
-      else:
-        stage = (saving.host_views if self._transfer(plan) == "pinned_host"
-                 else lambda ps: saving.snapshot(ps, self._staging))
-        rounds = saving.split_rounds(plan.pieces, budget)
-        for r in rounds[:-1]:  # over the budget: written while the caller waits
-          stage(r)
-          run.write(r)
-        if self._transfer(plan) == "pinned_host":  # written after the caller goes on: a copy
-          saving.to_pinned_host(rounds[-1], keep=self._is_own_snapshot)
-        stage(rounds[-1])
-        last, materialize = rounds[-1], None
-    except BaseException as e:
-      handle.run_here(lambda: run.finish(e))  # tells the other processes, then raises
-      self._after_save()
-      handle.wait()
-      raise
-    handle.blocking_s = time.perf_counter() - handle._start  # pylint: disable=protected-access
-
-    def work() -> None:
-      try:
-        with _progress.Monitor(run.progress, self.watchdog_seconds, terminal=False):
-          error = None
-          try:
-            run.write(last, materialize=materialize, cancellable=cancellable)
-          except BaseException as e:  # pylint: disable=broad-except
-            error = e
-          run.finish(error)
-      finally:
-        self._after_save()
-
+    plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype)
+    saving.save_async(plan, run, handle, host_transfer=self.host_transfer, staging=self._staging,
+                      max_host_bytes=self.max_host_bytes, watchdog_seconds=self.watchdog_seconds,
+                      cancellable=cancellable, keep=self._is_own_snapshot, on_end=self._after_save)
     self._inflight = handle
-    handle.run_in_background(work)
     return handle
 
-  def _prepare(self, path: Any, items: Mapping[str, Any], overwrite: bool,
-               custom_metadata: Mapping[str, Any] | None, dtype: Any = None):
-    start = time.perf_counter()
-    items, casts = cast_items(items, dtype)
-    plan = _planning.make_plan(Location.parse(path), items, overwrite, custom_metadata)
-    if casts:
-      plan.manifest["casts"] = casts
+  def _start(self, path: Any, items: Mapping[str, Any], overwrite: bool,
+             custom_metadata: Mapping[str, Any] | None, dtype: Any):
+    started = time.perf_counter()
+    plan = self._planner.plan(Location.parse(path), items, overwrite, custom_metadata, dtype)
     with self._lock:
       self._seq += 1
-      seq = self._seq
-    handle = saving.AsyncSave(plan.loc, plan.nbytes, start)
-    run = saving.SaveRun(plan, f"{self._key}/{seq}", self.coordination_timeout_seconds,
-                         handle.cancelled, f"{self._key}/{seq - 1}" if seq > 1 else None)
+      key = f"{self._key}/{self._seq}"
+    run, handle = saving.start(plan, key, self.coordination_timeout_seconds, started)
     run.differ = self.differential.differ(plan, lambda: handle.total_s is None)
     return plan, run, handle
-
-  def _transfer(self, plan: _planning.Plan) -> str:
-    return self._transfer_of(s.value for p in plan.pieces for s in p.sources)
-
-  def _transfer_of(self, values) -> str:
-    if self.host_transfer != "auto":
-      return self.host_transfer
-    for v in values:
-      if isinstance(v, jax.Array):
-        # next(iter(...)), never .pop(): devices() is the sharding's own cached set.
-        return "memcpy" if next(iter(v.devices())).platform == "cpu" else "pinned_host"
-    return "memcpy"
 
   def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:
     """``items`` as an async save of this checkpointer would snapshot them, to share.
@@ -356,7 +288,7 @@ class Checkpointer:
     tier brings its arrays over in rounds. Arrays the caller already keeps in pinned host memory
     are copied as well: the result is a snapshot the caller may donate from.
     """
-    if self._transfer_of(jax.tree_util.tree_leaves(dict(items))) != "pinned_host":
+    if saving.transfer(self.host_transfer, jax.tree_util.tree_leaves(dict(items))) != "pinned_host":
       return items
     if self.max_host_bytes:  # no whole copy: each tier stages in rounds within the budget
       return items
@@ -383,23 +315,23 @@ class Checkpointer:
 
   # ------------------------------------------------------------------ restoring
 
-  def restore(self, path: Any, target: Mapping[str, Any] | None = None, *,
-              partial: bool = False, max_host_bytes: int | None = None,
-              allow_lossy_casts: bool = False, casts: list | None = None,
-              transforms: Any = None, read_once: bool = False) -> dict[str, Any]:
+  def restore(self, path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
+              allow_lossy_casts: bool = False, transforms: Any = None, read_once: bool = False,
+              max_host_bytes: int | None = None, progress: Any = None,
+              casts: list | None = None) -> dict[str, Any]:
     """Restores a checkpoint (see :func:`orbax_flax.restore`).
 
     A save of this checkpointer to the same path still in flight is waited
-    for first. ``max_host_bytes`` defaults to the checkpointer's budget.
+    for first. ``max_host_bytes`` defaults to the checkpointer's budget;
+    ``progress`` to a new one the watchdog watches.
     """
     loc = Location.parse(path)
     self.wait_for(loc)
-    budget = self.max_host_bytes if max_host_bytes is None else max_host_bytes
-    progress = _progress.Progress(f"restore of {loc}")
-    with _progress.Monitor(progress, self.watchdog_seconds):
-      return restoring.restore(loc, target, partial=partial, max_host_bytes=budget,
-                               allow_lossy_casts=allow_lossy_casts, progress=progress, casts=casts,
-                               transforms=transforms, read_once=read_once)
+    return _watched_restore(loc, target, self.watchdog_seconds, partial=partial,
+                            allow_lossy_casts=allow_lossy_casts, transforms=transforms,
+                            read_once=read_once, progress=progress, casts=casts,
+                            max_host_bytes=self.max_host_bytes if max_host_bytes is None
+                            else max_host_bytes)
 
   def wait_for(self, path: Any) -> None:
     """Blocks until this checkpointer's save to ``path``, if in flight, is done. Never raises:
@@ -408,57 +340,6 @@ class Checkpointer:
     h = self._inflight
     if h is not None and h.loc == loc:
       h.join()
-
-
-def cast_items(items: Mapping[str, Any], dtype: Any) -> tuple[Mapping[str, Any], dict[str, str]]:
-  """``items`` with arrays converted for ``save(..., dtype=...)``, and what each was.
-
-  Example:
-    >>> items, casts = cast_items({"s": {"w": np.ones(2, np.float32), "n": np.arange(2)}}, "float16")
-    >>> items["s"]["w"].dtype, items["s"]["n"].dtype, casts
-    (dtype('float16'), dtype('int64'), {'s/w': 'float32'})
-  """
-  if dtype is None or not isinstance(items, Mapping):
-    return items, {}
-  casts: dict[str, str] = {}
-
-  def wanted(where: str, have: np.dtype) -> np.dtype | None:
-    if callable(dtype) and not isinstance(dtype, (str, np.dtype, type)):
-      got = dtype(where, have)
-    elif jnp.issubdtype(have, jnp.floating):
-      got = dtype
-    else:
-      got = None
-    if got is None:
-      return None
-    got = _tree.dtype_from_name(got) if isinstance(got, str) else np.dtype(got)
-    return None if got == have else got
-
-  out = {}
-  for item, tree in items.items():
-    def one(kp, leaf, item=item):
-      if not isinstance(leaf, (jax.Array, np.ndarray)) or jax.dtypes.issubdtype(
-          leaf.dtype, jax.dtypes.prng_key):
-        return leaf
-      where = f"{item}/{_tree.path_str(tuple(_tree.key_part(k) for k in kp))}"
-      to = wanted(where, np.dtype(leaf.dtype))
-      if to is None:
-        return leaf
-      casts[where] = np.dtype(leaf.dtype).name
-      return leaf.astype(to)
-    out[item] = jax.tree_util.tree_map_with_path(one, tree)
-  return out, casts
-
-
-_default: list[Checkpointer] = []
-
-
-def default() -> Checkpointer:
-  """The checkpointer behind the module functions (no staging memory kept between saves)."""
-  if not _default:
-    _default.append(Checkpointer(keep_staging_memory=False,
-                                 coordination_key="orbax_flax/checkpointer/default"))
-  return _default[0]
 
 
 def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
@@ -492,20 +373,23 @@ def save(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
     >>> ofx.restore(path)["extra"]
     {'epoch': 3}
   """
-  default().save(path, items, overwrite=overwrite, custom_metadata=custom_metadata, dtype=dtype)
+  with _one_save(path) as ckptr:
+    ckptr.save(path, items, overwrite=overwrite, custom_metadata=custom_metadata, dtype=dtype)
 
 
 def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
-               custom_metadata: Mapping[str, Any] | None = None,
-               dtype: Any = None) -> saving.AsyncSave:
+               custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None,
+               cancellable: bool = False) -> saving.AsyncSave:
   """Starts a save and returns once the state is copied to host memory.
 
-  Arguments are those of :func:`save`. The caller may then donate or change
-  its arrays. Only one save of the module functions runs at a time: this
-  call first waits for the previous one, and raises its error if nobody
-  called ``wait()``. The host copy goes into fresh memory, released when the
-  save ends; for repeated saves a :class:`Checkpointer` (or
-  :class:`orbax_flax.CheckpointManager`) keeps it, and blocks much less.
+  Arguments are those of :func:`save` and :meth:`Checkpointer.save_async`.
+  The caller may then donate or change its arrays. Each call is independent:
+  it waits for no earlier save, and its error is raised by the handle's
+  ``wait()`` (or logged, if the handle is dropped without one). The host copy
+  goes into fresh memory, released when the save ends. For repeated saves a
+  :class:`Checkpointer` (or :class:`orbax_flax.CheckpointManager`) keeps it,
+  and blocks much less; it also runs one save at a time and raises the error
+  of a save nobody waited for on its next call.
 
   Returns:
     An :class:`AsyncSave`; ``wait()`` blocks until committed.
@@ -518,18 +402,26 @@ def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
     >>> float(ofx.restore(path)["state"]["w"].sum())
     3.0
   """
-  return default().save_async(path, items, overwrite=overwrite, custom_metadata=custom_metadata,
-                              dtype=dtype)
+  return _one_save(path).save_async(path, items, overwrite=overwrite, dtype=dtype,
+                                    custom_metadata=custom_metadata, cancellable=cancellable)
+
+
+def _one_save(path: Any) -> Checkpointer:
+  """The checkpointer of one module-function save: no staging memory kept, keys of ``path``."""
+  key = _multihost.namespace("save", str(Location.parse(path)))
+  return Checkpointer(keep_staging_memory=False, coordination_key=key)
 
 
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
-            max_host_bytes: int = 0, allow_lossy_casts: bool = False,
-            transforms: Any = None, read_once: bool = False) -> dict[str, Any]:
+            allow_lossy_casts: bool = False, transforms: Any = None, read_once: bool = False,
+            max_host_bytes: int | None = None, progress: Any = None,
+            casts: list | None = None) -> dict[str, Any]:
   """Restores a checkpoint, resharded onto the target's shardings.
 
-  See :func:`orbax_flax.restoring.restore` for the arguments; a
-  ``save_async`` of the module functions to the same path still in flight is
-  waited for first.
+  See :func:`orbax_flax.restoring.restore` for the arguments
+  (``max_host_bytes`` None: no budget). A save still in flight is not waited
+  for: ``wait()`` on its handle first (a :class:`Checkpointer` waits for its
+  own).
 
   Example:
     >>> import jax, numpy as np, orbax_flax as ofx, tempfile, os
@@ -540,11 +432,14 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     >>> ofx.restore(path, target, partial=True)["state"]["w"]
     Array([0., 1., 2., 3.], dtype=float32)
   """
-  return default().restore(path, target, partial=partial, max_host_bytes=max_host_bytes,
-                           allow_lossy_casts=allow_lossy_casts, transforms=transforms,
-                           read_once=read_once)
+  return _watched_restore(Location.parse(path), target, _WATCHDOG_SECONDS, partial=partial,
+                          allow_lossy_casts=allow_lossy_casts, transforms=transforms, casts=casts,
+                          read_once=read_once, max_host_bytes=max_host_bytes, progress=progress)
 
 
-def wait_for_inflight(path: Any) -> None:
-  """Blocks until a module-function save to ``path`` still in flight is done. Never raises."""
-  default().wait_for(path)
+def _watched_restore(loc: Location, target: Any, watchdog_seconds: float, *,
+                     progress: Any = None, **kwargs) -> dict[str, Any]:
+  """:func:`orbax_flax.restoring.restore` under the watchdog (and a terminal progress line)."""
+  progress = _progress.Progress(f"restore of {loc}") if progress is None else progress
+  with _progress.Monitor(progress, watchdog_seconds):
+    return restoring.restore(loc, target, progress=progress, **kwargs)

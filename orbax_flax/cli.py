@@ -193,9 +193,10 @@ def cmd_convert(argv: list[str], out) -> int:
                       help="safetensors: the most bytes per file (default 5 GiB)")
   parser.add_argument("--overwrite", action="store_true")
   args = parser.parse_args(argv)
-  from orbax_flax.formats import convert
-  print(convert.convert(args.src, args.dst, format=args.format, dtype=args.dtype,
-                        max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite), file=out)
+  from orbax_flax import converting
+  print(converting.convert(args.src, args.dst, format=args.format, dtype=args.dtype,
+                           max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite),
+        file=out)
   return EXIT_OK
 
 

@@ -11,7 +11,6 @@ import datetime
 from typing import Any
 
 from orbax_flax import _tree
-from orbax_flax import checkpointer
 from orbax_flax import restoring
 from orbax_flax._location import Location
 from orbax_flax._records import Array, Manifest
@@ -170,6 +169,5 @@ def metadata(path: Any) -> CheckpointMetadata:
     ('w', (2, 3), 'float32', 24)
   """
   loc = Location.parse(path)
-  checkpointer.wait_for_inflight(loc)
   loc, manifest = restoring.open_manifest(loc)
   return from_manifest(str(loc), manifest)

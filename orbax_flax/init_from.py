@@ -22,14 +22,17 @@ import os
 from typing import Any
 
 from orbax_flax import _tree
+from orbax_flax import checkpointer
 from orbax_flax import errors
 from orbax_flax import restoring
 from orbax_flax import step_dir
 from orbax_flax._location import Location
 from orbax_flax._records import Manifest
+from orbax_flax.formats import orbax_checkpoint
 
 
-def load(text: str, name: str, target: Any) -> tuple[Any, Location]:
+def load(text: str, name: str, target: Any,
+         ckptr: checkpointer.Checkpointer) -> tuple[Any, Location]:
   """What ``init_from=text`` names, restored into ``target``; and the step it came from.
 
   Args:
@@ -37,6 +40,8 @@ def load(text: str, name: str, target: Any) -> tuple[Any, Location]:
     name: the part of the state the target is (``params``, or ``state`` for a
       plain pytree), the item taken when ``text`` names none.
     target: the restore target (shapes, dtypes, shardings of this run).
+    ckptr: the checkpointer that restores it (the run's, with its watchdog,
+      progress output and host-memory budget).
 
   Raises:
     CheckpointNotFoundError: nothing committed where ``text`` points.
@@ -47,10 +52,10 @@ def load(text: str, name: str, target: Any) -> tuple[Any, Location]:
   source = _checkpoint_in(path, text)
   _, manifest = restoring.open_manifest(source)
   if selector:
-    return _take(text, source, manifest, selector, target), source
+    return _take(text, source, manifest, selector, target, ckptr), source
   if manifest.format == "orbax-checkpoint":
-    return _from_orbax_checkpoint(text, source, manifest, name, target), source
-  return _take(text, source, manifest, name, target), source
+    return _from_orbax_checkpoint(text, source, manifest, name, target, ckptr), source
+  return _take(text, source, manifest, name, target, ckptr), source
 
 
 def split(text: str) -> tuple[str, str]:
@@ -79,7 +84,6 @@ def split(text: str) -> tuple[str, str]:
 def _checkpoint_in(source: str, text: str) -> Location:
   """``init_from``: a checkpoint (any format ``restore`` reads), or a run's step directory or
   workdir (its latest step), ours or orbax-checkpoint's."""
-  from orbax_flax.formats import orbax_checkpoint  # pylint: disable=g-import-not-at-top
   loc = Location.parse(source)
   for candidate in (loc, loc.join("checkpoints")):
     try:
@@ -135,7 +139,8 @@ def _init_from_mismatch(text: str, source: Location, manifest: Manifest, problem
       f" {split(text)[0] + ':' + example!r}.", diffs or [])
 
 
-def _take(text: str, source: Location, manifest: Manifest, selector: str, target: Any) -> Any:
+def _take(text: str, source: Location, manifest: Manifest, selector: str, target: Any,
+          ckptr: checkpointer.Checkpointer) -> Any:
   """``init_from`` with a selector: the named item's subtree, restored into ``target``."""
   item, _, sub = selector.partition("/")
   under = tuple(k for k in sub.split("/") if k)
@@ -153,7 +158,7 @@ def _take(text: str, source: Location, manifest: Manifest, selector: str, target
   for k in reversed(under):
     wanted = {k: wanted}
   try:
-    out = restoring.restore(source, {item: wanted}, partial=True)[item]
+    out = ckptr.restore(source, {item: wanted}, partial=True)[item]
   except errors.TreeMismatchError as e:
     raise _init_from_mismatch(text, source, manifest,
                               f"this run's state does not match {'/'.join((item,) + under)} of"
@@ -165,7 +170,7 @@ def _take(text: str, source: Location, manifest: Manifest, selector: str, target
 
 
 def _from_orbax_checkpoint(text: str, source: Location, manifest: Manifest, name: str,
-                           target: Any) -> Any:
+                           target: Any, ckptr: checkpointer.Checkpointer) -> Any:
   """``init_from`` an orbax-checkpoint step: the params (or whole state) from its state item.
 
   The item is the only one, else ``default`` or ``state``; the params are its
@@ -179,4 +184,4 @@ def _from_orbax_checkpoint(text: str, source: Location, manifest: Manifest, name
                               " model is not known")
   paths = [r.path for r in manifest.items[item].leaves]
   nested = name == "params" and any(p and p[0] == "params" for p in paths)
-  return _take(text, source, manifest, f"{item}/params" if nested else item, target)
+  return _take(text, source, manifest, f"{item}/params" if nested else item, target, ckptr)

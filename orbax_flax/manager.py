@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
 import logging
 import math
 import threading
@@ -139,8 +138,7 @@ class CheckpointManager:
     self._deletions: list[concurrent.futures.Future] = []
     self._events: list[SaveEvent] = []
     self._closed = False
-    digest = hashlib.sha1(str(self._dir).encode()).hexdigest()[:12]
-    self._key = _multihost.namespace(f"manager/{digest}")
+    self._key = _multihost.namespace("manager", str(self._dir))
     self._ckptr = checkpointer_lib.Checkpointer(
         max_host_bytes=self.policy.max_host_bytes,
         keep_staging_memory=self.policy.keep_staging_memory,

@@ -1,38 +1,33 @@
-"""Saving a checkpoint: host copies, writes, agreement between processes, commit.
+"""One save, top to bottom: the handle, the blocking phase (phase one), then the background.
 
-A save runs in two phases (see :class:`orbax_flax.Checkpointer`).
+A save runs in two phases (:class:`orbax_flax.Checkpointer` starts them and
+owns the staging memory they use).
 
-1. Blocking, in the caller's thread: validate the items and plan which blocks
-   this process writes (:mod:`orbax_flax._planning`), then, for an async save,
-   take a snapshot the caller cannot change any more: on CPU a copy into the
-   checkpointer's reused staging memory (:func:`snapshot`); on GPU/TPU a
-   device-to-host transfer into pinned host memory that is only *started*
-   here (:func:`to_pinned_host`): XLA orders it before any later computation
-   that donates the arrays.
-2. Background: write this process's blocks into its own OCDBT database with
-   tensorstore (in batches of about half a second for a save that may be
-   cancelled, so that a cancellation stops the writing within about a
-   second), fsync, then commit. With several processes the commit is
-   agreed through the coordination service (:class:`SaveRun`).
+1. Blocking, in the caller's thread (this module): the items are planned
+   (:class:`orbax_flax._planner.Planner`), then, for an async save, a snapshot
+   is taken that the caller cannot change any more. The transfer is chosen
+   per platform (:func:`transfer`): on CPU a copy into the checkpointer's
+   reused staging memory (:func:`snapshot`); on GPU/TPU a device-to-host
+   transfer into pinned host memory that is only *started* here
+   (:func:`to_pinned_host`): XLA orders it before any later computation that
+   donates the arrays. A state over ``max_host_bytes`` is staged in rounds
+   (:func:`split_rounds`): all but the last are written while the caller waits.
+2. Background, in the thread of the :class:`AsyncSave`: the last round is
+   written, then the processes agree on the verdict and process 0 commits
+   (:class:`orbax_flax._save_run.SaveRun`, :mod:`orbax_flax._committing`).
 
-Commit is atomic. On a local file system the checkpoint is written to a
-sibling ``<name>.ofx-tmp-<generation>`` directory that is renamed into place
-(an overwrite swaps the two directories atomically with ``renameat2``). On an
-object store the manifest ``_CHECKPOINT`` is written last; data of other
-generations under the prefix is garbage, recognisable because the manifest
-does not name it.
+A blocking save (:func:`save`) writes straight from views of the device
+buffers and holds no staging copy.
 """
 
 from __future__ import annotations
 
-import errno
+import atexit
 import logging
 import math
-import os
-import shutil
+import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -40,20 +35,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_flax import _location
-from orbax_flax import _manifest
-from orbax_flax import _multihost
 from orbax_flax import _planning
 from orbax_flax import _progress
 from orbax_flax import _staging
-from orbax_flax import _tsio
 from orbax_flax import errors
 from orbax_flax._location import Location
 from orbax_flax._planning import Piece
-from orbax_flax._planning import TMP_MARKER
-from orbax_flax.differential import differ as differ_lib
+from orbax_flax._save_run import SaveRun
 
 log = logging.getLogger("orbax_flax")
+
+HOST_TRANSFERS = ("auto", "memcpy", "pinned_host")
 
 
 class AsyncSave:
@@ -61,38 +53,47 @@ class AsyncSave:
 
   ``wait()`` blocks until the checkpoint is committed on every process and
   re-raises any error of the background phase. An error that nobody waited
-  for is raised by the checkpointer's next call instead: it is never lost.
+  for is raised by the checkpointer's next call instead (a handle of the
+  module function :func:`orbax_flax.save_async`, which has no next call,
+  logs it when dropped): it is never lost.
 
   Attributes:
     path: where the checkpoint is written.
     blocking_s: seconds the caller was blocked (planning and host copy).
     total_s: seconds from the call to the commit, once done; else None.
     nbytes: bytes of array data this process writes.
+    started: ``time.perf_counter()`` when the save was called.
   """
 
-  def __init__(self, path: Location, nbytes: int, start: float):
+  def __init__(self, path: Location, nbytes: int, started: float):
     self.path = str(path)
     self.loc = path
     self.nbytes = nbytes
     self.blocking_s = 0.0
     self.total_s: float | None = None
-    self._start = start
+    self.started = started
     self._error: BaseException | None = None
     self._reported = False
     self._thread: threading.Thread | None = None
     self.cancelled = threading.Event()
 
   def run_in_background(self, work: Callable[[], None]) -> None:
-    """Runs ``work`` in a daemon thread (the checkpointer waits for it at exit)."""
+    """Runs ``work`` in a daemon thread; at interpreter exit it still commits unless cancelled."""
     def body() -> None:
       try:
         work()
       except BaseException as e:  # pylint: disable=broad-except  # Re-raised in wait().
         self._error = e
       finally:
-        self.total_s = time.perf_counter() - self._start
+        self.total_s = time.perf_counter() - self.started
+        atexit.unregister(self._finish_at_exit)
     self._thread = threading.Thread(target=body, name=f"orbax_flax-save-{self.path}", daemon=True)
+    atexit.register(self._finish_at_exit)
     self._thread.start()
+
+  def _finish_at_exit(self) -> None:
+    if not self.cancelled.is_set():
+      self.join()
 
   def run_here(self, work: Callable[[], None]) -> None:
     """Runs ``work`` in the caller's thread (a blocking save)."""
@@ -100,7 +101,7 @@ class AsyncSave:
       work()
     except BaseException as e:  # pylint: disable=broad-except
       self._error = e
-    self.total_s = time.perf_counter() - self._start
+    self.total_s = time.perf_counter() - self.started
 
   def cancel(self) -> None:
     """Makes sure this save never commits (if it has not already), and stops its writing.
@@ -149,13 +150,126 @@ class AsyncSave:
   def mark_reported(self) -> None:
     self._reported = True
 
+  def __del__(self) -> None:
+    error = None if sys.is_finalizing() else self.unreported_error()
+    if error is not None:  # dropped with an error nobody waited for: say it, once
+      log.error("save to %s failed and nobody waited for it: %s: %s", self.path,
+                type(error).__name__, error)
+
   def __repr__(self) -> str:
     state = "running" if not self.done() else ("failed" if self._error else "committed")
     return f"AsyncSave({self.path!r}, {state})"
 
 
 # ----------------------------------------------------------------------------
-# Phase 1: bringing the bytes to the host.
+# The two ways a save runs.
+
+
+def start(plan: _planning.Plan, key: str, timeout_s: float,
+          started: float) -> tuple[SaveRun, AsyncSave]:
+  """The run and the handle of a planned save (``key``: its coordination prefix)."""
+  handle = AsyncSave(plan.loc, plan.nbytes, started)
+  return SaveRun(plan, key, timeout_s, handle.cancelled), handle
+
+
+def save(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, staging: _staging.Staging,
+         max_host_bytes: int, watchdog_seconds: float) -> None:
+  """Runs a blocking save in the caller's thread; ``handle.wait()`` then raises its error.
+
+  Array blocks are written from views of the device buffers; packed small
+  arrays are assembled in ``staging`` (kept warm if its owner keeps it).
+  """
+  def work() -> None:
+    error = None
+    try:
+      materialize = lambda ps: host_views(ps, staging)  # noqa: E731
+      for r in split_rounds(plan.pieces, max_host_bytes):
+        run.write(r, materialize=materialize, max_batch_bytes=max_host_bytes)
+    except BaseException as e:  # pylint: disable=broad-except  # shared, then raised
+      error = e
+    run.finish(error)
+
+  with _progress.Monitor(run.progress, watchdog_seconds, terminal=False):
+    handle.run_here(work)
+
+
+def save_async(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, host_transfer: str,
+               staging: _staging.Staging, max_host_bytes: int, watchdog_seconds: float,
+               cancellable: bool, keep: Callable[[Any], bool], on_end: Callable[[], None]) -> None:
+  """Takes the snapshot here (phase one), then writes and commits in ``handle``'s thread.
+
+  ``keep(array)`` names pinned host arrays that are a snapshot already (see
+  :func:`to_pinned_host`); ``on_end`` runs once the save is over, either way.
+  A failure of phase one is shared with the other processes, then raised.
+  """
+  try:
+    last, materialize = _stage(plan, run, transfer(host_transfer, _sources(plan.pieces)),
+                               staging, max_host_bytes, keep)
+  except BaseException as e:
+    handle.run_here(lambda: run.finish(e))  # tells the other processes, then raises
+    on_end()
+    handle.wait()
+    raise
+  handle.blocking_s = time.perf_counter() - handle.started
+
+  def work() -> None:
+    try:
+      with _progress.Monitor(run.progress, watchdog_seconds, terminal=False):
+        error = None
+        try:
+          run.write(last, materialize=materialize, cancellable=cancellable)
+        except BaseException as e:  # pylint: disable=broad-except
+          error = e
+        run.finish(error)
+    finally:
+      on_end()
+
+  handle.run_in_background(work)
+
+
+def _stage(plan: _planning.Plan, run: SaveRun, how: str, staging: _staging.Staging, budget: int,
+           keep: Callable[[Any], bool]) -> tuple[list[Piece], Callable[..., None] | None]:
+  """Phase one: snapshots every round; writes all but the last (over the budget).
+
+  Returns the last round and how its host data is made per batch (None: ready).
+  """
+  if how == "pinned_host" and not budget:
+    to_pinned_host(plan.pieces, keep=keep)
+    return plan.pieces, host_views
+  stage = host_views if how == "pinned_host" else (lambda ps: snapshot(ps, staging))
+  rounds = split_rounds(plan.pieces, budget)
+  for r in rounds[:-1]:  # over the budget: written while the caller waits
+    stage(r)
+    run.write(r)
+  if how == "pinned_host":  # written after the caller goes on: a copy
+    to_pinned_host(rounds[-1], keep=keep)
+  stage(rounds[-1])
+  return rounds[-1], None
+
+
+def _sources(pieces: Sequence[Piece]):
+  return (s.value for p in pieces for s in p.sources)
+
+
+def transfer(host_transfer: str, values: Any) -> str:
+  """How an async save snapshots ``values``: ``host_transfer``, or for "auto" "memcpy" on
+  CPU (device buffers are host memory) and "pinned_host" on GPU/TPU.
+
+  Example:
+    >>> transfer("auto", [np.ones(2)]), transfer("pinned_host", [])
+    ('memcpy', 'pinned_host')
+  """
+  if host_transfer != "auto":
+    return host_transfer
+  for v in values:
+    if isinstance(v, jax.Array):
+      # next(iter(...)), never .pop(): devices() is the sharding's own cached set.
+      return "memcpy" if next(iter(v.devices())).platform == "cpu" else "pinned_host"
+  return "memcpy"
+
+
+# ----------------------------------------------------------------------------
+# Bringing the bytes to the host.
 
 
 def _host(value: Any) -> np.ndarray:
@@ -286,417 +400,3 @@ def split_rounds(pieces: Sequence[Piece], budget: int) -> list[list[Piece]]:
     rounds[-1].append(p)
     used += p.nbytes
   return rounds
-
-
-# ----------------------------------------------------------------------------
-# Phase 2: write, agree, commit.
-
-# Writes go out in batches of about half a second each (two in flight), so that a
-# cancelled save stops writing within about a second.
-_FIRST_BATCH_BYTES = 128 << 20
-_MIN_BATCH_BYTES = 64 << 20
-_MAX_BATCH_BYTES = 4 << 30
-_BATCH_SECONDS = 0.5
-
-
-class SaveRun:
-  """One save on one process: agree on a generation, write, agree on the verdict, commit.
-
-  The verdict is one key of the coordination service that can be set only
-  once (process 0's "commit", or an abort from whichever process gives up
-  first), so every process learns the same outcome. A process that stops
-  waiting never deletes data another process may still be writing.
-
-  Args:
-    plan: the plan of the save.
-    key: a coordination-service prefix unique to this save, same on every process.
-    timeout_s: how long a process waits for another at each rendezvous.
-    cancelled: set by ``AsyncSave.cancel()``.
-  """
-
-  def __init__(self, plan: _planning.Plan, key: str, timeout_s: float,
-               cancelled: threading.Event, previous_key: str | None = None):
-    self.plan, self.key, self.timeout_s, self.cancelled = plan, key, timeout_s, cancelled
-    self.previous_key = previous_key
-    self.me, self.nproc = _multihost.process_index(), _multihost.process_count()
-    self.gen: str | None = None
-    self.target: Location | None = None
-    self.writers: dict[str, _tsio.DatabaseWriter] = {}
-    self._ctx = None
-    self.bytes_written = 0
-    self.progress = _progress.Progress(f"save to {plan.loc}", plan.nbytes)
-    self.differ = differ_lib.FULL  # what a differential save reuses (a Differ), or nothing
-
-  # ---------------------------------------------------------------- writing
-
-  def begin(self) -> None:
-    """Agrees on the generation id and creates the temporary directory (process 0)."""
-    if self.gen is not None:
-      return
-    self.progress.phase = "agreeing on the generation" if self.nproc > 1 else "starting"
-    final = self.plan.loc
-    if self.me == 0:
-      try:
-        gen = uuid.uuid4().hex[:16]
-        if final.is_local:
-          try:
-            os.makedirs(os.path.dirname(final.local_path), exist_ok=True)
-            os.makedirs(_target(final, gen).local_path)
-          except OSError as e:
-            raise _location.storage_error(final, "creating the checkpoint directory", e) from e
-        _multihost.publish(f"{self.key}/gen", gen)
-      except BaseException as e:
-        _multihost.publish(f"{self.key}/gen", f"error: {e}")
-        raise
-    else:
-      gen = _multihost.fetch(f"{self.key}/gen", self.timeout_s,
-                             waiting_for=f"process 0 to start the save to {final}", missing=[0])
-      if gen.startswith("error: "):
-        raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
-    self.gen, self.target = gen, _target(final, gen)
-    self._ctx = _tsio.context()
-    self.differ.agree(self.key, self.timeout_s)
-
-  def _writer(self, item: str) -> _tsio.DatabaseWriter:
-    db = f"{item}/p{self.me}-{self.gen}"
-    if db not in self.writers:
-      self.writers[db] = _tsio.DatabaseWriter(self.target, db, self._ctx)
-    return self.writers[db]
-
-  def write(self, pieces: Sequence[Piece], materialize: Callable[[Sequence[Piece]], None] | None = None,
-            max_batch_bytes: int = 0, cancellable: bool = False) -> None:
-    """Writes the pieces (host data ready, or made by ``materialize`` per batch).
-
-    One batch (one commit per database), unless ``max_batch_bytes`` bounds
-    it, or ``cancellable``: then batches take about half a second of writing
-    each, two in flight, and a cancellation is noticed between them (the
-    writing stops within about a second; a little slower overall).
-    """
-    self.begin()
-    self.progress.phase = "writing"
-    cap = max_batch_bytes or (_MAX_BATCH_BYTES if cancellable else 1 << 62)
-    limit = min(cap, _FIRST_BATCH_BYTES) if cancellable else cap
-    pieces = list(pieces)
-    in_flight: list[list[Piece]] = []  # batches still being committed, oldest first
-    i = 0
-    start = time.perf_counter()
-    try:
-      while i < len(pieces):
-        self.check_cancelled()
-        batch, size = [], 0
-        while i < len(pieces) and (not batch or size + pieces[i].nbytes <= limit):
-          batch.append(pieces[i])
-          size += pieces[i].nbytes
-          i += 1
-        if materialize is not None:
-          materialize(batch)
-        for p in self.differ.select(batch):
-          a = p.array
-          self._writer(a.item).add(a.name, a.shape, a.dtype, a.chunk_shape, p.slices, p.data)
-        # Two batches in flight: the next one is issued while this one commits.
-        for w in self.writers.values():
-          w.flush(depth=2)
-        in_flight.append(batch)
-        if len(in_flight) > 1:  # the oldest batch is committed by now
-          self._done(in_flight.pop(0))
-          if cancellable:
-            rate = self.bytes_written / max(time.perf_counter() - start, 1e-3)
-            limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
-      for w in self.writers.values():
-        w.wait()
-    except ValueError as e:
-      raise _location.storage_error(self.plan.loc, "writing array data", e) from e
-    for batch in in_flight:
-      self._done(batch)
-
-  def _done(self, batch: Sequence[Piece]) -> None:
-    for p in batch:
-      p.data = None  # committed: a view or host copy is no longer needed
-    self.bytes_written += sum(p.nbytes for p in batch)
-    self.progress.add(sum(p.nbytes for p in batch))
-
-  def check_cancelled(self) -> None:
-    if self.cancelled.is_set():
-      raise errors.SaveCancelledError(
-          f"save to {self.plan.loc} was cancelled on process {self.me} before it"
-          " committed; nothing was committed.")
-
-  def _sync(self) -> None:
-    if self.target is None or not self.target.is_local:
-      return
-    try:
-      self._sync_local()
-    except OSError as e:
-      raise _location.storage_error(self.plan.loc, "syncing the written data to disk", e) from e
-
-  def _sync_local(self) -> None:
-    for db in self.writers:
-      path = os.path.join(self.target.local_path, db)
-      if os.path.isdir(path):
-        _location.fsync_tree(path)
-    for item in {db.split("/")[0] for db in self.writers}:
-      path = os.path.join(self.target.local_path, item)
-      if os.path.isdir(path):
-        _location.fsync_dir(path)
-
-  # ---------------------------------------------------------------- the verdict
-
-  def finish(self, error: BaseException | None) -> None:
-    """Reports this process's result, learns the job's verdict; process 0 commits.
-
-    Raises the local error, or the verdict's error, on every process alike.
-    """
-    if error is None:
-      try:
-        self._sync()
-      except OSError as e:
-        error = e
-    if self.nproc == 1:
-      if error is None:
-        try:
-          self.check_cancelled()
-          self._commit()
-          return
-        except BaseException as e:
-          error = e
-      self._discard()
-      raise error
-    status = "ok" if error is None else _describe(error)
-    self.differ.publish(self.key, error)
-    self.progress.phase = "waiting for every process to finish writing"
-    _multihost.arrive(f"{self.key}/status", status)
-    if self.me != 0:
-      self._follow(error)
-    else:
-      self._lead(error)
-
-  def _follow(self, error: BaseException | None) -> None:
-    try:
-      decision = _multihost.fetch(f"{self.key}/decision", self.timeout_s,
-                                  waiting_for="process 0's commit decision", missing=[0])
-    except _multihost.CoordinationTimeoutError:
-      missing = _multihost.absent(f"{self.key}/status")
-      who = (f"process(es) {missing} did not finish writing" if missing
-             else "process 0 did not decide")
-      decision = _multihost.claim(
-          f"{self.key}/decision",
-          f"failed: save to {self.plan.loc} aborted by process {self.me} after waiting"
-          f" {self.timeout_s:g} s (coordination_timeout_seconds): {who}; nothing was committed.")
-    if error is not None:
-      if isinstance(error, errors.SaveCancelledError) or decision == "commit":
-        raise error
-      # The job's verdict, the same on every process; this process's own cause chained.
-      raise errors.StorageError(_verdict_text(decision) + f" (on process {self.me}:"
-                                f" {type(error).__name__}: {error})") from error
-    if decision == "commit":
-      try:
-        outcome = _multihost.fetch(f"{self.key}/outcome", self.timeout_s,
-                                   waiting_for="process 0 to commit", missing=[0])
-      except _multihost.CoordinationTimeoutError as e:
-        raise errors.StorageError(
-            f"process 0 began committing {self.plan.loc} but did not report within"
-            f" {self.timeout_s:g} s; the checkpoint may or may not be committed (`python -m"
-            " orbax_flax verify` tells).") from e
-      if outcome != "ok":
-        raise errors.StorageError(outcome)
-      return
-    _raise_verdict(decision)
-
-  def _lead(self, error: BaseException | None) -> None:
-    final = self.plan.loc
-    try:
-      statuses = _multihost.gather(f"{self.key}/status", self.timeout_s,
-                                   what=f"finish writing its part of {final}")
-    except _multihost.CoordinationTimeoutError as e:
-      decision = _multihost.claim(
-          f"{self.key}/decision",
-          f"failed: save to {final} aborted by process 0: {e} Nothing was committed; the data"
-          " written so far is a leftover, removed by a later save or manager.")
-      # Never delete here: a process that did not report may still be writing.
-      if error is not None:
-        raise error
-      _raise_verdict(decision)
-    if self.previous_key:
-      # Every process has reported on this save, so each has read the previous verdict.
-      _multihost.delete(self.previous_key)
-    failed = [(p, s) for p, s in enumerate(statuses) if s != "ok"]
-    if not failed and self.cancelled.is_set():  # cancelled after writing, before the decision
-      failed = [(0, _CANCELLED)]
-    if failed:
-      cancelled = [p for p, s in failed if s.startswith(_CANCELLED)]
-      if cancelled:
-        text = (f"cancelled: save to {final} was cancelled on process"
-                f" {', '.join(map(str, cancelled))}; nothing was committed.")
-      else:
-        text = (f"failed: save to {final} failed, nothing was committed: "
-                + "; ".join(f"process {p}: {s}" for p, s in failed))
-      decision = _multihost.claim(f"{self.key}/decision", text)
-    else:
-      decision = _multihost.claim(f"{self.key}/decision", "commit")
-    if decision != "commit":
-      self._discard()  # every process reported: nobody writes any more
-      if error is not None:
-        raise error
-      _raise_verdict(decision)
-    self.progress.phase = "committing"
-    try:
-      self._commit()
-    except BaseException as e:
-      _multihost.publish(f"{self.key}/outcome",
-                         f"save to {final} failed on process 0, nothing was committed: {e}")
-      self._discard()
-      raise
-    _multihost.publish(f"{self.key}/outcome", "ok")
-
-  # ---------------------------------------------------------------- the commit
-
-  def _discard(self) -> None:
-    """Removes this save's uncommitted data (only when no process writes any more)."""
-    if self.target is None:
-      return
-    try:
-      if self.target.is_local:
-        if self.me == 0 and os.path.isdir(self.target.local_path):
-          shutil.rmtree(self.target.local_path, ignore_errors=True)
-      elif self.me == 0:
-        _delete_generations(self.plan.loc,
-                            _databases(self.plan.manifest["items"], self.nproc, self.gen))
-    except (OSError, errors.StorageError) as e:
-      log.warning("could not remove the data of the failed save to %s: %s", self.plan.loc, e)
-
-  def _commit(self) -> None:
-    """Process 0: write the manifest last, then make it visible atomically."""
-    plan, gen, target = self.plan, self.gen, self.target
-    if gen is None:  # nothing to write at all, e.g. only scalars: still a checkpoint
-      self.begin()
-      gen, target = self.gen, self.target
-    final = plan.loc
-    manifest = self.differ.complete(dict(plan.manifest, generation=gen), self.key, self.timeout_s)
-    data = _manifest.encode(manifest)
-    if not final.is_local:
-      old = _location.read_key(final, _manifest.MANIFEST_KEY)
-      if old is not None and not plan.overwrite:
-        _delete_generations(final, _databases(manifest["items"], self.nproc, gen))  # ours
-        raise errors.CheckpointExistsError(f"a checkpoint appeared at {final} during the save;"
-                                           " nothing was overwritten.")
-      _location.write_key(final, _manifest.MANIFEST_KEY, data)
-      # Committed. What follows is cleanup: it may fail without undoing the commit.
-      if old is not None:
-        try:
-          previous = _manifest.decode(old, str(final))
-          dbs = _databases(previous.items, previous.process_count, previous.generation)
-        except (errors.CheckpointCorruptedError, KeyError, ValueError):
-          dbs = None  # a damaged old manifest: remove every other generation
-        try:
-          _delete_generations(final, dbs, keep=gen)
-        except errors.StorageError as e:
-          log.warning("checkpoint %s committed; removing the previous generation failed: %s",
-                      final, e)
-      return
-    try:
-      _commit_local(plan, gen, target, data)
-    except errors.CheckpointError:
-      raise
-    except OSError as e:
-      raise _location.storage_error(final, "committing the checkpoint", e) from e
-
-
-def _commit_local(plan: _planning.Plan, gen: str, target: Location, data: bytes) -> None:
-  """The local part of the commit: manifest, fsync, atomic rename (or swap)."""
-  final = plan.loc
-  # Every writer fsync'd its own files and directories; the manifest and the
-  # directory that holds it are the last things made durable before the rename.
-  _location.write_local_durably(os.path.join(target.local_path, _manifest.MANIFEST_KEY), data)
-  _location.fsync_dir(target.local_path)
-  tmp, dst = target.local_path, final.local_path
-  committed = os.path.exists(os.path.join(dst, _manifest.MANIFEST_KEY))
-  if not committed:
-    # Nothing there, or an empty directory (replaced). Whatever appeared at dst
-    # since the plan was checked makes the rename fail: it is never replaced.
-    try:
-      os.rename(tmp, dst)
-    except OSError as e:
-      if e.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
-        raise
-      raise errors.CheckpointExistsError(
-          f"{dst} was created by someone else during the save; nothing was overwritten."
-          " Choose another path.") from e
-    _location.fsync_dir(os.path.dirname(dst))
-    return
-  if not plan.overwrite:
-    raise errors.CheckpointExistsError(f"a checkpoint appeared at {dst} during the save;"
-                                       " nothing was overwritten.")
-  if _location.exchange(tmp, dst):
-    _location.fsync_dir(os.path.dirname(dst))
-    shutil.rmtree(tmp, ignore_errors=True)  # Now holds the old checkpoint.
-    return
-  _replace_in_place(tmp, dst, gen, data)
-
-
-_CANCELLED = "cancelled: "  # a status or decision: some process cancelled the save
-
-
-def _describe(error: BaseException) -> str:
-  if isinstance(error, errors.SaveCancelledError):
-    return f"{_CANCELLED}{error}"
-  return f"error: {type(error).__name__}: {error}"
-
-
-def _verdict_text(decision: str) -> str:
-  return decision.split(": ", 1)[1] if ": " in decision else decision
-
-
-def _raise_verdict(decision: str) -> None:
-  if decision.startswith(_CANCELLED):
-    raise errors.SaveCancelledError(decision[len(_CANCELLED):])
-  raise errors.StorageError(_verdict_text(decision))
-
-
-def _target(final: Location, gen: str) -> Location:
-  """Where data is written: a temporary sibling directory, or in place on object stores."""
-  return final.sibling(f"{final.name}{TMP_MARKER}{gen}") if final.is_local else final
-
-
-def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:
-  """Overwrites a local checkpoint where paths cannot be swapped atomically (NFS).
-
-  The new generation's databases move into the old checkpoint next to the old
-  ones (new names: nothing is replaced), then one atomic ``os.replace`` of the
-  manifest switches from the old generation to the new. Killed before that, the
-  old checkpoint is intact; after it, the new one is complete.
-  """
-  items = [i for i in os.listdir(tmp) if os.path.isdir(os.path.join(tmp, i))]
-  for item in items:
-    os.makedirs(os.path.join(dst, item), exist_ok=True)
-    for db in os.listdir(os.path.join(tmp, item)):
-      os.rename(os.path.join(tmp, item, db), os.path.join(dst, item, db))
-    _location.fsync_dir(os.path.join(dst, item))
-  staged = os.path.join(dst, f"{_manifest.MANIFEST_KEY}{TMP_MARKER}{gen}")
-  _location.write_local_durably(staged, manifest)
-  os.replace(staged, os.path.join(dst, _manifest.MANIFEST_KEY))
-  _location.fsync_dir(dst)
-  # Committed; the rest removes the old generation (and items the new one lacks).
-  for item in os.listdir(dst):
-    path = os.path.join(dst, item)
-    if not os.path.isdir(path):
-      continue
-    for db in os.listdir(path):
-      if not db.endswith(f"-{gen}"):
-        shutil.rmtree(os.path.join(path, db), ignore_errors=True)
-    if item not in items and not os.listdir(path):
-      os.rmdir(path)
-  shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _databases(items: Any, process_count: int, gen: str) -> list[str]:
-  """The process databases ``<item>/p<i>-<gen>`` of one generation."""
-  return [f"{item}/p{p}-{gen}" for item in items for p in range(process_count)]
-
-
-def _delete_generations(loc: Location, dbs: Sequence[str] | None, keep: str | None = None) -> None:
-  """Deletes the given databases, or (``dbs`` None) every one not of generation ``keep``."""
-  if dbs is None:
-    found = {"/".join(k.split("/", 2)[:2]) for k in _location.list_keys(loc) if k.count("/") >= 2}
-    dbs = [d for d in found if d.split("/")[1].startswith("p") and not d.endswith(f"-{keep}")]
-  for db in sorted(dbs):
-    _location.delete_prefix(loc, db + "/")

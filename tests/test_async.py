@@ -44,10 +44,10 @@ def test_arrays_can_be_donated_and_deleted_once_save_async_returns(ckpt_dir):
 
 
 def test_snapshot_does_not_alias_device_buffers(ckpt_dir):
-  from orbax_flax import _planning, _staging, saving  # pylint: disable=g-import-not-at-top
+  from orbax_flax import _planner, _staging, saving  # pylint: disable=g-import-not-at-top
   from orbax_flax._location import Location  # pylint: disable=g-import-not-at-top
   state = _state(8)
-  plan = _planning.make_plan(Location.parse(ckpt_dir), {"state": state}, False, None)
+  plan = _planner.Planner().plan(Location.parse(ckpt_dir), {"state": state})
   saving.snapshot(plan.pieces, _staging.Staging())
   views = [np.asarray(s.data) for s in state["w"].addressable_shards]
   assert plan.pieces
@@ -55,12 +55,26 @@ def test_snapshot_does_not_alias_device_buffers(ckpt_dir):
     assert not any(np.shares_memory(piece.data, v) for v in views)
 
 
-def test_only_one_save_in_flight(tmp_path):
-  first = ofx.save_async(str(tmp_path / "a"), {"state": _state(32)})
-  second = ofx.save_async(str(tmp_path / "b"), {"state": _state(8)})
-  assert first.done()  # the second call waited for the first
-  second.wait()
+def test_only_one_save_in_flight_per_checkpointer(tmp_path):
+  with ofx.Checkpointer() as ckptr:
+    first = ckptr.save_async(str(tmp_path / "a"), {"state": _state(32)})
+    second = ckptr.save_async(str(tmp_path / "b"), {"state": _state(8)})
+    assert first.done()  # the second call waited for the first
+    second.wait()
   assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+
+
+def test_module_functions_share_no_checkpointer(tmp_path):
+  """Each module-function call makes what it needs: no hidden global links two calls."""
+  from orbax_flax import checkpointer  # pylint: disable=g-import-not-at-top
+  assert not [n for n, v in vars(checkpointer).items() if isinstance(v, (list, dict, set))
+              and not n.startswith("__")]
+  first = ofx.save_async(str(tmp_path / "a"), {"state": _state(8)})
+  second = ofx.save_async(str(tmp_path / "b"), {"state": {"x": np.arange(3)}})
+  second.wait()  # its own save; it did not need the first one's checkpointer
+  first.wait()
+  assert sorted(os.listdir(tmp_path)) == ["a", "b"]
+  np.testing.assert_array_equal(ofx.restore(str(tmp_path / "b"))["state"]["x"], np.arange(3))
 
 
 def test_cancelled_save_never_commits_and_keeps_the_old_checkpoint(tmp_path):
@@ -91,14 +105,28 @@ def test_background_error_raised_on_wait_and_on_next_save(tmp_path):
     assert sorted(os.listdir(disk)) == ["small"]
     np.testing.assert_array_equal(ofx.restore(os.path.join(disk, "small"))["state"]["x"], np.arange(10))
 
-    # Nobody waits: the next save raises the error instead of losing it.
-    ofx.save_async(os.path.join(disk, "big2"), {"state": _state(16)})
-    with pytest.raises(ofx.StorageError) as e:
-      ofx.save_async(str(tmp_path / "elsewhere"), {"state": {"x": np.arange(3)}})
-    assert any("nobody waited" in n for n in getattr(e.value, "__notes__", []))
-    assert not os.path.exists(tmp_path / "elsewhere")
-    # Once reported, it is not raised again.
-    ofx.save(str(tmp_path / "elsewhere"), {"state": {"x": np.arange(3)}})
+    # Nobody waits: the checkpointer's next save raises the error instead of losing it.
+    with ofx.Checkpointer() as ckptr:
+      ckptr.save_async(os.path.join(disk, "big2"), {"state": _state(16)})
+      with pytest.raises(ofx.StorageError) as e:
+        ckptr.save_async(str(tmp_path / "elsewhere"), {"state": {"x": np.arange(3)}})
+      assert any("nobody waited" in n for n in getattr(e.value, "__notes__", []))
+      assert not os.path.exists(tmp_path / "elsewhere")
+      # Once reported, it is not raised again.
+      ckptr.save(str(tmp_path / "elsewhere"), {"state": {"x": np.arange(3)}})
+
+
+def test_a_dropped_module_save_async_logs_its_error(tmp_path, caplog):
+  """A module-function handle has no next call to raise on: dropped unwaited, it logs."""
+  with small_disk(str(tmp_path / "disk")) as disk:
+    handle = ofx.save_async(os.path.join(disk, "big"), {"state": _state(16)})
+    handle.join()
+    assert handle.unreported_error() is not None
+    with caplog.at_level("ERROR", logger="orbax_flax"):
+      del handle
+      gc.collect()
+  assert any("nobody waited" in r.getMessage() and "big" in r.getMessage() for r in caplog.records)
+  ofx.save(str(tmp_path / "next"), {"state": {"x": np.arange(3)}})  # the next call is unaffected
 
 
 def test_module_save_async_keeps_no_memory_between_saves(tmp_path):

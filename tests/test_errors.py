@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import orbax_flax as ofx
 from disks import small_disk
 from orbax_flax import _location
-from orbax_flax import saving
+from orbax_flax import _save_run
 
 
 def _tree_files(path):
@@ -73,13 +73,13 @@ def test_unsupported_leaf_names_key_path_and_writes_nothing(tmp_path, ckpt_dir):
 
 def _hold_after_writing(monkeypatch, action):
   """Runs ``action`` after a save wrote its data, before it commits."""
-  commit = saving.SaveRun._commit  # pylint: disable=protected-access
+  commit = _save_run.SaveRun._commit  # pylint: disable=protected-access
 
   def act_then_commit(run):
     action()
     commit(run)
 
-  monkeypatch.setattr(saving.SaveRun, "_commit", act_then_commit)
+  monkeypatch.setattr(_save_run.SaveRun, "_commit", act_then_commit)
 
 
 def test_what_appears_during_a_save_is_never_replaced(tmp_path, monkeypatch):
@@ -118,7 +118,7 @@ def test_overwrite_without_atomic_exchange(tmp_path, monkeypatch):
   def crash(*args):
     raise OSError("killed before the manifest was replaced")
 
-  monkeypatch.setattr(saving.os, "replace", crash)
+  monkeypatch.setattr(os, "replace", crash)  # what the NFS commit swaps with
   with pytest.raises(OSError, match="killed"):
     ofx.save(path, {"s": {"x": np.arange(5)}}, overwrite=True)
   np.testing.assert_array_equal(ofx.restore(path)["s"]["x"], np.arange(4))  # old, intact

@@ -282,6 +282,27 @@ def test_long_work_shows_progress_on_a_terminal_only(tmp_path):
   assert "wrote" in shown and re.search(r"convert .*: converting array by array, .*MiB", shown), shown
 
 
+INIT_FROM_SCRIPT = r"""
+import sys
+import numpy as np
+import orbax_flax as ofx
+src, workdir = sys.argv[1], sys.argv[2]
+ofx.save(src, {"state": {"w": np.arange(1 << 20, dtype=np.float32)}})
+ckpt = ofx.CheckpointCallback(workdir, {"init_from": src})
+state = ckpt.restore_or_init({"w": np.zeros(1 << 20, np.float32)})
+print("W1", float(state["w"][1]), flush=True)
+ckpt.close()
+"""
+
+
+def test_init_from_is_restored_like_any_restore_with_progress_on_a_terminal(tmp_path):
+  src = str(tmp_path / "pretrained")
+  env = dict(jobs.env_for(1), ORBAX_FLAX_PROGRESS_AFTER="0")
+  shown = _run_in_pty([sys.executable, "-c", INIT_FROM_SCRIPT, src, str(tmp_path / "run")], env)
+  assert "W1 1.0" in shown and "initialised state from" in shown, shown
+  assert re.search(rf"restore of {re.escape(src)}: ", shown), shown  # the Checkpointer's Monitor
+
+
 # ------------------------------------------------------------- 15. TensorBoard without TensorFlow
 
 

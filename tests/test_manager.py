@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import orbax_flax as ofx
 from orbax_flax import policy as policy_lib
-from orbax_flax import saving
+from orbax_flax import _save_run
 from orbax_flax import step_dir
 
 
@@ -192,14 +192,14 @@ def test_sweep_spares_a_save_below_the_latest_step(tmp_path, monkeypatch):
   mngr.restore(10)
   # Hold step 15's save after its data is written, just before it commits.
   written, go_on = threading.Event(), threading.Event()
-  commit = saving.SaveRun._commit  # pylint: disable=protected-access
+  commit = _save_run.SaveRun._commit  # pylint: disable=protected-access
 
   def held_commit(run):
     written.set()
     go_on.wait(60)
     commit(run)
 
-  monkeypatch.setattr(saving.SaveRun, "_commit", held_commit)
+  monkeypatch.setattr(_save_run.SaveRun, "_commit", held_commit)
   assert mngr.save(15, {"state": state(15)}, force=True)
   assert written.wait(60)
   # Another manager on the directory sweeps leftovers at start-up meanwhile.

@@ -39,7 +39,7 @@ def main():
   _exchange._ROUND_BYTES = 4096  # pylint: disable=protected-access
   mesh = interop_worker._mesh()  # pylint: disable=protected-access
   host = a.hosts.split(",")[jax.process_index()] if a.hosts else None
-  tier = local.LocalTier(a.dir, run=RUN, replicas=1, max_to_keep=2, timeout_seconds=60, host=host)
+  tier = local.LocalTier(a.dir, run=RUN, replicas=1, max_to_keep=2, coordination_timeout_seconds=60, host=host)
   if a.mode == "save":
     for step in map(int, a.steps.split(",")):
       tier.save(step, {"state": state(mesh, step)})

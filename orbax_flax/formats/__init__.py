@@ -11,6 +11,13 @@ manifest of the same records as ours (:mod:`orbax_flax._records`), in memory
 only, whose array records carry a ``source`` that reads a box of the array into
 a buffer; everything above that (target checks, dtype rules, transforms,
 resharding) is shared.
+
+This package sits below the engine: its modules read bytes and describe
+checkpoints, and import only the engine's primitives (``_reading``,
+``_layout``, ``_tree``, ``errors``, ...), never ``restoring``, the
+``Checkpointer`` or the manager. What is built on the engine lives beside it:
+:mod:`orbax_flax.transforms` (restore-time renames, stacking, casts) and
+:mod:`orbax_flax.converting` (``convert``).
 """
 
 from __future__ import annotations

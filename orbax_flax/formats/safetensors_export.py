@@ -75,7 +75,8 @@ def _cast_to(dtype: Any, name: str, leaf_dtype: np.dtype) -> np.dtype:
 def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_bytes: int = 5 << 30,
                        name_fn: Callable[[tuple[str, ...]], str] | None = None,
                        metadata: Mapping[str, str] | None = None, overwrite: bool = False,
-                       timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S) -> list[str]:
+                       coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S
+                       ) -> list[str]:
   """Writes ``tree`` as safetensors in the Hugging Face layout, committed atomically.
 
   Every process of a multi-process job calls it with its part of the same
@@ -96,7 +97,7 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
     metadata: strings for the header's ``__metadata__`` (default
       ``{"format": "pt"}``, which ``transformers`` loaders require).
     overwrite: replace an existing ``path`` (only after the new one is complete).
-    timeout_seconds: how long a process waits for the others.
+    coordination_timeout_seconds: how long a process waits for the others.
 
   Returns:
     The file names written, in order.
@@ -154,11 +155,11 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
   n = len(files)
   names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
   tmp = path + _TMP
-  key = _multihost.namespace("export")
+  key = _multihost.namespace("export", path)
   me = _multihost.process_index()
 
   def agree(stage: str, error: str) -> None:
-    results = _multihost.all_gather(f"{key}/{stage}", error, timeout_seconds,
+    results = _multihost.all_gather(f"{key}/{stage}", error, coordination_timeout_seconds,
                                     what=f"finish export stage {stage!r}")
     failed = [f"process {i}: {e}" for i, e in enumerate(results) if e]
     if failed:

@@ -17,7 +17,7 @@ The index holds, per item, the tree structure and per leaf the engine's own
 record (:func:`orbax_flax._planning.array_record`, ``value_record``) plus the
 shards this process held (``boxes``), decoded by the manifest's own checking
 decoder into the same records (:mod:`orbax_flax._records`). A restore checks the target with the
-engine's :func:`orbax_flax.restoring.match_target` and places the arrays with
+engine's :func:`orbax_flax._matching.match_target` and places the arrays with
 its :func:`~orbax_flax.restoring.assemble`: the same target gives the same
 result, or the same error, as the persistent tier.
 """
@@ -38,6 +38,7 @@ import numpy as np
 from orbax_flax import _crc
 from orbax_flax import _layout
 from orbax_flax import _manifest
+from orbax_flax import _matching
 from orbax_flax import _planning
 from orbax_flax import _records_decode
 from orbax_flax import _staging
@@ -330,17 +331,17 @@ def parallel(fn, tasks: list) -> None:
 
 def match(index: Manifest, target: Mapping[str, Any], *, partial: bool = False,
           allow_lossy_casts: bool = False, casts: list | None = None,
-          source: str = "the local checkpoint") -> restoring.Match:
-  """The engine's target check of a blob's index (:func:`orbax_flax.restoring.match_target`).
+          source: str = "the local checkpoint") -> _matching.Match:
+  """The engine's target check of a blob's index (:func:`orbax_flax._matching.match_target`).
 
   Raises:
     TreeMismatchError, ValueError: as the persistent tier would for this target.
   """
-  return restoring.match_target(index, target, partial=partial,
+  return _matching.match_target(index, target, partial=partial,
                                 allow_lossy_casts=allow_lossy_casts, casts=casts, source=source)
 
 
-def build(m: restoring.Match, index: Manifest, payload: Payload) -> dict[str, Any]:
+def build(m: _matching.Match, index: Manifest, payload: Payload) -> dict[str, Any]:
   """The items ``m`` asks for, from a blob's bytes, placed by the engine (one ``device_put``).
 
   Each target box must be one shard this process saved (the same mesh and

@@ -78,7 +78,7 @@ class LocalTier:
     replicas: how many other processes hold a copy of each process's shards
       (losing any ``replicas`` local directories loses no local step).
     max_to_keep: committed local steps kept (the newest commits).
-    timeout_seconds: how long a process waits for the others (every wait of
+    coordination_timeout_seconds: how long a process waits for the others (every wait of
       the tier names the processes it waits for when it times out).
     host: the host this process runs on, which replica placement spreads over
       (:func:`~orbax_flax.tiers.placement.replica_ring`); default: the
@@ -90,8 +90,8 @@ class LocalTier:
   """
 
   def __init__(self, directory: str, *, run: str, replicas: int = 1, max_to_keep: int = 1,
-               timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S, host: str | None = None,
-               max_host_bytes: int = 0):
+               coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S,
+               host: str | None = None, max_host_bytes: int = 0):
     n = jax.process_count()
     if replicas < 0:
       raise ValueError(f"replicas={replicas}: must be >= 0")
@@ -105,8 +105,8 @@ class LocalTier:
     self.steps = StepDirectory(self.root, run)
     self.replicas = replicas if n > 1 else 0
     self.max_to_keep = max_to_keep
-    self.timeout = timeout_seconds
-    self._key = _multihost.namespace("local_tier")
+    self.timeout = coordination_timeout_seconds
+    self._key = _multihost.namespace("local_tier", run)
     self._calls = 0
     self.host = host if host is not None else (os.environ.get(placement.HOST_ENV)
                                                or socket.gethostname())

@@ -38,9 +38,12 @@ class LocalSchedule:
       is given the median of the last 5 local save times and decided by
       process 0's clock.
     clock: wall-time source (tests pass a fake).
+    directory: the run's directory, which process 0's shared decisions are
+      keyed by (the callback passes its manager's).
   """
 
-  def __init__(self, trigger: policy_lib.AnyOf, *, clock: Callable[[], float] = time.time):
+  def __init__(self, trigger: policy_lib.AnyOf, *, clock: Callable[[], float] = time.time,
+               directory: str = ""):
     steps = tuple(t for t in trigger.triggers if not isinstance(t, policy_lib.YoungDaly))
     self._steps = policy_lib.any_of(*steps) if steps else None
     self._auto = next((t for t in trigger.triggers if isinstance(t, policy_lib.YoungDaly)), None)
@@ -48,7 +51,7 @@ class LocalSchedule:
     self._costs = policy_lib.CostWindow()
     self._last_step: int | None = None
     self._last_time = clock()
-    self._key = _multihost.namespace("local_schedule") if self._auto is not None else None
+    self._key = _multihost.namespace("local_schedule", directory) if self._auto is not None else None
 
   def cost_s(self) -> float | None:
     """The median of the last few local save times (None before the first)."""

@@ -64,7 +64,7 @@ def main():
   from orbax_flax.tiers import _exchange, local  # pylint: disable=g-import-not-at-top
   _exchange._ROUND_BYTES = 64 << 10  # pylint: disable=protected-access
   mesh = jax.make_mesh((jax.device_count(),), ("p",))
-  tier = local.LocalTier(a.dir, run=RUN, replicas=1, max_to_keep=1, timeout_seconds=20)
+  tier = local.LocalTier(a.dir, run=RUN, replicas=1, max_to_keep=1, coordination_timeout_seconds=20)
   got = tier.restore(target(mesh))
   step = 0
   if got is not None:

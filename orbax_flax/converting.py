@@ -20,8 +20,11 @@ from typing import Any
 
 import numpy as np
 
+from orbax_flax import _progress
 from orbax_flax import _tree
+from orbax_flax import checkpointer
 from orbax_flax import errors
+from orbax_flax import restoring
 from orbax_flax._records import Array
 from orbax_flax.formats import _read
 from orbax_flax.formats import safetensors_export
@@ -57,8 +60,6 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
   Returns:
     A one-line summary of what was written.
   """
-  from orbax_flax import checkpointer  # pylint: disable=g-import-not-at-top  # cycle
-  from orbax_flax import restoring  # pylint: disable=g-import-not-at-top
   if format not in ("orbax_flax", "safetensors"):
     raise ValueError(f"format={format!r}; use 'orbax_flax' or 'safetensors'")
   loc, manifest = restoring.open_manifest(src)
@@ -66,7 +67,6 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
     items = checkpointer.restore(src)  # shows progress on a terminal, as every restore does
     checkpointer.save(dst, items, overwrite=overwrite, dtype=dtype)
     return f"wrote {dst} (orbax_flax, {len(items)} item(s)) from {manifest.format}"
-  from orbax_flax import _progress  # pylint: disable=g-import-not-at-top
   progress = _progress.Progress(f"convert {loc}", sum(
       r.nbytes for i in manifest.items.values() for r in i.leaves))
   progress.phase = "converting array by array"
