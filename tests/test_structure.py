@@ -33,7 +33,7 @@ _SIZE_DEBT = {
     "orbax_flax._manifest": 553, "orbax_flax._planning": 483, "orbax_flax._reading": 592,
     "orbax_flax.checkpoint_callback": 658, "orbax_flax.checkpointer": 550,
     "orbax_flax.formats.safetensors_io": 564, "orbax_flax.manager": 794,
-    "orbax_flax.restoring": 726, "orbax_flax.saving": 702, "orbax_flax.tiers.local": 677,
+    "orbax_flax.restoring": 726, "orbax_flax.saving": 730, "orbax_flax.tiers.local": 677,
 }
 _CLASS_DEBT = {"CheckpointPolicy": 319, "CheckpointCallback": 536, "Checkpointer": 360,
                "CheckpointManager": 649, "SaveRun": 301, "LocalTier": 311}
