@@ -112,16 +112,8 @@ class CheckpointCallback(callbacks.Callback):
     self.policy = config if isinstance(config, CheckpointPolicy) else CheckpointPolicy.from_config(config)
     directory = self.policy.directory or os.path.join(workdir, "checkpoints")
     self.manager = CheckpointManager(directory, self.policy, clock=clock)
-    self._local = None
-    self._local_schedule = None
-    if self.policy.local_tier:
-      from orbax_flax.tiers import local, schedule  # pylint: disable=g-import-not-at-top
-      self._local = local.LocalTier(self.policy.local_directory, run=self.manager.directory,
-                                    replicas=self.policy.replicas,
-                                    max_to_keep=self.policy.local_max_to_keep,
-                                    timeout_seconds=self.policy.coordination_timeout_seconds,
-                                    max_host_bytes=self.policy.max_host_bytes)
-      self._local_schedule = schedule.LocalSchedule(self.policy.local_trigger(), clock=clock)
+    parts = self.manager.components  # what the policy describes, built once (orbax_flax.components)
+    self._local, self._local_schedule = parts.local, parts.local_schedule
     self.metadata = dict(metadata or {})
     self.writer = writer
     # Installed by the run's first call (restore_or_init or on_step_end), not here: a
@@ -358,8 +350,8 @@ class CheckpointCallback(callbacks.Callback):
 
   def _watch(self) -> None:
     """Starts watching for preemption signals (once, at the run's first call)."""
-    if self._watcher is None and self.policy.save_on_preemption:
-      self._watcher = preemption.PreemptionWatcher(self.policy.preemption_signals)
+    if self._watcher is None and self.manager.components.watcher is not None:
+      self._watcher = self.manager.components.watcher()
 
   def _check_open(self) -> None:
     if self._closed:
@@ -394,7 +386,7 @@ class CheckpointCallback(callbacks.Callback):
     if self._watcher is not None and self._watcher.reached(step):
       self._save_preemption(step, state, metrics)
       return True
-    local_due = self._local_schedule is not None and self._local_schedule.due(step)
+    local_due = self._local_schedule is not None and self._local_schedule.due(step) is not None
     reason = self.manager.should_save(step)
     if local_due or reason is not None:
       items = self._items(step, state)  # one gather of the data positions for both tiers
@@ -421,7 +413,7 @@ class CheckpointCallback(callbacks.Callback):
                 step, self.policy.local_directory, e)
       return e if isinstance(e, errors.StorageError) else errors.StorageError(str(e))
     self._local_schedule.record(step, seconds)
-    interval = self._local_schedule.interval_s()
+    interval = self._local_schedule.interval()
     log.info("local checkpoint step %d committed in %.3f s (%s, %d replica(s))%s", step, seconds,
              self.policy.local_directory, self._local.replicas,
              "" if interval is None else f"; local_save_interval=auto: next in {interval:.1f} s,"
