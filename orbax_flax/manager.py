@@ -18,7 +18,6 @@ discovery; nothing else is read until step metadata is needed.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from collections.abc import Mapping

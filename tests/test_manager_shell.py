@@ -46,8 +46,9 @@ def _hold_commits(monkeypatch):
 # ------------------------------------------------------------------ AsyncSave.add_done_callback
 
 
-def test_done_callback_runs_once_in_the_save_thread_after_the_commit(tmp_path):
+def test_done_callback_runs_once_in_the_save_thread_after_the_commit(tmp_path, monkeypatch):
   path = str(tmp_path / "c")
+  written, go_on = _hold_commits(monkeypatch)  # so that the callback is added before the end
   seen = []
   with ofx.Checkpointer() as ckptr:
     handle = ckptr.save_async(path, {"state": state(1)})
@@ -58,6 +59,8 @@ def test_done_callback_runs_once_in_the_save_thread_after_the_commit(tmp_path):
                    float(ofx.restore(path)["state"]["w"][0, 0])))
 
     handle.add_done_callback(done)
+    assert written.wait(60) and not seen
+    go_on.set()
     handle.wait()
     assert seen == [(True, True, 1.0)]  # committed when it ran; before wait() returned
     late = []
