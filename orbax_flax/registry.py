@@ -129,10 +129,11 @@ class StepRegistry:
   def info(self, step: int) -> policy_lib.StepInfo:
     """Time, metrics and reason recorded with ``step`` (reads a few KB once)."""
     with self._lock:
-      if step in self._infos:
-        return self._infos[step]
-      if step not in self._steps:
-        raise self.not_found(step)
+      info, known = self._infos.get(step), step in self._steps
+    if info is not None:
+      return info
+    if not known:
+      raise self.not_found(step)
     info = info_from_summary(step, restoring.read_summary(self._dir.join(str(step))))
     with self._lock:
       self._infos[step] = info

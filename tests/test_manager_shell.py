@@ -172,6 +172,16 @@ def test_bad_hand_composed_setting_is_named_before_anything_is_written(tmp_path,
   assert not d.exists()
 
 
+def test_a_step_that_is_not_committed_is_named_with_those_that_are(tmp_path):
+  with ofx.CheckpointManager(str(tmp_path)) as mngr:
+    mngr.save(3, {"state": state(3)}, force=True)
+    mngr.wait()
+    for call in (mngr.step_info, mngr.restore):
+      with pytest.raises(ofx.CheckpointNotFoundError, match=r"step 9 is not a committed checkpoint"
+                         r" in .*; committed steps: \[3\]"):
+        call(9)
+
+
 # ------------------------------------------------------------------ one signature per verb
 
 
