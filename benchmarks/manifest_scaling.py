@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 from orbax_flax import _manifest  # noqa: E402
 from orbax_flax import _planning  # noqa: E402
 from orbax_flax import _tree  # noqa: E402
+import hostmem  # noqa: E402
 from save_restore import llama_shapes  # noqa: E402  (the benchmark state's layout, one copy)
 
 PER_HOST = 8
@@ -141,20 +142,6 @@ def plan_items(tree: dict, nproc: int, me: int = 0) -> tuple[dict, int]:
   return items, len(pieces)
 
 
-def _hwm_reset() -> int:
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-  return _status("VmRSS")
-
-
-def _status(field: str) -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1]) * 1024
-  raise KeyError(field)
-
-
 def measure(devices: int) -> dict:
   hosts = devices // PER_HOST
   tree = state(hosts)
@@ -167,17 +154,17 @@ def measure(devices: int) -> dict:
               "custom": {"step": 1000, "reason": "interval", "time": time.time(),
                          "metrics": {"loss": 1.5}, "mesh": {"data": hosts, "model": PER_HOST},
                          "user": {}}, "items": items}
-  before = _hwm_reset()
+  before = hostmem.reset_peak()
   t0 = time.perf_counter()
   data = _manifest.encode(manifest)
   encode_s = time.perf_counter() - t0
-  encode_peak = _status("VmHWM") - before
+  encode_peak = hostmem.status("VmHWM") - before
   del manifest, items
-  before = _hwm_reset()
+  before = hostmem.reset_peak()
   t0 = time.perf_counter()
   decoded = _manifest.decode(data, "simulated")
   decode_s = time.perf_counter() - t0
-  decode_peak = _status("VmHWM") - before
+  decode_peak = hostmem.status("VmHWM") - before
   t0 = time.perf_counter()
   summary = _manifest.decode_summary(data[:_manifest.SUMMARY_READ_BYTES], "simulated")
   summary_s = time.perf_counter() - t0

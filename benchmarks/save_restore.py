@@ -69,6 +69,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import hostmem  # noqa: E402  (peak host memory, one copy)
 import orbax_flax as ofx  # noqa: E402
 
 SIZES = {
@@ -540,22 +541,6 @@ class Bench:
 # ----------------------------------------------------------------------------- memory
 
 
-def _status(field):
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1]) * 1024
-  raise KeyError(field)
-
-
-def _measure(fn):
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-  before = _status("VmRSS")
-  out = fn()
-  return _status("VmHWM") - before, out
-
-
 def memory_case(size, contender, phase, root):
   """In a fresh process: peak extra host memory of one call, as bytes."""
   mesh = mesh_for()
@@ -573,13 +558,13 @@ def memory_case(size, contender, phase, root):
       target = {"state": abstract(device_state(host, mesh))}
       del host
       release_memory()
-      return _measure(lambda: jax.block_until_ready(ckptr.restore(path, target)))[0]
+      return hostmem.measure(lambda: jax.block_until_ready(ckptr.restore(path, target)))[0]
     state = device_state(host, mesh)
     del host
     release_memory()
     if phase == "save":
-      return _measure(lambda: ckptr.save(path, {"state": state}))[0]
-    return _measure(lambda: ckptr.save_async(path + "-async", {"state": state}).wait())[0]
+      return hostmem.measure(lambda: ckptr.save(path, {"state": state}))[0]
+    return hostmem.measure(lambda: ckptr.save_async(path + "-async", {"state": state}).wait())[0]
   if contender == "orbax":
     import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
     ckptr = ocp.StandardCheckpointer()
@@ -590,7 +575,7 @@ def memory_case(size, contender, phase, root):
       target = abstract(device_state(host, mesh))
       del host
       release_memory()
-      return _measure(lambda: jax.block_until_ready(ckptr.restore(path, target)))[0]
+      return hostmem.measure(lambda: jax.block_until_ready(ckptr.restore(path, target)))[0]
     state = device_state(host, mesh)
     del host
     release_memory()
@@ -598,7 +583,7 @@ def memory_case(size, contender, phase, root):
     def save():
       ckptr.save(dest, state)
       ckptr.wait_until_finished()
-    return _measure(save)[0]
+    return hostmem.measure(save)[0]
   if contender == "dcp":
     import torch  # pylint: disable=g-import-not-at-top
     import torch.distributed.checkpoint as dcp  # pylint: disable=g-import-not-at-top
@@ -617,14 +602,14 @@ def memory_case(size, contender, phase, root):
         target = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in shapes.items()}
         dcp.load(target, checkpoint_id=path)
         return target
-      return _measure(load)[0]
+      return hostmem.measure(load)[0]
     sd = torch_state(host)
     del host
     release_memory()
     if phase == "save":
-      return _measure(lambda: dcp.save(sd, checkpoint_id=path))[0]
+      return hostmem.measure(lambda: dcp.save(sd, checkpoint_id=path))[0]
     stager = staging.DefaultStager(staging.StagingOptions(False, False, False, False))
-    return _measure(lambda: dcp.async_save(sd, checkpoint_id=path + "-async",
+    return hostmem.measure(lambda: dcp.async_save(sd, checkpoint_id=path + "-async",
                                            async_stager=stager).result())[0]
   raise ValueError(contender)
 

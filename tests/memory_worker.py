@@ -24,21 +24,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import orbax_flax as ofx  # noqa: E402
 
 
-def _status(field: str) -> int:
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1]) * 1024
-  raise KeyError(field)
-
-
-def measure(fn):
-  """(extra peak bytes, result) of ``fn()``."""
-  with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-  before = _status("VmRSS")
-  out = fn()
-  return _status("VmHWM") - before, out
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+from hostmem import measure  # noqa: E402  (the one copy of the VmHWM measurement)
 
 
 def state(mb: int, mesh):

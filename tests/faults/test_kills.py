@@ -90,6 +90,7 @@ def _kill_at_random(rng, procs, lines_of):
   return outs
 
 
+@pytest.mark.timeout(3600 if LONG else 600)  # the long run's kill points take minutes each under load
 def test_kill_during_async_saves_with_retention(tmp_path):
   rng = random.Random(1)
   checked = 0
@@ -114,6 +115,7 @@ def test_kill_during_async_saves_with_retention(tmp_path):
   _tally("async saves with retention", COUNTS["manager"], checked)
 
 
+@pytest.mark.timeout(3600 if LONG else 600)  # the long run's kill points take minutes each under load
 def test_kill_during_overwrite_loop(tmp_path):
   rng = random.Random(2)
   checked = 0
@@ -132,6 +134,7 @@ def test_kill_during_overwrite_loop(tmp_path):
   _tally("overwrite loop", COUNTS["overwrite"], checked)
 
 
+@pytest.mark.timeout(3600 if LONG else 600)  # the long run's kill points take minutes each under load
 def test_kill_during_leftover_sweeps(tmp_path):
   rng = random.Random(3)
   for trial in range(COUNTS["sweep"]):
@@ -145,6 +148,7 @@ def test_kill_during_leftover_sweeps(tmp_path):
   _tally("leftover sweeps", COUNTS["sweep"], COUNTS["sweep"])
 
 
+@pytest.mark.timeout(3600 if LONG else 600)  # the long run's kill points take minutes each under load
 def test_kill_one_process_of_two(tmp_path):
   """The survivor stops within the coordination timeout with an error naming the lost process."""
   rng = random.Random(4)
