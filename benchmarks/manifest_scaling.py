@@ -168,9 +168,9 @@ def measure(devices: int) -> dict:
   t0 = time.perf_counter()
   summary = _manifest.decode_summary(data[:_manifest.SUMMARY_READ_BYTES], "simulated")
   summary_s = time.perf_counter() - t0
-  assert summary is not None and decoded["process_count"] == hosts
-  recs = [r for r in decoded["items"]["state"]["leaves"] if r.get("kind") != "value"]
-  chunks = sum(len(r.get("owners", [])) for r in recs)
+  assert summary is not None and decoded.process_count == hosts
+  recs = [r for r in decoded.items["state"].leaves if r.kind != "value"]
+  chunks = sum(len(r.owners) for r in recs)
   header_and_summary = len(data.split(b"\n", 2)[0]) + len(data.split(b"\n", 2)[1]) + 2
   # Object-store listing: every key under the directory. A step holds, per item and
   # process, one OCDBT database of at least a manifest and one data file (keys such as
@@ -178,8 +178,8 @@ def measure(devices: int) -> dict:
   key = len(f"1000/state/p{hosts - 1}-0123456789abcdef/d/{'0' * 32}") + 8  # + listing framing
   listed = (1 + 2 * hosts * 1) * key  # one item ("state"); a callback adds "data" and "meta"
   return {
-      "devices": devices, "hosts": hosts, "leaves": len(decoded["items"]["state"]["leaves"]),
-      "arrays_chunked": sum(1 for r in recs if "packed_offset" not in r), "chunks": chunks,
+      "devices": devices, "hosts": hosts, "leaves": len(decoded.items["state"].leaves),
+      "arrays_chunked": sum(1 for r in recs if not r.is_packed), "chunks": chunks,
       "pieces_of_process_0": my_pieces,
       "manifest_bytes": len(data), "summary_bytes": header_and_summary,
       "plan_s": plan_s, "encode_s": encode_s, "encode_peak_bytes": encode_peak,

@@ -60,7 +60,7 @@ _EXPORTS = {
     "checkpoints_iterator": "orbax_flax.evaluation",
     "transforms": ("orbax_flax.formats.transforms", None),  # the module itself
     "convert": "orbax_flax.formats.convert",
-    "export_safetensors": "orbax_flax.formats.safetensors_io",
+    "export_safetensors": "orbax_flax.formats.safetensors_export",
 }
 
 __all__ = [

@@ -26,21 +26,20 @@ import binascii
 import functools
 import hashlib
 import json
-import keyword
 import math
-import re
 import zlib
-from typing import Any, NoReturn
+from typing import Any
 
 import jax
 import numpy as np
 
-from orbax_flax import _tree
-from orbax_flax import _tsio
+from orbax_flax import _records
+from orbax_flax import _records_decode
 from orbax_flax import errors
 
 MANIFEST_KEY = "_CHECKPOINT"
-PACK_ALIGN = 16  # packed arrays start at multiples of this (orbax_flax._planning lays them out)
+PACK_ALIGN = _records_decode.PACK_ALIGN  # for the writer (orbax_flax._planning)
+ITEM_NAME = _records_decode.ITEM_NAME
 FORMAT = "orbax_flax"
 VERSION = 2                 # the newest format version, written only when needed (see encode)
 READS = (1, 2)              # the format versions this library reads
@@ -149,7 +148,7 @@ def unseal(magic: bytes, data: bytes, where: str) -> bytes:
   return body
 
 
-def decode_summary(data: bytes, where: str) -> dict[str, Any] | None:
+def decode_summary(data: bytes, where: str) -> _records.Summary | None:
   """The verified summary from the first bytes of a manifest; None if cut short."""
   fields, rest = _split_header(data, where)
   line, newline, _ = rest.partition(b"\n")
@@ -158,8 +157,7 @@ def decode_summary(data: bytes, where: str) -> dict[str, Any] | None:
   _verify(line, fields.get("summary_sha256"), where)
   summary = _json(line, where, "summary")
   _check_version(summary, where)
-  _Checker(where).summary(summary)
-  return summary
+  return _records_decode.decode_summary(summary, where)
 
 
 def _check_version(parsed: dict[str, Any], where: str) -> int:
@@ -194,22 +192,25 @@ def summary_extent(data: bytes) -> int | None:
   return None
 
 
-def decode(data: bytes, where: str) -> dict[str, Any]:
-  """Parses, verifies and validates a whole manifest; raises CheckpointCorruptedError."""
+def decode(data: bytes, where: str) -> _records.Manifest:
+  """Parses, verifies and checks a whole manifest into records (see ``_records_decode``).
+
+  Raises:
+    CheckpointCorruptedError: a damaged manifest (CheckpointFormatError: one
+      not written by orbax_flax, naming the field and the value).
+  """
   fields, rest = _split_header(data, where)
   line, _, body = rest.partition(b"\n")
   _verify(line, fields.get("summary_sha256"), where)
   _verify(body, fields.get("sha256"), where)
   parsed = _json(body, where, "body")
-  manifest = _json(line, where, "summary")
+  summary = _json(line, where, "summary")
   version = _check_version(parsed, where)
-  _check_version(manifest, where)
-  manifest["items"] = parsed.get("items")
+  _check_version(summary, where)
+  items = parsed.get("items")
   if version >= 2:
-    _expand_owners(manifest["items"], where)
-  validate(manifest, where)
-  manifest["version"] = version
-  return manifest
+    _expand_owners(items, where)
+  return _records_decode.decode(summary, items, version, where)
 
 
 def _pack_owners(owners: list[int]) -> str:
@@ -217,13 +218,13 @@ def _pack_owners(owners: list[int]) -> str:
 
 
 def _expand_owners(items: Any, where: str) -> None:
-  """Replaces every ``owners_z`` by the ``owners`` list it encodes (checked by validate next)."""
+  """Replaces every ``owners_z`` by the ``owners`` list it encodes (checked when decoded next)."""
   def bad(problem: str):
     raise errors.CheckpointCorruptedError(
         f"{where}: {problem}; this manifest was not written by orbax_flax (damaged or crafted).")
 
   if not isinstance(items, dict):
-    return  # validate says what is wrong
+    return  # the decoder says what is wrong
   for name, item in items.items():
     for rec in item.get("leaves", []) if isinstance(item, dict) else []:
       if not isinstance(rec, dict) or "owners_z" not in rec:
@@ -245,295 +246,6 @@ def _expand_owners(items: Any, where: str) -> None:
       if not complete or len(raw) != count * 4:
         bad(f"item {name!r}: compact owners hold {len(raw) // 4} entries for {count} chunks")
       rec["owners"] = np.frombuffer(raw, "<u4").tolist()
-
-
-ITEM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$")
-_GENERATION = re.compile(r"^[0-9a-f]{16}$")
-_ARRAY_NAME = re.compile(r"^a[0-9]+$")
-_OWNER = re.compile(r"^(0|[1-9][0-9]*)$")
-_INT_TEXT = re.compile(r"^-?[0-9]{1,4000}$")
-_NODES = frozenset({"dict", "list", "tuple", "namedtuple", "node", "none", "leaf"})
-
-
-def validate(manifest: dict[str, Any], where: str) -> None:
-  """Checks every name, number, dtype and path a reader will use, in one pass.
-
-  A manifest's hashes only say it is intact, not that it was written by this
-  library: names become paths, offsets select bytes and dtypes become buffers,
-  so a crafted one must not point a read outside the checkpoint, at another
-  array's bytes, or build objects. Checked, besides the summary's fields:
-
-  * item names are plain names (no ``/`` or ``..``);
-  * the structure is well formed and names each leaf exactly once, at the key
-    path its record states;
-  * inline values decode exactly (a tag, and a value of that tag's type);
-  * arrays: a unique name ``a<N>``, ``dtype`` and ``stored_dtype`` as a save
-    writes them (the stored one is the dtype, or its raw bits where zarr3 lacks
-    it), a shape of integers whose size fits in memory, ``nbytes`` equal to the
-    shape's bytes, owners among the processes; a chunk grid of chunks no larger
-    than the array with one owner per chunk; or a packed slot, where each
-    process's packed arrays tile its buffer exactly as a save lays them out
-    (each at the next multiple of ``PACK_ALIGN`` bytes: no gaps, no overlaps);
-    PRNG keys of an implementation jax knows, with its key data's shape.
-
-  Raises:
-    CheckpointFormatError: naming the manifest, the field and the value.
-  """
-  _Checker(where).manifest(manifest)
-
-
-class _Checker:
-  """One pass over a decoded manifest (see :func:`validate`)."""
-
-  def __init__(self, where: str):
-    self.where = where
-
-  def bad(self, problem: str) -> NoReturn:
-    raise errors.CheckpointFormatError(
-        f"{self.where}: {problem}; this manifest was not written by orbax_flax (damaged or"
-        " crafted).")
-
-  def count(self, x: Any, what: str, lo: int = 0) -> int:
-    if isinstance(x, bool) or not isinstance(x, int) or x < lo:
-      self.bad(f"{what} is {_short(x)}, not an integer >= {lo}")
-    return x
-
-  def summary(self, s: dict[str, Any]) -> None:
-    self.count(s.get("process_count"), "process_count", 1)
-    self.count(s.get("device_count"), "device_count")
-    gen = s.get("generation")
-    if not isinstance(gen, str) or not _GENERATION.match(gen):
-      self.bad(f"generation {_short(gen)} is not 16 hex digits")
-    created = s.get("created")
-    if isinstance(created, bool) or not isinstance(created, (int, float)) or created != created:
-      self.bad(f"created is {_short(created)}, not a time")
-    if not isinstance(s.get("library_version"), str):
-      self.bad(f"library_version is {_short(s.get('library_version'))}, not a string")
-    for field, kind in (("custom", dict), ("casts", dict), ("item_bytes", dict),
-                        ("all_chunks_stored", bool)):
-      if field in s and not isinstance(s[field], kind):
-        self.bad(f"{field} is {_short(s[field])}, not a {kind.__name__}")
-    for leaf, dtype in s.get("casts", {}).items():
-      if not isinstance(dtype, str):
-        self.bad(f"casts[{leaf!r}] is {_short(dtype)}, not a dtype name")
-
-  def manifest(self, manifest: dict[str, Any]) -> None:
-    self.summary(manifest)
-    nproc = manifest["process_count"]
-    items = manifest.get("items")
-    if not isinstance(items, dict):
-      self.bad(f"items is {_short(items)}, not an object")
-    for name, item in items.items():
-      if not ITEM_NAME.match(name) or name == MANIFEST_KEY:
-        self.bad(f"item name {name!r} is not a plain name")
-      if not isinstance(item, dict) or not isinstance(item.get("leaves"), list):
-        self.bad(f"item {name!r} has no list of leaves")
-      self.item(name, item, nproc)
-
-  def item(self, name: str, item: dict[str, Any], nproc: int) -> None:
-    packed = item.get("packed", {})
-    if not isinstance(packed, dict):
-      self.bad(f"item {name!r}: packed is {_short(packed)}, not an object")
-    for owner, size in packed.items():
-      if not _OWNER.match(owner) or int(owner) >= nproc:
-        self.bad(f"item {name!r}: packed buffer of process {owner!r}, of {nproc} process(es)")
-      self.count(size, f"item {name!r}: packed[{owner!r}]")
-    leaves = item["leaves"]
-    slots: dict[str, list[tuple[int, int, str]]] = {}
-    names: dict[str, str] = {}
-    for rec in leaves:
-      if not isinstance(rec, dict):
-        self.bad(f"item {name!r}: a leaf is {_short(rec)}, not an object")
-      path = rec.get("path")
-      if not isinstance(path, list) or not all(isinstance(p, str) for p in path):
-        self.bad(f"item {name!r}: a leaf's path is {_short(path)}, not a list of keys")
-      where = f"item {name!r}, leaf {'/'.join(path)!r}"
-      kind = rec.get("kind")
-      if kind == "value":
-        self.value(rec.get("value"), where)
-        continue
-      if kind not in ("jax", "numpy"):
-        self.bad(f"{where}: kind {_short(kind)}")
-      array = rec.get("name")
-      if not isinstance(array, str) or not _ARRAY_NAME.match(array):
-        self.bad(f"{where}: array name {_short(array)} is not a<N>")
-      if array in names:
-        self.bad(f"{where}: array name {array!r} is also that of leaf {names[array]!r}")
-      names[array] = "/".join(path)
-      self.array(rec, where, nproc, packed, slots)
-    for owner in packed:
-      at = 0
-      taken = slots.get(owner, [])
-      for lo, size, what in sorted(taken):
-        if lo != at:
-          self.bad(f"item {name!r}: packed array {what!r} is at byte {lo} of process {owner}'s"
-                   f" buffer, where a save puts it at byte {at}")
-        at = lo + -(-size // PACK_ALIGN) * PACK_ALIGN
-      if at != packed[owner]:
-        self.bad(f"item {name!r}: process {owner}'s packed buffer is {packed[owner]} bytes, its"
-                 f" arrays fill {at}")
-    self.structure(item.get("structure"), leaves, f"item {name!r}")
-
-  def value(self, value: Any, where: str) -> None:
-    if not isinstance(value, dict):
-      self.bad(f"{where}: value {_short(value)} is not a tagged value")
-    t, v = value.get("t"), value.get("v")
-    ok = {"bool": lambda: isinstance(v, bool),
-          "int": lambda: isinstance(v, str) and _INT_TEXT.match(v),
-          "float": lambda: isinstance(v, str) and _hex_float(v),
-          "complex": lambda: (isinstance(v, list) and len(v) == 2
-                              and all(isinstance(x, str) and _hex_float(x) for x in v)),
-          "str": lambda: isinstance(v, str),
-          "bytes": lambda: isinstance(v, str) and _b64(v) is not None,
-          "np": lambda: self.np_value(value, where)}.get(t) if isinstance(t, str) else None
-    if ok is None or not ok():
-      self.bad(f"{where}: inline value {_short(value)} is of an unknown type, or malformed")
-
-  def np_value(self, value: dict[str, Any], where: str) -> bool:
-    dtype = self.dtype(value.get("dtype"), f"{where}: value dtype")
-    raw = _b64(value.get("b64")) if isinstance(value.get("b64"), str) else None
-    return raw is not None and len(raw) == dtype.itemsize
-
-  def dtype(self, name: Any, what: str) -> np.dtype:
-    try:
-      dtype = _tree.dtype_from_name(name) if isinstance(name, str) else None
-    except (TypeError, AttributeError, ValueError):
-      dtype = None
-    if dtype is None or not _tree.is_supported_dtype(dtype) or dtype.name != name:
-      self.bad(f"{what} {_short(name)} is not a numeric dtype")
-    return dtype
-
-  def array(self, rec: dict[str, Any], where: str, nproc: int, packed: dict[str, int],
-            slots: dict[str, list[tuple[int, int, str]]]) -> None:
-    dtype = self.dtype(rec.get("dtype"), f"{where}: dtype")
-    stored = rec.get("stored_dtype")
-    if stored != _tsio.stored_dtype(dtype):
-      self.bad(f"{where}: stored_dtype {_short(stored)} for dtype {dtype.name}, where a save"
-               f" stores {_tsio.stored_dtype(dtype)}")
-    shape = rec.get("shape")
-    problem = _tree.shape_problem(shape, dtype.itemsize)
-    if problem:
-      self.bad(f"{where}: shape {_short(shape)}: {problem}")
-    nbytes = math.prod(shape) * dtype.itemsize
-    if rec.get("nbytes") != nbytes or isinstance(rec.get("nbytes"), bool):
-      self.bad(f"{where}: nbytes {_short(rec.get('nbytes'))}, where shape {shape} of"
-               f" {dtype.name} has {nbytes}")
-    sharding = rec.get("sharding", {})
-    if not isinstance(sharding, dict) or not isinstance(sharding.get("text", ""), str):
-      self.bad(f"{where}: sharding {_short(sharding)} is not an object with a text")
-    if "key_impl" in rec:
-      self.key(rec, shape, dtype, where)
-    owners = rec.get("owners")
-    # In C (map, min, max): a manifest of 8,192 devices has millions of owners.
-    if not isinstance(owners, list) or (owners and (
-        not set(map(type, owners)) <= {int} or min(owners) < 0 or max(owners) >= nproc)):
-      self.bad(f"{where}: owners {_short(owners)}, for {nproc} process(es)")
-    if "packed_offset" in rec:
-      lo = self.count(rec["packed_offset"], f"{where}: packed_offset")
-      if len(owners) != 1 or str(owners[0]) not in packed or nbytes == 0:
-        self.bad(f"{where}: a packed array of owners {owners}, and packed buffers of processes"
-                 f" {sorted(packed)}")
-      slots.setdefault(str(owners[0]), []).append((lo, nbytes, "/".join(rec["path"])))
-      return
-    chunk = rec.get("chunk_shape")
-    if not isinstance(chunk, list) or len(chunk) != len(shape):
-      self.bad(f"{where}: chunk_shape {_short(chunk)} for shape {shape}")
-    for c, s in zip(chunk, shape):
-      self.count(c, f"{where}: a chunk dimension")
-    if not owners:
-      if nbytes:
-        self.bad(f"{where}: {nbytes} bytes, and no owners")
-      return
-    if any(c < 1 or c > max(s, 1) for c, s in zip(chunk, shape)):
-      self.bad(f"{where}: chunk_shape {chunk} for shape {shape}")
-    grid = math.prod(-(-s // c) for s, c in zip(shape, chunk))
-    if len(owners) != grid:
-      self.bad(f"{where}: {len(owners)} chunk owners for {grid} chunks")
-
-  def key(self, rec: dict[str, Any], shape: list[int], dtype: np.dtype, where: str) -> None:
-    impl, key_shape = rec.get("key_impl"), rec.get("key_shape")
-    data = _key_data(impl) if isinstance(impl, str) else None
-    if data is None:
-      self.bad(f"{where}: key_impl {_short(impl)} is not a PRNG implementation jax knows")
-    if (not isinstance(key_shape, list) or list(shape) != list(key_shape) + list(data[0])
-        or dtype != data[1]):
-      self.bad(f"{where}: PRNG keys of shape {_short(key_shape)} ({impl}) are stored as"
-               f" {data[1]}{list(data[0])} per key, not {dtype.name}{shape}")
-
-  def structure(self, root: Any, leaves: list[dict[str, Any]], where: str) -> None:
-    """The structure is a tree naming leaf ``i`` once, at ``leaves[i]['path']``."""
-    seen = [False] * len(leaves)
-    todo = [(root, ())]
-    while todo:
-      node, path = todo.pop()
-      t = node.get("t") if isinstance(node, dict) else None
-      if not isinstance(t, str) or t not in _NODES:
-        self.bad(f"{where}: structure node {_short(node)} at {'/'.join(path)!r}")
-      if t == "none":
-        continue
-      if t == "leaf":
-        i = node.get("i")
-        if (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(leaves)
-            or seen[i] or tuple(leaves[i]["path"]) != path):
-          self.bad(f"{where}: the structure's leaf {_short(i)} at {'/'.join(path)!r} is not"
-                   " one of its leaves, or not at that leaf's path")
-        seen[i] = True
-        continue
-      children = node.get("c")
-      if not isinstance(children, list):
-        self.bad(f"{where}: structure node at {'/'.join(path)!r} has no list of children")
-      if t in ("list", "tuple"):
-        keys = [str(j) for j in range(len(children))]
-      else:
-        keys = node.get("k")
-        int_keys = t == "dict" and node.get("int_keys") is True
-        if (not isinstance(keys, list) or len(keys) != len(children)
-            or not all(isinstance(k, str) if not int_keys else
-                       isinstance(k, int) and not isinstance(k, bool) for k in keys)
-            or len({str(k) for k in keys}) != len(keys)):
-          self.bad(f"{where}: structure node at {'/'.join(path)!r} has keys {_short(keys)} for"
-                   f" {len(children)} children")
-        keys = [str(k) for k in keys]
-        if t == "namedtuple" and not _namedtuple_ok(node.get("name"), keys):
-          self.bad(f"{where}: namedtuple {_short(node.get('name'))} with fields {keys}")
-      todo.extend((c, path + (k,)) for k, c in zip(keys, children))
-    if not all(seen):
-      self.bad(f"{where}: the structure omits leaf {seen.index(False)}")
-
-
-def _short(x: Any) -> str:
-  text = repr(x)
-  return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _hex_float(text: str) -> bool:
-  try:
-    float.fromhex(text)
-  except (ValueError, OverflowError):
-    return False
-  return True
-
-
-def _b64(text: str) -> bytes | None:
-  try:
-    return base64.b64decode(text, validate=True)
-  except ValueError:  # binascii.Error
-    return None
-
-
-def _namedtuple_ok(name: Any, fields: list[str]) -> bool:
-  return all(isinstance(n, str) and n.isidentifier() and not keyword.iskeyword(n)
-             for n in [name, *fields]) and not any(f.startswith("_") for f in fields)
-
-
-@functools.lru_cache(maxsize=16)
-def _key_data(impl: str) -> tuple[tuple[int, ...], np.dtype] | None:
-  """The shape and dtype of one key's data for a PRNG implementation jax knows, else None."""
-  try:
-    data = jax.random.key_data(jax.random.key(0, impl=impl))
-  except (ValueError, TypeError, KeyError):
-    return None
-  return tuple(data.shape), np.dtype(data.dtype)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -14,6 +14,9 @@ bytes must end up in (:class:`Fill`). This module brings them there:
 * **Object stores** (or anything the index cannot describe): tensorstore
   reads the chunks and checks them, copying into the destinations.
 
+Where chunks lie comes from :mod:`orbax_flax._chunk_index`; the shared
+temporary buffers and files from :mod:`orbax_flax._read_buffers`.
+
 Either way the format is tensorstore's own (zarr3 chunks with the ``crc32c``
 codec inside OCDBT), so tensorstore reads these checkpoints too. Temporary
 memory is bounded by the budget (``max_host_bytes``, or 64 MiB), plus one
@@ -26,7 +29,6 @@ import concurrent.futures
 import dataclasses
 import math
 import os
-import re
 import sys
 import threading
 from collections.abc import Sequence
@@ -35,17 +37,18 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from orbax_flax import _chunk_index
 from orbax_flax import _crc
 from orbax_flax import _layout
 from orbax_flax import _location
 from orbax_flax import _planning
-from orbax_flax import _tree
+from orbax_flax import _read_buffers
 from orbax_flax import _tsio
 from orbax_flax import errors
 from orbax_flax._location import Location
+from orbax_flax._records import Array, Manifest
 
 _DEFAULT_TEMP_BYTES = 64 << 20
-_DATA_FILE = re.compile(r"^d/[0-9A-Za-z_-]+$")  # OCDBT data files: d/<hex>
 _PACKED_SLICE = 512 << 10  # packed chunks are streamed in slices of this size
 _THREADS = 8  # deep queues help cold reads; the copies release the GIL
 
@@ -54,7 +57,7 @@ _THREADS = 8  # deep queues help cold reads; the copies release the GIL
 class Fill:
   """``box`` of a chunked array, to land in ``out`` (the box's shape, stored dtype)."""
   item: str
-  rec: dict[str, Any]
+  rec: Array
   box: _layout.Box
   out: np.ndarray
 
@@ -101,119 +104,8 @@ class PackedFill:
       np.copyto(out, array[index] if index else array)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Located:
-  file: str | None   # data file, or None for a value stored inline in the index
-  offset: int
-  length: int
-  inline: bytes | None = None
-
-
-def _chunk_key(name: str, coords: Sequence[int]) -> str:
-  return name + "/c" + "".join(f"/{c}" for c in coords)
-
-
-class _Index:
-  """Chunk locations of the process databases of one checkpoint, loaded on first use."""
-
-  def __init__(self, loc: Location, generation: str):
-    self.loc, self.gen = loc, generation
-    self._dbs: dict[tuple[str, int], dict[bytes, _Located] | None] = {}
-    self._lock = threading.Lock()
-
-  def db(self, item: str, owner: int) -> str:
-    return f"{item}/p{owner}-{self.gen}"
-
-  def load(self, keys: Sequence[tuple[str, int]]) -> None:
-    todo = [k for k in dict.fromkeys(keys) if k not in self._dbs]
-    if todo:
-      with concurrent.futures.ThreadPoolExecutor(min(8, len(todo))) as ex:
-        for k, v in zip(todo, ex.map(self._load_one, todo)):
-          self._dbs[k] = v
-
-  def get(self, item: str, owner: int) -> dict[bytes, _Located] | None:
-    return self._dbs.get((item, owner))
-
-  def _load_one(self, key: tuple[str, int]) -> dict[bytes, _Located] | None:
-    """The index of one database; None if it cannot be described (tensorstore then reads)."""
-    db = self.db(*key)
-    base = os.path.join(self.loc.local_path, db)
-    try:
-      store = ts.KvStore.open({"driver": "file", "path": base + "/"},
-                              context=_location.default_context()).result()
-      dump = ts.ocdbt.dump(store).result()
-      out: dict[bytes, _Located] = {}
-      root = dump["versions"][-1]["root"].get("location")
-      stack = [root] if root else []
-      while stack:
-        node = ts.ocdbt.dump(store, stack.pop()).result()
-        for entry in node.get("entries", []):
-          child = entry.get("node") or entry.get("location")
-          if isinstance(child, str) and child.startswith("btreenode::"):
-            stack.append(child)
-          elif "indirect_value" in entry:
-            file, offset, length = str(entry["indirect_value"]).split("::", 1)[1].rsplit(":", 2)
-            if not _DATA_FILE.match(file):
-              return None  # not a name tensorstore writes: never followed outside the database
-            out[bytes(entry["key"])] = _Located(os.path.join(base, file), int(offset), int(length))
-          elif "inline_value" in entry:
-            value = bytes(entry["inline_value"])
-            out[bytes(entry["key"])] = _Located(None, 0, len(value), value)
-      return out
-    except ValueError as e:
-      if _tsio.is_corruption(e):
-        raise errors.CheckpointCorruptedError(
-            f"checkpoint data is corrupted: the index of database {base} cannot be read: {e}."
-            " Restore from another checkpoint.") from e
-      raise _location.storage_error(self.loc, f"reading the index of {db}", e) from e
-    except (KeyError, TypeError, IndexError, AttributeError):
-      return None  # an index layout this reader does not know: let tensorstore read
-
-
-class _TempPool:
-  """Reused temporary buffers, at most ``limit`` bytes out at once (one larger alone)."""
-
-  def __init__(self, limit: int):
-    self.limit = limit
-    self._free: list[np.ndarray] = []
-    self._out = 0
-    self._cond = threading.Condition()
-
-  def get(self, n: int) -> np.ndarray:
-    with self._cond:
-      while self._out and self._out + n > self.limit:
-        self._cond.wait()
-      self._out += n
-      fits = [i for i, b in enumerate(self._free) if b.nbytes >= n]
-      if fits:
-        return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
-      return np.empty(n, np.uint8)
-
-  def put(self, buf: np.ndarray, n: int) -> None:
-    with self._cond:
-      self._out -= n
-      self._free.append(buf)
-      while sum(b.nbytes for b in self._free) > self.limit and self._free:
-        self._free.pop(0)
-      self._cond.notify_all()
-
-
-def _contiguous(inner: _layout.Box, outer: _layout.Box) -> bool:
-  """True if ``inner`` is one contiguous run of ``outer``'s C-order buffer."""
-  sizes = _layout.box_shape(inner)
-  full = _layout.box_shape(outer)
-  d = next((i for i, s in enumerate(sizes) if s > 1), len(sizes))
-  return all(sizes[j] == full[j] for j in range(d + 1, len(sizes)))
-
-
-def _flat_view(out: np.ndarray, inner: _layout.Box, outer: _layout.Box) -> np.ndarray:
-  """The bytes of ``inner`` inside ``out`` (which holds ``outer``), as a flat uint8 view."""
-  view = out[_layout.relative(inner, outer)]
-  return view.reshape(-1).view(np.uint8)
-
-
-def _direct_ok(rec: dict[str, Any]) -> bool:
-  dtype = _tree.dtype_from_name(rec["stored_dtype"])
+def _direct_ok(rec: Array) -> bool:
+  dtype = rec.np_stored_dtype
   return sys.byteorder == "little" and dtype.name not in _SUB_BYTE
 
 
@@ -229,53 +121,53 @@ class Reader:
     max_host_bytes: bound on temporary memory (0: 64 MiB).
   """
 
-  def __init__(self, loc: Location, manifest: dict[str, Any], max_host_bytes: int = 0,
+  def __init__(self, loc: Location, manifest: Manifest, max_host_bytes: int = 0,
                progress: Any = None):
     self.loc, self.manifest = loc, manifest
     self.progress = progress  # an orbax_flax._progress.Progress, or None
-    self.index = _Index(loc, manifest["generation"]) if loc.is_local else None
-    self.temps = _TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
+    self.index = _chunk_index.ChunkIndex(loc, manifest.generation) if loc.is_local else None
+    self.temps = _read_buffers.TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
     self.bytes_read = 0
     self._lock = threading.Lock()
 
   def db(self, item: str, owner: int) -> str:
-    return f"{item}/p{owner}-{self.manifest['generation']}"
+    return f"{item}/p{owner}-{self.manifest.generation}"
 
   # ------------------------------------------------------------------ entry point
 
   def read(self, fills: Sequence[Fill], packed: Sequence[PackedFill] = ()) -> None:
     """Fills every ``out``; raises CheckpointCorruptedError / StorageError naming the array."""
     if self.index is not None:
-      self.index.load([(f.item, o) for f in fills for o in set(f.rec["owners"])]
+      self.index.load([(f.item, o) for f in fills for o in set(f.rec.owners)]
                       + [(p.item, p.owner) for p in packed])
     jobs: list[tuple[tuple, Any]] = []   # (sort key, callable)
     slow: list[Fill] = []
     chunk_needs: dict[tuple[str, int, str, int], list[tuple[Fill, _layout.Box]]] = {}
     for f in fills:
       rec = f.rec
-      chunking = _layout.Chunking(tuple(rec["shape"]), tuple(rec["chunk_shape"]))
+      chunking = _layout.Chunking(rec.shape, rec.chunk_shape)
       direct = self.index is not None and _direct_ok(rec) and all(
-          self.index.get(f.item, o) is not None for o in set(rec["owners"]))
+          self.index.get(f.item, o) is not None for o in set(rec.owners))
       if not direct:
         slow.append(f)
         continue
       for c in chunking.chunks_in_box(f.box):
         inner = _layout.intersect(chunking.chunk_box(c), f.box)
-        chunk_needs.setdefault((f.item, rec["owners"][c], rec["name"], c), []).append((f, inner))
+        chunk_needs.setdefault((f.item, rec.owners[c], rec.name, c), []).append((f, inner))
     for (item, owner, name, c), dests in chunk_needs.items():
       f0 = dests[0][0]
-      chunking = _layout.Chunking(tuple(f0.rec["shape"]), tuple(f0.rec["chunk_shape"]))
+      chunking = _layout.Chunking(f0.rec.shape, f0.rec.chunk_shape)
       coords = chunking.chunk_coords(c)
-      located = self.index.get(item, owner).get(_chunk_key(name, coords).encode())
+      located = self.index.get(item, owner).get(_chunk_index.chunk_key(name, coords).encode())
       if located is None:
-        if not self.manifest.get("all_chunks_stored"):
+        if not self.manifest.all_chunks_stored:
           continue  # written before every chunk was stored: an absent chunk is all zeros
-        raise self._corrupted(item, _tree.path_str(tuple(f0.rec["path"])), owner,
-                              f"chunk {_chunk_key(name, coords)} is missing from the database")
+        raise self._corrupted(item, f0.rec.path_text, owner,
+                              f"chunk {_chunk_index.chunk_key(name, coords)} is missing from the database")
       chunk_box = chunking.chunk_box(c)
       order = (located.file or "", located.offset, located.length)
       if (len(dests) == 1 and dests[0][1] == chunk_box and located.file is not None
-          and _contiguous(chunk_box, dests[0][0].box)):
+          and _read_buffers.contiguous(chunk_box, dests[0][0].box)):
         f, inner = dests[0]
         jobs.append((order, (self._read_into, (f, inner, located, owner))))
       else:
@@ -285,7 +177,7 @@ class Reader:
         key = f"{_planning.PACKED}/c/{k}".encode()
         located = self.index.get(item, owner).get(key)
         if located is None:
-          if not self.manifest.get("all_chunks_stored"):
+          if not self.manifest.all_chunks_stored:
             zeros = np.zeros(hi - lo, np.uint8)  # older checkpoints left all-zero chunks out
             for p in pfs:
               p.deliver(lo, zeros, self._lock)
@@ -307,9 +199,9 @@ class Reader:
       file_jobs.sort(key=lambda j: j[0])
       tasks += [file_jobs[i:i + per_task] for i in range(0, len(file_jobs), per_task)]
     tasks.sort(key=len, reverse=True)
-    fds = _Files()
+    fds = _read_buffers.Files()
     try:
-      self._run([(_run_in_order, ([(fn, args + (fds,)) for _, (fn, args) in t],
+      self._run([(_read_buffers.run_in_order, ([(fn, args + (fds,)) for _, (fn, args) in t],
                                   t[0][0][0], t[0][0][1], t[-1][0][1] + t[-1][0][2] - t[0][0][1], fds))
                  for t in tasks])
     finally:
@@ -332,7 +224,7 @@ class Reader:
 
   # ------------------------------------------------------------------ direct reads
 
-  def _pread(self, fds: _Files, item: str, what: str, owner: int, located: _Located,
+  def _pread(self, fds: _read_buffers.Files, item: str, what: str, owner: int, located: _chunk_index.Located,
              into: np.ndarray | None) -> tuple[np.ndarray, int]:
     """Reads a chunk value into ``into`` (its data part) or a temp; returns (data, stored crc)."""
     n = located.length - 4
@@ -359,30 +251,30 @@ class Reader:
     return dst, int.from_bytes(crc, "little")
 
   def _check(self, data: np.ndarray, stored: int, item: str, what: str, owner: int,
-             located: _Located) -> None:
+             located: _chunk_index.Located) -> None:
     if _crc.value(data) != stored:
       where = "inline in the index" if located.file is None else (
           f"{located.file}, bytes {located.offset}+{located.length}")
       raise self._corrupted(item, what, owner, f"the stored CRC-32C does not match the bytes"
                             f" read ({where})")
 
-  def _expect(self, item: str, what: str, owner: int, located: _Located, n: int) -> None:
+  def _expect(self, item: str, what: str, owner: int, located: _chunk_index.Located, n: int) -> None:
     if located.length != n + 4:
       raise self._corrupted(item, what, owner, f"a chunk holds {located.length - 4} bytes where"
                             f" {n} are expected")
 
-  def _read_into(self, f: Fill, inner: _layout.Box, located: _Located, owner: int,
-                 fds: _Files) -> None:
-    what = _tree.path_str(tuple(f.rec["path"]))
-    view = _flat_view(f.out, inner, f.box)
+  def _read_into(self, f: Fill, inner: _layout.Box, located: _chunk_index.Located, owner: int,
+                 fds: _read_buffers.Files) -> None:
+    what = f.rec.path_text
+    view = _read_buffers.flat_view(f.out, inner, f.box)
     self._expect(f.item, what, owner, located, view.nbytes)
     data, crc = self._pread(fds, f.item, what, owner, located, view)
     self._check(data, crc, f.item, what, owner, located)
 
   def _read_scatter(self, dests: list[tuple[Fill, _layout.Box]], chunk_box: _layout.Box,
-                    located: _Located, owner: int, fds: _Files) -> None:
+                    located: _chunk_index.Located, owner: int, fds: _read_buffers.Files) -> None:
     f0 = dests[0][0]
-    what = _tree.path_str(tuple(f0.rec["path"]))
+    what = f0.rec.path_text
     shape = _layout.box_shape(chunk_box)
     n = math.prod(shape) * f0.out.dtype.itemsize
     self._expect(f0.item, what, owner, located, n)
@@ -397,7 +289,7 @@ class Reader:
         self.temps.put(data.base if data.base is not None else data, n)
 
   def _read_packed(self, pfs: list[PackedFill], lo: int, hi: int, stored: int,
-                   located: _Located, owner: int, fds: _Files) -> None:
+                   located: _chunk_index.Located, owner: int, fds: _read_buffers.Files) -> None:
     """One chunk of a packed buffer (``stored`` bytes; ``[lo, hi)`` of the buffer are real)."""
     item = pfs[0].item
     what = _packed_names(pfs)
@@ -456,10 +348,10 @@ class Reader:
       raise _read_error(self.loc, item, what, self.db(item, owner), e) from e
 
   def _read_packed_ts(self, pfs: list[PackedFill], lo: int, hi: int, owner: int,
-                      fds: _Files) -> None:
+                      fds: _read_buffers.Files) -> None:
     del fds
     item = pfs[0].item
-    size = self.manifest["items"][item]["packed"][str(owner)]
+    size = self.manifest.items[item].packed[owner]
     st = self._resolve(self._open(item, owner, _planning.PACKED, (size,), "uint8",
                                   (_planning.pack_chunk_bytes(size),), _tsio.context()),
                        item, _packed_names(pfs), owner)
@@ -472,12 +364,12 @@ class Reader:
     ctx = _tsio.context()
     stores = {}
     for f in fills:
-      for owner in set(f.rec["owners"]):
-        k = (f.item, owner, f.rec["name"])
+      for owner in set(f.rec.owners):
+        k = (f.item, owner, f.rec.name)
         if k not in stores:
           r = f.rec
-          stores[k] = self._open(f.item, owner, r["name"], r["shape"], r["stored_dtype"],
-                                 r["chunk_shape"], ctx)
+          stores[k] = self._open(f.item, owner, r.name, r.shape, r.stored_dtype, r.chunk_shape,
+                                 ctx)
     window, used = [], 0
     for f in list(fills) + [None]:
       if f is not None and (not window or used + f.out.nbytes <= self.temps.limit):
@@ -487,15 +379,15 @@ class Reader:
       futures = []
       for g in window:
         rec = g.rec
-        chunking = _layout.Chunking(tuple(rec["shape"]), tuple(rec["chunk_shape"]))
+        chunking = _layout.Chunking(rec.shape, rec.chunk_shape)
         dst = ts.array(g.out, copy=False, write=True).translate_to[tuple(lo for lo, _ in g.box)]
         chunks = chunking.chunks_in_box(g.box)
-        owners = {rec["owners"][c] for c in chunks}
+        owners = {rec.owners[c] for c in chunks}
         pieces = ([(g.box, owners.pop())] if len(owners) == 1 else
-                  [(_layout.intersect(chunking.chunk_box(c), g.box), rec["owners"][c]) for c in chunks])
-        what = _tree.path_str(tuple(rec["path"]))
+                  [(_layout.intersect(chunking.chunk_box(c), g.box), rec.owners[c]) for c in chunks])
+        what = rec.path_text
         for piece, owner in pieces:
-          st = self._resolve(stores[g.item, owner, rec["name"]], g.item, what, owner)
+          st = self._resolve(stores[g.item, owner, rec.name], g.item, what, owner)
           sl = _layout.box_to_slices(piece)
           futures.append((dst[sl].write(st[sl]), g.item, what, owner))
       for fut, item, what, owner in futures:
@@ -517,42 +409,6 @@ class Reader:
         f" {self.loc.join(self.db(item, owner))}: {problem}. Restore from another checkpoint.")
 
 
-def _run_in_order(calls: list[tuple[Any, tuple]], file: str, start: int, length: int,
-                  fds: _Files) -> None:
-  """Runs the reads of one contiguous span of one data file, in file order.
-
-  The kernel is told first that the whole span will be read (so that cold
-  reads stream at the disk's speed rather than chunk by chunk).
-  """
-  if file and length > 0 and hasattr(os, "posix_fadvise"):
-    try:
-      os.posix_fadvise(fds.get(file), start, length, os.POSIX_FADV_WILLNEED)
-    except OSError:
-      pass  # a missing file is reported by the read itself
-  for fn, args in calls:
-    fn(*args)
-
-
-class _Files:
-  """Open read-only file descriptors, shared by the reading threads."""
-
-  def __init__(self):
-    self._fds: dict[str, int] = {}
-    self._lock = threading.Lock()
-
-  def get(self, path: str) -> int:
-    with self._lock:
-      if path not in self._fds:
-        self._fds[path] = os.open(path, os.O_RDONLY)
-      return self._fds[path]
-
-  def close(self) -> None:
-    with self._lock:
-      for fd in self._fds.values():
-        os.close(fd)
-      self._fds = {}
-
-
 def _packed_names(pfs: Sequence[PackedFill]) -> str:
   return packed_names([p.name for p in pfs])
 
@@ -569,19 +425,19 @@ def packed_names(names: Sequence[str], shown: int = 16) -> str:
   return f"one of {', '.join(names[:shown])}{more} (packed together)"
 
 
-def _packed_groups(packed: Sequence[PackedFill], manifest: dict[str, Any]):
+def _packed_groups(packed: Sequence[PackedFill], manifest: Manifest):
   """Per packed chunk needed: (item, owner, chunk index, lo, hi, stored bytes, its fills).
 
   A packed buffer's last chunk is stored full length (zarr pads edge chunks).
   """
   groups: dict[tuple[str, int, int], list[PackedFill]] = {}
   for p in packed:
-    size = manifest["items"][p.item]["packed"][str(p.owner)]
+    size = manifest.items[p.item].packed[p.owner]
     chunk = _planning.pack_chunk_bytes(size)
     for k in range(p.lo // chunk, (p.hi - 1) // chunk + 1):
       groups.setdefault((p.item, p.owner, k), []).append(p)
   for (item, owner, k), pfs in groups.items():
-    size = manifest["items"][item]["packed"][str(owner)]
+    size = manifest.items[item].packed[owner]
     chunk = _planning.pack_chunk_bytes(size)
     yield item, owner, k, k * chunk, min(size, (k + 1) * chunk), chunk, pfs
 

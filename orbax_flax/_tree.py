@@ -312,8 +312,3 @@ def structure_from_paths(paths: list[Path], sequences: frozenset[Path] = frozens
 
   structure, leaves = encode_structure(build(root, ()))
   return structure, [slot.i for _, slot in leaves]
-
-
-def array_shape(rec: dict) -> tuple[int, ...]:
-  """The user-visible shape of a saved array record (the key shape for PRNG keys)."""
-  return tuple(rec["key_shape"] if "key_shape" in rec else rec["shape"])

@@ -181,11 +181,11 @@ class CheckpointCallback(callbacks.Callback):
     if self._data is not None:
       self._restore_data(step)
     self.restored_step = step
-    saved_mesh = summary["custom"].get("mesh")
+    saved_mesh = summary.custom.get("mesh")
     _progress.say("restored step %d (%s) from %s: saved on %s by %d process(es), restored onto %s"
-                  " with %d process(es)", step, summary["custom"].get("reason"),
+                  " with %d process(es)", step, summary.custom.get("reason"),
                   self.manager.step_path(step), _saved_mesh_text(saved_mesh),
-                  summary["process_count"], _mesh_text(items), jax.process_count())
+                  summary.process_count, _mesh_text(items), jax.process_count())
     return state
 
   def _restore_local(self, state: Any, persistent_latest: int | None) -> Any:

@@ -59,12 +59,12 @@ def cmd_list(directory: str, out) -> int:
       state = "CORRUPTED" if isinstance(e, errors.CheckpointCorruptedError) else "NO MANIFEST"
       rows.append([str(step), "?", state, "?", "?", str(e)[:80]])
       continue
-    custom = s.get("custom", {})
+    custom = s.custom
     metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in sorted(custom.get("metrics", {}).items()))
-    rows.append([str(step), _when(s["created"]), custom.get("reason", "-"),
-                 metadata_lib.human_bytes(sum(s.get("item_bytes", {}).values())),
-                 f"{s['process_count']}p/{s['device_count']}d", metrics])
+    rows.append([str(step), _when(s.created), custom.get("reason", "-"),
+                 metadata_lib.human_bytes(sum(s.item_bytes.values())),
+                 f"{s.process_count}p/{s.device_count}d", metrics])
   if rows:
     print(_table(["STEP", "SAVED", "REASON", "SIZE", "PROCS/DEVS", "METRICS"], rows), file=out)
     print(f"\n{len(steps)} committed step(s) in {loc}; latest {steps[-1]}", file=out)

@@ -14,6 +14,7 @@ from orbax_flax import _tree
 from orbax_flax import checkpointer
 from orbax_flax import restoring
 from orbax_flax._location import Location
+from orbax_flax._records import Array, Manifest
 
 
 def human_bytes(n: float) -> str:
@@ -115,35 +116,35 @@ class CheckpointMetadata:
     return "\n".join(lines)
 
 
-def _array_metadata(rec: dict[str, Any]) -> ArrayMetadata:
-  key = rec.get("key_impl")
+def _array_metadata(rec: Array) -> ArrayMetadata:
+  key = rec.key_impl
   return ArrayMetadata(
-      path=_tree.path_str(tuple(rec["path"])),
-      shape=_tree.array_shape(rec),
-      dtype=f"key<{key}>" if key else rec["dtype"],
-      sharding=rec.get("sharding", {}).get("text", ""),
-      nbytes=int(rec["nbytes"]),
-      kind=rec["kind"],
+      path=rec.path_text,
+      shape=rec.user_shape,
+      dtype=f"key<{key}>" if key else rec.dtype,
+      sharding=rec.sharding,
+      nbytes=int(rec.nbytes),
+      kind=rec.kind,
   )
 
 
-def from_manifest(path: str, manifest: dict[str, Any]) -> CheckpointMetadata:
+def from_manifest(path: str, manifest: Manifest) -> CheckpointMetadata:
   items = {}
-  for name, item in manifest["items"].items():
+  for name, item in manifest.items.items():
     leaves = []
     arrays = []
-    for rec in item["leaves"]:
-      if rec["kind"] == "value":
-        leaves.append(_tree.decode_value(rec["value"]))
+    for rec in item.leaves:
+      if not isinstance(rec, Array):
+        leaves.append(rec.decoded())
       else:
         leaves.append(_array_metadata(rec))
         arrays.append(leaves[-1])
-    items[name] = ItemMetadata(name, _tree.decode_structure(item["structure"], leaves), tuple(arrays))
+    items[name] = ItemMetadata(name, _tree.decode_structure(item.structure, leaves), tuple(arrays))
   return CheckpointMetadata(
-      path=path, items=items, created=manifest["created"],
-      process_count=manifest["process_count"], device_count=manifest["device_count"],
-      library_version=manifest["library_version"], custom=manifest.get("custom", {}),
-      format=manifest.get("format", "orbax_flax"), casts=dict(manifest.get("casts", {})))
+      path=path, items=items, created=manifest.created,
+      process_count=manifest.process_count, device_count=manifest.device_count,
+      library_version=manifest.library_version, custom=manifest.custom,
+      format=manifest.format, casts=dict(manifest.casts))
 
 
 def metadata(path: Any) -> CheckpointMetadata:

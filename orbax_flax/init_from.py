@@ -26,6 +26,7 @@ from orbax_flax import errors
 from orbax_flax import restoring
 from orbax_flax import step_dir
 from orbax_flax._location import Location
+from orbax_flax._records import Manifest
 
 
 def load(text: str, name: str, target: Any) -> tuple[Any, Location]:
@@ -47,7 +48,7 @@ def load(text: str, name: str, target: Any) -> tuple[Any, Location]:
   _, manifest = restoring.open_manifest(source)
   if selector:
     return _take(text, source, manifest, selector, target), source
-  if manifest.get("format", "orbax_flax") == "orbax-checkpoint":
+  if manifest.format == "orbax-checkpoint":
     return _from_orbax_checkpoint(text, source, manifest, name, target), source
   return _take(text, source, manifest, name, target), source
 
@@ -102,32 +103,31 @@ def _checkpoint_in(source: str, text: str) -> Location:
       " directory or step (add :<item>/<sub/tree> to name what to take from it).")
 
 
-def _holdings(manifest: dict[str, Any], item: str | None = None,
+def _holdings(manifest: Manifest, item: str | None = None,
               under: tuple[str, ...] = ()) -> str:
   """What a checkpoint holds, for an error: its items and their top-level keys, and
   example key paths of ``item``/``under``."""
   def keys(leaves, prefix):
-    found = sorted({_tree.path_str((r["path"][len(prefix)],)) for r in leaves
-                    if len(r["path"]) > len(prefix) and tuple(r["path"][:len(prefix)]) == prefix})
+    found = sorted({_tree.path_str((r.path[len(prefix)],)) for r in leaves
+                    if len(r.path) > len(prefix) and r.path[:len(prefix)] == prefix})
     return ", ".join(found[:8]) + (f", ... ({len(found)} keys)" if len(found) > 8 else "")
   parts = []
-  for name, saved in sorted(manifest["items"].items()):
-    top = keys(saved["leaves"], ())
+  for name, saved in sorted(manifest.items.items()):
+    top = keys(saved.leaves, ())
     parts.append(f"{name} ({top})" if top else f"{name} (a value)")
   text = "items " + "; ".join(parts)
-  if item in manifest["items"]:
-    paths = [r["path"] for r in manifest["items"][item]["leaves"]
-             if tuple(r["path"][:len(under)]) == under]
+  if item in manifest.items:
+    paths = [r.path for r in manifest.items[item].leaves if r.path[:len(under)] == under]
     if paths:
-      shown = ", ".join(_tree.path_str(tuple(p)) for p in paths[:6])
+      shown = ", ".join(_tree.path_str(p) for p in paths[:6])
       text += f"; key paths in {item} include {shown}"
   return text
 
 
-def _init_from_mismatch(text: str, source: Location, manifest: dict[str, Any], problem: str,
+def _init_from_mismatch(text: str, source: Location, manifest: Manifest, problem: str,
                         item: str | None = None, under: tuple[str, ...] = (),
                         diffs: list[str] | None = None) -> errors.TreeMismatchError:
-  example = next(iter(sorted(manifest["items"])), "<item>")
+  example = next(iter(sorted(manifest.items)), "<item>")
   return errors.TreeMismatchError(
       f"init_from={text!r}: {problem}.\n{source} holds {_holdings(manifest, item, under)}.\n"
       f"Name the item and subtree that hold the model with"
@@ -135,18 +135,18 @@ def _init_from_mismatch(text: str, source: Location, manifest: dict[str, Any], p
       f" {split(text)[0] + ':' + example!r}.", diffs or [])
 
 
-def _take(text: str, source: Location, manifest: dict[str, Any], selector: str, target: Any) -> Any:
+def _take(text: str, source: Location, manifest: Manifest, selector: str, target: Any) -> Any:
   """``init_from`` with a selector: the named item's subtree, restored into ``target``."""
   item, _, sub = selector.partition("/")
   under = tuple(k for k in sub.split("/") if k)
-  names = sorted(manifest["items"])
-  if item not in manifest["items"]:
-    if manifest.get("any_item") and len(names) == 1:
+  names = sorted(manifest.items)
+  if item not in manifest.items:
+    if manifest.any_item and len(names) == 1:
       item = names[0]  # one unnamed item (an orbax item directory, safetensors): any name reads it
     else:
       raise _init_from_mismatch(text, source, manifest, f"no item {item!r} in {source}")
-  leaves = manifest["items"][item]["leaves"]
-  if under and not any(tuple(r["path"][:len(under)]) == under for r in leaves):
+  leaves = manifest.items[item].leaves
+  if under and not any(r.path[:len(under)] == under for r in leaves):
     raise _init_from_mismatch(text, source, manifest,
                               f"item {item!r} has no subtree {_tree.path_str(under)!r}", item)
   wanted = target
@@ -164,19 +164,19 @@ def _take(text: str, source: Location, manifest: dict[str, Any], selector: str, 
   return out
 
 
-def _from_orbax_checkpoint(text: str, source: Location, manifest: dict[str, Any], name: str,
+def _from_orbax_checkpoint(text: str, source: Location, manifest: Manifest, name: str,
                            target: Any) -> Any:
   """``init_from`` an orbax-checkpoint step: the params (or whole state) from its state item.
 
   The item is the only one, else ``default`` or ``state``; the params are its
   ``params`` subtree when it has one (a saved TrainState), else the item itself.
   """
-  names = sorted(manifest["items"])
+  names = sorted(manifest.items)
   item = names[0] if len(names) == 1 else next((n for n in ("default", "state") if n in names), None)
   if item is None:
     raise _init_from_mismatch(text, source, manifest, f"an orbax-checkpoint step with items"
                               f" {names}; none is 'default' or 'state', so the one holding the"
                               " model is not known")
-  paths = [r["path"] for r in manifest["items"][item]["leaves"]]
+  paths = [r.path for r in manifest.items[item].leaves]
   nested = name == "params" and any(p and p[0] == "params" for p in paths)
   return _take(text, source, manifest, f"{item}/params" if nested else item, target)

@@ -19,8 +19,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
 
 from orbax_flax import errors
 from orbax_flax import leases
@@ -317,11 +316,11 @@ class StepRegistry:
     self._deleter.shutdown(wait=True)
 
 
-def info_from_summary(step: int, summary: Mapping[str, Any]) -> policy_lib.StepInfo:
+def info_from_summary(step: int, summary: restoring.Summary) -> policy_lib.StepInfo:
   """A step's :class:`~orbax_flax.policy.StepInfo` from its manifest summary."""
-  custom = summary.get("custom", {})
+  custom = summary.custom
   # "time" is the manager's clock (injectable); "created" the engine's wall time.
-  return policy_lib.StepInfo(step=step, time=float(custom.get("time", summary.get("created", 0.0))),
+  return policy_lib.StepInfo(step=step, time=float(custom.get("time", summary.created)),
                              metrics=dict(custom.get("metrics", {})),
                              reason=str(custom.get("reason", "unknown")))
 

@@ -40,6 +40,7 @@ from orbax_flax import errors
 from orbax_flax import targets
 from orbax_flax._location import Location
 from orbax_flax._planning import TMP_MARKER
+from orbax_flax._records import Array, Manifest, Record, Summary
 
 
 def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
@@ -96,7 +97,7 @@ def _steps_text(steps: list[int]) -> str:
   return f"step(s) [{shown}]"
 
 
-def read_manifest(loc: Location) -> dict[str, Any]:
+def read_manifest(loc: Location) -> Manifest:
   """The committed manifest at ``loc``; CheckpointNotFoundError if none."""
   data = None if TMP_MARKER in loc.name else _location.read_key(loc, _manifest.MANIFEST_KEY)
   if data is None:
@@ -104,7 +105,7 @@ def read_manifest(loc: Location) -> dict[str, Any]:
   return _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
 
 
-def open_manifest(path: Any) -> tuple[Location, dict[str, Any]]:
+def open_manifest(path: Any) -> tuple[Location, Manifest]:
   """The manifest of the checkpoint at ``path``, in any format ``restore`` reads.
 
   Ours is read and verified; an orbax-checkpoint or safetensors checkpoint is
@@ -123,15 +124,15 @@ def open_manifest(path: Any) -> tuple[Location, dict[str, Any]]:
   raise _not_found(loc)
 
 
-def reader_for(loc: Location, manifest: dict[str, Any], max_host_bytes: int = 0,
+def reader_for(loc: Location, manifest: Manifest, max_host_bytes: int = 0,
                progress: Any = None) -> _reading.Reader | None:
   """The engine's reader for our own format; None for a foreign one (its leaves read themselves)."""
-  if manifest.get("format", _manifest.FORMAT) != _manifest.FORMAT:
+  if manifest.format != _manifest.FORMAT:
     return None
   return _reading.Reader(loc, manifest, max_host_bytes, progress)
 
 
-def read_summary(loc: Location) -> dict[str, Any]:
+def read_summary(loc: Location) -> Summary:
   """The manifest's summary (time, sizes, custom metadata), reading a few KB."""
   where = f"{loc}/{_manifest.MANIFEST_KEY}"
   if TMP_MARKER in loc.name:
@@ -145,7 +146,7 @@ def read_summary(loc: Location) -> dict[str, Any]:
     data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=extent)
     summary = None if data is None else _manifest.decode_summary(data, where)
   if summary is None:  # a long summary of a manifest that does not say its length: read it all
-    summary = {k: v for k, v in read_manifest(loc).items() if k != "items"}
+    summary = read_manifest(loc).summary()
   return summary
 
 
@@ -153,7 +154,7 @@ def read_summary(loc: Location) -> dict[str, Any]:
 class _Want:
   """One array leaf to read: where it comes from and what to build."""
   item: str
-  rec: dict[str, Any]
+  rec: Array
   dtype: np.dtype             # target dtype of the data (key data for PRNG keys)
   sharding: Any               # jax Sharding of the data, or None for host numpy
   shape: tuple[int, ...]      # shape of the data (key data for PRNG keys)
@@ -244,8 +245,8 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
                        casts=casts, from_target=from_target, source=str(loc))
   wants, whole = match.wants, match.whole
   if progress is not None:
-    progress.total = sum(w.rec["nbytes"] for w, _, _ in wants) + sum(
-        r.get("nbytes", 0) for i in whole for r in manifest["items"][i]["leaves"])
+    progress.total = sum(w.rec.nbytes for w, _, _ in wants) + sum(
+        r.nbytes for i in whole for r in manifest.items[i].leaves)
     progress.phase = "reading"
   arrays = read_arrays(loc, manifest, [w for w, _, _ in wants], max_host_bytes, progress)
   out = _restore_all(loc, manifest, whole, max_host_bytes, progress) if whole else {}
@@ -277,7 +278,7 @@ class Match:
             for item, (treedef, leaves) in self.results.items()}
 
 
-def match_target(manifest: Mapping[str, Any], target: Mapping[str, Any], *, partial: bool = False,
+def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool = False,
                  allow_lossy_casts: bool = False, casts: list | None = None,
                  from_target: Any = (), source: str = "the checkpoint") -> Match:
   """Checks ``target`` against the saved items of ``manifest``; reads no array data.
@@ -297,15 +298,15 @@ def match_target(manifest: Mapping[str, Any], target: Mapping[str, Any], *, part
   as_python: set[tuple[str, int]] = set()  # Python scalar targets read from 0-d arrays
   whole: list[str] = []
   for item, subtree in target.items():
-    saved_item = manifest["items"].get(item)
+    saved_item = manifest.items.get(item)
     if saved_item is None:
       diffs.append(f"item {item!r}: in target, not in checkpoint (it has"
-                   f" {sorted(manifest['items'])})")
+                   f" {sorted(manifest.items)})")
       continue
     if subtree is None:
       whole.append(item)
       continue
-    saved = {tuple(r["path"]): r for r in saved_item["leaves"]}
+    saved = saved_item.by_path()
     flat, treedef = jax.tree_util.tree_flatten_with_path(subtree)
     out: list[Any] = [None] * len(flat)
     results[item] = (treedef, out)
@@ -390,7 +391,7 @@ def read_once_spec(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...],
   return jax.sharding.PartitionSpec(*spec)
 
 
-def _read_once_target(target: dict[str, Any], manifest: dict[str, Any] | None) -> dict[str, Any]:
+def _read_once_target(target: dict[str, Any], manifest: Manifest | None) -> dict[str, Any]:
   """The target to read with for ``read_once``: leaves split further where that saves bytes.
 
   ``manifest`` (None: unknown, e.g. under transforms) gives each array's stored
@@ -402,14 +403,14 @@ def _read_once_target(target: dict[str, Any], manifest: dict[str, Any] | None) -
     if manifest is None:
       out[item] = jax.tree.map(lambda x: _read_once_leaf(x, None), tree)
       continue
-    saved_item = manifest["items"].get(item) or {}
-    saved = {tuple(r["path"]): r for r in saved_item.get("leaves", [])}
+    saved_item = manifest.items.get(item)
+    saved = saved_item.by_path() if saved_item is not None else {}
 
     def leaf_for(kp, x, saved=saved):
       rec = saved.get(tuple(_tree.key_part(k) for k in kp))
-      if rec is None or "packed_offset" in rec or not rec.get("chunk_shape"):
+      if not isinstance(rec, Array) or rec.is_packed or not rec.chunk_shape:
         return x
-      return _read_once_leaf(x, tuple(rec["chunk_shape"]))
+      return _read_once_leaf(x, rec.chunk_shape)
     out[item] = jax.tree_util.tree_map_with_path(leaf_for, tree)
   return out
 
@@ -468,11 +469,11 @@ def _key_data_sharding(sharding: Any, where: str) -> Any:
                    " supported; use a NamedSharding or SingleDeviceSharding.")
 
 
-def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str],
+def _want(item: str, rec: Record, leaf: Any, where: str, diffs: list[str],
           bad_shardings: list[str], allow_lossy: bool = False,
           casts: list | None = None) -> _Want | _Value | None:
   """Checks one target leaf against its record; returns what to read."""
-  saved_kind = rec["kind"]
+  saved_kind = rec.kind
   if isinstance(leaf, jax.ShapeDtypeStruct) or isinstance(leaf, jax.Array):
     sharding = leaf.sharding
     if sharding is None:
@@ -484,15 +485,15 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
     sharding, shape, dtype = None, leaf.shape, leaf.dtype
   elif _tree.leaf_kind(leaf) == "value":
     if saved_kind == "value":
-      return _Value(_tree.decode_value(rec["value"]))
-    sharding, shape, dtype = None, _tree.array_shape(rec), None
+      return _Value(rec.decoded())
+    sharding, shape, dtype = None, rec.user_shape, None
   else:
     raise TypeError(f"target leaf {where} is a {type(leaf).__name__}; use a"
                     " jax.ShapeDtypeStruct with a sharding, a jax.Array, a numpy array or a"
                     " scalar.")
 
   if saved_kind == "value":
-    value = _tree.decode_value(rec["value"])
+    value = rec.decoded()
     if shape == () and isinstance(value, (bool, int, float, complex, np.generic)) and not _is_key_dtype(dtype):
       if dtype is not None:
         source = np.asarray(value).dtype
@@ -508,7 +509,7 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
                  f" of shape {shape}")
     return None
 
-  saved_key = rec.get("key_impl")
+  saved_key = rec.key_impl
   if dtype is not None and _is_key_dtype(dtype) != (saved_key is not None):
     diffs.append(f"{where}: " + ("checkpoint holds PRNG keys, target is not a key array" if saved_key
                                  else "target is a PRNG key array, checkpoint holds plain data"))
@@ -520,14 +521,13 @@ def _want(item: str, rec: dict[str, Any], leaf: Any, where: str, diffs: list[str
                  f" Restore into {saved_key} keys (e.g. a target built with"
                  f" jax.random.key(0, impl={saved_key!r})), or make new keys.")
     return None
-  saved_shape = _tree.array_shape(rec)
+  saved_shape = rec.user_shape
   if tuple(shape) != saved_shape:
     diffs.append(f"{where}: shape {saved_shape} in checkpoint, {tuple(shape)} in target")
     return None
-  data_shape = tuple(rec["shape"])
-  data_dtype = np.dtype(rec["dtype"]) if (dtype is None or saved_key) else np.dtype(dtype)
-  if not saved_key and not _cast_ok(_tree.dtype_from_name(rec["dtype"]), data_dtype, where,
-                                    allow_lossy, diffs, casts):
+  data_shape = rec.shape
+  data_dtype = np.dtype(rec.dtype) if (dtype is None or saved_key) else np.dtype(dtype)
+  if not saved_key and not _cast_ok(rec.np_dtype, data_dtype, where, allow_lossy, diffs, casts):
     return None
   if sharding is not None:
     try:
@@ -591,28 +591,28 @@ def _boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[_lay
   return boxes
 
 
-def _restore_all(loc: Location, manifest: dict[str, Any], items: list[str] | None = None,
+def _restore_all(loc: Location, manifest: Manifest, items: list[str] | None = None,
                  max_host_bytes: int = 0, progress: Any = None) -> dict[str, Any]:
   """Items (default: all) as host numpy arrays, in the saved structure."""
   wants, slots = [], []
   values: dict[str, list[Any]] = {}
-  chosen = {k: v for k, v in manifest["items"].items() if items is None or k in items}
+  chosen = {k: v for k, v in manifest.items.items() if items is None or k in items}
   for item, saved_item in chosen.items():
-    leaves = saved_item["leaves"]
+    leaves = saved_item.leaves
     values[item] = [None] * len(leaves)
     for i, rec in enumerate(leaves):
-      if rec["kind"] == "value":
-        values[item][i] = _tree.decode_value(rec["value"])
+      if not isinstance(rec, Array):
+        values[item][i] = rec.decoded()
         continue
-      shape = tuple(rec["shape"])
-      wants.append(_Want(item, rec, np.dtype(_tree.dtype_from_name(rec["dtype"])), None, shape,
-                         rec.get("key_impl"), {tuple((0, s) for s in shape): []}))
+      shape = rec.shape
+      wants.append(_Want(item, rec, rec.np_dtype, None, shape, rec.key_impl,
+                         {tuple((0, s) for s in shape): []}))
       slots.append((item, i))
   if progress is not None and not progress.total:
-    progress.total, progress.phase = sum(w.rec["nbytes"] for w in wants), "reading"
+    progress.total, progress.phase = sum(w.rec.nbytes for w in wants), "reading"
   for (item, i), value in zip(slots, read_arrays(loc, manifest, wants, max_host_bytes, progress)):
     values[item][i] = value
-  return {item: _tree.decode_structure(saved_item["structure"], values[item])
+  return {item: _tree.decode_structure(saved_item.structure, values[item])
           for item, saved_item in chosen.items()}
 
 
@@ -634,7 +634,7 @@ def _box_buffers(want: _Want, dtype: np.dtype) -> list[np.ndarray]:
   return _staging.fresh_arrays([(_layout.box_shape(b), dtype) for b in want.boxes])
 
 
-def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
+def read_arrays(loc: Location, manifest: Manifest, wants: list[_Want],
                 max_host_bytes: int = 0, progress: Any = None) -> list[Any]:
   """Reads the wanted arrays into fresh buffers, then builds host or device arrays.
 
@@ -651,24 +651,24 @@ def read_arrays(loc: Location, manifest: dict[str, Any], wants: list[_Want],
     for i in window:
       w = wants[i]
       rec = w.rec
-      saved = _tree.dtype_from_name(rec["dtype"])
+      saved = rec.np_dtype
       if _read.needs_generic(rec):
         # A foreign format's array, or one a transform made: read box by box.
         bufs = _box_buffers(w, saved)
         requests += [(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
         datas[id(w)] = bufs
-      elif "packed_offset" in rec:
+      elif rec.is_packed:
         # A small array: each box it is needed in gets a buffer of its own.
         bufs = _box_buffers(w, saved)
-        lo = rec["packed_offset"]
+        lo = rec.packed_offset
         dests = [(_layout.box_to_slices(b), buf) for b, buf in zip(w.boxes, bufs)]
-        packed.append(_reading.PackedFill(w.item, rec["owners"][0], lo, lo + rec["nbytes"],
-                                          saved, w.shape, dests, _tree.path_str(tuple(rec["path"]))))
+        packed.append(_reading.PackedFill(w.item, rec.owners[0], lo, lo + rec.nbytes,
+                                          saved, w.shape, dests, rec.path_text))
         datas[id(w)] = bufs
-      elif not rec["owners"]:
+      elif not rec.owners:
         datas[id(w)] = [np.zeros(_layout.box_shape(b), saved) for b in w.boxes]
       else:
-        bufs = _box_buffers(w, _tree.dtype_from_name(rec["stored_dtype"]))
+        bufs = _box_buffers(w, rec.np_stored_dtype)
         fills += [_reading.Fill(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
         datas[id(w)] = [buf if buf.dtype == saved else buf.view(saved) for buf in bufs]
     if fills or packed:

@@ -91,7 +91,7 @@ class Rollback:
       if latest is not None:
         try:
           summary = restoring.read_summary(self._dir.join(str(latest)))
-          timeline = str(summary.get("custom", {}).get("timeline", ""))
+          timeline = str(summary.custom.get("timeline", ""))
         except (errors.CheckpointNotFoundError, errors.CheckpointCorruptedError) as e:
           log.warning("the timeline of step %d cannot be read (%s); taking it as unknown",
                       latest, e)

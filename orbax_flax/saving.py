@@ -612,7 +612,7 @@ class SaveRun:
       if old is not None:
         try:
           previous = _manifest.decode(old, str(final))
-          dbs = _databases(previous["items"], previous["process_count"], previous["generation"])
+          dbs = _databases(previous.items, previous.process_count, previous.generation)
         except (errors.CheckpointCorruptedError, KeyError, ValueError):
           dbs = None  # a damaged old manifest: remove every other generation
         try:

@@ -15,11 +15,11 @@ from orbax_flax import _layout
 from orbax_flax import _planning
 from orbax_flax import _progress
 from orbax_flax import _reading
-from orbax_flax import _tree
 from orbax_flax import checkpointer
 from orbax_flax import errors
 from orbax_flax import restoring
 from orbax_flax._location import Location
+from orbax_flax._records import Array, Manifest
 
 _BATCH_BYTES = 256 << 20
 
@@ -60,17 +60,17 @@ def verify_report(path: Any) -> tuple[int, str]:
   loc = Location.parse(path)
   checkpointer.wait_for_inflight(loc)
   loc, manifest = restoring.open_manifest(loc)  # checks the manifest's own hashes
-  if manifest.get("format", "orbax_flax") != "orbax_flax":
-    return _verify_foreign(loc, manifest), manifest["format"]
+  if manifest.format != "orbax_flax":
+    return _verify_foreign(loc, manifest), manifest.format
   progress = _progress.Progress(f"verify {loc}", sum(
-      r.get("nbytes", 0) for item in manifest["items"].values() for r in item["leaves"]))
+      r.nbytes for item in manifest.items.values() for r in item.leaves))
   progress.phase = "reading every chunk"
   reader = _reading.Reader(loc, manifest, _BATCH_BYTES, progress)
   with _progress.Monitor(progress):
     return _verify(loc, manifest, reader), "orbax_flax"
 
 
-def _verify(loc: Location, manifest: dict[str, Any], reader: _reading.Reader) -> int:
+def _verify(loc: Location, manifest: Manifest, reader: _reading.Reader) -> int:
   problems: list[str] = []
   verified = 0
   for batch, nbytes in _batches(manifest):
@@ -104,16 +104,16 @@ COVERAGE = {
 }
 
 
-def _verify_foreign(loc: Location, manifest: dict[str, Any]) -> int:
+def _verify_foreign(loc: Location, manifest: Manifest) -> int:
   """Reads every array of a foreign checkpoint in slices of bounded size; lists every failure."""
   from orbax_flax.formats import _read  # pylint: disable=g-import-not-at-top
   problems, verified = [], 0
-  for item, saved in manifest["items"].items():
-    for rec in saved["leaves"]:
-      if rec["kind"] == "value":
+  for item, saved in manifest.items.items():
+    for rec in saved.leaves:
+      if not isinstance(rec, Array):
         continue
-      shape = tuple(rec["shape"])
-      dtype = _tree.dtype_from_name(rec["dtype"])
+      shape = rec.shape
+      dtype = rec.np_dtype
       row = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize if shape else dtype.itemsize
       step = max(1, _BATCH_BYTES // max(row, 1))
       try:
@@ -123,27 +123,27 @@ def _verify_foreign(loc: Location, manifest: dict[str, Any]) -> int:
           _read.read_requests(None, [(item, rec, box, out)])
           verified += out.nbytes
       except Exception as e:  # pylint: disable=broad-except  # reported, every one
-        problems.append(f"{item}/{_tree.path_str(tuple(rec['path']))}: {type(e).__name__}: {e}")
+        problems.append(f"{item}/{rec.path_text}: {type(e).__name__}: {e}")
   if problems:
     raise errors.CheckpointCorruptedError(
         f"{len(problems)} unreadable array(s) in {loc}:\n  " + "\n  ".join(problems))
   return verified
 
 
-def _batches(manifest: dict[str, Any]):
+def _batches(manifest: Manifest):
   """Fills for every stored chunk, in batches of about ``_BATCH_BYTES`` (buffers included)."""
   batch: list[Any] = []
   used = 0
-  for item, saved in manifest["items"].items():
-    packed: dict[int, list[dict[str, Any]]] = {}
-    for rec in saved["leaves"]:
-      if rec["kind"] == "value" or not rec["owners"]:
+  for item, saved in manifest.items.items():
+    packed: dict[int, list[Array]] = {}
+    for rec in saved.leaves:
+      if not isinstance(rec, Array) or not rec.owners:
         continue
-      if "packed_offset" in rec:
-        packed.setdefault(rec["owners"][0], []).append(rec)
+      if rec.is_packed:
+        packed.setdefault(rec.owners[0], []).append(rec)
         continue
-      chunking = _layout.Chunking(tuple(rec["shape"]), tuple(rec["chunk_shape"]))
-      stored = _tree.dtype_from_name(rec["stored_dtype"])
+      chunking = _layout.Chunking(rec.shape, rec.chunk_shape)
+      stored = rec.np_stored_dtype
       for c in range(chunking.num_chunks):
         box = chunking.chunk_box(c)
         out = np.empty(_layout.box_shape(box), stored)
@@ -153,12 +153,12 @@ def _batches(manifest: dict[str, Any]):
           yield batch, used
           batch, used = [], 0
     for owner, recs in packed.items():
-      size = saved["packed"][str(owner)]
+      size = saved.packed[owner]
       chunk = _planning.pack_chunk_bytes(size)
       for lo in range(0, size, chunk):
         hi = min(size, lo + chunk)
-        names = [_tree.path_str(tuple(r["path"])) for r in recs
-                 if r["packed_offset"] < hi and r["packed_offset"] + r["nbytes"] > lo]
+        names = [r.path_text for r in recs
+                 if r.packed_offset < hi and r.packed_offset + r.nbytes > lo]
         name = _reading.packed_names(names)
         batch.append(_reading.PackedFill(item, owner, lo, hi, np.dtype(np.uint8), (hi - lo,), [], name))
         used += hi - lo

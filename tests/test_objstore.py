@@ -90,7 +90,7 @@ def test_overwrite_replaces_generation_and_cleans_up(store, bucket):
   ofx.save(url, {"state": _state(2)}, overwrite=True)
   assert ofx.restore(url)["state"]["step"] == 2
   new_keys = store.keys(bucket)
-  gen = ofx.restoring.read_manifest(ofx._location.Location.parse(url))["generation"]
+  gen = ofx.restoring.read_manifest(ofx._location.Location.parse(url)).generation
   assert all(k == "ow/_CHECKPOINT" or gen in k for k in new_keys), new_keys
 
 

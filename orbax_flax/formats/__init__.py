@@ -2,23 +2,24 @@
 
 ``restore``, ``metadata``, ``verify``, ``show`` and ``convert`` take any of:
 
-* an orbax_flax checkpoint (``manifest.ofx.json``; specified in ``docs/format.md``),
+* an orbax_flax checkpoint (``_CHECKPOINT``; specified in ``docs/format.md``),
 * an orbax-checkpoint item, step or run directory (:mod:`.orbax_checkpoint`),
 * a safetensors file or directory (:mod:`.safetensors`).
 
 The format is detected from the files. A foreign checkpoint is described by a
-manifest of the same shape as ours (items, leaves, structure), in memory only,
-whose array records carry a ``source`` that reads a box of the array into a
-buffer; everything above that (target checks, dtype rules, transforms,
+manifest of the same records as ours (:mod:`orbax_flax._records`), in memory
+only, whose array records carry a ``source`` that reads a box of the array into
+a buffer; everything above that (target checks, dtype rules, transforms,
 resharding) is shared.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
 
 from orbax_flax import errors
 from orbax_flax._location import Location
+from orbax_flax._records import Manifest
 from orbax_flax.formats import orbax_checkpoint
 from orbax_flax.formats import safetensors_io as safetensors
 
@@ -26,7 +27,7 @@ OURS = "orbax_flax"
 FORMATS = (OURS, orbax_checkpoint.FORMAT, safetensors.FORMAT)
 
 
-def open_foreign(loc: Location) -> dict[str, Any] | None:
+def open_foreign(loc: Location) -> Manifest | None:
   """The in-memory manifest of a foreign checkpoint at ``loc``, or None if it is not one."""
   if loc.is_local and safetensors.detect(loc.local_path):
     return safetensors.open_checkpoint(loc.local_path)
@@ -39,17 +40,17 @@ def open_foreign(loc: Location) -> dict[str, Any] | None:
   return None
 
 
-def is_foreign(manifest: dict[str, Any]) -> bool:
-  return manifest.get("format", OURS) != OURS
+def is_foreign(manifest: Manifest) -> bool:
+  return manifest.format != OURS
 
 
-def match_items(manifest: dict[str, Any], wanted: list[str]) -> dict[str, Any]:
+def match_items(manifest: Manifest, wanted: list[str]) -> Manifest:
   """``manifest`` with its one item renamed to the one the target names, where allowed.
 
   A safetensors checkpoint or a single orbax pytree item has one unnamed item:
   a target ``{"params": ...}`` (any name) reads it.
   """
-  if not manifest.get("any_item") or len(manifest["items"]) != 1 or len(wanted) != 1:
+  if not manifest.any_item or len(manifest.items) != 1 or len(wanted) != 1:
     return manifest
-  (only,) = manifest["items"].values()
-  return {**manifest, "items": {wanted[0]: only}}
+  (only,) = manifest.items.values()
+  return dataclasses.replace(manifest, items={wanted[0]: only})

@@ -10,20 +10,19 @@ from __future__ import annotations
 
 import concurrent.futures
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
 from orbax_flax import _layout
 from orbax_flax import _reading
-from orbax_flax import _tree
+from orbax_flax._records import Array
 
 _THREADS = 8
 
 
-def needs_generic(rec: dict[str, Any]) -> bool:
+def needs_generic(rec: Array) -> bool:
   """True for records the engine's own fast path cannot read."""
-  return "source" in rec or "derived" in rec
+  return rec.reads_itself
 
 
 def read_requests(reader: _reading.Reader | None, requests: Sequence[tuple]) -> None:
@@ -33,7 +32,7 @@ def read_requests(reader: _reading.Reader | None, requests: Sequence[tuple]) -> 
   base = []
   while todo:
     item, rec, box, out = todo.pop()
-    derived = rec.get("derived")
+    derived = rec.derived if isinstance(rec, Array) else None
     if derived is not None:
       subs, finish = derived.expand(tuple(box), out)
       todo.extend(subs)
@@ -43,25 +42,25 @@ def read_requests(reader: _reading.Reader | None, requests: Sequence[tuple]) -> 
       base.append((item, rec, tuple(box), out))
   fills, packed, sourced = [], [], []
   for item, rec, box, out in base:
-    if "source" in rec:
+    if not isinstance(rec, Array):
+      out[...] = rec.decoded()
+    elif rec.source is not None:
       sourced.append((rec, box, out))
-    elif rec["kind"] == "value":
-      out[...] = _tree.decode_value(rec["value"])
-    elif "packed_offset" in rec:
-      lo = rec["packed_offset"]
+    elif rec.is_packed:
+      lo = rec.packed_offset
       packed.append(_reading.PackedFill(
-          item, rec["owners"][0], lo, lo + rec["nbytes"], _tree.dtype_from_name(rec["dtype"]),
-          tuple(rec["shape"]), [(_layout.box_to_slices(box), out)], _tree.path_str(tuple(rec["path"]))))
-    elif not rec["owners"]:
+          item, rec.owners[0], lo, lo + rec.nbytes, rec.np_dtype, rec.shape,
+          [(_layout.box_to_slices(box), out)], rec.path_text))
+    elif not rec.owners:
       out[...] = 0
     else:
-      stored = _tree.dtype_from_name(rec["stored_dtype"])
+      stored = rec.np_stored_dtype
       fills.append(_reading.Fill(item, rec, box, out if out.dtype == stored else out.view(stored)))
   if fills or packed:
     reader.read(fills, packed)
   if len(sourced) == 1:
     rec, box, out = sourced[0]
-    rec["source"].read(box, out)
+    rec.source.read(box, out)
   elif sourced:
     # A few threads, each with an even share of the bytes (reads release the GIL).
     shares: list[list[tuple]] = [[] for _ in range(min(_THREADS, len(sourced)))]
@@ -73,7 +72,7 @@ def read_requests(reader: _reading.Reader | None, requests: Sequence[tuple]) -> 
 
     def run(share):
       for rec, box, out in share:
-        rec["source"].read(box, out)
+        rec.source.read(box, out)
     with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
       for f in [pool.submit(run, share) for share in shares]:
         f.result()
@@ -81,12 +80,12 @@ def read_requests(reader: _reading.Reader | None, requests: Sequence[tuple]) -> 
     finish()
 
 
-def full_box(rec: dict[str, Any]) -> _layout.Box:
-  return tuple((0, int(s)) for s in rec["shape"])
+def full_box(rec: Array) -> _layout.Box:
+  return tuple((0, int(s)) for s in rec.shape)
 
 
-def read_whole(reader: _reading.Reader | None, item: str, rec: dict[str, Any]) -> np.ndarray:
+def read_whole(reader: _reading.Reader | None, item: str, rec: Array) -> np.ndarray:
   """One array, whole, as a host numpy array."""
-  out = np.empty(tuple(rec["shape"]), _tree.dtype_from_name(rec["dtype"]))
+  out = np.empty(rec.shape, rec.np_dtype)
   read_requests(reader, [(item, rec, full_box(rec), out)])
   return out

@@ -22,17 +22,18 @@ import numpy as np
 
 from orbax_flax import _tree
 from orbax_flax import errors
+from orbax_flax._records import Array
 from orbax_flax.formats import _read
-from orbax_flax.formats import safetensors_io as safetensors
+from orbax_flax.formats import safetensors_export
 
 
 class LazyArray:
   """An array of a checkpoint, read when (and each time) :meth:`read` is called."""
 
-  def __init__(self, reader: Any, item: str, rec: dict[str, Any], progress: Any = None):
+  def __init__(self, reader: Any, item: str, rec: Array, progress: Any = None):
     self._reader, self._item, self._rec, self._progress = reader, item, rec, progress
-    self.shape = tuple(rec["shape"])
-    self.dtype = _tree.dtype_from_name(rec["dtype"])
+    self.shape = rec.shape
+    self.dtype = rec.np_dtype
 
   def read(self) -> np.ndarray:
     out = _read.read_whole(self._reader, self._item, self._rec)
@@ -64,38 +65,38 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
   if format == "orbax_flax":
     items = checkpointer.restore(src)  # shows progress on a terminal, as every restore does
     checkpointer.save(dst, items, overwrite=overwrite, dtype=dtype)
-    return f"wrote {dst} (orbax_flax, {len(items)} item(s)) from {manifest.get('format', 'orbax_flax')}"
+    return f"wrote {dst} (orbax_flax, {len(items)} item(s)) from {manifest.format}"
   from orbax_flax import _progress  # pylint: disable=g-import-not-at-top
   progress = _progress.Progress(f"convert {loc}", sum(
-      r.get("nbytes", 0) for i in manifest["items"].values() for r in i["leaves"]))
+      r.nbytes for i in manifest.items.values() for r in i.leaves))
   progress.phase = "converting array by array"
   reader = restoring.reader_for(loc, manifest)
   flat: dict[str, Any] = {}
   meta: dict[str, str] = {}
   source: dict[str, str] = {}  # tensor name -> the leaf it is made from
   clashes: list[str] = []
-  several = len(manifest["items"]) > 1
-  for item, saved in manifest["items"].items():
-    for rec in saved["leaves"]:
-      name = ".".join(([item] if several else []) + list(rec["path"]))
-      if rec["kind"] == "value":
-        value = _tree.decode_value(rec["value"])
+  several = len(manifest.items) > 1
+  for item, saved in manifest.items.items():
+    for rec in saved.leaves:
+      name = ".".join(([item] if several else []) + list(rec.path))
+      if not isinstance(rec, Array):
+        value = rec.decoded()
         if isinstance(value, (str, bytes)):
           meta[name] = value if isinstance(value, str) else value.decode(errors="replace")
           continue
         value = np.asarray(value)
       else:
         value = LazyArray(reader, item, rec, progress)
-      leaf = f"{item}/{_tree.path_str(tuple(rec['path']))}"
+      leaf = f"{item}/{rec.path_text}"
       if name in source:
         clashes.append(f"{source[name]} and {leaf} are both named {name!r}")
       source[name] = leaf
       flat[name] = value
   _check_names(source, clashes, dst)
   with _progress.Monitor(progress):  # bytes, GB/s and ETA on a terminal; quiet in logs and CI
-    names = safetensors.export_safetensors(dst, flat, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                                           name_fn=lambda p: p[0], metadata=meta,
-                                           overwrite=overwrite)
+    names = safetensors_export.export_safetensors(
+        dst, flat, dtype=dtype, max_shard_bytes=max_shard_bytes, name_fn=lambda p: p[0],
+        metadata=meta, overwrite=overwrite)
   return f"wrote {dst} (safetensors, {len(flat)} tensors in {len(names)} file(s))"
 
 

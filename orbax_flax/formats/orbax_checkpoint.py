@@ -36,6 +36,7 @@ from orbax_flax import _location
 from orbax_flax import _tree
 from orbax_flax import errors
 from orbax_flax._location import Location
+from orbax_flax._records import Array, Item, Manifest, Record, Value
 from orbax_flax.formats import _checks
 
 FORMAT = "orbax-checkpoint"
@@ -274,7 +275,7 @@ class _InMemory:
     out[...] = self.value[tuple(slice(lo, hi) for lo, hi in box)] if box else self.value
 
 
-def _aggregate_leaf(loc: Location, aggregate: Any, path: list[str]) -> dict[str, Any]:
+def _aggregate_leaf(loc: Location, aggregate: Any, path: list[str]) -> Record:
   node = aggregate
   for k in path:
     if isinstance(node, dict) and k in node:
@@ -289,19 +290,19 @@ def _aggregate_leaf(loc: Location, aggregate: Any, path: list[str]) -> dict[str,
         f"{loc}: aggregated leaf {'.'.join(path)} has dtype {node.dtype}, which orbax_flax cannot"
         " read")
   if isinstance(node, np.ndarray) and node.ndim > 0:
-    return {"kind": "array", "path": path, "shape": list(node.shape), "dtype": node.dtype.name,
-            "nbytes": node.nbytes, "sharding": {"text": "aggregate file"},
-            "source": _InMemory(node)}
+    return Array(path=tuple(path), kind="array", shape=tuple(node.shape),
+                 dtype=node.dtype.name, nbytes=node.nbytes, sharding="aggregate file",
+                 source=_InMemory(node))
   value = node.item() if isinstance(node, (np.ndarray, np.generic)) else node
   if not isinstance(value, (bool, int, float, complex, str, bytes)):
     raise errors.CheckpointFormatError(
         f"{loc}: aggregated leaf {'.'.join(path)} is a {type(value).__name__}, which orbax_flax"
         " cannot read")
-  return {"kind": "value", "path": path, "value": _tree.encode_value(value), "nbytes": 0}
+  return Value(tuple(path), _tree.encode_value(value))
 
 
-def open_item(loc: Location) -> dict[str, Any]:
-  """Our manifest item (leaves and structure) for one orbax pytree or JSON item."""
+def open_item(loc: Location) -> tuple[Item, str | None]:
+  """Our manifest item for one orbax pytree or JSON item, and its layout (None for JSON)."""
   where = f"{loc}/{_PYTREE_METADATA}"
   found = read_tree_metadata(loc)
   if found is None:
@@ -313,9 +314,7 @@ def open_item(loc: Location) -> dict[str, Any]:
       structure, leaves = _tree.encode_structure(json_item)
     except RecursionError:
       raise errors.CheckpointFormatError(f"{loc}/metadata: nested too deeply") from None
-    return {"structure": structure, "leaves": [
-        {"kind": "value", "path": list(p), "value": _tree.encode_value(v), "nbytes": 0}
-        for p, v in leaves]}
+    return Item(structure, tuple(Value(tuple(p), _tree.encode_value(v)) for p, v in leaves)), None
   entries, ocdbt, zarr3 = found
   try:
     sequences = frozenset(tuple(k for k, _ in e.keys[:d]) for e in entries
@@ -327,7 +326,7 @@ def open_item(loc: Location) -> dict[str, Any]:
   context = _location.default_context()
   aggregate = None
   opening = []
-  recs: list[dict[str, Any] | None] = [None] * len(entries)
+  recs: list[Record | None] = [None] * len(entries)
   for i, e in enumerate(entries):
     path, name, vtype = e.path, ".".join(e.path), e.value_type
     if e.skip_deserialize:
@@ -342,8 +341,7 @@ def open_item(loc: Location) -> dict[str, Any]:
         raise errors.CheckpointFormatError(
             f"{loc}/{_STRINGS}: string leaf {name!r} is {_checks.short(strings.get(name))}, not a"
             " string")
-      recs[i] = {"kind": "value", "path": path, "value": _tree.encode_value(strings[name]),
-                 "nbytes": 0}
+      recs[i] = Value(tuple(path), _tree.encode_value(strings[name]))
     elif vtype in _ARRAY_TYPES or vtype == "scalar":
       opening.append((i, path, name, vtype, ts.open(_array_spec(loc, name, ocdbt, zarr3),
                                                     open=True, read=True, context=context)))
@@ -374,22 +372,21 @@ def open_item(loc: Location) -> dict[str, Any]:
                                            f" has shape {list(shape)}")
       scalars.append((i, path, name, store.read()))
       continue
-    recs[i] = {"kind": "array", "path": path, "shape": list(shape), "dtype": dtype.name,
-               "nbytes": math.prod(shape) * dtype.itemsize,
-               "sharding": {"text": "zarr3" if zarr3 else "zarr"}, "source": _Array(store, name)}
+    recs[i] = Array(path=tuple(path), kind="array", shape=shape, dtype=dtype.name,
+                    nbytes=math.prod(shape) * dtype.itemsize,
+                    sharding="zarr3" if zarr3 else "zarr", source=_Array(store, name))
   for i, path, name, fut in scalars:
     value = opened(fut, name)
-    recs[i] = {"kind": "value", "path": path, "value": _tree.encode_value(np.asarray(value).item()),
-               "nbytes": 0}
-  return {"structure": structure, "leaves": [recs[i] for i in order],
-          "layout": ("OCDBT, " if ocdbt else "") + ("zarr3" if zarr3 else "zarr")}
+    recs[i] = Value(tuple(path), _tree.encode_value(np.asarray(value).item()))
+  return (Item(structure, tuple(recs[i] for i in order)),
+          ("OCDBT, " if ocdbt else "") + ("zarr3" if zarr3 else "zarr"))
 
 
-def open_checkpoint(loc: Location) -> dict[str, Any]:
+def open_checkpoint(loc: Location) -> Manifest:
   """A manifest-like description of an orbax-checkpoint item or step directory."""
   step = read_step_metadata(loc)
   has_tree = _location.read_key(loc, _PYTREE_METADATA, max_bytes=1) is not None
-  items: dict[str, Any] = {}
+  items: dict[str, tuple[Item, str | None]] = {}
   skipped: dict[str, str] = {}
   if has_tree or step.handlers is None:
     if has_tree:
@@ -413,10 +410,9 @@ def open_checkpoint(loc: Location) -> dict[str, Any]:
   custom = dict(step.custom)
   if skipped:
     custom["items_not_read"] = skipped
-  layouts = sorted({i.pop("layout") for i in items.values() if "layout" in i})
-  return {
-      "format": FORMAT, "any_item": any_item, "default_item": DEFAULT_ITEM, "items": items,
-      "created": step.time_ns / 1e9, "process_count": 0, "device_count": 0,
-      "library_version": "orbax-checkpoint" + (f" ({', '.join(layouts)})" if layouts else ""),
-      "custom": custom, "metrics": step.metrics,
-  }
+  layouts = sorted({layout for _, layout in items.values() if layout is not None})
+  return Manifest(
+      format=FORMAT, any_item=any_item, items={k: item for k, (item, _) in items.items()},
+      created=step.time_ns / 1e9, process_count=0, device_count=0,
+      library_version="orbax-checkpoint" + (f" ({', '.join(layouts)})" if layouts else ""),
+      custom=custom)

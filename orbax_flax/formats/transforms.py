@@ -50,18 +50,19 @@ import numpy as np
 
 from orbax_flax import _tree
 from orbax_flax import errors
+from orbax_flax._records import Array, Item, Manifest, Record
 
 
-def _text(rec: dict[str, Any]) -> str:
-  return "/".join(rec["path"])
+def _text(rec: Record) -> str:
+  return "/".join(rec.path)
 
 
-def _split(path: str) -> list[str]:
-  return [p for p in path.split("/") if p != ""]
+def _split(path: str) -> tuple[str, ...]:
+  return tuple(p for p in path.split("/") if p != "")
 
 
-def _arrays_only(recs: list[dict[str, Any]], what: str) -> None:
-  values = [_text(r) for r in recs if r["kind"] == "value" or r.get("key_impl")]
+def _arrays_only(recs: list[Record], what: str) -> None:
+  values = [_text(r) for r in recs if not isinstance(r, Array) or r.key_impl]
   if values:
     raise errors.TreeMismatchError(f"{what} applies to arrays (not PRNG keys); these are not:"
                                    f" {values}", values)
@@ -70,7 +71,7 @@ def _arrays_only(recs: list[dict[str, Any]], what: str) -> None:
 class Transform:
   """Base class: ``apply`` maps one item's saved leaf records to new ones."""
 
-  def apply(self, item: str, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  def apply(self, item: str, recs: list[Record]) -> list[Record]:
     raise NotImplementedError
 
 
@@ -91,7 +92,7 @@ class Rename(Transform):
         new = self.pattern(old)
       else:
         new = re.sub(f"^(?:{self.pattern})$", self.to, old)
-      out.append(r if new == old else {**r, "path": _split(new), "renamed_from": old})
+      out.append(r if new == old else dataclasses.replace(r, path=_split(new)))
     return out
 
 
@@ -126,14 +127,13 @@ class Cast(Transform):
     dtype = np.dtype(_tree.dtype_from_name(self.dtype) if isinstance(self.dtype, str) else self.dtype)
     out = []
     for r in recs:
-      if (r["kind"] == "value" or r.get("key_impl") or not re.fullmatch(self.pattern, _text(r))
-          or r["dtype"] == dtype.name):
+      if (not isinstance(r, Array) or r.key_impl or not re.fullmatch(self.pattern, _text(r))
+          or r.dtype == dtype.name):
         out.append(r)
         continue
-      out.append({"kind": "array", "path": r["path"], "shape": list(r["shape"]),
-                  "dtype": dtype.name, "nbytes": r["nbytes"] // np.dtype(
-                      _tree.dtype_from_name(r["dtype"])).itemsize * dtype.itemsize,
-                  "sharding": r.get("sharding", {"text": ""}), "derived": _Cast(item, r, dtype)})
+      out.append(Array(path=r.path, kind="array", shape=r.shape, dtype=dtype.name,
+                       nbytes=r.nbytes // r.np_dtype.itemsize * dtype.itemsize,
+                       sharding=r.sharding, derived=_Cast(item, r, dtype)))
     return out
 
 
@@ -153,7 +153,7 @@ class Stack(Transform):
     if "i" not in regex.groupindex:
       raise ValueError(f"Stack pattern {self.pattern!r} needs a group named i for the layer"
                        r" number, e.g. r'layers_(?P<i>\d+)/(.*)'")
-    groups: dict[str, dict[int, dict[str, Any]]] = {}
+    groups: dict[str, dict[int, Array]] = {}
     out, first = [], {}
     for r in recs:
       m = regex.fullmatch(_text(r))
@@ -173,15 +173,14 @@ class Stack(Transform):
         problems.append(f"{new}: layers {sorted(parts)} are not 0..{n - 1}")
         continue
       ordered = [parts[k] for k in range(n)]
-      kinds = {(tuple(p["shape"]), p["dtype"]) for p in ordered}
+      kinds = {(p.shape, p.dtype) for p in ordered}
       if len(kinds) != 1:
         problems.append(f"{new}: the layers differ in shape or dtype: {sorted(kinds)}")
         continue
       (shape, dtype), = kinds
-      out[first[new]] = {"kind": "array", "path": _split(new), "shape": [n, *shape],
-                         "dtype": dtype, "nbytes": sum(p["nbytes"] for p in ordered),
-                         "sharding": {"text": f"stacked from {n} arrays"},
-                         "derived": _Stacked(item, ordered)}
+      out[first[new]] = Array(path=_split(new), kind="array", shape=(n, *shape), dtype=dtype,
+                              nbytes=sum(p.nbytes for p in ordered),
+                              sharding=f"stacked from {n} arrays", derived=_Stacked(item, ordered))
     if problems:
       raise errors.TreeMismatchError("cannot stack:\n  " + "\n  ".join(problems), problems)
     return out
@@ -203,15 +202,14 @@ class Unstack(Transform):
         out.append(r)
         continue
       _arrays_only([r], "Unstack")
-      if not r["shape"]:
+      if not r.shape:
         raise errors.TreeMismatchError(f"{_text(r)}: a scalar cannot be unstacked", [_text(r)])
-      n, rest = r["shape"][0], list(r["shape"][1:])
+      n, rest = r.shape[0], r.shape[1:]
       template = m.expand(self.to.replace("{i}", "\0"))
       for k in range(n):
-        out.append({"kind": "array", "path": _split(template.replace("\0", str(k))),
-                    "shape": rest, "dtype": r["dtype"], "nbytes": r["nbytes"] // max(n, 1),
-                    "sharding": {"text": f"layer {k} of {_text(r)}"},
-                    "derived": _Slice(item, r, k)})
+        out.append(Array(path=_split(template.replace("\0", str(k))), kind="array",
+                         shape=rest, dtype=r.dtype, nbytes=r.nbytes // max(n, 1),
+                         sharding=f"layer {k} of {_text(r)}", derived=_Slice(item, r, k)))
     return out
 
 
@@ -251,7 +249,7 @@ class Transpose(Transform):
         out.append(r)
         continue
       _arrays_only([r], "Transpose")
-      shape = list(r["shape"])
+      shape = list(r.shape)
       n = len(shape)
       axes = tuple(range(n - 1, -1, -1)) if self.axes is None else tuple(self.axes)
       if (not all(isinstance(a, int) and -n <= a < n for a in axes)
@@ -263,22 +261,21 @@ class Transpose(Transform):
       if axes == tuple(range(n)):
         out.append(r)
         continue
-      saved = r.get("sharding", {}).get("text", "")
-      out.append({"kind": "array", "path": r["path"], "shape": [shape[a] for a in axes],
-                  "dtype": r["dtype"], "nbytes": r["nbytes"],
-                  "sharding": {"text": f"transposed {list(axes)} of {saved}"},
-                  "derived": _Transposed(item, r, axes)})
+      out.append(Array(path=r.path, kind="array", shape=tuple(shape[a] for a in axes),
+                       dtype=r.dtype, nbytes=r.nbytes,
+                       sharding=f"transposed {list(axes)} of {r.sharding}",
+                       derived=_Transposed(item, r, axes)))
     return out
 
 
 # Derived records: each expands a request for one box into requests on the records it comes from.
-Request = tuple[str, dict[str, Any], tuple[tuple[int, int], ...], np.ndarray]
+Request = tuple[str, Record, tuple[tuple[int, int], ...], np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Stacked:
   item: str
-  parts: list[dict[str, Any]]
+  parts: list[Array]
 
   def expand(self, box, out) -> tuple[list[Request], Callable[[], None] | None]:
     (lo, hi), rest = box[0], box[1:]
@@ -288,7 +285,7 @@ class _Stacked:
 @dataclasses.dataclass(frozen=True)
 class _Slice:
   item: str
-  base: dict[str, Any]
+  base: Array
   index: int
 
   def expand(self, box, out):
@@ -299,11 +296,11 @@ class _Slice:
 @dataclasses.dataclass(frozen=True)
 class _Cast:
   item: str
-  base: dict[str, Any]
+  base: Array
   dtype: np.dtype
 
   def expand(self, box, out):
-    tmp = np.empty(out.shape, _tree.dtype_from_name(self.base["dtype"]))
+    tmp = np.empty(out.shape, self.base.np_dtype)
 
     def finish():
       out[...] = tmp.astype(out.dtype)
@@ -313,7 +310,7 @@ class _Cast:
 @dataclasses.dataclass(frozen=True)
 class _Transposed:
   item: str
-  base: dict[str, Any]
+  base: Array
   axes: tuple[int, ...]
 
   def expand(self, box, out):
@@ -328,8 +325,8 @@ class _Transposed:
     return [(self.item, self.base, tuple(src), tmp)], finish
 
 
-def apply(manifest: dict[str, Any], transforms: Sequence[Transform]) -> dict[str, Any]:
-  """``manifest`` with every item's leaves transformed (a new dict; the input is kept)."""
+def apply(manifest: Manifest, transforms: Sequence[Transform]) -> Manifest:
+  """``manifest`` with every item's leaves transformed (a new manifest; the input is kept)."""
   if not transforms:
     return manifest
   for t in transforms:
@@ -337,8 +334,8 @@ def apply(manifest: dict[str, Any], transforms: Sequence[Transform]) -> dict[str
       raise TypeError(f"transforms must be orbax_flax.transforms objects (Rename, Drop,"
                       f" FromTarget, Stack, Unstack, Cast, Transpose); got {t!r}")
   items = {}
-  for name, item in manifest["items"].items():
-    recs = list(item["leaves"])
+  for name, item in manifest.items.items():
+    recs = list(item.leaves)
     for t in transforms:
       recs = t.apply(name, recs)
     seen: dict[str, int] = {}
@@ -351,9 +348,9 @@ def apply(manifest: dict[str, Any], transforms: Sequence[Transform]) -> dict[str
     if clashes:
       raise errors.TreeMismatchError("transforms give several leaves one path:\n  "
                                      + "\n  ".join(clashes), clashes)
-    structure, order = _tree.structure_from_paths([tuple(r["path"]) for r in recs])
-    items[name] = {**item, "leaves": [recs[i] for i in order], "structure": structure}
-  return {**manifest, "items": items}
+    structure, order = _tree.structure_from_paths([r.path for r in recs])
+    items[name] = Item(structure, tuple(recs[i] for i in order), item.packed)
+  return dataclasses.replace(manifest, items=items)
 
 
 def from_target(transforms: Sequence[Transform] | None) -> list[FromTarget]:

@@ -15,7 +15,8 @@ shard bytes by their CRCs, so a damaged blob is refused, never read wrong.
 
 The index holds, per item, the tree structure and per leaf the engine's own
 record (:func:`orbax_flax._planning.array_record`, ``value_record``) plus the
-shards this process held (``boxes``). A restore checks the target with the
+shards this process held (``boxes``), decoded by the manifest's own checking
+decoder into the same records (:mod:`orbax_flax._records`). A restore checks the target with the
 engine's :func:`orbax_flax.restoring.match_target` and places the arrays with
 its :func:`~orbax_flax.restoring.assemble`: the same target gives the same
 result, or the same error, as the persistent tier.
@@ -38,10 +39,12 @@ from orbax_flax import _crc
 from orbax_flax import _layout
 from orbax_flax import _manifest
 from orbax_flax import _planning
+from orbax_flax import _records_decode
 from orbax_flax import _staging
 from orbax_flax import _tree
 from orbax_flax import errors
 from orbax_flax import restoring
+from orbax_flax._records import Array, Item, Manifest
 from orbax_flax.formats import _cbytes
 
 MAGIC = b"OFXLOCL1"
@@ -226,7 +229,7 @@ def _header(head: bytes, size: int, where: str) -> int:
   return n
 
 
-def read_blob(path: str, where: str) -> tuple[dict[str, Any], Payload]:
+def read_blob(path: str, where: str) -> tuple[Manifest, Payload]:
   """The index and shard bytes of a blob file, read by parallel preads.
 
   The shard bytes go into one fresh 64-byte aligned mapping (JAX's CPU client
@@ -240,9 +243,9 @@ def read_blob(path: str, where: str) -> tuple[dict[str, Any], Payload]:
   try:
     size = os.fstat(fd).st_size
     n = _header(os.pread(fd, HEAD, 0), size, where)
-    index = _index(os.pread(fd, n, HEAD), where)
+    index, seg = _index(os.pread(fd, n, HEAD), where)
     start = HEAD + n
-    segments = _segments(index, size - start, where)
+    segments = _segments(index, seg, size - start, where)
     payload = Payload(_staging.fresh_arrays([((size - start,), np.dtype(np.uint8))])[0]
                       if size > start else np.empty(0, np.uint8))
     view = memoryview(payload.data)
@@ -266,16 +269,17 @@ def _pread_into(fd: int, view: memoryview, offset: int, short: str) -> None:
     raise errors.CheckpointCorruptedError(short) from e
 
 
-def decode(blob: np.ndarray, where: str) -> tuple[dict[str, Any], Payload]:
+def decode(blob: np.ndarray, where: str) -> tuple[Manifest, Payload]:
   """The index and the bytes of a blob in memory (a received replica); checks every byte."""
   n = _header(blob[:HEAD].tobytes(), blob.nbytes, where)
-  index = _index(blob[HEAD:HEAD + n].tobytes(), where)
+  index, seg = _index(blob[HEAD:HEAD + n].tobytes(), where)
   payload = Payload(blob[HEAD + n:])
-  parallel(lambda t: _check(payload, t, where), _segments(index, payload.data.nbytes, where))
+  parallel(lambda t: _check(payload, t, where), _segments(index, seg, payload.data.nbytes, where))
   return index, payload
 
 
-def _index(data: bytes, where: str) -> dict[str, Any]:
+def _index(data: bytes, where: str) -> tuple[Manifest, int]:
+  """The index's items as records, and its segment size (bytes per checksum)."""
   body = _manifest.unseal(_INDEX_MAGIC, data, f"{where} (its index)")
   try:
     index = json.loads(body)
@@ -283,26 +287,26 @@ def _index(data: bytes, where: str) -> dict[str, Any]:
     raise errors.CheckpointCorruptedError(f"{where}: damaged index ({e})") from e
   if not isinstance(index, dict) or not isinstance(index.get("items"), dict):
     raise errors.CheckpointCorruptedError(f"{where}: its index holds no items")
-  return index
+  seg = index.get("segment")
+  if type(seg) is not int or seg < 1:
+    raise errors.CheckpointCorruptedError(f"{where}: damaged index (segment {seg!r})")
+  return Manifest(items=_records_decode.decode_local_items(index["items"], f"{where} (its index)"),
+                  process_count=index.get("process_count", 0)), seg
 
 
-def _segments(index: dict[str, Any], size: int, where: str) -> list[tuple[int, int, str, int]]:
+def _segments(index: Manifest, seg: int, size: int, where: str) -> list[tuple[int, int, str, int]]:
   """(payload offset, length, array name, CRC-32C) of every segment, each within ``size``."""
-  try:
-    seg = int(index["segment"])
-    out = []
-    for item, saved in index["items"].items():
-      for rec in saved["leaves"]:
-        for entry in rec.get("boxes", ()):
-          name = f"{item}/{_tree.path_str(tuple(rec['path']))} box {entry['box']}"
-          offset, nbytes, crcs = int(entry["offset"]), int(entry["nbytes"]), entry["crc32c"]
-          if seg < 1 or offset < 0 or nbytes < 0 or offset + nbytes > size or len(crcs) != -(
-              -nbytes // seg):
-            raise ValueError(f"{name}: {nbytes} bytes at {offset} of {size}")
-          out.extend((offset + k * seg, min(seg, nbytes - k * seg), name, int(crc))
-                     for k, crc in enumerate(crcs))
-  except (KeyError, TypeError, ValueError, AttributeError) as e:
-    raise errors.CheckpointCorruptedError(f"{where}: damaged index ({e!r})") from None
+  out = []
+  for item, saved in index.items.items():
+    for rec in saved.leaves:
+      for entry in rec.boxes if isinstance(rec, Array) else ():
+        name = f"{item}/{rec.path_text} box {[list(b) for b in entry.box]}"
+        offset, nbytes, crcs = entry.offset, entry.nbytes, entry.crc32c
+        if offset + nbytes > size or len(crcs) != -(-nbytes // seg):
+          problem = ValueError(f"{name}: {nbytes} bytes at {offset} of {size}")
+          raise errors.CheckpointCorruptedError(f"{where}: damaged index ({problem!r})")
+        out.extend((offset + k * seg, min(seg, nbytes - k * seg), name, crc)
+                   for k, crc in enumerate(crcs))
   return out
 
 
@@ -324,7 +328,7 @@ def parallel(fn, tasks: list) -> None:
       f.result()
 
 
-def match(index: dict[str, Any], target: Mapping[str, Any], *, partial: bool = False,
+def match(index: Manifest, target: Mapping[str, Any], *, partial: bool = False,
           allow_lossy_casts: bool = False, casts: list | None = None,
           source: str = "the local checkpoint") -> restoring.Match:
   """The engine's target check of a blob's index (:func:`orbax_flax.restoring.match_target`).
@@ -336,7 +340,7 @@ def match(index: dict[str, Any], target: Mapping[str, Any], *, partial: bool = F
                                 allow_lossy_casts=allow_lossy_casts, casts=casts, source=source)
 
 
-def build(m: restoring.Match, index: dict[str, Any], payload: Payload) -> dict[str, Any]:
+def build(m: restoring.Match, index: Manifest, payload: Payload) -> dict[str, Any]:
   """The items ``m`` asks for, from a blob's bytes, placed by the engine (one ``device_put``).
 
   Each target box must be one shard this process saved (the same mesh and
@@ -348,38 +352,35 @@ def build(m: restoring.Match, index: dict[str, Any], payload: Payload) -> dict[s
   """
   datas = {}
   for w, item, _ in m.wants:
-    held = {tuple(map(tuple, e["box"])): e for e in w.rec["boxes"]}
-    saved = _tree.dtype_from_name(w.rec["dtype"])
+    held = {e.box: e for e in w.rec.boxes}
+    saved = w.rec.np_dtype
     bufs = []
     for box in w.boxes:
       e = held.get(box)
       if e is None:
         raise LayoutChanged(
-            f"{item}/{_tree.path_str(tuple(w.rec['path']))}: this process needs box {list(box)},"
+            f"{item}/{w.rec.path_text}: this process needs box {list(box)},"
             " which its local checkpoint does not hold as one shard (another mesh or sharding)")
-      b = payload.box(e["offset"], e["nbytes"]).view(saved).reshape(_layout.box_shape(box))
+      b = payload.box(e.offset, e.nbytes).view(saved).reshape(_layout.box_shape(box))
       bufs.append(b if b.dtype == w.dtype else b.astype(w.dtype))
     datas[id(w)] = bufs
   out = m.trees(restoring.assemble([w for w, _, _ in m.wants], datas))
   for item in m.whole:
-    out[item] = _whole(item, index["items"][item], payload)
+    out[item] = _whole(item, index.items[item], payload)
   return out
 
 
-def _whole(item: str, saved: dict[str, Any], payload: Payload) -> Any:
+def _whole(item: str, saved: Item, payload: Payload) -> Any:
   """An item as saved, as host values (e.g. the data iterator positions of every process)."""
   values = []
-  for rec in saved["leaves"]:
-    if rec["kind"] == "value":
-      values.append(_tree.decode_value(rec["value"]))
+  for rec in saved.leaves:
+    if not isinstance(rec, Array):
+      values.append(rec.decoded())
       continue
-    shape = tuple(rec["shape"])
-    full = [list((0, n)) for n in shape]
-    entry = next((e for e in rec["boxes"] if e["box"] == full), None)
+    full = tuple((0, n) for n in rec.shape)
+    entry = next((e for e in rec.boxes if e.box == full), None)
     if entry is None:
-      raise LayoutChanged(f"{item}/{_tree.path_str(tuple(rec['path']))}: not held whole here")
-    data = payload.box(entry["offset"], entry["nbytes"]).view(
-        _tree.dtype_from_name(rec["dtype"])).reshape(shape)
-    values.append(jax.random.wrap_key_data(data, impl=rec["key_impl"]) if rec.get("key_impl")
-                  else data)
-  return _tree.decode_structure(saved["structure"], values)
+      raise LayoutChanged(f"{item}/{rec.path_text}: not held whole here")
+    data = payload.box(entry.offset, entry.nbytes).view(rec.np_dtype).reshape(rec.shape)
+    values.append(jax.random.wrap_key_data(data, impl=rec.key_impl) if rec.key_impl else data)
+  return _tree.decode_structure(saved.structure, values)

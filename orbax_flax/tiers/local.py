@@ -32,9 +32,6 @@ persistent tier, together. Where copies go and which to read:
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -45,71 +42,27 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
-from orbax_flax import _manifest
 from orbax_flax import _multihost
 from orbax_flax import _progress
 from orbax_flax import errors
 from orbax_flax.tiers import _blob
 from orbax_flax.tiers import _exchange
 from orbax_flax.tiers import placement
+from orbax_flax.tiers._local_steps import COMMITTED, OWN, TMP, Sink, StepDirectory, run_dir
 from orbax_flax.tiers.placement import Holdings
 from orbax_flax.tiers.placement import RestorePlan
 
+__all__ = ["COMMITTED", "OWN", "LocalTier", "run_dir"]
+
 log = logging.getLogger("orbax_flax")
 
-OWN = "own.blob"
-COMMITTED = "COMMITTED"
-_TMP = ".ofx-tmp-local"
 _DAMAGED = "damaged own copy: "
 _MISMATCH = "target mismatch: "
 # What reading a damaged local file can raise: it becomes this process's verdict, which every
 # process learns, so that all fall back together instead of one raising and the rest waiting.
 _UNREADABLE = (OSError, ValueError, KeyError, TypeError, IndexError, OverflowError, MemoryError,
                struct.error)
-
-
-def run_dir(run: str) -> str:
-  """The subdirectory of the local directory that holds the steps of ``run``.
-
-  A digest of the run's persistent directory: two jobs that share a
-  ``local_directory`` (``/dev/shm/ckpt`` on one host) but save to different
-  places never see nor delete each other's local steps.
-
-  Example:
-    >>> run_dir("/tmp/exp1/checkpoints") != run_dir("/tmp/exp2/checkpoints")
-    True
-    >>> run_dir("/tmp/exp1/checkpoints")
-    'run-c948a8532e42830d'
-  """
-  return "run-" + hashlib.sha256(run.encode()).hexdigest()[:16]
-
-
-_RECORD_MAGIC = b"orbax_flax local step v1"
-
-
-@dataclasses.dataclass(frozen=True)
-class StepRecord:
-  """What a local step's ``COMMITTED`` file records (sealed with a SHA-256)."""
-  step: int
-  run: str               # the persistent directory of the run that saved it
-  timeline: str          # the manager's timeline when it was saved (see CheckpointManager.timeline)
-  seq: int               # commit order in this directory: retention keeps the newest commits
-  process_count: int
-
-  def encode(self) -> bytes:
-    return _manifest.seal(_RECORD_MAGIC, json.dumps(dataclasses.asdict(self)).encode())
-
-  @classmethod
-  def decode(cls, data: bytes, where: str) -> "StepRecord":
-    body = _manifest.unseal(_RECORD_MAGIC, data, where)
-    try:
-      d = json.loads(body)
-      return cls(int(d["step"]), str(d["run"]), str(d["timeline"]), int(d["seq"]),
-                 int(d["process_count"]))
-    except (ValueError, KeyError, TypeError) as e:
-      raise errors.CheckpointCorruptedError(f"{where}: not a local step record ({e})") from None
 
 
 class LocalTier:
@@ -149,6 +102,7 @@ class LocalTier:
       raise ValueError(f"local_max_to_keep={max_to_keep}: keep at least 1 local step")
     self.run = run
     self.root = os.path.join(directory, run_dir(run), f"process_{jax.process_index()}")
+    self.steps = StepDirectory(self.root, run)
     self.replicas = replicas if n > 1 else 0
     self.max_to_keep = max_to_keep
     self.timeout = timeout_seconds
@@ -176,9 +130,6 @@ class LocalTier:
     self._calls += 1
     return f"{self._key}/{self._calls}-{what}"
 
-  def _dir(self, step: int) -> str:
-    return os.path.join(self.root, str(step))
-
   def save(self, step: int, items: Mapping[str, Any], *, timeline: str = "") -> float:
     """Saves ``step`` of ``timeline`` to the local tier on every process; returns the seconds.
 
@@ -188,7 +139,7 @@ class LocalTier:
     start = time.perf_counter()
     me, n = jax.process_index(), jax.process_count()
     key = self._next_key(f"save{step}")
-    tmp = self._dir(step) + _TMP
+    tmp = self.steps.dir(step) + TMP
     error = ""
     try:
       blob = _blob.encode(step, items, run=self.run, timeline=timeline)
@@ -200,7 +151,7 @@ class LocalTier:
     ring = self.ring() if self.replicas else ()
     for k in range(1, self.replicas + 1):  # every process takes part, even after a failure
       source = ring[(ring.index(me) - k) % n]
-      sink = _Sink(None if error else os.path.join(tmp, f"replica-{source}.blob"))
+      sink = Sink(None if error else os.path.join(tmp, f"replica-{source}.blob"))
       reader = None
       try:  # the own copy is sent from its file (in RAM), one round at a time
         reader = None if error else _blob.FileReader(os.path.join(tmp, OWN))
@@ -215,8 +166,8 @@ class LocalTier:
       error = error or sink.close()
     if not error:
       try:
-        shutil.rmtree(self._dir(step), ignore_errors=True)
-        os.rename(tmp, self._dir(step))
+        shutil.rmtree(self.steps.dir(step), ignore_errors=True)
+        os.rename(tmp, self.steps.dir(step))
       except OSError as e:
         error = f"{type(e).__name__}: {e}"
     verdicts = _multihost.all_gather(f"{key}/done", error, self.timeout,
@@ -227,67 +178,16 @@ class LocalTier:
       raise errors.StorageError(f"local save of step {step} failed; it does not count:\n  "
                                 + "\n  ".join(failed))
     try:
-      records, _ = self._records()
-      seq = 1 + max((r.seq for r in records.values()), default=0)
-      _write(os.path.join(self._dir(step), COMMITTED),
-             StepRecord(step, self.run, timeline, seq, n).encode())
-      self._prune()
+      self.steps.commit(step, timeline, n, self.max_to_keep)
     except OSError as e:  # this process's copy does not count: a restore finds it uncommitted
       raise errors.StorageError(f"local save of step {step}: process {me} could not commit it"
                                 f" ({type(e).__name__}: {e})") from e
     return time.perf_counter() - start
 
-  def _records(self) -> tuple[dict[int, StepRecord], list[str]]:
-    """The committed steps here (this run's, by their records), and the damaged ones, why."""
-    out, damaged = {}, []
-    for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
-      path = os.path.join(self.root, name, COMMITTED)
-      if not name.isdigit() or not os.path.exists(path):
-        continue
-      try:
-        with open(path, "rb") as f:
-          record = StepRecord.decode(f.read(1 << 16), path)
-      except (OSError, errors.CheckpointCorruptedError) as e:
-        damaged.append(f"step {name}: {e}")
-        continue
-      if record.run != self.run or record.step != int(name):
-        damaged.append(f"step {name}: its record names run {record.run!r} step {record.step}")
-        continue
-      out[record.step] = record
-    return out, damaged
-
-  def _prune(self) -> None:
-    """Keeps the ``max_to_keep`` newest commits (not the highest step numbers: after a
-    rollback the new timeline's steps are the lower ones) and removes everything else."""
-    records, _ = self._records()
-    keep = {r.step for r in sorted(records.values(), key=lambda r: r.seq)[-self.max_to_keep:]}
-    for name in os.listdir(self.root):
-      if (name.isdigit() and int(name) not in keep) or _TMP in name:
-        shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-
   def holdings(self, timeline: str | None = None) -> Holdings:
     """Committed local steps here (of ``timeline``, if given), and the peers' replicas held
     here; the steps left out, and why, are logged."""
-    own, replicas = [], {}
-    n = jax.process_count()
-    records, ignored = self._records()
-    for step, record in sorted(records.items()):
-      if timeline is not None and record.timeline != timeline:
-        ignored.append(f"step {step}: of timeline {record.timeline or '(the first)'!r}, which"
-                       f" a rollback abandoned; this run continues timeline"
-                       f" {timeline or '(the first)'!r}")
-        continue
-      d = self._dir(step)
-      if os.path.exists(os.path.join(d, OWN)):
-        own.append(step)
-      for f in os.listdir(d):
-        if f.startswith("replica-") and f.endswith(".blob") and f[8:-5].isdigit():
-          replicas.setdefault(int(f[len("replica-"):-len(".blob")]), []).append(step)
-    if ignored:
-      _progress.say("local tier (%s): ignoring %s", self.root, "; ".join(ignored))
-    counts = [records[s].process_count for s in own]
-    return Holdings(sorted(own), {k: sorted(v) for k, v in replicas.items()},
-                    counts[-1] if counts else n)
+    return self.steps.holdings(timeline, jax.process_count())
 
   def restore(self, target: Mapping[str, Any], newer_than: int | None = None, *,
               timeline: str | None = None, partial: bool = False,
@@ -374,7 +274,7 @@ class LocalTier:
     what = f"local step {plan.step} of process {me}"
     if plan.source[me] == me:
       try:
-        decoded = _blob.read_blob(os.path.join(self._dir(plan.step), OWN), what)
+        decoded = _blob.read_blob(os.path.join(self.steps.dir(plan.step), OWN), what)
       except _UNREADABLE as e:  # the others still exchange
         error = f"{_DAMAGED}{type(e).__name__}: {e}"
       where = "its own local copy"
@@ -387,7 +287,7 @@ class LocalTier:
       target_p = ring[(pos[me] + shift) % n]
       if plan.source[target_p] == me and target_p != me:
         try:  # sent from its file, one round at a time
-          send = _blob.FileReader(os.path.join(self._dir(plan.step), f"replica-{target_p}.blob"))
+          send = _blob.FileReader(os.path.join(self.steps.dir(plan.step), f"replica-{target_p}.blob"))
         except _UNREADABLE as e:  # the receiver gets nothing and says so
           error = f"{type(e).__name__}: {e}"
       try:
@@ -410,7 +310,7 @@ class LocalTier:
       try:
         optional = options["optional"]
         m = _blob.match(index, {k: v for k, v in target.items()
-                                if k not in optional or k in index["items"]},
+                                if k not in optional or k in index.items},
                         casts=casts, source=f"local step {plan.step} ({self.root})",
                         partial=options["partial"], allow_lossy_casts=options["allow_lossy_casts"])
       except (errors.TreeMismatchError, ValueError) as e:
@@ -423,45 +323,3 @@ class LocalTier:
     verdicts = _multihost.all_gather(f"{key}/ok", error, self.timeout,
                                      what="assemble the local step")
     return (plan.step, items, where) if not any(verdicts) else None, verdicts
-
-
-class _Sink:
-  """Writes a replica to ``path`` as its rounds arrive; a failure is kept, not raised, so
-  that this process still takes part in the rest of the exchange."""
-
-  def __init__(self, path: str | None):
-    self.error = "" if path is not None else "skipped"
-    self.fd = None
-    if path is not None:
-      try:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-      except OSError as e:
-        self.error = f"{type(e).__name__}: {e}"
-
-  def __call__(self, offset: int, chunk: np.ndarray) -> None:
-    if self.fd is None or self.error:
-      return
-    try:  # parallel pwrites, as for the own copy
-      _blob.parallel(lambda lo: _blob.pwrite(self.fd, chunk[lo:lo + _blob.SEGMENT], offset + lo),
-                     list(range(0, chunk.size, _blob.SEGMENT)))
-    except OSError as e:
-      self.error = f"{type(e).__name__}: {e}"
-
-  def close(self) -> str:
-    """Fsyncs and closes; returns the error ("" if none; "skipped" is not an error)."""
-    if self.fd is not None:
-      try:
-        if not self.error:
-          os.fsync(self.fd)
-      except OSError as e:
-        self.error = f"{type(e).__name__}: {e}"
-      finally:
-        os.close(self.fd)
-    return "" if self.error == "skipped" else self.error
-
-
-def _write(path: str, data: bytes) -> None:
-  with open(path, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())

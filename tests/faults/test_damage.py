@@ -110,7 +110,9 @@ def test_verify_names_every_damaged_array(tmp_path):
 def _rewrite_manifest(path, edit):
   """Applies ``edit`` to the manifest and re-signs it: what a crafted checkpoint looks like."""
   m = os.path.join(path, "_CHECKPOINT")
-  manifest = _manifest.decode(open(m, "rb").read(), m)
+  _manifest.decode(open(m, "rb").read(), m)  # intact, before the edit
+  _, summary, body = open(m, "rb").read().split(b"\n", 2)
+  manifest = dict(json.loads(summary), items=json.loads(body)["items"])
   edit(manifest)
   body = _manifest._dumps({"format": _manifest.FORMAT, "version": manifest.pop("version_override", 1),  # pylint: disable=protected-access
                             "items": manifest["items"]})

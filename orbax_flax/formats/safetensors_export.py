@@ -1,0 +1,279 @@
+"""Writing safetensors files from a live, possibly sharded, multi-process tree.
+
+:func:`export_safetensors` writes Hugging Face's layout (see
+:mod:`orbax_flax.formats.safetensors_io`, which reads it) without gathering
+the tree: process 0 lays out the files (headers, sizes), every process writes
+the boxes of the arrays it owns (the shards whose ``replica_id`` is 0) with
+``pwrite``, and process 0 commits by renaming the finished directory into
+place, as our checkpoints do. The target directory must be on a file system
+every process can write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_flax import _layout
+from orbax_flax import _multihost
+from orbax_flax import _tree
+from orbax_flax.formats import _cbytes
+from orbax_flax.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, dtype_name
+
+_TMP = ".ofx-tmp-export"
+
+
+
+def _default_name(path: tuple[str, ...]) -> str:
+  return ".".join(path)
+
+
+def _file_layout(entries: list[tuple[str, tuple[int, ...], np.dtype]], max_shard_bytes: int
+            ) -> list[list[int]]:
+  """Entry indices per file: in order, a new file when the next tensor would overflow."""
+  return _layout.split_by_size(
+      [int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for _, shape, dtype in entries],
+      max_shard_bytes)
+
+
+def _header_bytes(entries, idxs, metadata: Mapping[str, str]) -> tuple[bytes, list[int]]:
+  header: dict[str, Any] = {"__metadata__": dict(metadata)}
+  offsets, at = [], 0
+  for i in idxs:
+    name, shape, dtype = entries[i]
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    header[name] = {"dtype": dtype_name(dtype), "shape": list(shape), "data_offsets": [at, at + n]}
+    offsets.append(at)
+    at += n
+  raw = json.dumps(header, separators=(",", ":")).encode()
+  raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as the package writes it
+  return struct.pack("<Q", len(raw)) + raw, offsets
+
+
+def _as_dtype(x: Any) -> np.dtype:
+  return _tree.dtype_from_name(x) if isinstance(x, str) else np.dtype(x)
+
+
+def _cast_to(dtype: Any, name: str, leaf_dtype: np.dtype) -> np.dtype:
+  """The dtype a leaf is written in, from ``export_safetensors``'s ``dtype`` argument."""
+  if dtype is None:
+    return leaf_dtype
+  if callable(dtype) and not isinstance(dtype, (str, np.dtype, type)):
+    chosen = dtype(name, leaf_dtype)
+    return leaf_dtype if chosen is None else _as_dtype(chosen)
+  # One dtype for the tree converts floating arrays only: step counters stay integers.
+  return _as_dtype(dtype) if jax.numpy.issubdtype(leaf_dtype, jax.numpy.floating) else leaf_dtype
+
+
+def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_bytes: int = 5 << 30,
+                       name_fn: Callable[[tuple[str, ...]], str] | None = None,
+                       metadata: Mapping[str, str] | None = None, overwrite: bool = False,
+                       timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S) -> list[str]:
+  """Writes ``tree`` as safetensors in the Hugging Face layout, committed atomically.
+
+  Every process of a multi-process job calls it with its part of the same
+  tree; each writes the array boxes it owns, so nothing is gathered on one
+  host. One file is ``model.safetensors``; more are
+  ``model-0000i-of-0000n.safetensors`` with ``model.safetensors.index.json``.
+
+  Args:
+    path: the directory to create (local; shared by all processes).
+    tree: a pytree of ``jax.Array``, numpy arrays and numeric scalars.
+    dtype: None (keep), one dtype for every floating array (e.g.
+      ``"bfloat16"``; integer and bool arrays are kept), or a function
+      ``(name, dtype) -> dtype or None``.
+    max_shard_bytes: the most tensor bytes per file (a tensor larger than it
+      gets a file of its own).
+    name_fn: key path tuple -> tensor name; default joins with ``.``
+      (``("params", "Dense_0", "kernel")`` -> ``params.Dense_0.kernel``).
+    metadata: strings for the header's ``__metadata__`` (default
+      ``{"format": "pt"}``, which ``transformers`` loaders require).
+    overwrite: replace an existing ``path`` (only after the new one is complete).
+    timeout_seconds: how long a process waits for the others.
+
+  Returns:
+    The file names written, in order.
+
+  Raises:
+    ValueError: a leaf safetensors cannot hold, two leaves with one name, or
+      ``path`` exists without ``overwrite``; raised before anything is written.
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile, os
+    >>> from safetensors.numpy import load_file
+    >>> d = os.path.join(tempfile.mkdtemp(), "model")
+    >>> ofx.export_safetensors(d, {"dense": {"kernel": np.ones((2, 3), np.float32)}})
+    ['model.safetensors']
+    >>> load_file(os.path.join(d, "model.safetensors"))["dense.kernel"].shape
+    (2, 3)
+  """
+  name_fn = name_fn or _default_name
+  flat = _tree.flatten(tree)
+  entries: list[tuple[str, tuple[int, ...], np.dtype]] = []
+  values: list[Any] = []
+  problems: list[str] = []
+  seen: dict[str, str] = {}
+  for p, leaf in flat:
+    where = _tree.path_str(p)
+    kind = "lazy" if _is_lazy(leaf) else _tree.leaf_kind(leaf)
+    if kind is None or isinstance(leaf, (str, bytes)):
+      problems.append(f"{where}: a {type(leaf).__name__} is not an array")
+      continue
+    if kind == "value":
+      leaf = np.asarray(leaf)
+    name = name_fn(p)
+    if name in seen:
+      problems.append(f"{where}: tensor name {name!r} is also the name of {seen[name]}")
+      continue
+    seen[name] = where
+    try:
+      out_dtype = _cast_to(dtype, name, np.dtype(leaf.dtype))
+      dtype_name(out_dtype)
+    except (ValueError, TypeError) as e:
+      problems.append(f"{where}: {e}")
+      continue
+    entries.append((name, tuple(int(s) for s in leaf.shape), out_dtype))
+    values.append(leaf)
+  if problems:
+    raise ValueError("cannot export these leaves as safetensors:\n  " + "\n  ".join(problems))
+  if max_shard_bytes <= 0:
+    raise ValueError(f"max_shard_bytes={max_shard_bytes}; give a positive size such as 5 << 30")
+  path = os.path.abspath(path)
+  if os.path.exists(path) and not overwrite:
+    raise ValueError(f"{path} exists; pass overwrite=True to replace it (the old files stay"
+                     " until the new ones are complete)")
+  metadata = {"format": "pt", **(metadata or {})}
+  files = _file_layout(entries, max_shard_bytes)
+  n = len(files)
+  names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+  tmp = path + _TMP
+  key = _multihost.namespace("export")
+  me = _multihost.process_index()
+
+  def agree(stage: str, error: str) -> None:
+    results = _multihost.all_gather(f"{key}/{stage}", error, timeout_seconds,
+                                    what=f"finish export stage {stage!r}")
+    failed = [f"process {i}: {e}" for i, e in enumerate(results) if e]
+    if failed:
+      raise RuntimeError(f"export to {path} failed ({stage}); nothing was committed:\n  "
+                         + "\n  ".join(failed))
+
+  where_of: dict[int, tuple[str, int]] = {}
+  headers = []
+  for f, idxs in zip(names, files):
+    head, offsets = _header_bytes(entries, idxs, metadata)
+    headers.append(head)
+    for i, off in zip(idxs, offsets):
+      where_of[i] = (f, len(head) + off)
+  error = ""
+  if me == 0:
+    try:
+      shutil.rmtree(tmp, ignore_errors=True)
+      os.makedirs(tmp)
+      for f, head, idxs in zip(names, headers, files):
+        size = len(head) + sum(int(np.prod(entries[i][1], dtype=np.int64)) * entries[i][2].itemsize
+                               for i in idxs)
+        with open(os.path.join(tmp, f), "wb") as fh:
+          fh.write(head)
+          fh.truncate(size)
+    except OSError as e:
+      error = f"{type(e).__name__}: {e}"
+  agree("layout", error)
+  error = ""
+  fds: dict[str, int] = {}
+  try:
+    for i, value in enumerate(values):
+      f, base = where_of[i]
+      shape, out_dtype = entries[i][1], entries[i][2]
+      for box, data in _owned(value, me):
+        fd = fds.get(f)
+        if fd is None:
+          fd = fds[f] = os.open(os.path.join(tmp, f), os.O_WRONLY)
+        _cbytes.pwrite_box(fd, base, shape, box, np.asarray(data).astype(out_dtype, copy=False))
+        del data  # before the next array is read: one array in memory at a time
+    for fd in fds.values():
+      os.fsync(fd)
+  except OSError as e:
+    error = f"{type(e).__name__}: {e}"
+  finally:
+    for fd in fds.values():
+      os.close(fd)
+  agree("write", error)
+  error = ""
+  if me == 0:
+    try:
+      if n > 1:
+        total = sum(int(np.prod(s, dtype=np.int64)) * d.itemsize for _, s, d in entries)
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {entries[i][0]: names[k] for k, idxs in enumerate(files) for i in idxs}}
+        with open(os.path.join(tmp, INDEX_NAME), "w") as fh:
+          json.dump(index, fh, indent=2)
+          fh.flush()
+          os.fsync(fh.fileno())
+      _commit(tmp, path)
+    except OSError as e:
+      error = f"{type(e).__name__}: {e}"
+  agree("commit", error)
+  return names
+
+
+def _is_lazy(leaf: Any) -> bool:
+  """An array read on demand (``convert``'s streaming leaves): ``shape``, ``dtype``, ``read()``."""
+  return callable(getattr(leaf, "read", None)) and hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+
+
+def _owned(value: Any, me: int):
+  """``(box, host data)`` for the parts of ``value`` this process writes."""
+  if _is_lazy(value):
+    if me == 0:
+      yield tuple((0, s) for s in value.shape), value.read()
+    return
+  if isinstance(value, jax.Array):
+    shape = value.shape
+    owned = [(_layout.slices_to_box(s.index, shape), s) for s in value.addressable_shards
+             if s.replica_id == 0]
+    if not owned:
+      return
+    # The boxes this process owns usually tile one block (all of it on one
+    # process): written as one box, the block is a few long runs instead of
+    # one short run per row of every shard.
+    bound = tuple((min(b[d][0] for b, _ in owned), max(b[d][1] for b, _ in owned))
+                  for d in range(len(shape)))
+    volume = lambda b: int(np.prod([hi - lo for lo, hi in b], dtype=np.int64))  # noqa: E731
+    if len(owned) > 1 and sum(volume(b) for b, _ in owned) == volume(bound):
+      block = np.empty(tuple(hi - lo for lo, hi in bound), value.dtype)
+      for b, s in owned:
+        block[tuple(slice(lo - o, hi - o) for (lo, hi), (o, _) in zip(b, bound))] = np.asarray(s.data)
+      yield bound, block
+      return
+    for box, shard in owned:
+      yield box, np.asarray(shard.data)
+    return
+  if me == 0:
+    value = np.asarray(value)
+    yield tuple((0, s) for s in value.shape), value
+
+
+def _commit(tmp: str, path: str) -> None:
+  """Renames ``tmp`` to ``path``; an existing ``path`` is moved aside first, then removed."""
+  parent = os.path.dirname(path)
+  old = None
+  if os.path.exists(path):
+    old = path + ".ofx-old"
+    shutil.rmtree(old, ignore_errors=True)
+    os.rename(path, old)
+  os.rename(tmp, path)
+  fd = os.open(parent, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+  if old:
+    shutil.rmtree(old, ignore_errors=True)

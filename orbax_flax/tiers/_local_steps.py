@@ -1,0 +1,182 @@
+"""The local tier's steps on this process's own disk: one directory per step, a sealed record.
+
+``<local_directory>/run-<digest>/process_<i>/<step>/`` holds this process's
+blob (:data:`OWN`), the peers' replicas it keeps (``replica-<q>.blob``) and,
+written last, :data:`COMMITTED`, a sealed :class:`StepRecord`: a step without a
+valid record does not exist. :class:`StepDirectory` lists, commits and prunes
+the steps of one run in one process's directory; :class:`Sink` writes a
+replica as it arrives. Which steps to save and how processes agree is
+:mod:`orbax_flax.tiers.local`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+
+from orbax_flax import _manifest
+from orbax_flax import _progress
+from orbax_flax import errors
+from orbax_flax.tiers import _blob
+from orbax_flax.tiers.placement import Holdings
+
+OWN = "own.blob"
+COMMITTED = "COMMITTED"
+TMP = ".ofx-tmp-local"     # in the name of a step directory still being written
+_RECORD_MAGIC = b"orbax_flax local step v1"
+
+
+def run_dir(run: str) -> str:
+  """The subdirectory of the local directory that holds the steps of ``run``.
+
+  A digest of the run's persistent directory: two jobs that share a
+  ``local_directory`` (``/dev/shm/ckpt`` on one host) but save to different
+  places never see nor delete each other's local steps.
+
+  Example:
+    >>> run_dir("/tmp/exp1/checkpoints") != run_dir("/tmp/exp2/checkpoints")
+    True
+    >>> run_dir("/tmp/exp1/checkpoints")
+    'run-c948a8532e42830d'
+  """
+  return "run-" + hashlib.sha256(run.encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+  """What a local step's ``COMMITTED`` file records (sealed with a SHA-256)."""
+  step: int
+  run: str               # the persistent directory of the run that saved it
+  timeline: str          # the manager's timeline when it was saved (see CheckpointManager.timeline)
+  seq: int               # commit order in this directory: retention keeps the newest commits
+  process_count: int
+
+  def encode(self) -> bytes:
+    return _manifest.seal(_RECORD_MAGIC, json.dumps(dataclasses.asdict(self)).encode())
+
+  @classmethod
+  def decode(cls, data: bytes, where: str) -> "StepRecord":
+    body = _manifest.unseal(_RECORD_MAGIC, data, where)
+    try:
+      d = json.loads(body)
+      return cls(int(d["step"]), str(d["run"]), str(d["timeline"]), int(d["seq"]),
+                 int(d["process_count"]))
+    except (ValueError, KeyError, TypeError) as e:
+      raise errors.CheckpointCorruptedError(f"{where}: not a local step record ({e})") from None
+
+
+class StepDirectory:
+  """The committed local steps of run ``run`` in one process's directory ``root``."""
+
+  def __init__(self, root: str, run: str):
+    self.root, self.run = root, run
+
+  def dir(self, step: int) -> str:
+    return os.path.join(self.root, str(step))
+
+  def records(self) -> tuple[dict[int, StepRecord], list[str]]:
+    """The committed steps here (this run's, by their records), and the damaged ones, why."""
+    out, damaged = {}, []
+    for name in os.listdir(self.root) if os.path.isdir(self.root) else []:
+      path = os.path.join(self.root, name, COMMITTED)
+      if not name.isdigit() or not os.path.exists(path):
+        continue
+      try:
+        with open(path, "rb") as f:
+          record = StepRecord.decode(f.read(1 << 16), path)
+      except (OSError, errors.CheckpointCorruptedError) as e:
+        damaged.append(f"step {name}: {e}")
+        continue
+      if record.run != self.run or record.step != int(name):
+        damaged.append(f"step {name}: its record names run {record.run!r} step {record.step}")
+        continue
+      out[record.step] = record
+    return out, damaged
+
+  def commit(self, step: int, timeline: str, process_count: int, max_to_keep: int) -> None:
+    """Writes ``step``'s record (the next commit in order), then prunes to ``max_to_keep``."""
+    records, _ = self.records()
+    seq = 1 + max((r.seq for r in records.values()), default=0)
+    write(os.path.join(self.dir(step), COMMITTED),
+          StepRecord(step, self.run, timeline, seq, process_count).encode())
+    self.prune(max_to_keep)
+
+  def prune(self, max_to_keep: int) -> None:
+    """Keeps the ``max_to_keep`` newest commits (not the highest step numbers: after a
+    rollback the new timeline's steps are the lower ones) and removes everything else."""
+    records, _ = self.records()
+    keep = {r.step for r in sorted(records.values(), key=lambda r: r.seq)[-max_to_keep:]}
+    for name in os.listdir(self.root):
+      if (name.isdigit() and int(name) not in keep) or TMP in name:
+        shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+  def holdings(self, timeline: str | None, process_count: int) -> Holdings:
+    """Committed local steps here (of ``timeline``, if given), and the peers' replicas held
+    here; the steps left out, and why, are logged."""
+    own, replicas = [], {}
+    records, ignored = self.records()
+    for step, record in sorted(records.items()):
+      if timeline is not None and record.timeline != timeline:
+        ignored.append(f"step {step}: of timeline {record.timeline or '(the first)'!r}, which"
+                       f" a rollback abandoned; this run continues timeline"
+                       f" {timeline or '(the first)'!r}")
+        continue
+      d = self.dir(step)
+      if os.path.exists(os.path.join(d, OWN)):
+        own.append(step)
+      for f in os.listdir(d):
+        if f.startswith("replica-") and f.endswith(".blob") and f[8:-5].isdigit():
+          replicas.setdefault(int(f[len("replica-"):-len(".blob")]), []).append(step)
+    if ignored:
+      _progress.say("local tier (%s): ignoring %s", self.root, "; ".join(ignored))
+    counts = [records[s].process_count for s in own]
+    return Holdings(sorted(own), {k: sorted(v) for k, v in replicas.items()},
+                    counts[-1] if counts else process_count)
+
+
+class Sink:
+  """Writes a replica to ``path`` as its rounds arrive; a failure is kept, not raised, so
+  that this process still takes part in the rest of the exchange."""
+
+  def __init__(self, path: str | None):
+    self.error = "" if path is not None else "skipped"
+    self.fd = None
+    if path is not None:
+      try:
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+      except OSError as e:
+        self.error = f"{type(e).__name__}: {e}"
+
+  def __call__(self, offset: int, chunk: np.ndarray) -> None:
+    if self.fd is None or self.error:
+      return
+    try:  # parallel pwrites, as for the own copy
+      _blob.parallel(lambda lo: _blob.pwrite(self.fd, chunk[lo:lo + _blob.SEGMENT], offset + lo),
+                     list(range(0, chunk.size, _blob.SEGMENT)))
+    except OSError as e:
+      self.error = f"{type(e).__name__}: {e}"
+
+  def close(self) -> str:
+    """Fsyncs and closes; returns the error ("" if none; "skipped" is not an error)."""
+    if self.fd is not None:
+      try:
+        if not self.error:
+          os.fsync(self.fd)
+      except OSError as e:
+        self.error = f"{type(e).__name__}: {e}"
+      finally:
+        os.close(self.fd)
+    return "" if self.error == "skipped" else self.error
+
+
+def write(path: str, data: bytes) -> None:
+  """Writes ``data`` to ``path`` and makes it durable (fsync)."""
+  with open(path, "wb") as f:
+    f.write(data)
+    f.flush()
+    os.fsync(f.fileno())
