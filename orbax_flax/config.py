@@ -30,6 +30,19 @@ from typing import Any, NamedTuple
 from orbax_flax import policy as policy_lib
 
 
+class Triggers(NamedTuple):
+  """A policy's save triggers, apart by what they read (see :class:`orbax_flax.schedule.Schedule`).
+
+  Attributes:
+    steps: triggers of the step alone, decided on every process alike.
+    time: every N seconds, decided by process 0.
+    auto: the Young/Daly trigger (``save_interval="auto"``), decided by process 0.
+  """
+  steps: policy_lib.Trigger | None
+  time: policy_lib.Trigger | None
+  auto: policy_lib.YoungDaly | None
+
+
 class Plan(NamedTuple):
   """What a policy does over a run, from :meth:`CheckpointPolicy.plan`.
 
@@ -272,30 +285,28 @@ class CheckpointPolicy:
     except (ValueError, TypeError) as e:
       raise type(e)(f"{name}.{e}") from None
 
-  def trigger(self) -> policy_lib.AnyOf:
-    """The save trigger these settings describe."""
-    triggers: list[policy_lib.Trigger] = []
+  def triggers(self, *, local: bool = False) -> Triggers:
+    """The save triggers of the persistent tier (or of the ``local`` one), apart by what they read."""
+    if local:
+      every = self.local_save_interval_steps
+      return Triggers(policy_lib.any_of(policy_lib.EveryNSteps(every)) if every else None, None,
+                      policy_lib.YoungDaly(self.mtbf_seconds)
+                      if self.local_save_interval == "auto" else None)
+    steps: list[policy_lib.Trigger] = []
     if self.save_interval_steps:
-      triggers.append(policy_lib.EveryNSteps(self.save_interval_steps))
+      steps.append(policy_lib.EveryNSteps(self.save_interval_steps))
     if self.save_on_steps:
-      triggers.append(policy_lib.OnSteps(frozenset(self.save_on_steps)))
+      steps.append(policy_lib.OnSteps(frozenset(self.save_on_steps)))
     if self.save_first_step:
-      triggers.append(policy_lib.FirstStep())
-    # Last: step-based reasons win, as in CheckpointManager.should_save.
-    if self.save_interval_seconds:
-      triggers.append(policy_lib.EveryNSeconds(self.save_interval_seconds))
-    if self.save_interval == "auto":
-      triggers.append(policy_lib.YoungDaly(self.mtbf_seconds))
-    return policy_lib.any_of(*triggers)
+      steps.append(policy_lib.FirstStep())
+    return Triggers(policy_lib.any_of(*steps) if steps else None,
+                    policy_lib.EveryNSeconds(self.save_interval_seconds)
+                    if self.save_interval_seconds else None,
+                    policy_lib.YoungDaly(self.mtbf_seconds) if self.save_interval == "auto" else None)
 
-  def local_trigger(self) -> policy_lib.AnyOf:
-    """The local tier's save trigger (its step interval and/or its auto interval)."""
-    triggers: list[policy_lib.Trigger] = []
-    if self.local_save_interval_steps:
-      triggers.append(policy_lib.EveryNSteps(self.local_save_interval_steps))
-    if self.local_save_interval == "auto":
-      triggers.append(policy_lib.YoungDaly(self.mtbf_seconds))
-    return policy_lib.any_of(*triggers)
+  def trigger(self, *, local: bool = False) -> policy_lib.AnyOf:
+    """The save trigger these settings describe, as one (step-based reasons first)."""
+    return policy_lib.any_of(*(t for t in self.triggers(local=local) if t is not None))
 
   @property
   def local_tier(self) -> bool:
@@ -359,7 +370,7 @@ class CheckpointPolicy:
     """
     if not self.local_tier:
       return []
-    return [step for step, _, _ in _dry_run(self.local_trigger(), num_steps, seconds_per_step,
+    return [step for step, _, _ in _dry_run(self.trigger(local=True), num_steps, seconds_per_step,
                                             start_step, local_save_cost_seconds, final=False)]
 
 

@@ -24,11 +24,13 @@ import math
 import statistics
 from collections.abc import Mapping
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import ClassVar, NamedTuple, Protocol
 
 # Why a save happened, as recorded in each step's metadata.
 REASONS = ("interval", "time", "auto", "scheduled", "first", "final", "forced", "preemption",
            "exception")
+# The reasons of saves made whatever the triggers say (they never skip, and replace a committed step).
+FORCED = ("forced", "final", "preemption", "exception")
 
 
 class SaveState(NamedTuple):
@@ -52,6 +54,14 @@ class SaveState(NamedTuple):
 
 
 class Trigger(Protocol):
+  """A callable of a :class:`SaveState` returning the reason to save, or None.
+
+  ``reads_clock`` says whether the answer depends on ``now`` (or the save
+  cost), which differs between processes: such a trigger is decided by
+  process 0 (see :class:`orbax_flax.schedule.Schedule`). A trigger without the
+  attribute is taken as reading the clock.
+  """
+  reads_clock: ClassVar[bool]
 
   def __call__(self, s: SaveState) -> str | None:
     ...
@@ -60,6 +70,7 @@ class Trigger(Protocol):
 @dataclasses.dataclass(frozen=True)
 class EveryNSteps:
   """Saves at every multiple of ``n``."""
+  reads_clock: ClassVar[bool] = False
   n: int
 
   def __call__(self, s: SaveState) -> str | None:
@@ -69,6 +80,7 @@ class EveryNSteps:
 @dataclasses.dataclass(frozen=True)
 class EveryNSeconds:
   """Saves once ``seconds`` of wall time passed since the last save."""
+  reads_clock: ClassVar[bool] = True
   seconds: float
 
   def __call__(self, s: SaveState) -> str | None:
@@ -122,6 +134,7 @@ class YoungDaly:
     mtbf_seconds: the job's mean time between failures (preemptions included).
     assumed_cost_seconds: the cost used before a save has been measured.
   """
+  reads_clock: ClassVar[bool] = True
   mtbf_seconds: float
   assumed_cost_seconds: float = 1.0
 
@@ -136,6 +149,7 @@ class YoungDaly:
 @dataclasses.dataclass(frozen=True)
 class OnSteps:
   """Saves at an explicit set of steps."""
+  reads_clock: ClassVar[bool] = False
   steps: frozenset[int]
 
   def __call__(self, s: SaveState) -> str | None:
@@ -145,6 +159,7 @@ class OnSteps:
 @dataclasses.dataclass(frozen=True)
 class FirstStep:
   """Saves the first step of a run."""
+  reads_clock: ClassVar[bool] = False
 
   def __call__(self, s: SaveState) -> str | None:
     return "first" if s.first else None
@@ -154,6 +169,10 @@ class FirstStep:
 class AnyOf:
   """The first reason any of ``triggers`` gives."""
   triggers: tuple[Trigger, ...]
+
+  @property
+  def reads_clock(self) -> bool:
+    return any(getattr(t, "reads_clock", True) for t in self.triggers)
 
   def __call__(self, s: SaveState) -> str | None:
     for t in self.triggers:
@@ -185,6 +204,12 @@ class StepInfo:
 
 
 class KeepRule(Protocol):
+  """``keep(steps)`` returns the steps the rule keeps.
+
+  ``reads_metadata`` says whether it looks at more than step numbers (times,
+  metrics), which then have to be read; a rule without it is taken as reading them.
+  """
+  reads_metadata: ClassVar[bool]
 
   def keep(self, steps: Sequence[StepInfo]) -> set[int]:
     ...
@@ -193,6 +218,7 @@ class KeepRule(Protocol):
 @dataclasses.dataclass(frozen=True)
 class KeepLast:
   """Keeps the ``n`` most recent steps."""
+  reads_metadata: ClassVar[bool] = False
   n: int
 
   def keep(self, steps: Sequence[StepInfo]) -> set[int]:
@@ -202,6 +228,7 @@ class KeepLast:
 @dataclasses.dataclass(frozen=True)
 class KeepEvery:
   """Keeps every step that is a multiple of ``period``, forever."""
+  reads_metadata: ClassVar[bool] = False
   period: int
 
   def keep(self, steps: Sequence[StepInfo]) -> set[int]:
@@ -218,6 +245,7 @@ class KeepBest:
     n: how many to keep.
     missing: steps without the metric are ranked "worst", or always "keep"-ed.
   """
+  reads_metadata: ClassVar[bool] = True
   metric: str
   mode: str = "min"
   n: int = 1
@@ -241,6 +269,7 @@ class KeepBest:
 @dataclasses.dataclass(frozen=True)
 class KeepOnePer:
   """Keeps the first step committed in each ``seconds``-long window of wall time."""
+  reads_metadata: ClassVar[bool] = True
   seconds: float
 
   def keep(self, steps: Sequence[StepInfo]) -> set[int]:

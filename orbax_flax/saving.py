@@ -76,6 +76,33 @@ class AsyncSave:
     self._reported = False
     self._thread: threading.Thread | None = None
     self.cancelled = threading.Event()
+    self._callbacks: list[Callable[[AsyncSave], None]] | None = []  # None once they ran
+    self._callbacks_lock = threading.Lock()
+
+  def add_done_callback(self, fn: Callable[[AsyncSave], None]) -> None:
+    """Calls ``fn(self)`` once the save committed or failed: in its thread, before ``wait()``
+    and ``join()`` return (at once if it has ended). ``wait()`` inside ``fn`` does not block.
+    An error of ``fn`` becomes the save's (or a note on the save's own): never swallowed."""
+    with self._callbacks_lock:
+      if self._callbacks is not None:
+        return self._callbacks.append(fn)
+    self._call(fn)
+
+  def _ended(self) -> None:
+    self.total_s = time.perf_counter() - self.started
+    with self._callbacks_lock:
+      callbacks, self._callbacks = self._callbacks or [], None
+    for fn in callbacks:
+      self._call(fn)
+
+  def _call(self, fn: Callable[[AsyncSave], None]) -> None:
+    try:
+      fn(self)
+    except BaseException as e:  # pylint: disable=broad-except  # the save's error from now on
+      if self._error is None:
+        self._error, self._reported = e, False
+      else:
+        self._error.add_note(f"(its done-callback failed too: {type(e).__name__}: {e})")
 
   def run_in_background(self, work: Callable[[], None]) -> None:
     """Runs ``work`` in a daemon thread; at interpreter exit it still commits unless cancelled."""
@@ -85,8 +112,8 @@ class AsyncSave:
       except BaseException as e:  # pylint: disable=broad-except  # Re-raised in wait().
         self._error = e
       finally:
-        self.total_s = time.perf_counter() - self.started
         atexit.unregister(self._finish_at_exit)
+        self._ended()
     self._thread = threading.Thread(target=body, name=f"orbax_flax-save-{self.path}", daemon=True)
     atexit.register(self._finish_at_exit)
     self._thread.start()
@@ -101,7 +128,7 @@ class AsyncSave:
       work()
     except BaseException as e:  # pylint: disable=broad-except
       self._error = e
-    self.total_s = time.perf_counter() - self.started
+    self._ended()
 
   def cancel(self) -> None:
     """Makes sure this save never commits (if it has not already), and stops its writing.
@@ -126,7 +153,7 @@ class AsyncSave:
     Raises:
       TimeoutError: if ``timeout`` seconds pass first.
     """
-    if self._thread is not None:
+    if self._thread is not None and self._thread is not threading.current_thread():
       self._thread.join(timeout)
       if self._thread.is_alive():
         raise TimeoutError(f"save to {self.path} still running after {timeout} s")
@@ -134,10 +161,11 @@ class AsyncSave:
       self._reported = True
       raise self._error
 
-  def join(self) -> None:
-    """Blocks until the background phase ends, without raising or reporting its error."""
-    if self._thread is not None:
-      self._thread.join()
+  def join(self, timeout: float | None = None) -> bool:
+    """Blocks until the background phase ends (at most ``timeout`` s); True if it has. Raises nothing."""
+    if self._thread is not None and self._thread is not threading.current_thread():
+      self._thread.join(timeout)
+    return self.done()
 
   def unreported_error(self) -> BaseException | None:
     """The error nobody has seen (a cancellation someone asked for does not count)."""

@@ -202,8 +202,9 @@ def test_sweep_spares_a_save_below_the_latest_step(tmp_path, monkeypatch):
   monkeypatch.setattr(_save_run.SaveRun, "_commit", held_commit)
   assert mngr.save(15, {"state": state(15)}, force=True)
   assert written.wait(60)
-  # Another manager on the directory sweeps leftovers at start-up meanwhile.
-  ofx.CheckpointManager(d, ofx.CheckpointPolicy()).close()
+  # Another manager of this process on the directory sweeps leftovers at start-up
+  # meanwhile: sharing the first one's writes, it spares the save in flight.
+  ofx.CheckpointManager(d, ofx.CheckpointPolicy(), writes=mngr.registry.writes).close()
   go_on.set()
   mngr.wait()
   # 15 survived the sweep and committed; restoring 10 was a rollback, so the
@@ -221,7 +222,7 @@ def test_reload_does_not_bring_back_a_step_being_deleted(tmp_path, monkeypatch):
   mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(max_to_keep=1))
   mngr.save(1, {"state": state(1)}, force=True)
   mngr.save(2, {"state": state(2)}, force=True)
-  mngr._finish_inflight()  # pylint: disable=protected-access  # step 2 committed, 1 doomed
+  assert mngr.wait_for_save()  # step 2 committed, 1 doomed
   assert on_disk(d) == [1, 2]  # its deletion is held
   mngr.reload()
   assert mngr.all_steps() == [2]
@@ -271,7 +272,7 @@ def test_discovery_of_many_steps_reads_no_metadata(tmp_path):
     shutil.copytree(os.path.join(d, "0"), os.path.join(d, str(s)))
   mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=10))
   assert mngr.all_steps() == list(range(1200)) and mngr.latest_step() == 1199
-  assert mngr._infos == {}  # pylint: disable=protected-access  # nothing was read
+  assert mngr.registry.cached_infos() == {}  # nothing was read
   mngr.close()
 
 

@@ -17,8 +17,6 @@ RESTORE = ["target", "partial", "allow_lossy_casts", "transforms", "read_once", 
            "progress", "casts"]
 SAVE = ["items", "overwrite", "custom_metadata", "dtype"]
 
-# CheckpointManager.restore(step, ...) takes the same RESTORE names (its read_once=None
-# meaning "the policy's"); it joins RESTORE_LAYERS once it does (h-sched's part of issue 17).
 RESTORE_LAYERS = {
     "orbax_flax.restore": ofx.restore,
     "Checkpointer.restore": checkpointer.Checkpointer.restore,
@@ -46,6 +44,16 @@ def test_every_layer_takes_the_same_arguments(layers, names):
   for name, sig in sigs.items():
     assert [p[0] for p in sig] == names, name
     assert sig == sigs[first], f"{name} differs from {first}:\n  {sig}\n  {sigs[first]}"
+
+
+def test_the_manager_restores_and_saves_with_the_same_arguments():
+  # Its first argument is the step; its read_once=None means "the policy's read_once_restore".
+  manager = _after_first(ofx.CheckpointManager.restore)
+  engine = _after_first(checkpointer.Checkpointer.restore)
+  assert [p[0] for p in manager] == RESTORE
+  assert [p for p in manager if p[0] != "read_once"] == [p for p in engine if p[0] != "read_once"]
+  save = [p[0] for p in _after_first(ofx.CheckpointManager.save)]
+  assert save[:1] == ["items"] and set(SAVE[1:]) - {"overwrite"} <= set(save), save
 
 
 def test_save_async_is_save_plus_cancellable():

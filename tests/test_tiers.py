@@ -237,14 +237,14 @@ import math  # noqa: E402
 import statistics  # noqa: E402
 
 from orbax_flax import policy  # noqa: E402
-from orbax_flax.tiers import schedule  # noqa: E402
+from orbax_flax import schedule  # noqa: E402
 
 
 def test_local_schedule_follows_young_daly_of_injected_costs():
   """No I/O: a fake clock, local save costs injected; the interval is sqrt(2 x median x mtbf)."""
   now = [0.0]
-  s = schedule.LocalSchedule(policy.any_of(policy.YoungDaly(5000.0)), clock=lambda: now[0])
-  assert s.interval_s() == 100.0  # sqrt(2 x 1 s assumed x 5000 s)
+  s = schedule.Schedule(auto=policy.YoungDaly(5000.0), key="test/local", clock=lambda: now[0])
+  assert s.interval() == 100.0  # sqrt(2 x 1 s assumed x 5000 s)
   due = []
   costs = iter([0.4, 0.9, 0.1, 3.6, 0.4, 0.4, 0.4, 0.4])
   for step in range(1, 2001):
@@ -256,10 +256,10 @@ def test_local_schedule_follows_young_daly_of_injected_costs():
   # Median of the recent costs: 1 (assumed), 0.4, 0.65, 0.4, 0.65, 0.4, 0.4, ... -> 100, 64, 81, 64 s
   assert gaps[:6] == [10, 7, 9, 7, 9, 7], gaps
   assert set(gaps[6:]) == {7}  # sqrt(2 x 0.4 x 5000) = 63.2 s: the 7th step of 10 s
-  assert s.expected_loss_s() == pytest.approx(math.sqrt(2 * 0.4 * 5000) / 2)
+  assert s.interval() / 2 == pytest.approx(math.sqrt(2 * 0.4 * 5000) / 2)
   every3 = policy.any_of(policy.EveryNSteps(3))
-  assert schedule.LocalSchedule(every3, clock=lambda: 0.0).due(6)
-  assert schedule.LocalSchedule(every3, clock=lambda: 0.0).interval_s() is None
+  assert schedule.Schedule(every3, key="test/3", clock=lambda: 0.0).due(6) == "interval"
+  assert schedule.Schedule(every3, key="test/3", clock=lambda: 0.0).interval() is None
 
 
 def test_callback_local_auto_interval_uses_the_measured_local_save_time(tmp_path):

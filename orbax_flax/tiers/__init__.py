@@ -7,7 +7,8 @@ coordination service; a restore assembles the newest step every process can
 get, from its own copy or a peer's. :mod:`._blob` is its file format (the
 engine's leaf records, target check and placement, in one file per process),
 :mod:`.placement` the pure choice of where copies go and which to read,
-:mod:`._exchange` the collective that moves bytes, :mod:`.schedule` when the
-tier saves, :mod:`.saves` the training loop's side (is a step due, one local
-save). Modules here import the engine; the engine never imports them.
+:mod:`._exchange` the collective that moves bytes, :mod:`.saves` the training
+loop's side (is a step due, one local save); when the tier saves is
+:class:`orbax_flax.schedule.Schedule`, the persistent tier's shell too. Modules
+here import the engine; the engine never imports them.
 """

@@ -2,7 +2,7 @@
 
 :class:`LocalSaves` pairs the tier (:class:`~orbax_flax.tiers.local.LocalTier`:
 where the bytes go, who holds copies) with its schedule
-(:class:`~orbax_flax.tiers.schedule.LocalSchedule`: when). A save that fails
+(:class:`~orbax_flax.schedule.Schedule`: when). A save that fails
 is logged and handed back, not raised, so that the persistent save of the same
 step still runs; the callback then treats it as it treats any failed save
 (``on_save_error``).
@@ -11,13 +11,12 @@ step still runs; the callback then treats it as it treats any failed save
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from orbax_flax import errors
+from orbax_flax import schedule
 from orbax_flax.tiers import local
-from orbax_flax.tiers import schedule
 
 log = logging.getLogger("orbax_flax")
 
@@ -31,29 +30,12 @@ class LocalSaves:
     directory: the tier's directory, for the log.
   """
 
-  def __init__(self, tier: local.LocalTier, when: schedule.LocalSchedule, directory: str):
+  def __init__(self, tier: local.LocalTier, when: schedule.Schedule, directory: str):
     self.tier, self._when, self._directory = tier, when, directory
-
-  @classmethod
-  def from_policy(cls, policy: Any, run: str, *,
-                  clock: Callable[[], float] = time.time) -> LocalSaves | None:
-    """The local tier ``policy`` (a :class:`CheckpointPolicy`) asks for; None without one.
-
-    ``run`` names the run (its persistent directory): a local step of another
-    run is never resumed.
-    """
-    if not policy.local_tier:
-      return None
-    tier = local.LocalTier(policy.local_directory, run=run, replicas=policy.replicas,
-                           max_to_keep=policy.local_max_to_keep,
-                           coordination_timeout_seconds=policy.coordination_timeout_seconds,
-                           max_host_bytes=policy.max_host_bytes)
-    return cls(tier, schedule.LocalSchedule(policy.local_trigger(), clock=clock, directory=run),
-               policy.local_directory)
 
   def due(self, step: int) -> bool:
     """True if the local tier saves ``step``. Call it on every process at every step."""
-    return self._when.due(step)
+    return self._when.due(step) is not None
 
   def save(self, step: int, items: Mapping[str, Any], *, timeline: str,
            writer: Any = None) -> errors.StorageError | None:
@@ -71,7 +53,7 @@ class LocalSaves:
                 step, self._directory, e)
       return e if isinstance(e, errors.StorageError) else errors.StorageError(str(e))
     self._when.record(step, seconds)
-    interval = self._when.interval_s()
+    interval = self._when.interval()
     log.info("local checkpoint step %d committed in %.3f s (%s, %d replica(s))%s", step, seconds,
              self._directory, self.tier.replicas,
              "" if interval is None else f"; local_save_interval=auto: next in {interval:.1f} s,"
