@@ -1,6 +1,6 @@
 """One differential save on one process: which blocks to write, which to reference.
 
-The save's :class:`orbax_flax.saving.SaveRun` calls, in its background phase:
+The save's :class:`orbax_flax._save_run.SaveRun` calls, in its background phase:
 
 1. :meth:`Differ.agree` once the generation is agreed: process 0 picks the
    base (the step it was given, if it is still committed and a sibling of the
