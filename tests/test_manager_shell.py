@@ -10,19 +10,7 @@ import pytest
 import orbax_flax as ofx
 from disks import small_disk
 from orbax_flax import saving
-
-
-class FakeClock:
-
-  def __init__(self, start=1_000_000.0):
-    self.t = start
-
-  def __call__(self):
-    return self.t
-
-
-def on_disk(directory):
-  return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+from test_manager import FakeClock, on_disk  # the manager tests' fake clock and step listing
 
 
 def state(step):
