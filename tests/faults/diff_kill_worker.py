@@ -22,6 +22,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_flax as ofx  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import fault_worker  # noqa: E402  (its save-and-report loop)
+
 SHAPES = {"frozen": (1024, 1024), "frozen_rep": (512, 512), "hot": (256, 512), "small": (64,)}
 SPECS = {"frozen": P("data", "model"), "frozen_rep": P(), "hot": P("data"), "small": P()}
 
@@ -69,14 +72,7 @@ def main():
       print(f"RESUMED {step}", flush=True)
     else:
       print("FRESH", flush=True)
-    while a.steps is None or step < a.steps:
-      step += 1
-      mngr.save(step, {"state": state(step, mesh)})
-      for event in mngr.pop_events():
-        print(f"COMMITTED {event.step}", flush=True)
-    mngr.wait()
-    for event in mngr.pop_events():
-      print(f"COMMITTED {event.step}", flush=True)
+    fault_worker.save_steps(mngr, step, a.steps, lambda step: {"state": state(step, mesh)})
   print("DONE", flush=True)
 
 

@@ -73,15 +73,7 @@ def run_manager(directory, steps, mesh, timeout=600.0):
       check(restored, latest)
       print(f"RESUMED {latest}", flush=True)
       start = latest
-    step = start
-    while steps is None or step < steps:
-      step += 1
-      mngr.save(step, {"state": state(step, mesh)})
-      for event in mngr.pop_events():
-        print(f"COMMITTED {event.step}", flush=True)
-    mngr.wait()
-    for event in mngr.pop_events():
-      print(f"COMMITTED {event.step}", flush=True)
+    save_steps(mngr, start, steps, lambda step: {"state": state(step, mesh)})
     print(f"LEFTOVERS {[l.name for l in mngr.leftovers()]}", flush=True)
 
 
@@ -109,6 +101,18 @@ def run_sweep(directory, mesh):
     n += 1
     ofx.CheckpointManager(directory).close()
     print(f"SWEPT {n}", flush=True)
+
+
+def save_steps(mngr, step, steps, items):
+  """Saves ``items(step)`` after ``step`` until ``steps`` (None: until killed), printing commits."""
+  while steps is None or step < steps:
+    step += 1
+    mngr.save(step, items(step))
+    for event in mngr.pop_events():
+      print(f"COMMITTED {event.step}", flush=True)
+  mngr.wait()
+  for event in mngr.pop_events():
+    print(f"COMMITTED {event.step}", flush=True)
 
 
 def main():
