@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -29,7 +30,7 @@ import jax
 # How long a process waits for the others at a rendezvous, unless told otherwise.
 DEFAULT_TIMEOUT_S = 600.0
 
-def namespace(kind: str, where: str) -> str:
+def namespace(kind: str, where: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
   """A key prefix for the next object (or save) of ``kind`` on ``where``, the same on every process.
 
   ``orbax_flax/<kind>/<digest of where>/<n>``: the ``n``-th prefix of this
@@ -39,6 +40,10 @@ def namespace(kind: str, where: str) -> str:
   makes the same objects on ``where`` in the same order gets the same
   prefix. A single-process job shares nothing: its prefix has no count.
 
+  The count is a call to the service, hosted by process 0: it waits at most
+  ``timeout_s`` for an answer, then raises :class:`CoordinationTimeoutError`
+  (the service's own increment has no timeout, so it runs on a helper thread).
+
   Example:
     >>> namespace("doc-example", "/tmp/run")  # one process
     'orbax_flax/doc-example/52865a8aedce'
@@ -47,7 +52,28 @@ def namespace(kind: str, where: str) -> str:
   c = client()
   if c is None:
     return base
-  return f"{base}/{c.key_value_increment(f'{base}/count/{process_index()}', 1)}"
+  counter = f"{base}/count/{process_index()}"
+  answer: list = []
+  asked = threading.Thread(target=_call_into, args=(answer, c.key_value_increment, counter, 1),
+                           name="orbax_flax-coordination", daemon=True)
+  asked.start()
+  asked.join(timeout_s)
+  if not answer:
+    raise CoordinationTimeoutError(
+        f"process {process_index()} waited {timeout_s:g} s for the coordination service"
+        f" (hosted by process 0) to count {counter!r}; process 0 is stopped or overloaded."
+        " Raise coordination_timeout_seconds if it is only slow.", [0])
+  if isinstance(answer[0], BaseException):
+    raise answer[0]
+  return f"{base}/{answer[0]}"
+
+
+def _call_into(answer: list, call, *args) -> None:
+  """Appends ``call(*args)``, or the exception it raised, to ``answer``."""
+  try:
+    answer.append(call(*args))
+  except BaseException as e:  # pylint: disable=broad-except  # re-raised by the caller
+    answer.append(e)
 
 
 def leave(key: str) -> None:

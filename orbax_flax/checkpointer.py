@@ -105,7 +105,8 @@ class Checkpointer:
     self.differential = differ_lib.Differential(differential)
     # Taken now, not at the first save: a save's first wait is a timed one (a frozen process 0
     # makes the others time out, not hang in an untimed call to its coordination service).
-    self._key = coordination_key or _multihost.namespace("checkpointer", "")
+    self._key = coordination_key or _multihost.namespace("checkpointer", "",
+                                                         coordination_timeout_seconds)
     self._seq = 0
     self._planner = _planner.Planner()
     self._staging = _staging.Staging(limit=max_host_bytes)

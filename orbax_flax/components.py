@@ -72,7 +72,7 @@ def build(policy: CheckpointPolicy, directory: Any, *, clock: Callable[[], float
     TypeError: ``trigger`` or ``keep`` is not a trigger or keep rules.
   """
   loc = Location.parse(directory)
-  key = _multihost.namespace("manager", str(loc))
+  key = _multihost.namespace("manager", str(loc), policy.coordination_timeout_seconds)
   if trigger is None:
     schedule = Schedule(*policy.triggers(), key=key, clock=clock, if_busy=policy.if_busy)
   elif callable(trigger):

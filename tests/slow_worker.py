@@ -18,17 +18,47 @@ from jax.sharding import PartitionSpec as P
 
 import jobs
 import orbax_flax as ofx
+from orbax_flax import _multihost
+
+def make_while_process_0_is_stopped():
+  """Process 0 stops; process 1 makes a Checkpointer and prints what happened, and when."""
+  if jax.process_index() == 0:
+    _multihost.fetch("slow_worker/asking", 60, waiting_for="process 1")
+    print(f"P0 READY pid={os.getpid()}", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)
+  else:
+    _multihost.publish("slow_worker/asking", "1")
+    time.sleep(1)  # process 0 is stopped by now
+    start = time.monotonic()
+    try:
+      ofx.Checkpointer(coordination_timeout_seconds=2)
+      print("P1 MADE ok", flush=True)
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"P1 MADE {type(e).__name__} after {time.monotonic() - start:.1f} s: {e}", flush=True)
+  os._exit(0)  # pylint: disable=protected-access
+
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--path")
   p.add_argument("--slow", type=int)
+  p.add_argument("--stop_before_making", type=int, default=0)
   a = jobs.join(p)
   mesh = jax.make_mesh((jax.device_count(),), ("x",))
   value = np.arange(8 * (1 << 16), dtype=np.float32).reshape(8, 1 << 16)
   x = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("x")), lambda i: value[i])
   logging.basicConfig(level=logging.WARNING, format="%(message)s")
+  if a.stop_before_making:
+    make_while_process_0_is_stopped()
   ckptr = ofx.Checkpointer(coordination_timeout_seconds=2, watchdog_seconds=1)
+  # Making a Checkpointer talks to the coordination service (hosted by process
+  # 0), and such a call waits while process 0 is stopped. So the slow process
+  # stops only once the other one has made its Checkpointer: from then on, the
+  # other's next coordination call is the save's own, which times out.
+  if jax.process_index() == a.slow:
+    _multihost.fetch("slow_worker/made", 60, waiting_for="the other process's Checkpointer")
+  else:
+    _multihost.publish("slow_worker/made", "1")
   print(f"P{jax.process_index()} READY pid={os.getpid()}", flush=True)
   if jax.process_index() == a.slow:
     os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes us 5 s later
@@ -37,7 +67,6 @@ def main():
     print(f"P{jax.process_index()} RESULT ok", flush=True)
   except Exception as e:  # pylint: disable=broad-except
     print(f"P{jax.process_index()} RESULT {type(e).__name__}: {e}", flush=True)
-  from orbax_flax import _multihost  # pylint: disable=g-import-not-at-top
   _multihost.all_gather("slow_worker/done", "1", timeout_s=60)  # the late one is done too
   print(f"P{jax.process_index()} COMMITTED {os.path.exists(os.path.join(a.path, '_CHECKPOINT'))}",
         flush=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import struct
 import sys
 from collections.abc import Callable
@@ -486,6 +485,16 @@ _STATED = ("value", "custom", "created", "library_version", "device_count", "ite
            "sharding")
 
 
+def _edited_manifest(path: str, edit, in_summary: bool) -> tuple[str, bytes, tuple]:
+  """The manifest file of ``path``, its bytes after ``edit`` (digests redone), and the edit's place."""
+  file = os.path.join(path, "_CHECKPOINT")
+  _, line, body = open(file, "rb").read().split(b"\n", 2)
+  summary, body = json.loads(line), json.loads(body)
+  mutated, where = _apply_json(summary if in_summary else body, edit)
+  data = _rehash(mutated, body) if in_summary else _rehash(summary, mutated)
+  return file, data, where
+
+
 def _own_read(path: str) -> Any:
   out = ofx.restore(path)
   ofx.metadata(path)
@@ -496,11 +505,7 @@ def _own_read(path: str) -> Any:
 @given(edit=_json_edit.filter(lambda e: e is not None), in_summary=st.booleans())
 def test_fuzz_own_manifest_fields(own_ckpt, outside, edit, in_summary):
   path, expected = own_ckpt
-  file = os.path.join(path, "_CHECKPOINT")
-  _, line, body = open(file, "rb").read().split(b"\n", 2)
-  summary, body = json.loads(line), json.loads(body)
-  mutated, where = _apply_json(summary if in_summary else body, edit)
-  data = _rehash(mutated, body) if in_summary else _rehash(summary, mutated)
+  file, data, where = _edited_manifest(path, edit, in_summary)
   # An item as a whole (dropped, renamed) is the manifest's to state, as a value is.
   exact = not any(k in _STATED for k in where if isinstance(k, str)) and not (
       not in_summary and len(where) == 2 and where[0] == "items")
@@ -794,9 +799,5 @@ def test_fuzz_differential_references(diff_ckpt, outside, edit, in_summary):
   """A crafted reference (bases, chunk_base, packed_pieces, owners) gives a clean error or
   values, never a read outside the run's directory (it may legitimately name other chunks)."""
   path, expected = diff_ckpt
-  file = os.path.join(path, "_CHECKPOINT")
-  _, line, body = open(file, "rb").read().split(b"\n", 2)
-  summary, body = json.loads(line), json.loads(body)
-  mutated, _ = _apply_json(summary if in_summary else body, edit)
-  data = _rehash(mutated, body) if in_summary else _rehash(summary, mutated)
+  file, data, _ = _edited_manifest(path, edit, in_summary)
   check_file_mutation(file, data, lambda: _own_read(path), expected, outside[1], exact=False)

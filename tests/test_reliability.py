@@ -118,6 +118,24 @@ def test_a_late_process_gets_the_same_verdict_and_its_data_is_not_deleted(tmp_pa
   assert "WATCHDOG" in waiting and ("finish writing" in waiting or "generation" in waiting), waiting
 
 
+def test_making_a_checkpointer_while_process_0_is_stopped_times_out(tmp_path):
+  """Every wait on the coordination service has a timeout, the Checkpointer's first one too."""
+  procs = jobs.start("slow_worker.py", [f"--path={tmp_path}/c", "--slow=0",
+                                        "--stop_before_making=1"], 2, 2)
+  ready = procs[0].stdout.readline()
+  assert "READY" in ready, ready + procs[0].stdout.read()
+  pid = int(ready.split("pid=")[1])
+  try:
+    out = procs[1].communicate(timeout=60)[0]
+  finally:
+    os.kill(pid, signal.SIGCONT)
+    jobs.wait(procs, 60)
+  made = re.findall(r"P1 MADE (.*)", out)
+  assert made and made[0].startswith("CoordinationTimeoutError after"), out
+  assert float(made[0].split("after ")[1].split(" s")[0]) < 4.5, made  # 2 s, not until SIGCONT
+  assert "process 0" in made[0] and "coordination_timeout_seconds" in made[0], made
+
+
 # ---------------------------------------------------------------------- 3. damaged old manifest
 # On S3 and GCS: tests/test_objstore.py::test_overwrite_over_a_damaged_manifest_commits_and_cleans_up.
 

@@ -155,7 +155,7 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
   n = len(files)
   names = [SINGLE_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
   tmp = path + _TMP
-  key = _multihost.namespace("export", path)
+  key = _multihost.namespace("export", path, coordination_timeout_seconds)
   me = _multihost.process_index()
 
   def agree(stage: str, error: str) -> None:

@@ -106,7 +106,7 @@ class LocalTier:
     self.replicas = replicas if n > 1 else 0
     self.max_to_keep = max_to_keep
     self.timeout = coordination_timeout_seconds
-    self._key = _multihost.namespace("local_tier", run)
+    self._key = _multihost.namespace("local_tier", run, coordination_timeout_seconds)
     self._calls = 0
     self.host = host if host is not None else (os.environ.get(placement.HOST_ENV)
                                                or socket.gethostname())
