@@ -48,7 +48,11 @@ class S3Server(StoreServer):
            f"-master.port={ports[0]}", f"-volume.port={ports[1]}", "-filer",
            f"-filer.port={ports[3]}", "-s3", f"-s3.port={ports[2]}", f"-s3.config={config}",
            "-s3.port.lance=0", "-s3.port.iceberg=0",
-           f"-master.port.grpc={ports[4]}", "-volume.max=0", "-master.volumeSizeLimitMB=256"]
+           f"-master.port.grpc={ports[4]}", "-master.volumeSizeLimitMB=256",
+           # A fixed number of volume slots: "-volume.max=0" derives it from the disk's free
+           # space (free / 256 MB), and every bucket (a collection) grows volumes of its own,
+           # so with 21 GB free only 12 buckets could hold data and later tests got HTTP 500.
+           "-volume.max=2000"]
     self._launch(cmd, ports[2], workdir)
 
   def ready(self) -> None:
