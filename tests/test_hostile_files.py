@@ -576,8 +576,9 @@ def test_orbax_item_names_cannot_leave_the_step(tmp_path, outside, capsys):
 
 
 def test_orbax_array_names_cannot_leave_the_item(tmp_path, outside):
-  """An array's name is its keys joined by '.': a key '..' or 'x/y' would name a directory
-  elsewhere in the per-array (non-OCDBT) layout."""
+  """An array's name is its keys joined by '.': a key '..', '/abs' or 'x/../..' would name a
+  directory elsewhere in the per-array (non-OCDBT) layout ('x/y' nests inside the item: read,
+  tests/test_interop.py)."""
   root, _ = outside
   item = tmp_path / "item"
   ck = ocp.StandardCheckpointer()
@@ -586,7 +587,7 @@ def test_orbax_array_names_cannot_leave_the_item(tmp_path, outside):
   meta = json.loads((item / "_METADATA").read_text())
   entry = meta["tree_metadata"].pop("('w',)")
   rel = os.path.relpath(os.path.join(root, "victim", "weights_matrix"), item)
-  for key in ["..", rel, "a/b"]:
+  for key in ["..", rel, "a/../../x", "/abs", "a//b"]:
     entry["key_metadata"] = [{"key": key, "key_type": 2}]
     (item / "_METADATA").write_text(json.dumps({**meta, "use_ocdbt": False, "tree_metadata": {
         repr((key,)): entry}}))

@@ -90,6 +90,25 @@ def test_orbax_checkpoint_item_restores_onto_another_mesh(tmp_path, layout):
   np.testing.assert_array_equal(whole["params"]["dense"]["kernel"], np.asarray(state["params"]["dense"]["kernel"]))
 
 
+@pytest.mark.parametrize("layout", ["standard", "no_ocdbt"])
+def test_orbax_checkpoint_with_a_slash_in_a_key_restores(tmp_path, layout):
+  """Keys such as 'layer_00/attn' (a flattened module path) are common: orbax-checkpoint
+  nests those arrays inside the item, and we read them (a '..' is what we refuse)."""
+  state = {"mu": {"layer_00/attn/wk": np.arange(16, dtype=np.float32).reshape(4, 4)},
+           "nu": {"layer_00/attn/wk": np.ones((4, 4), np.float32)}}
+  path = str(tmp_path / "ocp")
+  if layout == "standard":
+    with ocp.StandardCheckpointer() as saver:
+      saver.save(path, state)
+      saver.wait_until_finished()
+  else:
+    ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False)).save(
+        path, args=ocp.args.PyTreeSave(state))
+  _same(ofx.restore(path)["default"], state)
+  target = _abstract(state, _mesh(), P("x"))
+  _same(ofx.restore(path, {"state": target})["state"], state)
+
+
 def test_orbax_checkpoint_errors_by_key_path_before_reading(tmp_path):
   state = _state(_mesh())
   path = str(tmp_path / "ocp")

@@ -87,6 +87,31 @@ def plain_name(name: Any, where: str, field: str) -> str:
   return name
 
 
+def relative_name(name: Any, where: str, field: str) -> str:
+  """``name`` if it is a relative path that stays inside a directory: ``/``-separated
+  plain names (:func:`plain_name`); CheckpointFormatError otherwise.
+
+  For names that a format nests on purpose, e.g. orbax-checkpoint's array
+  names, which join a leaf's keys with ``.`` and keep a ``/`` inside a key.
+
+  Example:
+    >>> relative_name("mu.layer_00/attn/wk", "_METADATA", "the array name")
+    'mu.layer_00/attn/wk'
+    >>> relative_name("mu/../../x", "_METADATA", "the array name")
+    Traceback (most recent call last):
+    ...
+    orbax_flax.errors.CheckpointFormatError: _METADATA: the array name is 'mu/../../x', not a relative path inside the checkpoint directory (names without '..', '.', backslash or an empty part, joined by '/'): a checkpoint cannot point outside itself
+  """
+  parts = name.split("/") if isinstance(name, str) else [None]
+  if not all(isinstance(p, str) and p not in ("", ".", "..") and "\\" not in p and "\0" not in p
+             for p in parts):
+    raise errors.CheckpointFormatError(
+        f"{where}: {field} is {short(name)}, not a relative path inside the checkpoint directory"
+        " (names without '..', '.', backslash or an empty part, joined by '/'): a checkpoint"
+        " cannot point outside itself")
+  return name
+
+
 def inside(directory: str, name: Any, where: str, field: str) -> str:
   """The path of the file ``name`` inside ``directory``, checked to stay there.
 

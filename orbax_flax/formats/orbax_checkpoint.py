@@ -140,7 +140,8 @@ def read_tree_metadata(loc: Location) -> tuple[list[_Leaf], bool, bool] | None:
       continue  # an empty node (None, optax.EmptyState()): no leaf to read
     leaf = _Leaf(tuple(keys), vm["value_type"], skip)
     if not skip and leaf.value_type in _ARRAY_TYPES + ("scalar",):
-      _checks.plain_name(".".join(leaf.path), where, f"the array name of leaf {key_text!r}")
+      # A "/" inside a key nests the array in the item (orbax-checkpoint does that itself).
+      _checks.relative_name(".".join(leaf.path), where, f"the array name of leaf {key_text!r}")
     leaves.append(leaf)
   return leaves, flags[0], flags[1]
 
