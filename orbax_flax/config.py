@@ -194,64 +194,7 @@ class CheckpointPolicy:
   replicas: int = 1
 
   def __post_init__(self):
-    for f in dataclasses.fields(self):
-      value = getattr(self, f.name)
-      fixed = _check_type(f.name, f.type, value)
-      if fixed is not value:
-        object.__setattr__(self, f.name, fixed)
-    for name in ("save_interval_steps", "max_to_keep", "keep_period", "keep_best", "max_host_bytes"):
-      if getattr(self, name) < 0:
-        _fail(name, getattr(self, name), "must be >= 0 (0 turns it off)")
-    for name in ("save_interval_seconds", "keep_time_interval_seconds", "preemption_grace_seconds",
-                 "watchdog_seconds"):
-      v = getattr(self, name)
-      if v < 0 or not math.isfinite(v):
-        _fail(name, v, "must be a finite number >= 0 (0 turns it off)")
-    _check_choice("save_interval", self.save_interval, ("", "auto"))
-    if self.local_save_interval_steps < 0:
-      _fail("local_save_interval_steps", self.local_save_interval_steps, "must be >= 0 (0: off)")
-    if self.local_save_interval_steps and not self.local_directory:
-      _fail("local_save_interval_steps", self.local_save_interval_steps, "needs local_directory,"
-            " a fast local directory such as /dev/shm/ckpt")
-    _check_choice("local_save_interval", self.local_save_interval, ("", "auto"))
-    if self.local_save_interval == "auto" and not self.local_directory:
-      _fail("local_save_interval", self.local_save_interval, "needs local_directory, a fast"
-            " local directory such as /dev/shm/ckpt")
-    if self.local_save_interval == "auto" and not self.mtbf_seconds:
-      _fail("local_save_interval", self.local_save_interval, "needs mtbf_seconds, the job's mean"
-            " time between failures (e.g. mtbf_seconds=86400 for about one failure a day)")
-    if self.local_max_to_keep < 1:
-      _fail("local_max_to_keep", self.local_max_to_keep, "must be >= 1")
-    if self.replicas < 0:
-      _fail("replicas", self.replicas, "must be >= 0 (0: no peer copies)")
-    if self.mtbf_seconds < 0 or not math.isfinite(self.mtbf_seconds):
-      _fail("mtbf_seconds", self.mtbf_seconds, "must be a finite number of seconds >= 0")
-    if self.save_interval == "auto" and not self.mtbf_seconds:
-      _fail("save_interval", self.save_interval, "needs mtbf_seconds, the job's mean time between"
-            " failures (e.g. mtbf_seconds=86400 for about one failure a day)")
-    if self.coordination_timeout_seconds <= 0 or not math.isfinite(self.coordination_timeout_seconds):
-      _fail("coordination_timeout_seconds", self.coordination_timeout_seconds,
-            "must be a finite number of seconds > 0 (e.g. 600)")
-    bad = [s for s in self.save_on_steps if s < 0]
-    if bad:
-      _fail("save_on_steps", self.save_on_steps, f"steps must be >= 0, got {bad}")
-    _check_choice("best_mode", self.best_mode, ("min", "max"))
-    _check_choice("best_missing", self.best_missing, ("worst", "keep"))
-    _check_choice("if_busy", self.if_busy, ("wait", "skip"))
-    _check_choice("on_unreadable_checkpoint", self.on_unreadable_checkpoint, ("fallback", "raise"))
-    _check_choice("on_save_error", self.on_save_error, ("raise", "warn"))
-    if self.keep_best and not self.best_metric:
-      _fail("keep_best", self.keep_best, "needs best_metric; set checkpoint.best_metric to the"
-            " metric name (e.g. 'loss') or set keep_best=0")
-    if self.save_on_preemption and not self.preemption_signals:
-      _fail("preemption_signals", self.preemption_signals, "is empty while save_on_preemption"
-            " is on; name the signals (e.g. ('SIGTERM',)) or set save_on_preemption=False")
-    for name in self.preemption_signals:
-      if not name.startswith("SIG") or not hasattr(signal.Signals, name):
-        _fail("preemption_signals", self.preemption_signals,
-              f"{name!r} is not a signal name; use names such as 'SIGTERM' or 'SIGUSR1'")
-      if name in ("SIGKILL", "SIGSTOP"):
-        _fail("preemption_signals", self.preemption_signals, f"{name} cannot be caught")
+    _check(self)
 
   @classmethod
   def from_config(cls, config: Any, *, name: str = "checkpoint") -> CheckpointPolicy:
@@ -372,6 +315,68 @@ class CheckpointPolicy:
       return []
     return [step for step, _, _ in _dry_run(self.trigger(local=True), num_steps, seconds_per_step,
                                             start_step, local_save_cost_seconds, final=False)]
+
+
+def _check(p: CheckpointPolicy) -> None:
+  """Refuses bad settings with an error that names the field, the value and the fix; fixes types."""
+  for f in dataclasses.fields(p):
+    value = getattr(p, f.name)
+    fixed = _check_type(f.name, f.type, value)
+    if fixed is not value:
+      object.__setattr__(p, f.name, fixed)
+  for name in ("save_interval_steps", "max_to_keep", "keep_period", "keep_best", "max_host_bytes"):
+    if getattr(p, name) < 0:
+      _fail(name, getattr(p, name), "must be >= 0 (0 turns it off)")
+  for name in ("save_interval_seconds", "keep_time_interval_seconds", "preemption_grace_seconds",
+               "watchdog_seconds"):
+    v = getattr(p, name)
+    if v < 0 or not math.isfinite(v):
+      _fail(name, v, "must be a finite number >= 0 (0 turns it off)")
+  _check_choice("save_interval", p.save_interval, ("", "auto"))
+  if p.local_save_interval_steps < 0:
+    _fail("local_save_interval_steps", p.local_save_interval_steps, "must be >= 0 (0: off)")
+  if p.local_save_interval_steps and not p.local_directory:
+    _fail("local_save_interval_steps", p.local_save_interval_steps, "needs local_directory,"
+          " a fast local directory such as /dev/shm/ckpt")
+  _check_choice("local_save_interval", p.local_save_interval, ("", "auto"))
+  if p.local_save_interval == "auto" and not p.local_directory:
+    _fail("local_save_interval", p.local_save_interval, "needs local_directory, a fast"
+          " local directory such as /dev/shm/ckpt")
+  if p.local_save_interval == "auto" and not p.mtbf_seconds:
+    _fail("local_save_interval", p.local_save_interval, "needs mtbf_seconds, the job's mean"
+          " time between failures (e.g. mtbf_seconds=86400 for about one failure a day)")
+  if p.local_max_to_keep < 1:
+    _fail("local_max_to_keep", p.local_max_to_keep, "must be >= 1")
+  if p.replicas < 0:
+    _fail("replicas", p.replicas, "must be >= 0 (0: no peer copies)")
+  if p.mtbf_seconds < 0 or not math.isfinite(p.mtbf_seconds):
+    _fail("mtbf_seconds", p.mtbf_seconds, "must be a finite number of seconds >= 0")
+  if p.save_interval == "auto" and not p.mtbf_seconds:
+    _fail("save_interval", p.save_interval, "needs mtbf_seconds, the job's mean time between"
+          " failures (e.g. mtbf_seconds=86400 for about one failure a day)")
+  if p.coordination_timeout_seconds <= 0 or not math.isfinite(p.coordination_timeout_seconds):
+    _fail("coordination_timeout_seconds", p.coordination_timeout_seconds,
+          "must be a finite number of seconds > 0 (e.g. 600)")
+  bad = [s for s in p.save_on_steps if s < 0]
+  if bad:
+    _fail("save_on_steps", p.save_on_steps, f"steps must be >= 0, got {bad}")
+  _check_choice("best_mode", p.best_mode, ("min", "max"))
+  _check_choice("best_missing", p.best_missing, ("worst", "keep"))
+  _check_choice("if_busy", p.if_busy, ("wait", "skip"))
+  _check_choice("on_unreadable_checkpoint", p.on_unreadable_checkpoint, ("fallback", "raise"))
+  _check_choice("on_save_error", p.on_save_error, ("raise", "warn"))
+  if p.keep_best and not p.best_metric:
+    _fail("keep_best", p.keep_best, "needs best_metric; set checkpoint.best_metric to the"
+          " metric name (e.g. 'loss') or set keep_best=0")
+  if p.save_on_preemption and not p.preemption_signals:
+    _fail("preemption_signals", p.preemption_signals, "is empty while save_on_preemption"
+          " is on; name the signals (e.g. ('SIGTERM',)) or set save_on_preemption=False")
+  for name in p.preemption_signals:
+    if not name.startswith("SIG") or not hasattr(signal.Signals, name):
+      _fail("preemption_signals", p.preemption_signals,
+            f"{name!r} is not a signal name; use names such as 'SIGTERM' or 'SIGUSR1'")
+    if name in ("SIGKILL", "SIGSTOP"):
+      _fail("preemption_signals", p.preemption_signals, f"{name} cannot be caught")
 
 
 def _dry_run(trigger: policy_lib.Trigger, num_steps: int, seconds_per_step: float,
