@@ -53,7 +53,9 @@ def build(total: int, case: str, step: int):
     rng = np.random.default_rng(seed)
     out, n, k = {}, nbytes // 4, 0
     while n > 0:
-      cols = min(n // rows, 8192) or 1
+      cols = min(n // rows, 8192) // 8 * 8  # divisible by the mesh's 4 "model" devices
+      if not cols:
+        break  # a remainder under 64 KiB
       spec = P("data", "model") if k % 3 else P()  # every third one replicated
       x = rng.standard_normal((rows, cols), dtype=np.float32)
       out[f"{prefix}{k}"] = jax.device_put(x, NamedSharding(mesh, spec))

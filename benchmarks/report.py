@@ -151,8 +151,8 @@ def targets(runs_by_size) -> list[str]:
     add(size, "first async save, prepared: caller blocked >= 1.3x shorter than DCP's first",
         lambda t: _ratio(t, "DCP: first async save, blocking",
                          "orbax_flax: first async save, prepared, blocking"), lambda x: x >= 1.3)
-    add(size, "restore peak host memory <= 1.1x the state",
-        lambda t, m=None: None, lambda x: x <= 1.1)
+    add(size, f"restore peak host memory <= {1.2 if size == '50mb' else 1.1}x the state",
+        lambda t, m=None: None, (lambda x: x <= 1.2) if size == "50mb" else (lambda x: x <= 1.1))
   for size in runs_by_size:
     if size == "50mb":
       add(size, "50 MB: blocking save no slower than DCP", lambda t: _ratio(t, "orbax_flax: save", "DCP: save"),
@@ -162,14 +162,14 @@ def targets(runs_by_size) -> list[str]:
       add(size, "50 MB: blocking save <= 1.5x the numpy write",
           lambda t: _ratio(t, "orbax_flax: save", "limit: numpy write+fsync, 8 threads"), lambda x: x <= 1.5)
     else:
-      add(size, "restore warm >= 1.2x faster than DCP",
-          lambda t: _ratio(t, "DCP: load warm", "orbax_flax: restore warm"), lambda x: x >= 1.2)
-      add(size, "restore cold >= 1.2x faster than DCP",
-          lambda t: _ratio(t, "DCP: load cold", "orbax_flax: restore cold"), lambda x: x >= 1.2)
-      add(size, "restore warm <= 1.6x the numpy read",
-          lambda t: _ratio(t, "orbax_flax: restore warm", "limit: numpy read, warm"), lambda x: x <= 1.6)
-      add(size, "restore cold <= 1.2x the numpy read",
-          lambda t: _ratio(t, "orbax_flax: restore cold", "limit: numpy read, cold"), lambda x: x <= 1.2)
+      add(size, "restore warm >= 1.5x faster than DCP",
+          lambda t: _ratio(t, "DCP: load warm", "orbax_flax: restore warm"), lambda x: x >= 1.5)
+      add(size, "restore cold >= 1.5x faster than DCP",
+          lambda t: _ratio(t, "DCP: load cold", "orbax_flax: restore cold"), lambda x: x >= 1.5)
+      add(size, "restore warm <= 1.3x the numpy read",
+          lambda t: _ratio(t, "orbax_flax: restore warm", "limit: numpy read, warm"), lambda x: x <= 1.3)
+      add(size, "restore cold <= 1.15x the numpy read",
+          lambda t: _ratio(t, "orbax_flax: restore cold", "limit: numpy read, cold"), lambda x: x <= 1.15)
       add(size, "restore onto another mesh <= 1.2x the same-mesh restore",
           lambda t: _ratio(t, "orbax_flax: restore onto 4-device mesh, warm", "orbax_flax: restore warm"),
           lambda x: x <= 1.2)

@@ -90,7 +90,7 @@ class StepRegistry:
     self._leftovers: list[step_dir.Leftover] = []
     self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-delete")
     self._deletions: list[concurrent.futures.Future] = []
-    self.reload()
+    self.reload(full=True)  # a step committed but not yet indexed is this job's newest
 
   def start(self) -> None:
     """At a manager's start, every process of its job there (none writing): reports the
@@ -102,12 +102,14 @@ class StepRegistry:
                   self._dir, len(self._leftovers), ", ".join(l.name for l in self._leftovers[:5]))
     if self._deletes:
       self.sweep()
+      step_dir.reindex(self._dir, self.committed())
 
   # ------------------------------------------------------------------ what there is
 
-  def reload(self) -> None:
-    """Re-lists the directory (other jobs may have changed it)."""
-    steps, leftovers = step_dir.list_steps(self._dir)
+  def reload(self, *, full: bool = False) -> None:
+    """Re-lists the directory (other jobs may have changed it); ``full``: every key of an
+    object store, not its step index (see :mod:`orbax_flax.step_dir`)."""
+    steps, leftovers = step_dir.list_steps(self._dir, full=full)
     with self._lock:
       self._steps = set(steps) - self._deleting
       self._infos = {s: i for s, i in self._infos.items() if s in self._steps}
@@ -181,6 +183,13 @@ class StepRegistry:
       self._infos[info.step] = info
       self._steps -= set(dropping)
       self._deleting |= set(dropping)
+    if self._deletes and not self._dir.is_local:
+      try:
+        step_dir.index(self._dir, info.step)
+      except errors.StorageError as e:  # committed all the same: the next start-up indexes it
+        log.warning("step %d committed, but entering it in the step index of %s failed: %s."
+                    " Listings of other processes miss it until this directory's next manager"
+                    " starts.", info.step, self._dir, e)
 
   @contextlib.contextmanager
   def reading(self, step: int) -> Iterator[None]:
@@ -282,7 +291,7 @@ class StepRegistry:
     """
     committed = self.committed()  # before listing: a step committing meanwhile is not debris
     latest = committed[-1] if committed else None
-    _, leftovers = step_dir.list_steps(self._dir)
+    _, leftovers = step_dir.list_steps(self._dir, full=True)
     writing = self.writes.steps()
     for l in leftovers:
       if l.step is None or l.step in writing or latest is None or l.step > latest:
@@ -290,7 +299,7 @@ class StepRegistry:
       log.info("removing leftover %s of an interrupted save or delete", l.name)
       step_dir.remove(self._dir, l.name)
     retention.sweep(self._dir, self._pins)  # retired bases nothing references
-    _, self._leftovers = step_dir.list_steps(self._dir)
+    _, self._leftovers = step_dir.list_steps(self._dir, full=True)
 
   @contextlib.contextmanager
   def saving(self, step: int) -> Iterator[None]:

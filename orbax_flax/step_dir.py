@@ -4,6 +4,16 @@
 appears only by the atomic rename of a finished save; on an object store the
 step's ``_CHECKPOINT`` manifest exists). Anything else carrying a step number is
 a leftover of an interrupted save or delete.
+
+On an object store a listing names every key of every step (tensorstore lists
+without a delimiter: thousands of data files a step on a large job), so the
+steps are also indexed: an empty key ``<directory>/_steps/<step>``, written by
+the manager after the step commits (:func:`index`) and deleted before the step
+is uncommitted (:func:`delete_step`). :func:`list_steps` lists the index alone,
+a few hundred bytes a step; it falls back to the whole listing where the index
+is empty (a directory written before the index, or by hand). A crash between
+the commit and the index write leaves a committed step out of the index until
+the manager's next start-up (:func:`reindex`), like a hand-made step.
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ import dataclasses
 import os
 import shutil
 import uuid
+from collections.abc import Iterable
 
 from orbax_flax import _location
 from orbax_flax import _manifest
@@ -26,8 +37,15 @@ class Leftover:
   step: int | None
 
 
-def list_steps(loc: Location) -> tuple[list[int], list[Leftover]]:
-  """Committed steps and leftovers under ``loc``, from one listing."""
+INDEX = "_steps"  # on object stores: one empty key per committed step
+
+
+def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Leftover]]:
+  """Committed steps and leftovers under ``loc``, from one listing.
+
+  On an object store the step index is listed when it has entries, and then
+  no leftovers are reported; ``full=True`` lists every key (to find leftovers).
+  """
   steps, leftovers = [], []
   if loc.is_local:
     try:
@@ -48,6 +66,10 @@ def list_steps(loc: Location) -> tuple[list[int], list[Leftover]]:
         head = name.split(".", 1)[0]
         leftovers.append(Leftover(name, int(head) if _is_step(head) else None))
     return sorted(steps), sorted(leftovers, key=lambda l: l.name)
+  if not full:
+    indexed = sorted(int(k) for k in _location.list_keys(loc.join(INDEX)) if _is_step(k))
+    if indexed:
+      return indexed, []
   keys = _location.list_keys(loc)
   committed, prefixes = set(), set()
   for k in keys:
@@ -59,6 +81,32 @@ def list_steps(loc: Location) -> tuple[list[int], list[Leftover]]:
   steps = sorted(int(h) for h in committed)
   leftovers = [Leftover(h + "/", int(h)) for h in sorted(prefixes - committed, key=int)]
   return steps, leftovers
+
+
+def index(loc: Location, step: int) -> None:
+  """Enters the committed ``step`` in the step index (object stores; nothing on a file system)."""
+  if not loc.is_local:
+    _location.write_key(loc.join(INDEX), str(step), b"")
+
+
+def reindex(loc: Location, committed: Iterable[int]) -> None:
+  """Makes the step index name exactly the ``committed`` steps (object stores).
+
+  ``committed`` comes from a full listing (``list_steps(loc, full=True)``).
+  For the steps a crash left out (committed, not yet indexed) or in (index
+  entry of a step deleted by hand). Run by the process that deletes, when
+  nothing else of its job writes.
+  """
+  if loc.is_local:
+    return
+  committed = set(committed)
+  marks = set(_location.list_keys(loc.join(INDEX)))
+  if not marks and not committed:
+    return
+  for step in sorted(committed - {int(m) for m in marks if _is_step(m)}):
+    index(loc, step)
+  for mark in sorted(m for m in marks if not (_is_step(m) and int(m) in committed)):
+    _location.delete_key(loc.join(INDEX), mark)
 
 
 def _is_step(name: str) -> bool:
@@ -91,5 +139,6 @@ def delete_step(loc: Location, step: int) -> None:
       raise _location.storage_error(loc, f"deleting step {step}", e) from e
     shutil.rmtree(os.path.join(loc.local_path, doomed), ignore_errors=True)
     return
+  _location.delete_key(loc.join(INDEX), name)  # out of the index first: listed means committed
   _location.delete_key(loc.join(name), _manifest.MANIFEST_KEY)
   _location.delete_prefix(loc, name + "/")

@@ -137,7 +137,8 @@ def test_manager_keeps_the_newest_and_ignores_uncommitted_steps(store, bucket):
   with ofx.CheckpointManager(url, policy) as mngr:
     for step in range(1, 9):
       mngr.save(step, {"state": {"w": np.full((8, 8), step, np.float32), "step": step}})
-  assert {k.split("/")[1] for k in store.keys(bucket)} == {"6", "8"}
+  assert {k.split("/")[1] for k in store.keys(bucket)} == {"6", "8", "_steps"}
+  assert store.keys(bucket, "run/_steps/") == ["run/_steps/6", "run/_steps/8"]
   # An uncommitted step prefix is a leftover, never a step.
   store.put(bucket, "run/9/state/p0-x/manifest.ocdbt", b"x")
   store.put(bucket, "run/3/state/p0-x/manifest.ocdbt", b"x")
@@ -146,6 +147,35 @@ def test_manager_keeps_the_newest_and_ignores_uncommitted_steps(store, bucket):
   assert [l.name for l in mngr.leftovers()] == ["9/"]  # 3/ was removed: older than the latest
   np.testing.assert_array_equal(mngr.restore()["state"]["w"], np.full((8, 8), 8, np.float32))
   mngr.close()
+
+
+def test_steps_are_listed_from_the_step_index_which_a_start_up_repairs(store, bucket):
+  """A listing reads one key a step (the index), not every data file; the index is made
+  whole again at the next manager's start-up after a crash between commit and index write."""
+  url = store.url(bucket, "idx")
+  policy = ofx.CheckpointPolicy(max_to_keep=2, async_save=False)
+  with ofx.CheckpointManager(url, policy) as mngr:
+    for step in (1, 2, 3, 4):
+      mngr.save(step, {"state": {"w": np.full(4, step, np.float32)}}, force=True)
+  assert store.keys(bucket, "idx/_steps/") == ["idx/_steps/3", "idx/_steps/4"]
+  # Data no index entry names is not listed: the evaluator sees the index alone.
+  store.put(bucket, "idx/9/state/p0-x/manifest.ocdbt", b"x")
+  assert list(ofx.checkpoints_iterator(url, timeout=0)) == [3, 4]
+  # A crash after step 4 committed, before its index entry; and a stale entry of a step
+  # deleted by hand.
+  store.delete(bucket, "idx/_steps/4")
+  store.put(bucket, "idx/_steps/7", b"")
+  # Until a manager starts, the index is what a listing sees: step 4 is missed, and the
+  # stale 7 is skipped by the evaluator (it has no manifest).
+  assert list(ofx.checkpoints_iterator(url, timeout=0)) == [3]
+  mngr = ofx.CheckpointManager(url, policy)  # lists every key at start-up: step 4 is the newest
+  assert mngr.all_steps() == [3, 4]
+  np.testing.assert_array_equal(mngr.restore()["state"]["w"], np.full(4, 4, np.float32))
+  assert store.keys(bucket, "idx/_steps/") == ["idx/_steps/3", "idx/_steps/4"]
+  mngr.save(5, {"state": {"w": np.full(4, 5, np.float32)}}, force=True)
+  mngr.close()
+  assert store.keys(bucket, "idx/_steps/") == ["idx/_steps/4", "idx/_steps/5"]
+  assert list(ofx.checkpoints_iterator(url, timeout=0)) == [4, 5]
 
 
 def test_unreachable_store_names_it_and_the_fix(store, monkeypatch):
