@@ -178,8 +178,9 @@ class AsyncSave:
   def mark_reported(self) -> None:
     self._reported = True
 
-  def __del__(self) -> None:
-    error = None if sys.is_finalizing() else self.unreported_error()
+  def __del__(self, _finalizing=sys.is_finalizing) -> None:
+    # (bound at definition: at interpreter exit this module's globals may be None already)
+    error = None if _finalizing() else self.unreported_error()
     if error is not None:  # dropped with an error nobody waited for: say it, once
       log.error("save to %s failed and nobody waited for it: %s: %s", self.path,
                 type(error).__name__, error)
