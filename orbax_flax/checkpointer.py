@@ -103,8 +103,9 @@ class Checkpointer:
     self.host_transfer = host_transfer
     self.watchdog_seconds = watchdog_seconds
     self.differential = differ_lib.Differential(differential)
-    # Taken now, not at the first save: a save's first wait is a timed one (a frozen process 0
-    # makes the others time out, not hang in an untimed call to its coordination service).
+    # Taken now (a timed count), not per save: a save's first coordination is then its own
+    # agreement, so a frozen process 0 gives every process the same verdict, never a count
+    # that one process took and another did not.
     self._key = coordination_key or _multihost.namespace("checkpointer", "",
                                                          coordination_timeout_seconds)
     self._seq = 0
