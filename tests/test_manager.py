@@ -25,6 +25,20 @@ class FakeClock:
     return self.t
 
 
+def hold_commits(monkeypatch):
+  """Holds every save after its data is written, just before it commits: (written, go_on)."""
+  written, go_on = threading.Event(), threading.Event()
+  commit = _save_run.SaveRun._commit  # pylint: disable=protected-access
+
+  def held_commit(run):
+    written.set()
+    go_on.wait(60)
+    commit(run)
+
+  monkeypatch.setattr(_save_run.SaveRun, "_commit", held_commit)
+  return written, go_on
+
+
 def on_disk(directory):
   return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
 
@@ -190,16 +204,7 @@ def test_sweep_spares_a_save_below_the_latest_step(tmp_path, monkeypatch):
     mngr.save(step, {"state": state(step)}, force=True)
   mngr.wait()
   mngr.restore(10)
-  # Hold step 15's save after its data is written, just before it commits.
-  written, go_on = threading.Event(), threading.Event()
-  commit = _save_run.SaveRun._commit  # pylint: disable=protected-access
-
-  def held_commit(run):
-    written.set()
-    go_on.wait(60)
-    commit(run)
-
-  monkeypatch.setattr(_save_run.SaveRun, "_commit", held_commit)
+  written, go_on = hold_commits(monkeypatch)  # step 15's save, just before it commits
   assert mngr.save(15, {"state": state(15)}, force=True)
   assert written.wait(60)
   # Another manager of this process on the directory sweeps leftovers at start-up

@@ -9,26 +9,11 @@ import pytest
 
 import orbax_flax as ofx
 from disks import small_disk
-from orbax_flax import saving
-from test_manager import FakeClock, on_disk  # the manager tests' fake clock and step listing
+from test_manager import FakeClock, hold_commits, on_disk  # the manager tests' helpers
 
 
 def state(step):
   return {"w": np.full((4, 4), step, np.float32)}
-
-
-def _hold_commits(monkeypatch):
-  """Holds every save after its data is written, just before it commits."""
-  written, go_on = threading.Event(), threading.Event()
-  commit = saving.SaveRun._commit  # pylint: disable=protected-access
-
-  def held_commit(run):
-    written.set()
-    go_on.wait(60)
-    commit(run)
-
-  monkeypatch.setattr(saving.SaveRun, "_commit", held_commit)
-  return written, go_on
 
 
 # ------------------------------------------------------------------ AsyncSave.add_done_callback
@@ -36,7 +21,7 @@ def _hold_commits(monkeypatch):
 
 def test_done_callback_runs_once_in_the_save_thread_after_the_commit(tmp_path, monkeypatch):
   path = str(tmp_path / "c")
-  written, go_on = _hold_commits(monkeypatch)  # so that the callback is added before the end
+  written, go_on = hold_commits(monkeypatch)  # so that the callback is added before the end
   seen = []
   with ofx.Checkpointer() as ckptr:
     handle = ckptr.save_async(path, {"state": state(1)})
@@ -97,7 +82,7 @@ def test_done_callback_sees_a_failed_save_and_the_manager_raises_it_next(tmp_pat
 
 
 def test_manager_runs_no_thread_that_only_waits_for_a_save(tmp_path, monkeypatch):
-  written, go_on = _hold_commits(monkeypatch)
+  written, go_on = hold_commits(monkeypatch)
   with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(max_to_keep=1)) as mngr:
     assert mngr.save(1, {"state": state(1)}, force=True)
     assert written.wait(60)
