@@ -79,12 +79,16 @@ def plain_name(name: Any, where: str, field: str) -> str:
     ...
     orbax_flax.errors.CheckpointFormatError: index.json: weight_map['w'] is '../private/x', not a plain name inside the checkpoint directory (no '/', '..', backslash or absolute path): a checkpoint cannot point outside itself
   """
-  if (not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name
-      or "\0" in name):
+  if not (isinstance(name, str) and _plain(name)):
     raise errors.CheckpointFormatError(
         f"{where}: {field} is {short(name)}, not a plain name inside the checkpoint directory"
         " (no '/', '..', backslash or absolute path): a checkpoint cannot point outside itself")
   return name
+
+
+def _plain(name: str) -> bool:
+  """Whether ``name`` names an entry directly inside a directory."""
+  return name not in ("", ".", "..") and not any(c in name for c in ("/", "\\", "\0"))
 
 
 def relative_name(name: Any, where: str, field: str) -> str:
@@ -102,9 +106,7 @@ def relative_name(name: Any, where: str, field: str) -> str:
     ...
     orbax_flax.errors.CheckpointFormatError: _METADATA: the array name is 'mu/../../x', not a relative path inside the checkpoint directory (names without '..', '.', backslash or an empty part, joined by '/'): a checkpoint cannot point outside itself
   """
-  parts = name.split("/") if isinstance(name, str) else [None]
-  if not all(isinstance(p, str) and p not in ("", ".", "..") and "\\" not in p and "\0" not in p
-             for p in parts):
+  if not (isinstance(name, str) and all(_plain(part) for part in name.split("/"))):
     raise errors.CheckpointFormatError(
         f"{where}: {field} is {short(name)}, not a relative path inside the checkpoint directory"
         " (names without '..', '.', backslash or an empty part, joined by '/'): a checkpoint"
