@@ -100,13 +100,12 @@ def reindex(loc: Location, committed: Iterable[int]) -> None:
   if loc.is_local:
     return
   committed = set(committed)
-  marks = set(_location.list_keys(loc.join(INDEX)))
-  if not marks and not committed:
-    return
+  marks = _location.list_keys(loc.join(INDEX))
   for step in sorted(committed - {int(m) for m in marks if _is_step(m)}):
     index(loc, step)
-  for mark in sorted(m for m in marks if not (_is_step(m) and int(m) in committed)):
-    _location.delete_key(loc.join(INDEX), mark)
+  for mark in marks:
+    if not (_is_step(mark) and int(mark) in committed):
+      _location.delete_key(loc.join(INDEX), mark)
 
 
 def _is_step(name: str) -> bool:
