@@ -26,7 +26,15 @@ def main(logdir: str, out: str) -> None:
   for ax, tag in zip(axes[0], tags):
     events = ea.Scalars(tag)
     ax.plot([e.step for e in events], [e.value for e in events],
-            marker="o" if tag.startswith("checkpoint") else None, markersize=3)
+            marker="o" if tag.startswith("checkpoint") else None, markersize=3, label="whole wait")
+    if tag == "checkpoint/blocking_s":  # with its main parts
+      for part, label in (("ready", "train step still computing"), ("copy", "snapshot")):
+        part_tag = f"checkpoint/blocking_{part}_s"
+        if part_tag in ea.Tags()["scalars"]:
+          part_events = ea.Scalars(part_tag)
+          ax.plot([e.step for e in part_events], [e.value for e in part_events], marker=".",
+                  markersize=3, linestyle="--", label=label)
+      ax.legend(fontsize=7)
     ax.set_title(tag, fontsize=10)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)

@@ -68,7 +68,9 @@ class CheckpointCallback(callbacks.Callback):
       (``checkpoint/blocking_s``: the whole time ``on_step_end`` waited for
       the save, and its parts ``checkpoint/blocking_items_s``,
       ``checkpoint/blocking_data_s`` (the data iterator's ``get_state()``),
-      ``checkpoint/blocking_wait_s`` (the previous save still committing) and
+      ``checkpoint/blocking_wait_s`` (the previous save still committing),
+      ``checkpoint/blocking_ready_s`` (the train step, dispatched
+      asynchronously, still computing the state and metrics being saved) and
       ``checkpoint/blocking_copy_s`` (the snapshot); ``checkpoint/total_s``,
       ``checkpoint/bytes``).
     clock: wall-time source for time-based policies (tests pass a fake).
@@ -128,7 +130,9 @@ class CheckpointCallback(callbacks.Callback):
   def on_train_start(self, state: Any, data: Any) -> Any:
     return self.restore_or_init(state, data_iterator=data)
 
-  def _items(self, step: int, state: Any, data_state: Any = _CURRENT) -> dict[str, Any]:
+  def _items(self, step: int, state: Any, data_state: Any = _CURRENT,
+             data_s: float = 0.0) -> dict[str, Any]:
+    """The items of a save (``data_state``: the data position, taken ``data_s`` seconds ago)."""
     start = time.perf_counter()
     items = state_items.to_items(state)
     data_start = time.perf_counter()
@@ -136,10 +140,10 @@ class CheckpointCallback(callbacks.Callback):
       data_state = self._data.get()
     if data_state is not _CURRENT and data_state is not None:
       items[resume.DATA_ITEM] = self._data.item(step, data_state)  # every process's
-    data_s = time.perf_counter() - data_start
+    gathered_s = time.perf_counter() - data_start
     if self.metadata:
       items[META_ITEM] = {"json": json.dumps(self.metadata, sort_keys=True)}
-    self._built = (start, time.perf_counter() - start - data_s, data_s)
+    self._built = (start, time.perf_counter() - start - gathered_s, gathered_s + data_s)
     return items
 
   def _save(self, step: int, state: Any, metrics: Any, reason: str | None,
@@ -191,8 +195,11 @@ class CheckpointCallback(callbacks.Callback):
       return True
     self._last = (step, state)
     self._last_metrics = metrics
+    data_state, data_s = _CURRENT, 0.0
     if self._data is not None and self.policy.save_on_exception:
+      marking = time.perf_counter()
       self._data.mark(step)  # where the data stood after this step, for an exception save
+      data_state, data_s = self._data.after(step), time.perf_counter() - marking
     self._flush_events()
     self._watch()  # at the run's first call
     if self._watcher is not None and self._watcher.reached(step):
@@ -201,7 +208,8 @@ class CheckpointCallback(callbacks.Callback):
     local_due = self._local is not None and self._local.due(step)
     reason = self.manager.should_save(step)
     if local_due or reason is not None:
-      items = self._items(step, state)  # one gather of the data positions for both tiers
+      # One get_state() (the mark's) and one gather of the data positions for both tiers.
+      items = self._items(step, state, data_state, data_s)
       if local_due and reason is not None:  # one copy to host memory for both tiers
         items = self.manager.host_snapshot(items)
       failed = self._local.save(step, items, timeline=self.manager.timeline,
@@ -222,27 +230,11 @@ class CheckpointCallback(callbacks.Callback):
       # A failure is logged: the persistent save still runs.
       self._local.save(step, items, timeline=self.manager.timeline, writer=self.writer)
     self._save(step, state, metrics, "preemption", items=items)
-    grace = self.policy.preemption_grace_seconds
-    if grace:
-      since = start - (self._watcher.signal_time or start)
-      left = max(0.0, grace - since - (time.monotonic() - start))
-      if not self.manager.wait_for_save(left):
-        self.manager.abandon_inflight()
-        log.error("preemption save of step %d did not commit within the %g s grace period;"
-                  " cancelled: it is not committed unless its commit was already under way"
-                  " (then it is complete). The last committed step is %s.", step, grace,
-                  self.manager.latest_step())
-        return
-    try:
-      self.manager.wait()
-    except errors.SaveCancelledError as e:
-      # Another process ran out of grace period and cancelled the save: the
-      # job is still preempted; stop cleanly like that process does.
-      log.error("preemption save of step %d was not committed: %s The last committed step"
-                " is %s.", step, e, self.manager.latest_step())
-      return
-    self._flush_events()
-    _progress.say("preempted: step %d is committed; stopping", step)
+    signalled = start - (self._watcher.signal_time or start)  # seconds before start
+    if _committed_in_grace(self.manager, step, self.policy.preemption_grace_seconds,
+                           time.monotonic() - start + signalled):
+      self._flush_events()
+      _progress.say("preempted: step %d is committed; stopping", step)
 
   def on_exception(self, step: int, state: Any, error: BaseException) -> None:
     """Saves the last good state (if the policy says so) and closes; never raises.
@@ -352,8 +344,30 @@ class CheckpointCallback(callbacks.Callback):
     if self.writer is None or not events:
       return
     for e in events:
-      self.writer.write_scalars(e.step, _scalars(e))
+      self.writer.write_scalars(e.step, e.scalars())
     self.writer.flush()
+
+
+def _committed_in_grace(manager: CheckpointManager, step: int, grace: float,
+                        spent: float) -> bool:
+  """Waits for the preemption save of ``step`` (``grace`` seconds, 0: no limit, ``spent`` of
+  them gone); True once committed, False (logged; cancelled if late) when not."""
+  if grace and not manager.wait_for_save(max(0.0, grace - spent)):
+    manager.abandon_inflight()
+    log.error("preemption save of step %d did not commit within the %g s grace period;"
+              " cancelled: it is not committed unless its commit was already under way"
+              " (then it is complete). The last committed step is %s.", step, grace,
+              manager.latest_step())
+    return False
+  try:
+    manager.wait()
+  except errors.SaveCancelledError as e:
+    # Another process ran out of grace period and cancelled the save: the job is
+    # still preempted; stop cleanly like that process does.
+    log.error("preemption save of step %d was not committed: %s The last committed step"
+              " is %s.", step, e, manager.latest_step())
+    return False
+  return True
 
 
 def _failure(step: int, error: BaseException) -> str:
@@ -422,17 +436,3 @@ def _every_process_failed(manager: CheckpointManager, step: int) -> bool:
     log.error("training failed after step %d on this process but not on every process within"
               " %g s; no exception save (it needs all of them)", step, _FAILED_AGREEMENT_S)
     return False
-
-
-def _scalars(e: Any) -> dict[str, float]:
-  """A :class:`SaveEvent` as the writer's scalars."""
-  scalars = {"checkpoint/blocking_s": e.blocking_s, "checkpoint/total_s": e.total_s,
-             "checkpoint/bytes": float(e.nbytes), "checkpoint/bytes_written": e.bytes_written,
-             "checkpoint/bytes_reused": e.bytes_reused,  # differential saves reference these
-             "checkpoint/blocking_items_s": e.blocking_items_s,
-             "checkpoint/blocking_data_s": e.blocking_data_s,
-             "checkpoint/blocking_wait_s": e.blocking_wait_s,
-             "checkpoint/blocking_copy_s": e.blocking_copy_s}
-  if e.expected_loss_s is not None:
-    scalars["checkpoint/expected_loss_s"] = e.expected_loss_s
-  return scalars

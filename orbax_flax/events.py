@@ -50,9 +50,21 @@ class SaveEvent:
   blocking_items_s: float = 0.0  # building the items from the state (the caller's, e.g. the callback's)
   blocking_data_s: float = 0.0   # the data iterator's get_state() and the gather of positions
   blocking_wait_s: float = 0.0   # before the save began: the previous save still committing
+  blocking_ready_s: float = 0.0  # the train step still computing what is saved (its metrics too)
   blocking_copy_s: float = 0.0   # the engine's blocking phase: plan and snapshot (a blocking save: all)
   bytes_written: int = 0  # array bytes the step holds itself, all processes (differential: the changed)
   bytes_reused: int = 0   # array bytes it references in earlier steps instead (differential saves)
+
+  def scalars(self) -> dict[str, float]:
+    """The event as a metric writer's scalars: ``checkpoint/<field>``, ``nbytes`` as
+    ``checkpoint/bytes`` (``expected_loss_s`` when known).
+
+    >>> SaveEvent(7, "interval", 0.25, 1.0, 4096).scalars()["checkpoint/bytes"]
+    4096.0
+    """
+    return {"checkpoint/" + ("bytes" if f.name == "nbytes" else f.name): float(v)
+            for f in dataclasses.fields(self) if f.name not in ("step", "reason")
+            for v in [getattr(self, f.name)] if v is not None}
 
 
 class EventLog:
@@ -67,10 +79,11 @@ class EventLog:
     """A save committed: ``blocked`` holds its blocking times, ``schedule`` learns its cost,
     ``stored`` its ``bytes_written`` and ``bytes_reused`` (differential saves)."""
     log.info("checkpoint step %d (%s) committed to %s: blocking %.3f s (items %.3f, data"
-             " iterator %.3f, previous save %.3f, snapshot %.3f), total %.3f s, %s written by"
-             " this process", blocked.step, blocked.reason, where, blocked.blocking_s,
-             blocked.blocking_items_s, blocked.blocking_data_s, blocked.blocking_wait_s,
-             blocked.blocking_copy_s, total_s, describe.human_bytes(nbytes))
+             " iterator %.3f, previous save %.3f, train step still computing %.3f, snapshot"
+             " %.3f), total %.3f s, %s written by this process", blocked.step, blocked.reason,
+             where, blocked.blocking_s, blocked.blocking_items_s, blocked.blocking_data_s,
+             blocked.blocking_wait_s, blocked.blocking_ready_s, blocked.blocking_copy_s, total_s,
+             describe.human_bytes(nbytes))
     interval = schedule.committed(blocked.blocking_s)
     loss = None if interval is None else interval / 2
     if schedule.auto is not None:
@@ -91,13 +104,26 @@ class EventLog:
 
 
 def blocked(step: int, reason: str, before: Mapping[str, float], entered: float, wait_s: float,
-            copy_s: float) -> SaveEvent:
+            ready_s: float, copy_s: float) -> SaveEvent:
   """The blocking times of a save that returned now (``entered``: perf_counter at the call;
-  ``before``: :func:`blocking_before`'s; ``wait_s``: for the previous save; ``copy_s``: the
-  engine's blocking phase)."""
+  ``before``: :func:`blocking_before`'s; ``wait_s``: for the previous save; ``ready_s``: for
+  :func:`wait_ready`; ``copy_s``: the engine's blocking phase)."""
   return SaveEvent(step, reason, before["total"] + time.perf_counter() - entered, 0.0, 0,
                    blocking_items_s=before["items"], blocking_data_s=before["data"],
-                   blocking_wait_s=wait_s, blocking_copy_s=copy_s)
+                   blocking_wait_s=wait_s, blocking_ready_s=ready_s, blocking_copy_s=copy_s)
+
+
+def wait_ready(items: Mapping[str, Any], metrics: Any) -> float:
+  """Waits until the arrays of ``items`` and ``metrics`` are computed; returns the seconds.
+
+  JAX dispatches a train step asynchronously: the loop reaches a save while the
+  step's results are still being computed, and any save (its snapshot, the
+  metrics it records) waits for them first. That wait is the step's own
+  computation, not the checkpoint's, so it is reported as a part of its own.
+  """
+  start = time.perf_counter()
+  jax.block_until_ready((jax.tree.leaves(items), jax.tree.leaves(metrics or {})))
+  return time.perf_counter() - start
 
 
 def blocking_before(before: Mapping[str, float] | None) -> dict[str, float]:

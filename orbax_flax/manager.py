@@ -178,10 +178,9 @@ class CheckpointManager:
       dtype: convert arrays before writing, as for :func:`orbax_flax.save`.
       metrics: scalar metrics to record (jax scalars are fetched only when a save happens).
       reason: the reason to record ("final", "preemption", ...); implies force.
-      blocking_before: seconds the caller's thread already spent on this save,
-        counted in the blocking time reported (:class:`SaveEvent`): ``"items"``
-        (building them), ``"data"`` (the data iterator's state), ``"total"``
-        (default: their sum). The training callback passes them.
+      blocking_before: seconds the caller's thread already spent on this save, counted in
+        the reported blocking time (:class:`SaveEvent`): ``"items"`` (building them),
+        ``"data"`` (the data iterator's state), ``"total"`` (default: their sum).
     """
     entered = time.perf_counter()
     self._inflight.raise_error()
@@ -204,6 +203,7 @@ class CheckpointManager:
       return False
     self._inflight.finish()
     wait_s = time.perf_counter() - entered
+    ready_s = events_lib.wait_ready(items, metrics)  # the train step's computation, not ours
     now = self._schedule.now()
     custom = events_lib.step_metadata(step, decided, now, metrics, items, custom_metadata,
                                       self.timeline)
@@ -220,7 +220,7 @@ class CheckpointManager:
       else:
         self._ckptr.save(path, items, **options)
     returned = time.perf_counter()
-    blocked = events_lib.blocked(step, decided, before, entered, wait_s,
+    blocked = events_lib.blocked(step, decided, before, entered, wait_s, ready_s,
                                  handle.blocking_s if handle is not None else returned - start)
     info = policy_lib.StepInfo(step, now, custom["metrics"], decided)
     new_run = self._rollback.active()
