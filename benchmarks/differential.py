@@ -15,8 +15,9 @@ Every (case, mode) runs in a fresh process of its own (its memory and page
 cache history do not bias the others). In it, a ``Checkpointer`` kept for the
 run saves a first full step, then ``reps`` times: the changing arrays change,
 a blocking ``save``, then a ``save_async`` (time the caller is blocked, and time
-to commit), then a warm restore of that step; each trial waits ``--pause``
-seconds first (this VM hands freed memory back within seconds). Reported:
+to commit), then a warm restore of that step and (as root) a cold one after dropping the
+page cache; each trial waits ``--pause`` seconds first (this VM hands freed
+memory back within seconds). Reported:
 medians, bytes written per save (the step's own bytes, from its manifest), and
 the peak extra host memory of one async save (VmHWM after ``clear_refs``, minus
 the RSS before it).
@@ -77,6 +78,17 @@ def _trim() -> None:
     pass
 
 
+def _drop_caches() -> bool:
+  """Drops the page cache (root only); False where it cannot."""
+  os.sync()
+  try:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+      f.write("3\n")
+    return True
+  except OSError:
+    return False
+
+
 def _own_bytes(path: str) -> int:
   with open(os.path.join(path, "_CHECKPOINT"), "rb") as f:
     summary = json.loads(f.read().split(b"\n")[1])
@@ -125,6 +137,10 @@ def one(case: str, differential: bool, total: int, reps: int, pause: float, root
     t = time.perf_counter()
     ckptr.restore(os.path.join(root, str(step + 1)), target)
     times["restore_warm"].append(time.perf_counter() - t)
+    if _drop_caches():  # cold: both modes read from the disk, whatever else was cached
+      t = time.perf_counter()
+      ckptr.restore(os.path.join(root, str(step + 1)), target)
+      times.setdefault("restore_cold", []).append(time.perf_counter() - t)
   ckptr.close()
   out = {k: statistics.median(v) for k, v in times.items()}
   out.update(case=case, differential=differential, state_bytes=nbytes, reps=reps,
@@ -172,15 +188,17 @@ def main(argv=None) -> int:
 
 def report(results: list[dict]) -> str:
   """A markdown table: every phase, full against differential, per case."""
+  cold = all("restore_cold" in r for r in results)
   rows = ["| case | mode | blocking save s | async: blocked s | async: total s | restore warm s |"
-          " written / save | async peak extra |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+          + (" restore cold s |" if cold else "") + " written / save | async peak extra |",
+          "|---|---|---:|---:|---:|---:|" + ("---:|" if cold else "") + "---:|---:|"]
   for r in results:
     state = r["state_bytes"]
     written = statistics.median([r["written_blocking"], r["written_async"]])
     rows.append(f"| {r['case']} | {'differential' if r['differential'] else 'full'} |"
                 f" {r['blocking_save']:.3f} | {r['async_blocked']:.3f} | {r['async_total']:.3f} |"
-                f" {r['restore_warm']:.3f} | {100 * written / state:.1f}% |"
-                f" {(r['async_peak_extra_bytes'] or 0) / state:.2f}x |")
+                f" {r['restore_warm']:.3f} |" + (f" {r['restore_cold']:.3f} |" if cold else "")
+                + f" {100 * written / state:.1f}% | {(r['async_peak_extra_bytes'] or 0) / state:.2f}x |")
   by = {(r["case"], r["differential"]): r for r in results}
   lines = []
   for case in CASES:
@@ -189,7 +207,9 @@ def report(results: list[dict]) -> str:
       lines.append(f"{case}: differential / full: blocking save {diff['blocking_save'] / full['blocking_save']:.2f}x,"
                    f" async blocked {diff['async_blocked'] / full['async_blocked']:.2f}x,"
                    f" async total {diff['async_total'] / full['async_total']:.2f}x,"
-                   f" restore {diff['restore_warm'] / full['restore_warm']:.2f}x")
+                   f" restore {diff['restore_warm'] / full['restore_warm']:.2f}x"
+                   + (f", restore cold {diff['restore_cold'] / full['restore_cold']:.2f}x"
+                      if cold else ""))
   return "\n".join(rows + [""] + lines)
 
 
