@@ -11,16 +11,16 @@ Cases, each with ``differential=False`` (full) and ``differential=True``:
 * **allchange**: every array changes at every save (plain training): what
   differential saves cost when nothing can be reused (hashing every block).
 
-Every (case, mode) runs in a fresh process of its own (its memory and page
-cache history do not bias the others). In it, a ``Checkpointer`` kept for the
-run saves a first full step, then ``reps`` times: the changing arrays change,
-a blocking ``save``, then a ``save_async`` (time the caller is blocked, and time
-to commit), then a warm restore of that step and (as root) a cold one after dropping the
-page cache; each trial waits ``--pause`` seconds first (this VM hands freed
-memory back within seconds). Reported:
-medians, bytes written per save (the step's own bytes, from its manifest), and
-the peak extra host memory of one async save (VmHWM after ``clear_refs``, minus
-the RSS before it).
+Every case runs in a fresh process of its own, both modes in it, interleaved:
+each mode has a ``Checkpointer`` kept for the run that saves a first full step,
+then ``reps`` times (the modes' order alternating from rep to rep, on the same
+states): the changing arrays change, a blocking ``save``, then a ``save_async``
+(time the caller is blocked, and time to commit), then a warm restore of that
+step and (as root) a cold one after dropping the page cache. Each trial waits
+``--pause`` seconds first (this VM hands freed memory back within seconds).
+Reported: medians, bytes written per save (the step's own bytes, from its
+manifest), and the peak extra host memory of one async save (VmHWM after
+``clear_refs``, minus the RSS before it).
 """
 
 from __future__ import annotations
@@ -96,55 +96,77 @@ def _own_bytes(path: str) -> int:
   return stored["own"] if stored else sum(summary["item_bytes"].values())
 
 
-def one(case: str, differential: bool, total: int, reps: int, pause: float, root: str) -> dict:
-  """Runs one (case, mode) in this process; returns its medians."""
+def one(case: str, total: int, reps: int, pause: float, root: str) -> list[dict]:
+  """Runs one case in this process, full and differential saves interleaved; their medians.
+
+  Each rep does every phase once per mode, the modes' order alternating, on the
+  same states: drift of this VM's speed over minutes falls on both modes alike.
+  """
   sys.path.insert(0, HERE)
   import hostmem  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
-  ckptr = ofx.Checkpointer(differential=differential)
+  modes = (False, True)
+  ckptrs = {d: ofx.Checkpointer(differential=d) for d in modes}
+  dirs = {d: os.path.join(root, "differential" if d else "full") for d in modes}
   state = build(total, case, 0)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
-  ckptr.save(os.path.join(root, "0"), {"state": state})
+  for d in modes:
+    ckptrs[d].save(os.path.join(dirs[d], "0"), {"state": state})
   target = {"state": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                                   if isinstance(x, jax.Array) else x, state)}
-  times = {"blocking_save": [], "async_blocked": [], "async_total": [], "restore_warm": [],
-           "written_blocking": [], "written_async": []}
-  peak = None
+  times = {d: {"blocking_save": [], "async_blocked": [], "async_total": [], "restore_warm": [],
+               "written_blocking": [], "written_async": []} for d in modes}
+  peak = {}
+
+  def pause_first() -> None:
+    _trim()
+    time.sleep(pause)
+
   for rep in range(reps):
+    order = modes if rep % 2 == 0 else modes[::-1]
     step = 2 * rep + 1
     state = build(total, case, step)
-    _trim()
-    time.sleep(pause)
-    t = time.perf_counter()
-    ckptr.save(os.path.join(root, str(step)), {"state": state})
-    times["blocking_save"].append(time.perf_counter() - t)
-    times["written_blocking"].append(_own_bytes(os.path.join(root, str(step))))
-    state = build(total, case, step + 1)
-    _trim()
-    time.sleep(pause)
-    measure = rep == reps - 1
-    before = hostmem.reset_peak() if measure else 0
-    t = time.perf_counter()
-    handle = ckptr.save_async(os.path.join(root, str(step + 1)), {"state": state})
-    times["async_blocked"].append(time.perf_counter() - t)
-    handle.wait()
-    times["async_total"].append(time.perf_counter() - t)
-    if measure:
-      peak = hostmem.status("VmHWM") - before
-    times["written_async"].append(_own_bytes(os.path.join(root, str(step + 1))))
-    time.sleep(pause)
-    t = time.perf_counter()
-    ckptr.restore(os.path.join(root, str(step + 1)), target)
-    times["restore_warm"].append(time.perf_counter() - t)
-    if _drop_caches():  # cold: both modes read from the disk, whatever else was cached
+    for d in order:
+      pause_first()
       t = time.perf_counter()
-      ckptr.restore(os.path.join(root, str(step + 1)), target)
-      times.setdefault("restore_cold", []).append(time.perf_counter() - t)
-  ckptr.close()
-  out = {k: statistics.median(v) for k, v in times.items()}
-  out.update(case=case, differential=differential, state_bytes=nbytes, reps=reps,
-             async_peak_extra_bytes=peak)
+      ckptrs[d].save(os.path.join(dirs[d], str(step)), {"state": state})
+      times[d]["blocking_save"].append(time.perf_counter() - t)
+      times[d]["written_blocking"].append(_own_bytes(os.path.join(dirs[d], str(step))))
+    state = build(total, case, step + 1)
+    for d in order:
+      pause_first()
+      measure = rep == reps - 1
+      before = hostmem.reset_peak() if measure else 0
+      t = time.perf_counter()
+      handle = ckptrs[d].save_async(os.path.join(dirs[d], str(step + 1)), {"state": state})
+      times[d]["async_blocked"].append(time.perf_counter() - t)
+      handle.wait()
+      times[d]["async_total"].append(time.perf_counter() - t)
+      if measure:
+        peak[d] = hostmem.status("VmHWM") - before
+      times[d]["written_async"].append(_own_bytes(os.path.join(dirs[d], str(step + 1))))
+    for d in order:
+      pause_first()
+      t = time.perf_counter()
+      ckptrs[d].restore(os.path.join(dirs[d], str(step + 1)), target)
+      times[d]["restore_warm"].append(time.perf_counter() - t)
+      if _drop_caches():  # cold: both modes read from the disk, whatever else was cached
+        t = time.perf_counter()
+        ckptrs[d].restore(os.path.join(dirs[d], str(step + 1)), target)
+        times[d].setdefault("restore_cold", []).append(time.perf_counter() - t)
+    for d in modes:  # room on the disk: steps no later save references (never a base)
+      if not d or case == "allchange":
+        for old in (step - 2, step - 1):
+          if old > 0:
+            shutil.rmtree(os.path.join(dirs[d], str(old)), ignore_errors=True)
+  out = []
+  for d in modes:
+    ckptrs[d].close()
+    res = {k: statistics.median(v) for k, v in times[d].items()}
+    res.update(case=case, differential=d, state_bytes=nbytes, reps=reps,
+               async_peak_extra_bytes=peak.get(d))
+    out.append(res)
   return out
 
 
@@ -155,14 +177,13 @@ def main(argv=None) -> int:
   p.add_argument("--pause", type=float, default=2.0)
   p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
   p.add_argument("--json", default=None)
-  p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # "<case>:<0|1>": one process
+  p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a case: one process
   a = p.parse_args(argv)
   total = SIZES[a.size]
   if a.one:
-    case, diff = a.one.split(":")
     root = tempfile.mkdtemp(dir=a.dir)
     try:
-      print(json.dumps(one(case, diff == "1", total, a.reps, a.pause, root)), flush=True)
+      print(json.dumps(one(a.one, total, a.reps, a.pause, root)), flush=True)
     finally:
       shutil.rmtree(root, ignore_errors=True)
     return 0
@@ -171,14 +192,13 @@ def main(argv=None) -> int:
   env["PYTHONPATH"] = os.path.dirname(HERE) + os.pathsep + env.get("PYTHONPATH", "")
   results = []
   for case in CASES:
-    for diff in ("0", "1"):
-      res = subprocess.run([sys.executable, __file__, f"--one={case}:{diff}", f"--size={a.size}",
-                            f"--reps={a.reps}", f"--pause={a.pause}"] + ([f"--dir={a.dir}"] if a.dir else []),
-                           capture_output=True, text=True, env=env, check=False)
-      if res.returncode:
-        print(res.stdout[-2000:], res.stderr[-4000:], file=sys.stderr)
-        return res.returncode
-      results.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    res = subprocess.run([sys.executable, __file__, f"--one={case}", f"--size={a.size}",
+                          f"--reps={a.reps}", f"--pause={a.pause}"] + ([f"--dir={a.dir}"] if a.dir else []),
+                         capture_output=True, text=True, env=env, check=False)
+    if res.returncode:
+      print(res.stdout[-2000:], res.stderr[-4000:], file=sys.stderr)
+      return res.returncode
+    results += json.loads(res.stdout.strip().splitlines()[-1])
   print(report(results))
   if a.json:
     with open(a.json, "w") as f:

@@ -11,7 +11,6 @@ agreed through the coordination service and process 0 commits
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import threading
 import time
@@ -36,8 +35,6 @@ _FIRST_BATCH_BYTES = 128 << 20
 _MIN_BATCH_BYTES = 64 << 20
 _MAX_BATCH_BYTES = 4 << 30
 _BATCH_SECONDS = 0.5
-# A differential save hashes its next batch while it writes this one: at least this many.
-_HASHED_BATCHES = 8
 
 
 class SaveRun:
@@ -112,46 +109,29 @@ class SaveRun:
     One batch (one commit per database), unless ``max_batch_bytes`` bounds
     it, or ``cancellable``: then batches take about half a second of writing
     each, two in flight, and a cancellation is noticed between them (the
-    writing stops within about a second; a little slower overall). A
-    differential save writes in at least :data:`_HASHED_BATCHES` batches: the
-    next batch is hashed on a helper thread while this one is written.
+    writing stops within about a second; a little slower overall).
     """
     self.begin()
     self.progress.phase = "writing"
     cap = max_batch_bytes or (_MAX_BATCH_BYTES if cancellable else 1 << 62)
     limit = min(cap, _FIRST_BATCH_BYTES) if cancellable else cap
     pieces = list(pieces)
-    hashing = self.differ is not differ_lib.FULL
-    if hashing:
-      limit = min(limit, max(_MIN_BATCH_BYTES, sum(p.nbytes for p in pieces) // _HASHED_BATCHES))
     in_flight: list[list[Piece]] = []  # batches still being committed, oldest first
     i = 0
-
-    def take() -> list[Piece]:  # the next batch, its host data made
-      nonlocal i
-      batch, size = [], 0
-      while i < len(pieces) and (not batch or size + pieces[i].nbytes <= limit):
-        batch.append(pieces[i])
-        size += pieces[i].nbytes
-        i += 1
-      if batch and materialize is not None:
-        materialize(batch)
-      return batch
-
     start = time.perf_counter()
-    pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-hash") \
-        if hashing else None
     try:
-      batch = take()
-      hashed = pool.submit(self.differ.hash, batch) if pool is not None else None
-      while batch:
+      while i < len(pieces):
         self.check_cancelled()
-        for p in self.differ.select(batch, None if hashed is None else hashed.result()):
+        batch, size = [], 0
+        while i < len(pieces) and (not batch or size + pieces[i].nbytes <= limit):
+          batch.append(pieces[i])
+          size += pieces[i].nbytes
+          i += 1
+        if materialize is not None:
+          materialize(batch)
+        for p in self.differ.select(batch):
           a = p.array
           self._writer(a.item).add(a.name, a.shape, a.dtype, a.chunk_shape, p.slices, p.data)
-        following = take()  # hashed while this batch is written
-        hashed = pool.submit(self.differ.hash, following) if pool is not None and following \
-            else None
         # Two batches in flight: the next one is issued while this one commits.
         for w in self.writers.values():
           w.flush(depth=2)
@@ -164,14 +144,10 @@ class SaveRun:
           if cancellable:
             rate = self.bytes_written / max(time.perf_counter() - start, 1e-3)
             limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
-        batch = following
       for w in self.writers.values():
         w.wait()
     except ValueError as e:
       raise _location.storage_error(self.plan.loc, "writing array data", e) from e
-    finally:
-      if pool is not None:
-        pool.shutdown(wait=True, cancel_futures=True)
     for batch in in_flight:
       self._done(batch)
       self.bytes_written += sum(p.nbytes for p in batch)

@@ -353,23 +353,3 @@ def test_a_changed_small_array_rewrites_about_one_packed_chunk_not_the_buffer(tm
     with open(os.path.join(path, "_CHECKPOINT"), "rb") as f:
       stored = json.loads(f.read().split(b"\n")[1])["stored_bytes"]
     assert stored["own"] == (12 << 20 if step == 0 else 4 << 20), (step, stored)
-
-
-@pytest.mark.parametrize("mode", ["save", "save_async"])
-def test_a_state_written_in_several_batches_hashes_ahead_and_reuses_exactly(tmp_path, mode):
-  """Over 128 MiB a differential save writes in batches, hashing the next one while it writes
-  this one; a changed array in each batch is written, the others referenced."""
-  rng = np.random.default_rng(7)
-  arrays = [rng.standard_normal((2048, 4096)).astype(np.float32) for _ in range(6)]  # 6 x 32 MiB
-  root = str(tmp_path / "ckpt")
-  with ofx.Checkpointer(differential=True) as ckptr:
-    ckptr.save(os.path.join(root, "0"), {"s": arrays})
-    changed = list(arrays)
-    changed[1], changed[4] = _flip(arrays[1], 17), _flip(arrays[4], 4096 * 2048 * 4 - 1)
-    getattr(ckptr, mode)(os.path.join(root, "1"), {"s": changed})
-    ckptr.wait()
-  got = ofx.restore(os.path.join(root, "1"))["s"]
-  assert all(g.tobytes() == w.tobytes() for g, w in zip(got, changed))
-  with open(os.path.join(root, "1", "_CHECKPOINT"), "rb") as f:
-    stored = json.loads(f.read().split(b"\n")[1])["stored_bytes"]
-  assert stored == {"own": 2 * arrays[0].nbytes, "borrowed": 4 * arrays[0].nbytes}

@@ -144,36 +144,25 @@ class Differ:
 
   # ------------------------------------------------------------------ deciding
 
-  def _blocks(self, pieces: Sequence[Any]) -> list[tuple[Any, int | None, int | None]]:
-    """(piece, lo, hi) of every block decided on, ``lo``/``hi`` for packed segments."""
-    blocks = []
+  def select(self, pieces: Sequence[Any]) -> list[Any]:
+    """The pieces to write; the others (equal to the base's) get ``data = None``.
+
+    A chunked array's piece is one chunk. A packed piece is decided per segment (whole
+    small arrays, about one packed chunk each, :func:`segments`): the segments to write
+    go out as pieces of their own, views of the piece's data.
+    """
+    if self._base is None:
+      self._base = self._load_base() or {}
+    blocks = []  # (piece, lo, hi) of every block decided on, lo/hi for packed segments
     for p in pieces:
       if p.packed:
         size = self.packed_sizes[p.array.item]
         blocks += [(p, lo, hi) for lo, hi in segments(p, _planning.pack_chunk_bytes(size))]
       else:
         blocks.append((p, None, None))
-    return blocks
-
-  def hash(self, pieces: Sequence[Any]) -> list[str]:
-    """The content hash of every block of ``pieces`` (their host data made); reads nothing
-    else, so it runs on a helper thread while an earlier batch is written."""
-    return hashing.hash_all([p.data if lo is None else p.data[lo - p.slices[0].start:
-                                                              hi - p.slices[0].start]
-                             for p, lo, hi in self._blocks(pieces)])
-
-  def select(self, pieces: Sequence[Any], hashes: Sequence[str] | None = None) -> list[Any]:
-    """The pieces to write; the others (equal to the base's) get ``data = None``.
-
-    A chunked array's piece is one chunk. A packed piece is decided per segment (whole
-    small arrays, about one packed chunk each, :func:`segments`): the segments to write
-    go out as pieces of their own, views of the piece's data. ``hashes``: :meth:`hash`'s
-    of ``pieces`` (default: computed now).
-    """
-    if self._base is None:
-      self._base = self._load_base() or {}
-    blocks = self._blocks(pieces)
-    hashes = self.hash(pieces) if hashes is None else hashes
+    hashes = hashing.hash_all([p.data if lo is None else p.data[lo - p.slices[0].start:
+                                                                hi - p.slices[0].start]
+                               for p, lo, hi in blocks])
     out, split = [], {}
     for (p, lo, hi), h in zip(blocks, hashes):
       a = p.array
@@ -291,8 +280,7 @@ class _Full:
   def agree(self, key: str, timeout_s: float) -> None:
     del key, timeout_s
 
-  def select(self, pieces: Sequence[Any], hashes: Sequence[str] | None = None) -> Sequence[Any]:
-    del hashes
+  def select(self, pieces: Sequence[Any]) -> Sequence[Any]:
     return pieces
 
   def publish(self, key: str, error: BaseException | None) -> None:
