@@ -113,6 +113,8 @@ def one(case: str, total: int, reps: int, pause: float, root: str) -> list[dict]
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, "nbytes"))
   for d in modes:
     ckptrs[d].save(os.path.join(dirs[d], "0"), {"state": state})
+    ckptrs[d].prepare({"state": state})  # as a manager does: no first-save page faults
+    ckptrs[d].wait_prepared()
   target = {"state": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                                   if isinstance(x, jax.Array) else x, state)}
   times = {d: {"blocking_save": [], "async_blocked": [], "async_total": [], "restore_warm": [],
