@@ -71,8 +71,8 @@ class CheckpointPolicy:
       last save (0: off); decided on process 0 and shared.
     save_interval: "auto" saves every ``sqrt(2 x save cost x mtbf_seconds)``
       seconds (Young/Daly), the cost being the median blocking time of the
-      last 5 saves (1 s assumed before the first), re-evaluated at every
-      step; "" turns it off.
+      last 5 saves less the wait for the train step's own computation (1 s
+      assumed before the first), re-evaluated at every step; "" turns it off.
     mtbf_seconds: the job's mean time between failures, preemptions
       included, for ``save_interval="auto"`` and ``local_save_interval="auto"``
       (e.g. 86400 for about one a day).

@@ -84,7 +84,8 @@ class EventLog:
              where, blocked.blocking_s, blocked.blocking_items_s, blocked.blocking_data_s,
              blocked.blocking_wait_s, blocked.blocking_ready_s, blocked.blocking_copy_s, total_s,
              describe.human_bytes(nbytes))
-    interval = schedule.committed(blocked.blocking_s)
+    # The cost of a save: what it blocked the loop beyond the train step's own computation.
+    interval = schedule.committed(blocked.blocking_s - blocked.blocking_ready_s)
     loss = None if interval is None else interval / 2
     if schedule.auto is not None:
       log.info("save_interval=auto: saves cost %.3f s (median of the last %d), mtbf %.0f s:"

@@ -262,7 +262,7 @@ class CheckpointManager:
     return self._ckptr.host_snapshot(items)
 
   def save_cost(self) -> float | None:
-    """The median blocking time of the last few saves (what ``save_interval="auto"`` uses)."""
+    """The median cost of recent saves (``save_interval="auto"``'s): blocking less ``blocking_ready_s``."""
     return self._schedule.cost()
 
   def pop_events(self) -> list[SaveEvent]:

@@ -43,7 +43,8 @@ class SaveState(NamedTuple):
     last_time: when that save happened, or when the run started.
     first: True for the first step the manager sees in this run.
     save_cost: what a save costs the job, seconds (the median blocking time of
-      recent saves), or None before the first is measured.
+      recent saves, less their wait for the train step's computation), or None
+      before the first is measured.
   """
   step: int
   now: float

@@ -355,3 +355,6 @@ def test_reported_blocking_names_the_train_step_still_computing(tmp_path):
   # The parts are the wait: what none of them names is small beside the step's computation.
   assert e["checkpoint/blocking_s"] - parts < e["checkpoint/blocking_ready_s"] / 2, e
   assert e["checkpoint/blocking_copy_s"] < e["checkpoint/blocking_ready_s"], e
+  # save_interval="auto" learns what the save cost, not the step's computation.
+  cost = e["checkpoint/blocking_s"] - e["checkpoint/blocking_ready_s"]
+  assert ckpt.manager.save_cost() == pytest.approx(cost, abs=1e-6), (ckpt.manager.save_cost(), e)
