@@ -71,6 +71,16 @@ def test_unsupported_leaf_names_key_path_and_writes_nothing(tmp_path, ckpt_dir):
   assert os.listdir(tmp_path) == []
 
 
+def test_a_donated_array_is_named_by_a_manager_save_too(tmp_path):
+  """The manager waits for the arrays it saves; a deleted one is still named, not a jax error."""
+  donated = jnp.ones(4)
+  jax.jit(lambda x: x + 1, donate_argnums=0)(donated)
+  with ofx.CheckpointManager(str(tmp_path / "m"), ofx.CheckpointPolicy(save_interval_steps=1)) as m:
+    with pytest.raises(ofx.UnsupportedLeafError, match=r"s/w: its jax.Array was deleted"):
+      m.save(1, {"s": {"w": donated}}, metrics={"loss": jnp.float32(1.0)})
+    assert m.all_steps() == []
+
+
 def _hold_after_writing(monkeypatch, action):
   """Runs ``action`` after a save wrote its data, before it commits."""
   commit = _save_run.SaveRun._commit  # pylint: disable=protected-access
