@@ -78,17 +78,6 @@ def _trim() -> None:
     pass
 
 
-def _drop_caches() -> bool:
-  """Drops the page cache (root only); False where it cannot."""
-  os.sync()
-  try:
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-      f.write("3\n")
-    return True
-  except OSError:
-    return False
-
-
 def _own_bytes(path: str) -> int:
   with open(os.path.join(path, "_CHECKPOINT"), "rb") as f:
     summary = json.loads(f.read().split(b"\n")[1])
@@ -106,6 +95,7 @@ def one(case: str, total: int, reps: int, pause: float, root: str) -> list[dict]
   import hostmem  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  from save_restore import drop_caches  # pylint: disable=g-import-not-at-top
   modes = (False, True)
   ckptrs = {d: ofx.Checkpointer(differential=d) for d in modes}
   dirs = {d: os.path.join(root, "differential" if d else "full") for d in modes}
@@ -153,7 +143,7 @@ def one(case: str, total: int, reps: int, pause: float, root: str) -> list[dict]
       t = time.perf_counter()
       ckptrs[d].restore(os.path.join(dirs[d], str(step + 1)), target)
       times[d]["restore_warm"].append(time.perf_counter() - t)
-      if _drop_caches():  # cold: both modes read from the disk, whatever else was cached
+      if drop_caches():  # cold: both modes read from the disk, whatever else was cached
         t = time.perf_counter()
         ckptrs[d].restore(os.path.join(dirs[d], str(step + 1)), target)
         times[d].setdefault("restore_cold", []).append(time.perf_counter() - t)
