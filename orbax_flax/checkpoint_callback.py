@@ -52,6 +52,8 @@ _CURRENT = object()  # _items: take the data iterator's state now
 # loss fails everywhere at once; a failure of one process alone leaves the
 # others inside a collective, and nothing can be saved without them).
 _FAILED_AGREEMENT_S = 3.0
+# How long a second Ctrl-C waits for the abandoned save's writing to stop (about a second).
+_ABANDON_WAIT_S = 10.0
 
 
 class CheckpointCallback(callbacks.Callback):
@@ -275,14 +277,24 @@ class CheckpointCallback(callbacks.Callback):
                        f" {type(e).__name__}: {e}")
     except KeyboardInterrupt:
       # Ctrl-C again while saving after an error (or a first Ctrl-C): stop now, in one line,
-      # instead of a traceback chained from inside a thread join.
-      self.manager.abandon_inflight()
+      # instead of a traceback chained from inside a thread join. The writing stops before
+      # the process exits (a process that exits while tensorstore writes may abort).
+      try:
+        self.manager.abandon_inflight(wait_s=_ABANDON_WAIT_S)
+        self.manager.close()  # its threads too (the staging memory's preparation)
+      except KeyboardInterrupt:  # a third Ctrl-C: stop waiting
+        pass
+      except Exception as e:  # pylint: disable=broad-except  # the interruption comes first
+        log.error("closing the checkpoint manager after the second interruption failed: %s: %s",
+                  type(e).__name__, e)
       if self._watcher is not None:
         self._watcher.close()
       self._closed = True
-      print(f"orbax_flax: interrupted again while saving step {step}: the save is abandoned (never"
-            f" committed half-written); the last committed step is {self.manager.latest_step()}",
-            file=sys.stderr, flush=True)
+      latest = self.manager.latest_step()
+      outcome = ("its commit was under way and is complete" if latest == step else
+                 "the save is abandoned (never committed half-written)")
+      print(f"orbax_flax: interrupted again while saving step {step}: {outcome}; the last"
+            f" committed step is {latest}", file=sys.stderr, flush=True)
 
   def _save_exception(self, step: int, state: Any, error: BaseException) -> None:
     interrupted = isinstance(error, KeyboardInterrupt)

@@ -139,10 +139,11 @@ class Checkpointer:
 
   def _finish_inflight(self) -> None:
     """Waits for the previous save; raises its error if nobody has seen it."""
-    prev, self._inflight = self._inflight, None
+    prev = self._inflight
     if prev is None:
       return
     prev.join()
+    self._inflight = None  # only once it has ended: a Ctrl-C in the join can still cancel it
     error = prev.unreported_error()
     if error is not None:
       prev.mark_reported()

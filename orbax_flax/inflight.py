@@ -64,17 +64,19 @@ class InFlight:
     current = self._current
     return current is None or current[1].join(timeout)
 
-  def abandon(self) -> None:
-    """Cancels the save so that it never commits, and stops waiting for it."""
+  def abandon(self, wait_s: float = 0.0) -> None:
+    """Cancels the save so that it never commits; waits up to ``wait_s`` s for it to stop."""
     current = self._current
     if current is not None and not current[1].done():
       current[1].cancel()
+      current[1].join(wait_s)
 
   def finish(self) -> None:
     """Waits for the save (not an abandoned one), then raises the error left, if any."""
-    current, self._current = self._current, None
+    current = self._current
     if current is not None and not current[1].cancelled.is_set():
       current[1].join()
+    self._current = None  # only once it has ended: a Ctrl-C in the join can still abandon it
     self.raise_error()
 
   def raise_error(self) -> None:

@@ -214,8 +214,10 @@ class CheckpointManager:
       options["overwrite"] = retention.before_save(  # differential: the base, and room
           self._ckptr.differential, self._dir, step, self.registry.committed(), overwrite)
       if self.policy.async_save:
-        # A preemption save with a grace period may be cancelled: it writes in short batches.
-        cancellable = decided == "preemption" and self.policy.preemption_grace_seconds > 0
+        # A preemption save with a grace period, or an exception save (a second Ctrl-C
+        # abandons it), may be cancelled: it writes in short batches.
+        cancellable = decided == "exception" or (decided == "preemption"
+                                                 and self.policy.preemption_grace_seconds > 0)
         handle = self._ckptr.save_async(path, items, cancellable=cancellable, **options)
       else:
         self._ckptr.save(path, items, **options)
@@ -277,9 +279,18 @@ class CheckpointManager:
     """Waits up to ``timeout`` s for the save in flight; True if none is left. Never raises."""
     return self._inflight.join(timeout)
 
-  def abandon_inflight(self) -> None:
-    """Cancels the save in flight: it never commits (its data is a leftover). See InFlight."""
-    self._inflight.abandon()
+  def abandon_inflight(self, wait_s: float = 0.0) -> None:
+    """Cancels the save in flight: it never commits (its data is a leftover). See InFlight.
+
+    Args:
+      wait_s: seconds to wait for its writing to stop (a cancellable save stops within
+        about one): a process that exits while tensorstore is still writing may abort.
+    """
+    self._inflight.abandon(wait_s)
+    orphan = self._ckptr.inflight  # started, but its caller was interrupted before it was kept
+    if orphan is not None:
+      orphan.cancel()
+      orphan.join(wait_s)
 
   def wait(self) -> None:
     """Blocks until the save in flight and pending deletions are done; raises their errors."""

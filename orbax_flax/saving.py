@@ -75,6 +75,9 @@ class AsyncSave:
     self._error: BaseException | None = None
     self._reported = False
     self._thread: threading.Thread | None = None
+    # Set once the background phase has ended. Waiting on it, not on Thread.join: a Ctrl-C
+    # that interrupts Thread.join on Python 3.11 marks a running thread as stopped.
+    self._over = threading.Event()
     self.cancelled = threading.Event()
     self._callbacks: list[Callable[[AsyncSave], None]] | None = []  # None once they ran
     self._callbacks_lock = threading.Lock()
@@ -113,7 +116,10 @@ class AsyncSave:
         self._error = e
       finally:
         atexit.unregister(self._finish_at_exit)
-        self._ended()
+        try:
+          self._ended()
+        finally:
+          self._over.set()
     self._thread = threading.Thread(target=body, name=f"orbax_flax-save-{self.path}", daemon=True)
     atexit.register(self._finish_at_exit)
     self._thread.start()
@@ -145,7 +151,7 @@ class AsyncSave:
 
   def done(self) -> bool:
     """True once the background phase finished (committed or failed)."""
-    return self._thread is None or not self._thread.is_alive()
+    return self._thread is None or self._over.is_set()
 
   def wait(self, timeout: float | None = None) -> None:
     """Blocks until committed; re-raises a background error.
@@ -154,8 +160,7 @@ class AsyncSave:
       TimeoutError: if ``timeout`` seconds pass first.
     """
     if self._thread is not None and self._thread is not threading.current_thread():
-      self._thread.join(timeout)
-      if self._thread.is_alive():
+      if not self._over.wait(timeout):
         raise TimeoutError(f"save to {self.path} still running after {timeout} s")
     if self._error is not None:
       self._reported = True
@@ -164,7 +169,7 @@ class AsyncSave:
   def join(self, timeout: float | None = None) -> bool:
     """Blocks until the background phase ends (at most ``timeout`` s); True if it has. Raises nothing."""
     if self._thread is not None and self._thread is not threading.current_thread():
-      self._thread.join(timeout)
+      self._over.wait(timeout)
     return self.done()
 
   def unreported_error(self) -> BaseException | None:
