@@ -64,12 +64,20 @@ class InFlight:
     current = self._current
     return current is None or current[1].join(timeout)
 
-  def abandon(self, wait_s: float = 0.0) -> None:
-    """Cancels the save so that it never commits; waits up to ``wait_s`` s for it to stop."""
-    current = self._current
-    if current is not None and not current[1].done():
-      current[1].cancel()
-      current[1].join(wait_s)
+  def abandon(self, wait_s: float = 0.0, started: saving.AsyncSave | None = None) -> None:
+    """Cancels the save so that it never commits; waits up to ``wait_s`` s for it to stop.
+
+    Args:
+      wait_s: how long to wait for its writing to stop (a cancellable save stops within
+        about a second): a process that exits while tensorstore writes may abort.
+      started: the checkpointer's save in flight, cancelled too: a save whose caller was
+        interrupted (Ctrl-C) before it reached :meth:`start`.
+    """
+    current = self._current[1] if self._current is not None else None
+    for handle in {id(h): h for h in (current, started) if h is not None}.values():
+      if not handle.done():
+        handle.cancel()
+        handle.join(wait_s)
 
   def finish(self) -> None:
     """Waits for the save (not an abandoned one), then raises the error left, if any."""

@@ -214,10 +214,8 @@ class CheckpointManager:
       options["overwrite"] = retention.before_save(  # differential: the base, and room
           self._ckptr.differential, self._dir, step, self.registry.committed(), overwrite)
       if self.policy.async_save:
-        # A preemption save with a grace period, or an exception save (a second Ctrl-C
-        # abandons it), may be cancelled: it writes in short batches.
-        cancellable = decided == "exception" or (decided == "preemption"
-                                                 and self.policy.preemption_grace_seconds > 0)
+        # An exception save, or a preemption save with a grace period, may be cancelled.
+        cancellable = decided in ("exception", self.policy.preemption_grace_seconds and "preemption")
         handle = self._ckptr.save_async(path, items, cancellable=cancellable, **options)
       else:
         self._ckptr.save(path, items, **options)
@@ -280,17 +278,8 @@ class CheckpointManager:
     return self._inflight.join(timeout)
 
   def abandon_inflight(self, wait_s: float = 0.0) -> None:
-    """Cancels the save in flight: it never commits (its data is a leftover). See InFlight.
-
-    Args:
-      wait_s: seconds to wait for its writing to stop (a cancellable save stops within
-        about one): a process that exits while tensorstore is still writing may abort.
-    """
-    self._inflight.abandon(wait_s)
-    orphan = self._ckptr.inflight  # started, but its caller was interrupted before it was kept
-    if orphan is not None:
-      orphan.cancel()
-      orphan.join(wait_s)
+    """Cancels the save in flight (it never commits); waits ``wait_s`` s for it. See InFlight."""
+    self._inflight.abandon(wait_s, started=self._ckptr.inflight)
 
   def wait(self) -> None:
     """Blocks until the save in flight and pending deletions are done; raises their errors."""

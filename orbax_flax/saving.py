@@ -160,7 +160,7 @@ class AsyncSave:
       TimeoutError: if ``timeout`` seconds pass first.
     """
     if self._thread is not None and self._thread is not threading.current_thread():
-      if not self._over.wait(timeout):
+      if not self._join(timeout):
         raise TimeoutError(f"save to {self.path} still running after {timeout} s")
     if self._error is not None:
       self._reported = True
@@ -169,8 +169,16 @@ class AsyncSave:
   def join(self, timeout: float | None = None) -> bool:
     """Blocks until the background phase ends (at most ``timeout`` s); True if it has. Raises nothing."""
     if self._thread is not None and self._thread is not threading.current_thread():
-      self._over.wait(timeout)
+      self._join(timeout)
     return self.done()
+
+  def _join(self, timeout: float | None) -> bool:
+    """Waits for the background phase, then for its thread's last lines (they free the save's
+    tensorstore objects: a process that exits first may abort)."""
+    if not self._over.wait(timeout):
+      return False
+    self._thread.join()  # it has ended its work: milliseconds
+    return True
 
   def unreported_error(self) -> BaseException | None:
     """The error nobody has seen (a cancellation someone asked for does not count)."""
