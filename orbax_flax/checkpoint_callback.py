@@ -25,18 +25,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
-import jax
 import numpy as np
 
-from orbax_flax import _multihost
 from orbax_flax import _progress
 from orbax_flax import callbacks
 from orbax_flax import errors
+from orbax_flax import interruptions
 from orbax_flax import preemption
 from orbax_flax import resume
 from orbax_flax import state_items
@@ -48,12 +46,6 @@ log = logging.getLogger("orbax_flax")
 
 META_ITEM = "meta"  # the item that holds the callback's metadata
 _CURRENT = object()  # _items: take the data iterator's state now
-# How long an exception save waits for the other processes to fail too (a NaN
-# loss fails everywhere at once; a failure of one process alone leaves the
-# others inside a collective, and nothing can be saved without them).
-_FAILED_AGREEMENT_S = 3.0
-# How long a second Ctrl-C waits for the abandoned save's writing to stop (about a second).
-_ABANDON_WAIT_S = 10.0
 
 
 class CheckpointCallback(callbacks.Callback):
@@ -205,7 +197,7 @@ class CheckpointCallback(callbacks.Callback):
     self._flush_events()
     self._watch()  # at the run's first call
     if self._watcher is not None and self._watcher.reached(step):
-      self._save_preemption(step, state, metrics)
+      self._save_preemption(step, state, metrics, data_state, data_s)
       return True
     local_due = self._local is not None and self._local.due(step)
     reason = self.manager.should_save(step)
@@ -222,19 +214,20 @@ class CheckpointCallback(callbacks.Callback):
         self._save_failed(failed)
     return False
 
-  def _save_preemption(self, step: int, state: Any, metrics: Any) -> None:
+  def _save_preemption(self, step: int, state: Any, metrics: Any, data_state: Any,
+                       data_s: float) -> None:
     self.preempted = True
     self._preempted_at = step
     start = time.monotonic()
-    items = self._items(step, state)
+    items = self._items(step, state, data_state, data_s)  # the mark's get_state(), if any
     if self._local is not None:  # seconds: done first, whatever the grace period
       items = self.manager.host_snapshot(items)
       # A failure is logged: the persistent save still runs.
       self._local.save(step, items, timeline=self.manager.timeline, writer=self.writer)
     self._save(step, state, metrics, "preemption", items=items)
     signalled = start - (self._watcher.signal_time or start)  # seconds before start
-    if _committed_in_grace(self.manager, step, self.policy.preemption_grace_seconds,
-                           time.monotonic() - start + signalled):
+    if interruptions.committed_in_grace(self.manager, step, self.policy.preemption_grace_seconds,
+                                        time.monotonic() - start + signalled):
       self._flush_events()
       _progress.say("preempted: step %d is committed; stopping", step)
 
@@ -262,8 +255,9 @@ class CheckpointCallback(callbacks.Callback):
         elif self.policy.save_on_exception:
           self._save_exception(step, state, error)
         elif isinstance(error, KeyboardInterrupt):
-          log.warning("%s; nothing saved (save_on_exception is off). %s%s", _failure(step, error),
-                      _resume_point(self.manager), _sigint_hint(self.policy))
+          log.warning("%s; nothing saved (save_on_exception is off). %s%s",
+                      interruptions.failure(step, error), interruptions.resume_point(self.manager),
+                      interruptions.sigint_hint(self.policy))
       except Exception as e:  # pylint: disable=broad-except  # the training error comes first
         log.error("the exception save of step %d failed too: %s: %s", step, type(e).__name__, e)
         error.add_note(f"orbax_flax: saving step {step} after this error failed too:"
@@ -277,36 +271,24 @@ class CheckpointCallback(callbacks.Callback):
                        f" {type(e).__name__}: {e}")
     except KeyboardInterrupt:
       # Ctrl-C again while saving after an error (or a first Ctrl-C): stop now, in one line,
-      # instead of a traceback chained from inside a thread join. The writing stops before
-      # the process exits (a process that exits while tensorstore writes may abort).
-      try:
-        self.manager.abandon_inflight(wait_s=_ABANDON_WAIT_S)
-        self.manager.close()  # its threads too (the staging memory's preparation)
-      except KeyboardInterrupt:  # a third Ctrl-C: stop waiting
-        pass
-      except Exception as e:  # pylint: disable=broad-except  # the interruption comes first
-        log.error("closing the checkpoint manager after the second interruption failed: %s: %s",
-                  type(e).__name__, e)
+      # instead of a traceback chained from inside a thread join.
       if self._watcher is not None:
         self._watcher.close()
       self._closed = True
-      latest = self.manager.latest_step()
-      outcome = ("its commit was under way and is complete" if latest == step else
-                 "the save is abandoned (never committed half-written)")
-      print(f"orbax_flax: interrupted again while saving step {step}: {outcome}; the last"
-            f" committed step is {latest}", file=sys.stderr, flush=True)
+      interruptions.stop_saving(self.manager, step)
 
   def _save_exception(self, step: int, state: Any, error: BaseException) -> None:
     interrupted = isinstance(error, KeyboardInterrupt)
-    latest = _resume_point(self.manager)
-    hint = _sigint_hint(self.policy) if interrupted else ""
-    if _unsaveable(step, state, error, latest + hint):
+    latest = interruptions.resume_point(self.manager)
+    hint = interruptions.sigint_hint(self.policy) if interrupted else ""
+    if interruptions.unsaveable(step, state, error, latest + hint):
       return
-    if not self.manager.has_step(step) and _every_process_failed(self.manager, step):
-      (log.warning if interrupted else log.error)("%s; saving that step.%s",
-                                                  _failure(step, error), hint)
-      data_state = None if self._data is None else self._data.after(step)  # None: saved without
-      self._save(step, state, self._last_metrics, "exception", data_state)
+    if self.manager.has_step(step) or not interruptions.every_process_failed(self.manager, step):
+      return
+    (log.warning if interrupted else log.error)("%s; saving that step.%s",
+                                                interruptions.failure(step, error), hint)
+    data_state = None if self._data is None else self._data.after(step)  # None: saved without
+    self._save(step, state, self._last_metrics, "exception", data_state)
 
   def on_train_end(self, step: int, state: Any) -> None:
     self._last = (step, state)
@@ -360,35 +342,6 @@ class CheckpointCallback(callbacks.Callback):
     self.writer.flush()
 
 
-def _committed_in_grace(manager: CheckpointManager, step: int, grace: float,
-                        spent: float) -> bool:
-  """Waits for the preemption save of ``step`` (``grace`` seconds, 0: no limit, ``spent`` of
-  them gone); True once committed, False (logged; cancelled if late) when not."""
-  if grace and not manager.wait_for_save(max(0.0, grace - spent)):
-    manager.abandon_inflight()
-    log.error("preemption save of step %d did not commit within the %g s grace period;"
-              " cancelled: it is not committed unless its commit was already under way"
-              " (then it is complete). The last committed step is %s.", step, grace,
-              manager.latest_step())
-    return False
-  try:
-    manager.wait()
-  except errors.SaveCancelledError as e:
-    # Another process ran out of grace period and cancelled the save: the job is
-    # still preempted; stop cleanly like that process does.
-    log.error("preemption save of step %d was not committed: %s The last committed step"
-              " is %s.", step, e, manager.latest_step())
-    return False
-  return True
-
-
-def _failure(step: int, error: BaseException) -> str:
-  """What ended training, in words, for the log."""
-  if isinstance(error, KeyboardInterrupt):
-    return f"interrupted after step {step} (KeyboardInterrupt: Ctrl-C or SIGINT)"
-  return f"training failed after step {step} ({type(error).__name__}: {error})"
-
-
 def _loop_step(step: Any) -> int:
   """``on_step_end``'s step as an int; TypeError for anything but an integer."""
   if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
@@ -396,55 +349,3 @@ def _loop_step(step: Any) -> int:
                     f" {type(step).__name__}; reading a jax.Array step would force a"
                     " device-to-host sync every step")
   return int(step)
-
-
-def _unsaveable(step: int, state: Any, error: BaseException, after: str) -> bool:
-  """True (and logged, followed by ``after``) if the state at an error is not step ``step``'s."""
-  if state_items.kind(state) == "nnx":
-    log.warning("%s; not saving it: NNX objects are updated in place, so the live model and"
-                " optimizer may already be ahead of step %d, the last step handed to"
-                " on_step_end, and a save labelled %d could hold a later state. %s",
-                _failure(step, error), step, step, after)
-    return True
-  if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-    (log.warning if isinstance(error, KeyboardInterrupt) else log.error)(
-        "%s; the state of step %d cannot be saved: its buffers were donated to the next"
-        " step. %s", _failure(step, error), step, after)
-    return True
-  return False
-
-
-def _sigint_hint(policy: CheckpointPolicy) -> str:
-  """How to make Ctrl-C save as a preemption does ("" if it already does)."""
-  if "SIGINT" in policy.preemption_signals and policy.save_on_preemption:
-    return ""
-  return (" To make Ctrl-C save at the next step end and stop cleanly, as a preemption does,"
-          " add SIGINT to the policy's preemption_signals, e.g. preemption_signals=('SIGTERM',"
-          " 'SIGINT') (on the command line:"
-          " --config.checkpoint.preemption_signals=\"('SIGTERM','SIGINT')\").")
-
-
-def _resume_point(manager: CheckpointManager) -> str:
-  """Where a resume would start, as a sentence (a save in flight commits before the close)."""
-  inflight = manager.inflight_step()
-  if inflight is not None:
-    return (f"A resume continues from step {inflight}, whose save is still being written (it"
-            " commits before the callback closes).")
-  latest = manager.latest_step()
-  if latest is None:
-    return "No step is committed yet: a resume starts from scratch."
-  return f"A resume continues from step {latest}, the last committed."
-
-
-def _every_process_failed(manager: CheckpointManager, step: int) -> bool:
-  """A save needs every process; one that did not fail is still training."""
-  if jax.process_count() == 1:
-    return True
-  try:
-    _multihost.all_gather(f"{manager.coordination_key}/failed/{step}", "1",
-                          timeout_s=_FAILED_AGREEMENT_S)
-    return True
-  except TimeoutError:
-    log.error("training failed after step %d on this process but not on every process within"
-              " %g s; no exception save (it needs all of them)", step, _FAILED_AGREEMENT_S)
-    return False

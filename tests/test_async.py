@@ -2,6 +2,7 @@
 
 import gc
 import os
+import signal
 import subprocess
 import time
 
@@ -330,6 +331,24 @@ def test_reported_blocking_is_the_whole_wait_of_on_step_end(tmp_path):
     assert e["checkpoint/blocking_data_s"] >= 0.2, e  # get_state() of the save's data item
     parts = sum(e[f"checkpoint/blocking_{p}_s"] for p in ("items", "data", "wait", "ready", "copy"))
     assert parts <= e["checkpoint/blocking_s"] <= e["checkpoint/total_s"], e
+
+
+def test_a_preemption_save_takes_the_data_position_once(tmp_path):
+  state = _state(8)
+  policy = ofx.CheckpointPolicy(save_interval_steps=100, preemption_signals=("SIGUSR2",))
+  with ofx.CheckpointCallback(str(tmp_path), policy) as ckpt:
+    it = _SlowStateIterator()
+    state = ckpt.restore_or_init(state, data_iterator=it)
+    assert ckpt.on_step_end(1, state) is False
+    next(it)
+    os.kill(os.getpid(), signal.SIGUSR2)
+    time.sleep(0.05)
+    calls = it.calls
+    assert ckpt.on_step_end(2, state) is True  # preempted: saved and committed
+    assert it.calls == calls + 1, it.calls - calls
+  it = _SlowStateIterator()
+  ofx.CheckpointCallback(str(tmp_path), {}).restore_or_init(_state(8), data_iterator=it)
+  assert it.i == 1  # the position after step 2, as get_state() gave it
 
 
 def test_reported_blocking_names_the_train_step_still_computing(tmp_path):

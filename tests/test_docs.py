@@ -261,8 +261,8 @@ def test_engine_table_lists_every_argument(name):
 
 
 def test_exception_save_wait_is_the_one_the_code_uses():
-  from orbax_flax import checkpoint_callback  # pylint: disable=g-import-not-at-top
+  from orbax_flax import interruptions  # pylint: disable=g-import-not-at-top
   text = open(os.path.join(ROOT, "docs", "training.md")).read()
   m = re.search(r"if the others have not failed within (\d+(?:\.\d+)?) s", text)
   assert m, "docs/training.md no longer says how long an exception save waits for the others"
-  assert float(m.group(1)) == checkpoint_callback._FAILED_AGREEMENT_S  # pylint: disable=protected-access
+  assert float(m.group(1)) == interruptions.FAILED_AGREEMENT_S
