@@ -74,7 +74,7 @@ class InFlight:
         interrupted (Ctrl-C) before it reached :meth:`start`.
     """
     current = self._current[1] if self._current is not None else None
-    for handle in {id(h): h for h in (current, started) if h is not None}.values():
+    for handle in {current, started} - {None}:  # the same save once
       if not handle.done():
         handle.cancel()
         handle.join(wait_s)

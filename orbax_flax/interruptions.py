@@ -52,7 +52,7 @@ def stop_saving(manager: CheckpointManager, step: int) -> None:
 
 
 def committed_in_grace(manager: CheckpointManager, step: int, grace: float,
-                        spent: float) -> bool:
+                       spent: float) -> bool:
   """Waits for the preemption save of ``step`` (``grace`` seconds, 0: no limit, ``spent`` of
   them gone); True once committed, False (logged; cancelled if late) when not."""
   if grace and not manager.wait_for_save(max(0.0, grace - spent)):

@@ -214,8 +214,8 @@ class CheckpointManager:
       options["overwrite"] = retention.before_save(  # differential: the base, and room
           self._ckptr.differential, self._dir, step, self.registry.committed(), overwrite)
       if self.policy.async_save:
-        # An exception save, or a preemption save with a grace period, may be cancelled.
-        cancellable = decided in ("exception", self.policy.preemption_grace_seconds and "preemption")
+        cancellable = decided == "exception" or (  # a second Ctrl-C, a grace period ran out
+            decided == "preemption" and self.policy.preemption_grace_seconds > 0)
         handle = self._ckptr.save_async(path, items, cancellable=cancellable, **options)
       else:
         self._ckptr.save(path, items, **options)

@@ -75,8 +75,9 @@ class AsyncSave:
     self._error: BaseException | None = None
     self._reported = False
     self._thread: threading.Thread | None = None
-    # Set once the background phase has ended. Waiting on it, not on Thread.join: a Ctrl-C
-    # that interrupts Thread.join on Python 3.11 marks a running thread as stopped.
+    # Set once the background phase has ended. Waited on before Thread.join (which then
+    # waits only for the thread's last lines): a Ctrl-C that interrupts Thread.join on
+    # Python 3.11 marks a running thread as stopped.
     self._over = threading.Event()
     self.cancelled = threading.Event()
     self._callbacks: list[Callable[[AsyncSave], None]] | None = []  # None once they ran
