@@ -35,6 +35,7 @@ from orbax_flax import _progress
 from orbax_flax import callbacks
 from orbax_flax import errors
 from orbax_flax import interruptions
+from orbax_flax import policy as policy_lib
 from orbax_flax import preemption
 from orbax_flax import resume
 from orbax_flax import state_items
@@ -92,6 +93,8 @@ class CheckpointCallback(callbacks.Callback):
     self._preempted_at: int | None = None
     self._closed = False
     self._built: tuple[float, float, float] | None = None  # _items: (start, items_s, data_s)
+    self._state_checked = False     # the state's leaves, checked once (restore_or_init or step 1)
+    self._metric_names: frozenset | None = None  # the metric names last checked for best_metric
 
   def restore_or_init(self, state: Any, *, data_iterator: Any = None) -> Any:
     """Resumes from the latest committed step, resharded onto ``state``'s shardings.
@@ -114,6 +117,7 @@ class CheckpointCallback(callbacks.Callback):
     """
     self._check_open()
     state_items.check(state)  # every part of the state can be saved, before anything runs
+    self._state_checked = True
     self._watch()
     self._data = resume.DataPosition.of(data_iterator, self.manager.coordination_key)
     state, self.restored_step = self._resume.restore(state, self._data)
@@ -187,6 +191,7 @@ class CheckpointCallback(callbacks.Callback):
                   " is committed): training should have stopped when on_step_end returned True."
                   " Not saving again; stop the loop.", step, self._preempted_at)
       return True
+    self._check_step(state, metrics)
     self._last = (step, state)
     self._last_metrics = metrics
     data_state, data_s = _CURRENT, 0.0
@@ -213,6 +218,42 @@ class CheckpointCallback(callbacks.Callback):
       if failed is not None:  # a failing local tier never costs the persistent save
         self._save_failed(failed)
     return False
+
+  def _check_step(self, state: Any, metrics: Any) -> None:
+    """What a save would refuse, refused at the step it is first seen, not at the first save.
+
+    The state's leaves are checked once (at the first step, unless
+    :meth:`restore_or_init` did); the metrics at every step that passes them
+    (their shapes and dtypes only: no device value is fetched). The policy's
+    ``best_metric`` is looked for whenever the set of metric names changes:
+    absent while a reported name is close to it (a typo), it raises with "did
+    you mean"; absent with nothing close, a WARNING says so once (eval metrics
+    reported only on eval steps are legitimate).
+    """
+    if not self._state_checked:
+      state_items.check(state)
+      self._state_checked = True
+    if metrics is None:
+      return
+    policy_lib.check_metrics(metrics)
+    names = frozenset(metrics)
+    if not self.policy.best_metric or names == self._metric_names:
+      return
+    first = self._metric_names is None
+    self._metric_names = names
+    problem = policy_lib.missing_metric(self.policy.best_metric, sorted(map(str, names)))
+    if problem is None:
+      return
+    what = (f"keep_best={self.policy.keep_best} ranks the saved steps by it" if self.policy.keep_best
+            else "best_step() ranks the saved steps by it")
+    if "did you mean" in problem:
+      raise ValueError(f"{problem} {what}; a step saved without it ranks last, so keep_best"
+                       " would keep the newest steps instead of the best. Set"
+                       " checkpoint.best_metric to the name the loop reports, or report it.")
+    if first:
+      log.warning("%s: %s, and steps saved without it rank last (keep_best then keeps the newest)."
+                  " Fine if the loop reports it only on some steps (e.g. eval steps); otherwise"
+                  " set checkpoint.best_metric to a name the loop reports.", problem, what)
 
   def _save_preemption(self, step: int, state: Any, metrics: Any, data_state: Any,
                        data_s: float) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import difflib
 import math
 import statistics
 from collections.abc import Mapping
@@ -297,3 +298,82 @@ def to_delete(steps: Sequence[StepInfo], rules: Sequence[KeepRule]) -> list[int]
   keep = set().union(*(r.keep(steps) for r in rules))
   keep.add(max(s.step for s in steps))
   return sorted(s.step for s in steps if s.step not in keep)
+
+
+def check_metrics(metrics: object) -> None:
+  """Raises unless ``metrics`` is a mapping of scalar numbers; reads no device value.
+
+  What a step's metrics must be to be recorded with a save: a mapping of names
+  to Python or numpy numbers, or 0-d arrays (a ``jax.Array`` of shape ``()`` is
+  checked by its shape and dtype, never fetched). An array of any other shape
+  is refused, whatever its elements: a ``jax.pmap`` step's per-device metrics
+  (shape ``[devices]``) need one number chosen first.
+
+  Raises:
+    TypeError: not a mapping, or a value that is not a scalar number (names it
+      and the fix).
+
+  Example:
+    >>> import numpy as np
+    >>> check_metrics({"loss": 0.5, "acc": np.float32(0.9)})
+    >>> check_metrics({"loss": np.ones(8)})
+    Traceback (most recent call last):
+    ...
+    TypeError: metric 'loss' has shape (8,), not a scalar: ...
+  """
+  if not isinstance(metrics, Mapping):
+    raise TypeError(f"metrics must be a mapping of names to scalar numbers, got"
+                    f" {type(metrics).__name__}; pass e.g. {{'loss': loss}}")
+  for name, value in metrics.items():
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:  # an array: look at it, do not fetch it
+      if tuple(shape) != ():
+        raise TypeError(
+            f"metric {name!r} has shape {tuple(shape)}, not a scalar: a checkpoint records one"
+            " number per metric. A jax.pmap step returns one value per device: average them in"
+            " the step (jax.lax.pmean) and pass flax.jax_utils.unreplicate(metrics) (device"
+            " 0's copy), or pass jax.tree.map(jnp.mean, metrics)")
+      if not _is_number_dtype(dtype):
+        raise TypeError(f"metric {name!r} is an array of {dtype}, not a number")
+      continue
+    if isinstance(value, (str, bytes)) or not _is_number(value):
+      raise TypeError(f"metric {name!r} must be a scalar number, got {type(value).__name__}"
+                      f" ({str(value)[:40]!r})")
+
+
+def _is_number_dtype(dtype: object) -> bool:
+  kind = getattr(dtype, "kind", None)
+  if kind is None:  # e.g. a jax extended dtype (PRNG keys)
+    return False
+  return kind in "biuf"
+
+
+def _is_number(value: object) -> bool:
+  try:
+    float(value)  # type: ignore[arg-type]
+  except (TypeError, ValueError):
+    return False
+  return True
+
+
+def missing_metric(metric: str, reported: Sequence[str]) -> str | None:
+  """What is wrong when the metric a policy ranks by is not among the ``reported`` names.
+
+  Returns:
+    None if ``metric`` is reported (or none is needed); else a sentence naming
+    it, the names reported, and the closest of them (``difflib``) as "did you
+    mean".
+
+  Example:
+    >>> missing_metric("eval_acc", ["loss", "eval_accuracy"])
+    "best_metric='eval_acc' is not among the metrics reported (eval_accuracy, loss); did you mean 'eval_accuracy'?"
+    >>> missing_metric("loss", ["loss"]) is None
+    True
+  """
+  if not metric or metric in reported:
+    return None
+  names = sorted(str(n) for n in reported)
+  close = difflib.get_close_matches(metric, names, n=1, cutoff=0.6)
+  return (f"best_metric={metric!r} is not among the metrics reported ({', '.join(names)})"
+          + (f"; did you mean {close[0]!r}?" if close else ""))
