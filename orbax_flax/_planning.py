@@ -115,6 +115,8 @@ class _ShardLayout:
   shard_shape: tuple[int, ...]
   holders: dict[tuple[int, ...], frozenset[int]]  # shard start -> processes holding it
   full_holders: frozenset[int]                    # processes holding every shard
+  holder_sets: tuple[frozenset[int], ...]         # the distinct values of holders
+  holder_table: np.ndarray                        # over the grid of shards: index in holder_sets
 
 
 @functools.lru_cache(maxsize=1024)
@@ -123,10 +125,19 @@ def _shard_layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> _S
   for device, index in sharding.devices_indices_map(shape).items():
     start = tuple(s.start or 0 for s in index)
     holders.setdefault(start, set()).add(device.process_index)
-  procs = set().union(*holders.values())
-  full = frozenset(p for p in procs if all(p in h for h in holders.values()))
-  return _ShardLayout(tuple(sharding.shard_shape(shape)),
-                      {k: frozenset(v) for k, v in holders.items()}, full)
+  distinct = set(map(frozenset, holders.values()))
+  full = frozenset.intersection(*distinct)
+  shard_shape = tuple(sharding.shard_shape(shape))
+  sets: dict[frozenset[int], int] = {}
+  by_shard = {tuple(lo // s if s else 0 for lo, s in zip(start, shard_shape)):
+              sets.setdefault(frozenset(h), len(sets)) for start, h in holders.items()}
+  table = np.full(tuple(max(k[d] for k in by_shard) + 1 for d in range(len(shard_shape))),
+                  -1, dtype=np.int64)
+  for k, g in by_shard.items():
+    table[k] = g
+  table.flags.writeable = False
+  return _ShardLayout(shard_shape, {k: frozenset(v) for k, v in holders.items()}, full,
+                      tuple(sets), table)
 
 
 def check_items(items: Any) -> None:
@@ -266,30 +277,49 @@ def plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me:
   shard_shape = shape if lay is None else lay.shard_shape
   # A shard held by k processes is cut into at least k chunks, so that its
   # holders share the writing.
-  sharers = len(full_holders) if lay is None else max(len(h) for h in lay.holders.values())
+  sharers = len(full_holders) if lay is None else max(len(h) for h in lay.holder_sets)
   shard_bytes = math.prod(shard_shape) * dtype.itemsize
   chunk_limit = min(_layout.DEFAULT_MAX_CHUNK_BYTES, -(-shard_bytes // sharers))
   chunk_shape = _layout.choose_chunk_shape(shard_shape, dtype.itemsize, chunk_limit)
+  # The chunk grid in numpy (millions of chunks at thousands of devices): each
+  # chunk's position, the shard it lies in, and that shard's holders.
   chunking = _layout.Chunking(shape, chunk_shape)
-  chunk_boxes = [chunking.chunk_box(c) for c in range(chunking.num_chunks)]
-  starts = [tuple((lo // s) * s for (lo, _), s in zip(b, shard_shape)) for b in chunk_boxes]
-  holders = [full_holders if lay is None else lay.holders[s] for s in starts]
-  owners = _layout.assign_owners(holders, math.prod(chunk_shape) * dtype.itemsize, load)
-  rec.update(chunk_shape=list(chunk_shape), owners=owners)
-  if me not in owners:
+  grid = chunking.grid
+  coords = np.unravel_index(np.arange(chunking.num_chunks), grid) if grid else ()
+  shard_coords = [c * n // s for c, n, s in zip(coords, chunk_shape, shard_shape)]
+  group, group_holders = _chunk_holder_groups(lay, full_holders, shard_coords, shard_shape,
+                                              chunking.num_chunks)
+  owners = _layout.assign_owners_grid(group, group_holders,
+                                      math.prod(chunk_shape) * dtype.itemsize, load)
+  mine = np.flatnonzero(owners == me).tolist()
+  rec.update(chunk_shape=list(chunk_shape), owners=owners.tolist())
+  if not mine:
     return rec
   array = StoredArray(item, name, shape, rec["stored_dtype"], chunk_shape)
   local = {tuple(0 for _ in shape): None} if lay is None else {
       tuple(s.start or 0 for s in index): k for k, index in _unique_shards(leaf, kind, sharding)}
-  for box, start, owner in zip(chunk_boxes, starts, owners):
-    if owner != me:
-      continue
+  for c in mine:
+    box = tuple((int(x[c]) * n, (int(x[c]) + 1) * n) for x, n in zip(coords, chunk_shape))
+    start = tuple(int(x[c]) * s for x, s in zip(shard_coords, shard_shape))
     within = None
     if chunk_shape != shard_shape:
       within = _layout.relative(box, tuple((s, s + n) for s, n in zip(start, shard_shape)))
     pieces.append(Piece(array, _layout.box_to_slices(box), chunk_shape, dtype,
                         [Source(ref(local[start]), within)]))
   return rec
+
+
+def _chunk_holder_groups(lay: _ShardLayout | None, full_holders: frozenset[int],
+                         shard_coords: list[np.ndarray], shard_shape: tuple[int, ...],
+                         num_chunks: int) -> tuple[np.ndarray, tuple[frozenset[int], ...]]:
+  """Per chunk, the index of its shard's holder set; and the distinct holder sets."""
+  if lay is None:
+    return np.zeros(num_chunks, dtype=np.int64), (full_holders,)
+  table, sets = lay.holder_table, lay.holder_sets
+  group = table[tuple(shard_coords)] if shard_shape else np.full(num_chunks, table[()])
+  if (group < 0).any():  # a chunk in no shard: the sharding's layout is not a grid
+    raise ValueError(f"shards {sorted(lay.holders)} of shape {shard_shape} do not tile the array")
+  return np.asarray(group, dtype=np.int64).reshape(num_chunks), sets
 
 
 def _unique_shards(leaf: Any, kind: str, sharding: Any) -> list[tuple[int | None, tuple[slice, ...]]]:
