@@ -4,7 +4,8 @@
 names a checkpoint or a run (its latest step) in any format ``restore`` reads:
 ours (``<workdir>``, ``<workdir>/checkpoints``, ``.../checkpoints/<step>``), an
 orbax-checkpoint ``CheckpointManager`` directory or step or an item directory,
-or safetensors. ``"<checkpoint>:<item>/<sub/tree>"`` names the item to take and
+a directory of flax's legacy ``checkpoint_<N>`` checkpoints (its newest), or
+safetensors. ``"<checkpoint>:<item>/<sub/tree>"`` names the item to take and
 optionally the subtree inside it (keys joined by ``/``, as ``python -m
 orbax_flax show`` prints them), e.g. ``"/runs/gemma/checkpoints:model"`` for the
 Flax Gemma example's ``model`` item. Without a selector: our ``params`` item;
@@ -94,6 +95,9 @@ def _checkpoint_in(source: str, text: str) -> Location:
     ocp_steps = orbax_checkpoint.steps(candidate)
     if ocp_steps:
       return candidate.join(str(ocp_steps[-1]))
+    legacy = orbax_checkpoint.legacy_steps(candidate)  # flax's checkpoint_<N>
+    if legacy and orbax_checkpoint.detect(candidate.join(legacy[-1][1])):
+      return candidate.join(legacy[-1][1])
     try:
       steps, _ = step_dir.list_steps(candidate)
     except NotADirectoryError:
@@ -103,8 +107,9 @@ def _checkpoint_in(source: str, text: str) -> Location:
   raise errors.CheckpointNotFoundError(
       f"init_from={text!r}: no committed checkpoint at {source}, nor a step directory (or a run"
       " with a checkpoints/ directory) holding one; point it at a checkpoint such as"
-      " <workdir>/checkpoints/<step>, at the run's workdir, or at an orbax-checkpoint run"
-      " directory or step (add :<item>/<sub/tree> to name what to take from it).")
+      " <workdir>/checkpoints/<step>, at the run's workdir, at an orbax-checkpoint run"
+      " directory or step, or at a directory of flax's checkpoint_<N> (add :<item>/<sub/tree>"
+      " to name what to take from it).")
 
 
 def _holdings(manifest: Manifest, item: str | None = None,

@@ -16,6 +16,9 @@ What orbax-checkpoint writes, and what this module reads:
   above, JSON items (``JsonSave``) as values.
 * **A run directory**: numbered step directories; :func:`steps` lists the
   committed ones (``commit_success.txt`` or ``_CHECKPOINT_METADATA``).
+* **flax's legacy checkpoints** (``flax.training.checkpoints``): a directory
+  of ``checkpoint_<N>`` entries, each an orbax pytree item (or, before orbax, a
+  msgpack file this module does not read); :func:`legacy_steps` lists them.
 
 Arrays are read through tensorstore, box by box, so each process reads only the
 chunks its devices need. Scalars and strings are read when the checkpoint is
@@ -27,6 +30,7 @@ from __future__ import annotations
 import ast
 import math
 import os
+import re
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -208,6 +212,20 @@ def steps(loc: Location) -> list[int]:
                            or os.path.exists(os.path.join(full, _STEP_METADATA))):
       out.append(int(name))
   return sorted(out)
+
+
+_LEGACY = re.compile(r"checkpoint_(\d+)")  # flax.training.checkpoints' default prefix
+
+
+def legacy_steps(loc: Location) -> list[tuple[int, str]]:
+  """``(step, name)`` of flax's legacy ``checkpoint_<N>`` entries (local), oldest first.
+
+  Temporary entries (``checkpoint_40.orbax-checkpoint-tmp-...``) are not listed.
+  """
+  if not loc.is_local or not os.path.isdir(loc.local_path):
+    return []
+  return sorted((int(m.group(1)), name) for name in os.listdir(loc.local_path)
+                if (m := _LEGACY.fullmatch(name)))
 
 
 class _Array:
