@@ -79,7 +79,7 @@ class CheckpointCallback(callbacks.Callback):
     parts = self.manager.components  # what the policy describes, built once (orbax_flax.components)
     self._local = None if parts.local is None else saves.LocalSaves(
         parts.local, parts.local_schedule, self.policy.local_directory)
-    self._resume = resume.Resume(self.manager, self.policy, local=parts.local)
+    self._resume = resume.Resume(self.manager, self.policy, local=parts.local, workdir=workdir)
     self.metadata = dict(metadata or {})
     self.writer = writer
     # Installed by the run's first call (restore_or_init or on_step_end), not here: a

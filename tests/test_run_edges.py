@@ -94,3 +94,128 @@ def test_a_best_metric_reported_only_on_eval_steps_warns_once_and_ranks(tmp_path
   said = [r.getMessage() for r in caplog.records if "eval_accuracy" in r.getMessage()]
   assert len(said) == 1 and "only on some steps" in said[0], said
   assert ckpt.manager.best_step() == 20 and 20 in ckpt.manager.all_steps()
+
+
+# -- a run that arrives from another library, or from a slip of the workdir ------------------
+
+def _trained_state(step):
+  """A Linen TrainState at ``step`` with distinct params and Adam moments."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  model = nn.Dense(8)
+  params = model.init(jax.random.key(step), jnp.ones((1, 4)))
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params,
+                                        tx=optax.adam(1e-2))
+  grads = jax.tree.map(jnp.ones_like, params)
+  for _ in range(step // 10):
+    state = state.apply_gradients(grads=grads)
+  return state.replace(step=jnp.asarray(step, jnp.int32))
+
+
+def _mesh_state(state):
+  """``state`` with every array placed on a (4, 2) mesh: params sharded, the rest replicated."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  def place(x):
+    spec = jax.sharding.PartitionSpec(*([None, "model"] if x.ndim == 2 else []))
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  return jax.tree.map(place, state)
+
+
+def _ocp_run(directory, layout):
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  logging.getLogger("absl").setLevel(logging.ERROR)
+  if layout == "legacy":
+    for step in (20, 40):
+      ocp.PyTreeCheckpointer().save(os.path.join(directory, f"checkpoint_{step}"),
+                                    _trained_state(step))
+    return
+  with ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(max_to_keep=2)) as m:
+    for step in (20, 40):
+      m.save(step, args=ocp.args.StandardSave(_trained_state(step)))
+    m.wait_until_finished()
+
+
+@pytest.mark.parametrize("layout", ["manager", "legacy"])
+def test_an_orbax_checkpoint_run_in_the_workdir_is_continued_whole(tmp_path, layout, caplog):
+  """A job switched from orbax-checkpoint (a CheckpointManager in the workdir, or flax's legacy
+  checkpoint_<N>) continues from step 40: params, Adam moments and step, resharded onto this
+  job's mesh, with one WARNING that says so; then it trains and its own saves resume."""
+  workdir = str(tmp_path / "run")
+  _ocp_run(workdir, layout)
+  want = _trained_state(40)
+  fresh = _mesh_state(_trained_state(0))
+  policy = _policy(save_interval_steps=10)
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    with ofx.CheckpointCallback(workdir, policy) as ckpt:
+      state = ckpt.restore_or_init(fresh)
+      assert ckpt.restored_step == 40 and int(state.step) == 40
+      for got, w in zip(jax.tree.leaves((state.params, state.opt_state)),
+                        jax.tree.leaves((want.params, want.opt_state))):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+      assert state.params["params"]["kernel"].sharding == fresh.params["params"]["kernel"].sharding
+      grads = jax.tree.map(jnp.ones_like, state.params)
+      state = jax.jit(lambda s: s.apply_gradients(grads=grads))(state)  # the user's jitted step
+      ckpt.on_step_end(41, state)
+  said = [r for r in caplog.records if "continuing it from step 40" in r.getMessage()]
+  assert len(said) == 1 and said[0].levelno == logging.WARNING, caplog.text
+  assert ckpt.manager.all_steps() == [41]
+  with ofx.CheckpointCallback(workdir, policy) as again:  # our own step now comes first
+    resumed = again.restore_or_init(fresh)
+  assert again.restored_step == 41 and int(resumed.step) == 41
+
+
+def test_an_orbax_checkpoint_run_in_the_checkpoints_directory_is_refused_with_the_line(tmp_path):
+  """ocp.CheckpointManager(workdir/checkpoints): orbax_flax would write among its steps; the
+  error gives the directory setting, with which the run then continues from step 40."""
+  workdir = str(tmp_path / "run")
+  _ocp_run(os.path.join(workdir, "checkpoints"), "manager")
+  fresh = _trained_state(0)
+  with pytest.raises(ofx.CheckpointExistsError,
+                     match=r"orbax-checkpoint run \(step\(s\) 20, 40\).*checkpoint.directory="):
+    ofx.CheckpointCallback(workdir, _policy(save_interval_steps=10)).restore_or_init(fresh)
+  policy = _policy(save_interval_steps=10,
+                   directory=os.path.join(workdir, "checkpoints_orbax_flax"))
+  with ofx.CheckpointCallback(workdir, policy) as ckpt:
+    state = ckpt.restore_or_init(fresh)
+  assert ckpt.restored_step == 40 and int(state.step) == 40
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["20", "40"]  # left alone
+
+
+def test_another_runs_state_that_does_not_fit_is_refused_with_init_from(tmp_path):
+  workdir = str(tmp_path / "run")
+  _ocp_run(workdir, "manager")
+  with pytest.raises(ofx.TreeMismatchError, match=r"init_from=.*run/40"):
+    ofx.CheckpointCallback(workdir, _policy(save_interval_steps=10)).restore_or_init(
+        {"w": jnp.zeros(3)})
+
+
+def test_init_from_takes_the_params_of_a_legacy_flax_workdir(tmp_path):
+  legacy = str(tmp_path / "legacy")
+  _ocp_run(legacy, "legacy")
+  fresh = _trained_state(0)
+  policy = _policy(save_interval_steps=10, init_from=legacy)
+  with ofx.CheckpointCallback(str(tmp_path / "ft"), policy) as ckpt:
+    state = ckpt.restore_or_init(fresh)
+  assert ckpt.restored_step is None and int(state.step) == 0  # fine-tuning: params only
+  np.testing.assert_array_equal(state.params["params"]["kernel"],
+                                _trained_state(40).params["params"]["kernel"])
+
+
+def test_a_workdir_that_is_a_runs_checkpoints_directory_is_refused(tmp_path):
+  """--workdir=<run>/checkpoints: an error naming the run's workdir, not a silent fresh start
+  (an INFO line that orbax-checkpoint's root handler would hide)."""
+  run = str(tmp_path / "run")
+  policy = _policy(save_interval_steps=10)
+  with ofx.CheckpointCallback(run, policy) as ckpt:
+    state = ckpt.restore_or_init({"w": jnp.zeros(4)})
+    for step in range(1, 21):
+      state = {"w": state["w"] + 1}
+      ckpt.on_step_end(step, state)
+  wrong = os.path.join(run, "checkpoints")
+  with pytest.raises(ValueError, match=rf"holds orbax_flax checkpoints itself \(step\(s\) 10, 20\)"
+                     rf".*--workdir={run}\b"):
+    ofx.CheckpointCallback(wrong, policy).restore_or_init({"w": jnp.zeros(4)})
+  with ofx.CheckpointCallback(wrong, _policy(save_interval_steps=10, directory=wrong)) as ckpt:
+    assert float(ckpt.restore_or_init({"w": jnp.zeros(4)})["w"][0]) == 20  # the way it names
