@@ -59,6 +59,7 @@ _EXPORTS = {
     "verify": "orbax_flax.verifying",
     "checkpoints_iterator": "orbax_flax.evaluation",
     "transforms": ("orbax_flax.transforms", None),  # the module itself
+    "data": ("orbax_flax.data", None),  # the subpackage: ofx.data.ElasticIterator (needs grain)
     "convert": "orbax_flax.converting",
     "export_safetensors": "orbax_flax.formats.safetensors_export",
 }
@@ -69,7 +70,7 @@ __all__ = [
     "CheckpointExistsError", "CheckpointFormatError", "CheckpointMetadata", "CheckpointNotFoundError",
     "ItemMetadata", "SaveCancelledError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
     "TensorBoardWriter", "abstract", "checkpoints_iterator", "convert", "export_safetensors", "metadata", "restore", "save",
-    "save_async", "transforms", "verify",
+    "save_async", "transforms", "verify", "data",
     "SaveEvent", "EveryNSteps", "EveryNSeconds", "OnSteps", "FirstStep", "YoungDaly", "any_of",
     "KeepLast",
     "KeepEvery", "KeepBest", "KeepOnePer", "to_delete",

@@ -60,6 +60,12 @@ from orbax_flax.tiers.local import LocalTier
 log = logging.getLogger("orbax_flax")
 
 DATA_ITEM = "data"  # the item that holds the data iterator's position
+# Iterators whose state is a position in the global order, the same on every process (module and
+# class name, so that grain is not imported here): grain's ElasticIterator and its iterator.
+_GLOBAL_STATE_TYPES = frozenset({
+    ("grain._src.python.dataset.elastic_iterator", "ElasticIterator"),
+    ("grain._src.python.dataset.elastic_iterator", "_ElasticMapDatasetIterator"),
+})
 
 
 class DataPosition:
@@ -67,16 +73,27 @@ class DataPosition:
 
   The item :data:`DATA_ITEM` holds ``{"processes": [the state of process 0,
   ...], "global": bool}``: every process saves every process's state (one
-  small all-gather per save). A per-process position (e.g. grain's
-  ``ShardByJaxProcess``) resumes only on the same process count. An iterator
-  whose ``get_state()`` is the same on every process and means a position in
-  the global data order sets ``checkpoint_state_is_global = True`` (an
-  attribute or a property); its state then resumes on any process count.
+  small all-gather per save). At a resume:
+
+  * an iterator that sets ``checkpoint_state_is_elastic = True`` (an
+    attribute or a property) gets the saved states of *all* old processes, in
+    process order, through ``set_state_from_shards(states)``, on any process
+    count (same count included): it decides where this process continues
+    (:class:`orbax_flax.data.ElasticIterator` does so exactly);
+  * an iterator whose ``get_state()`` is the same on every process and means
+    a position in the global data order sets ``checkpoint_state_is_global =
+    True``; grain's ``grain.experimental.ElasticIterator`` is recognised as
+    one. Its state resumes on any process count;
+  * any other iterator (a per-process position, e.g. grain's
+    ``ShardByJaxProcess``) resumes only on the same process count, and gets
+    its own state through ``set_state(state)``.
 
   Args:
     iterator: anything with ``get_state()`` and ``set_state(state)``; the
       state is made of dicts, lists, str, bytes and numbers.
     coordination_key: the run's coordination-service prefix (the manager's).
+    timeout_s: how long a save's gathering of every process's state waits
+      (the policy's ``coordination_timeout_seconds``).
 
   Example:
     >>> class It:
@@ -93,16 +110,18 @@ class DataPosition:
     3
   """
 
-  def __init__(self, iterator: Any, coordination_key: str):
+  def __init__(self, iterator: Any, coordination_key: str,
+               timeout_s: float = _multihost.DEFAULT_TIMEOUT_S):
     self.iterator = iterator
-    self._key = coordination_key
+    self._key, self._timeout_s = coordination_key, timeout_s
     self._after: tuple[int, Any] | None = None  # see mark()
 
   @classmethod
-  def of(cls, iterator: Any, coordination_key: str) -> DataPosition | None:
+  def of(cls, iterator: Any, coordination_key: str,
+         timeout_s: float = _multihost.DEFAULT_TIMEOUT_S) -> DataPosition | None:
     """The position of ``iterator``; None (with a warning) if it cannot say where it is."""
     if hasattr(iterator, "get_state"):
-      return cls(iterator, coordination_key)
+      return cls(iterator, coordination_key, timeout_s)
     if iterator is not None:
       log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
                   " checkpointed, so a resumed run restarts it (grain iterators have both)",
@@ -111,8 +130,15 @@ class DataPosition:
 
   @property
   def is_global(self) -> bool:
-    """True if the iterator declares its state a global position (see the class docstring)."""
-    return getattr(self.iterator, "checkpoint_state_is_global", False) is True
+    """True if the iterator's state is a global position (see the class docstring)."""
+    return (getattr(self.iterator, "checkpoint_state_is_global", False) is True
+            or any((c.__module__, c.__name__) in _GLOBAL_STATE_TYPES
+                   for c in type(self.iterator).__mro__))
+
+  @property
+  def is_elastic(self) -> bool:
+    """True if the iterator takes every old process's state (``set_state_from_shards``)."""
+    return getattr(self.iterator, "checkpoint_state_is_elastic", False) is True
 
   def get(self) -> Any:
     """The iterator's state now (the position after the last batch it gave)."""
@@ -137,17 +163,30 @@ class DataPosition:
       TypeError: the state holds something other than dicts, lists, str,
         bytes and numbers.
     """
-    states = _multihost.all_gather(f"{self._key}/data/{step}", _encode(state))
+    states = _multihost.all_gather(f"{self._key}/data/{step}", _encode(state),
+                                   timeout_s=self._timeout_s, what="gather the data positions")
     return {"processes": [_decode(s) for s in states], "global": self.is_global}
 
   def set(self, step: int, data: dict[str, Any]) -> None:
     """Moves the iterator to this process's position in ``data`` (step ``step``'s item).
 
+    An elastic iterator gets every process's state (``set_state_from_shards``).
+
     Raises:
       ValueError: per-process positions saved by another process count.
+      TypeError: an elastic iterator without ``set_state_from_shards``.
     """
     states = data.get("processes", [])
     me, n = jax.process_index(), jax.process_count()
+    if self.is_elastic:
+      if not callable(getattr(self.iterator, "set_state_from_shards", None)):
+        raise TypeError(f"the data iterator ({type(self.iterator).__name__}) sets"
+                        " checkpoint_state_is_elastic = True but has no"
+                        " set_state_from_shards(states) method to take every process's state")
+      self.iterator.set_state_from_shards(list(states))
+      log.info("data iterator restored to where step %d stopped (%d saved process state(s) handed"
+               " to it on %d process(es))", step, len(states), n)
+      return
     is_global = bool(data.get("global")) or self.is_global
     if len(states) == n:
       mine = states[me]
@@ -163,7 +202,8 @@ class DataPosition:
           f" {len(states)} processes; or restart the data pipeline (pass data_iterator=None) and"
           " accept a new data order; or, if get_state() is a position in the global data order"
           " that is the same on every process, set `checkpoint_state_is_global = True` on the"
-          " iterator (see the README).")
+          " iterator; or read the data through orbax_flax.data.ElasticIterator, which resumes"
+          " exactly on any process count (see docs/training.md).")
     self.iterator.set_state(mine)
     log.info("data iterator restored to where step %d stopped", step)
 

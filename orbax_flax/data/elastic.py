@@ -1,0 +1,218 @@
+"""ElasticIterator: one shard of a grain MapDataset, resumable exactly on any shard count.
+
+Shard ``k`` of ``n`` reads every ``n``-th position of the global order (see
+:mod:`orbax_flax.data.order`) through grain: a slice of the user's
+``MapDataset`` per range of the order, concatenated, read by grain's prefetch
+threads (``read_options``; records a ``filter`` dropped are skipped there) and
+batched by grain. Its state is the order (O(shards) ranges, the same on every
+shard) and how many of its positions the shard has read.
+
+At a resume, :meth:`ElasticIterator.set_state_from_shards` gets every old
+shard's state. On the same shard count each shard continues from its own
+place: bitwise the batches of an uninterrupted run. On another count the old
+places become a new order (the positions no shard read first, then the rest)
+and every new shard starts at its beginning: every record of the global order
+is delivered exactly once across any sequence of shard counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+try:
+  import grain
+except ImportError as e:  # pragma: no cover
+  raise ImportError("orbax_flax.data needs grain: pip install 'orbax-flax[data]'") from e
+
+from orbax_flax.data import order as order_lib
+
+_KEYS = ("shard_index", "shard_count", "position", "order", "length")
+
+
+class ElasticIterator:
+  """This process's batches of a grain ``MapDataset``, resumable on any process count.
+
+  ``dataset`` is the whole, unbatched and unsharded dataset with any
+  random-access steps (``shuffle``, ``map``, ``random_map``, ``filter``,
+  ``MapDataset.mix`` of several sources, ``repeat``, and ``batch`` then
+  ``map`` to pack a fixed number of records into one example). Each
+  ``next()`` returns this shard's share of ``global_batch_size`` records
+  (``global_batch_size // shard_count``, one more on the first
+  ``global_batch_size % shard_count`` shards), batched by grain.
+
+  With :class:`orbax_flax.CheckpointCallback` its position is saved with every
+  checkpoint and restored by ``restore_or_init(state, data_iterator=it)`` on
+  any process count: the callback hands every old process's state to
+  :meth:`set_state_from_shards` (``checkpoint_state_is_elastic``).
+
+  Iterator-side steps with buffers (grain's ``FirstFitPackIterDataset`` and
+  other packing, ``interleave``, ``mp_prefetch``) are refused: records
+  waiting in their buffers could not be handed back to the order.
+
+  Args:
+    dataset: a ``grain.MapDataset`` (random access).
+    global_batch_size: records per step over all shards.
+    shard_index: this shard (default ``jax.process_index()``).
+    shard_count: how many shards read the order (default ``jax.process_count()``).
+    read_options: grain's ``ReadOptions`` (prefetch threads and buffer).
+    drop_remainder: drop a last batch shorter than this shard's batch size
+      (the records in it are then not delivered).
+    batch_fn: grain's ``batch_fn`` (default: stack each leaf into an array).
+
+  Raises:
+    TypeError: ``dataset`` is not a ``grain.MapDataset``.
+    ValueError: a batch size or shard that does not fit.
+
+  Example:
+    >>> import grain
+    >>> ds = grain.MapDataset.range(12).filter(lambda x: x % 5 != 0)
+    >>> shards = [ElasticIterator(ds, 4, shard_index=k, shard_count=2) for k in range(2)]
+    >>> [next(s).tolist() for s in shards]
+    [[2, 4], [1, 3]]
+    >>> saved = [s.get_state() for s in shards]
+    >>> one = ElasticIterator(ds, 4, shard_index=0, shard_count=1)
+    >>> one.set_state_from_shards(saved)   # resume the two shards' order on one
+    >>> [b.tolist() for b in one]
+    [[6, 7, 8, 9], [11]]
+  """
+
+  checkpoint_state_is_elastic = True
+
+  def __init__(self, dataset: grain.MapDataset, global_batch_size: int, *,
+               shard_index: int | None = None, shard_count: int | None = None,
+               read_options: grain.ReadOptions | None = None, drop_remainder: bool = False,
+               batch_fn: Callable[[Sequence[Any]], Any] | None = None):
+    if not isinstance(dataset, grain.MapDataset):
+      raise TypeError(
+          f"ElasticIterator reads a grain.MapDataset (random access); got a"
+          f" {type(dataset).__name__}. Steps on an IterDataset (packing such as"
+          " FirstFitPackIterDataset, interleave, mp_prefetch) hold records in buffers that"
+          " cannot be handed back to the order when the shard count changes, so they are not"
+          " supported. Supported: the random-access steps of a MapDataset (shuffle, map,"
+          " random_map, filter, MapDataset.mix, repeat; pack a fixed number of records with"
+          " .batch(k).map(pack)), given unbatched and unsharded.")
+    if shard_index is None or shard_count is None:
+      import jax  # pylint: disable=g-import-not-at-top  # only for the defaults
+      shard_index = jax.process_index() if shard_index is None else shard_index
+      shard_count = jax.process_count() if shard_count is None else shard_count
+    if type(shard_count) is not int or shard_count < 1:
+      raise ValueError(f"shard_count must be an int >= 1; got {shard_count!r}")
+    if type(shard_index) is not int or not 0 <= shard_index < shard_count:
+      raise ValueError(f"shard_index must be an int in [0, {shard_count}); got {shard_index!r}")
+    if type(global_batch_size) is not int or global_batch_size < shard_count:
+      raise ValueError(f"global_batch_size must be an int >= shard_count ({shard_count}) so that"
+                       f" every shard reads at least one record a batch; got {global_batch_size!r}")
+    self._dataset = dataset
+    self._length = len(dataset)
+    self._index, self._count = shard_index, shard_count
+    base, extra = divmod(global_batch_size, shard_count)
+    self._batch_size = base + (shard_index < extra)
+    self._read_options = read_options
+    self._drop_remainder, self._batch_fn = drop_remainder, batch_fn
+    self._order = order_lib.initial(self._length)
+    self._order_lists = order_lib.to_lists(self._order)
+    self._start = 0          # this shard's place in the order where _iterator began
+    self._iterator = None    # grain's iterator, built on the first next()
+
+  @property
+  def batch_size(self) -> int:
+    """Records in each of this shard's batches (the last one may be shorter)."""
+    return self._batch_size
+
+  def __iter__(self) -> ElasticIterator:
+    return self
+
+  def __next__(self) -> Any:
+    if self._iterator is None:
+      self._iterator = self._build()
+    return next(self._iterator)
+
+  def _build(self):
+    ranges = order_lib.shard_ranges(self._order, self._index, self._count)
+    views = [self._dataset[r.start:r.stop:r.step] for r in ranges] or [self._dataset[0:0]]
+    view = views[0] if len(views) == 1 else grain.MapDataset.concatenate(views)
+    return iter(view[self._start:].to_iter_dataset(self._read_options)
+                .batch(self._batch_size, drop_remainder=self._drop_remainder,
+                       batch_fn=self._batch_fn))
+
+  def _place(self) -> int:
+    if self._iterator is None:
+      return self._start
+    return self._start + self._iterator.get_state()["next_index"]
+
+  def get_state(self) -> dict[str, Any]:
+    """This shard's state: the order (the same on every shard) and its place in it."""
+    return {"shard_index": self._index, "shard_count": self._count, "position": self._place(),
+            "order": [list(t) for t in self._order_lists], "length": self._length}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Moves this shard to ``state``, a state this same shard (index and count) saved.
+
+    Raises:
+      ValueError: ``state`` is malformed, or was saved by another shard or
+        shard count (hand every old shard's state to
+        :meth:`set_state_from_shards` instead).
+    """
+    order = self._check(state, state.get("shard_count") if isinstance(state, dict) else None,
+                        state.get("shard_index") if isinstance(state, dict) else None)
+    if (state["shard_index"], state["shard_count"]) != (self._index, self._count):
+      raise ValueError(
+          f"this state was saved by shard {state['shard_index']} of {state['shard_count']}, and"
+          f" this is shard {self._index} of {self._count}: pass every old shard's state, in"
+          " shard order, to set_state_from_shards(states) (CheckpointCallback does so).")
+    self._restart(order, state["position"])
+
+  def set_state_from_shards(self, states: Sequence[dict[str, Any]]) -> None:
+    """Resumes from the states of every old shard, in shard order, saved at one step.
+
+    On the same shard count this shard continues from its own state; on
+    another one, the positions no old shard read come first, then the rest of
+    the order, and every record is delivered exactly once.
+
+    Raises:
+      ValueError: the states are malformed, out of shard order, or from
+        different orders or another dataset length.
+    """
+    if not isinstance(states, (list, tuple)) or not states:
+      raise ValueError(f"set_state_from_shards needs the list of every old shard's state; got"
+                       f" {states!r:.200}")
+    orders = [self._check(s, len(states), k) for k, s in enumerate(states)]
+    if any(o != orders[0] for o in orders):
+      raise ValueError("the shards' states hold different data orders: they were not saved at the"
+                       " same step of one run")
+    if len(states) == self._count:
+      self._restart(orders[0], states[self._index]["position"])
+    else:
+      self._restart(order_lib.resume_order(orders[0], [s["position"] for s in states]), 0)
+
+  def _check(self, state: Any, count: Any, index: Any) -> order_lib.Order:
+    """The order of ``state`` after checking every field (a state file is hostile input)."""
+    if not isinstance(state, dict) or any(k not in state for k in _KEYS):
+      raise ValueError(f"an ElasticIterator state is a dict with keys {list(_KEYS)}; got"
+                       f" {state!r:.200}")
+    if state["length"] != self._length:
+      raise ValueError(f"the state was saved over a dataset of {state['length']} records and this"
+                       f" one has {self._length}: an elastic position is a place in one dataset's"
+                       " order; resume with the same dataset (same sources, steps and seeds)")
+    if state["shard_count"] != count or state["shard_index"] != index:
+      raise ValueError(f"expected the state of shard {index} of {count}; got shard"
+                       f" {state['shard_index']!r} of {state['shard_count']!r}")
+    order = order_lib.from_lists(state["order"])
+    if any(r and r[-1] >= self._length for r in order):
+      raise ValueError(f"the state's order names positions past the dataset's {self._length}")
+    limit = order_lib.shard_length(order, index, count)
+    if type(state["position"]) is not int or not 0 <= state["position"] <= limit:
+      raise ValueError(f"shard {index} of {count}: position {state['position']!r} is outside"
+                       f" [0, {limit}]")
+    return order
+
+  def _restart(self, order: order_lib.Order, start: int) -> None:
+    self.close()
+    self._order, self._order_lists, self._start = order, order_lib.to_lists(order), start
+
+  def close(self) -> None:
+    """Stops grain's prefetch threads (the next ``next()`` starts them again)."""
+    if self._iterator is not None:
+      self._iterator.close()
+      self._iterator = None

@@ -1,0 +1,324 @@
+"""orbax_flax.data: a grain pipeline resumed exactly on any number of shards, and the protocol
+by which CheckpointCallback hands a data iterator every old process's state."""
+
+import ast
+import collections
+import os
+
+import grain
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import orbax_flax as ofx
+from orbax_flax import resume
+from orbax_flax.data import ElasticIterator
+from orbax_flax.data import order as order_lib
+
+READ = grain.ReadOptions(num_threads=4, prefetch_buffer_size=16)
+
+
+def keep(record) -> bool:
+  """Drops about a third of the records, in runs, so that shards read at different rates."""
+  return record["id"] % 7 != 3 and (record["id"] // 5) % 3 != 1
+
+
+def pipeline(n_a=300, n_b=200):
+  """filter + shuffle + mix of two sources; each record carries its id."""
+  a = grain.MapDataset.range(0, n_a).map(lambda i: {"id": i, "x": np.full(3, i, np.int32)})
+  b = grain.MapDataset.range(10_000, 10_000 + n_b).map(lambda i: {"id": i, "x": np.full(3, -i, np.int32)})
+  return grain.MapDataset.mix([a, b], weights=[0.6, 0.4]).shuffle(seed=3).filter(keep)
+
+
+def all_ids(ds):
+  return sorted(r["id"] for r in ds if r is not None)
+
+
+def shards(ds, count, batch=12, states=None):
+  its = [ElasticIterator(ds, batch, shard_index=k, shard_count=count, read_options=READ)
+         for k in range(count)]
+  if states is not None:
+    for it in its:
+      it.set_state_from_shards(states)
+  return its
+
+
+# ------------------------------------------------------------------------ the order, pure
+
+
+@hypothesis.given(length=st.integers(0, 80), data=st.data())
+@hypothesis.settings(max_examples=200, deadline=None)
+def test_any_sequence_of_shard_counts_reads_every_position_once(length, data):
+  order, read = order_lib.initial(length), collections.Counter()
+  for _ in range(data.draw(st.integers(1, 5))):
+    count = data.draw(st.integers(1, 6))
+    places = []
+    for k in range(count):
+      mine = [p for r in order_lib.shard_ranges(order, k, count) for p in r]
+      assert len(mine) == order_lib.shard_length(order, k, count)
+      place = data.draw(st.integers(0, len(mine)))
+      read.update(mine[:place])
+      places.append(place)
+    before, order = order, order_lib.resume_order(order, places)
+    assert order == order_lib.from_lists(order_lib.to_lists(order))
+    assert len(order) <= count * len(before) + 1  # ranges per shard, never one per record
+  rest = [p for r in order for p in r]
+  read.update(rest)
+  assert sorted(read.elements()) == list(range(length))  # each position exactly once
+
+
+def test_the_state_stays_small_however_far_the_shards_read():
+  order = order_lib.initial(10**12)
+  for count, places in [(4, [10**9, 10**9 - 5, 10**9 + 17, 10**9 - 3]), (2, [3, 10**8]),
+                        (3, [10**7, 1, 10**7 + 2])]:
+    order = order_lib.resume_order(order, places)
+  assert len(order) <= 3 * 4 + 1 and order_lib.size(order) > 10**12 - 10**9 * 5
+
+
+# ------------------------------------------------------------------------ real grain pipelines
+
+
+def test_filter_shuffle_mix_resume_exactly_once_on_4_2_3_4_shards():
+  ds = pipeline()
+  seen, states, uneven = collections.Counter(), None, False
+  for count, steps in [(4, 5), (2, 7), (3, 4), (4, None)]:
+    its = shards(ds, count, states=states)
+    if steps is None:  # the last job reads the rest of the order
+      for it in its:
+        for batch in it:
+          seen.update(batch["id"].tolist())
+    for _ in range(steps or 0):  # one batch per shard per step, as processes do
+      for it in its:
+        batch = next(it)
+        assert len(batch["id"]) == it.batch_size == 12 // count
+        np.testing.assert_array_equal(batch["x"][:, 0], np.where(batch["id"] < 10_000, 1, -1)
+                                      * batch["id"])
+        seen.update(batch["id"].tolist())
+    states = [it.get_state() for it in its]
+    uneven |= len({s["position"] for s in states}) > 1
+    for it in its:
+      it.close()
+  assert uneven  # the filter made the shards read their strides at different rates
+  assert sorted(seen.elements()) == all_ids(ds)  # every record once: none skipped, none twice
+
+
+def test_same_shard_count_resume_gives_bitwise_the_uninterrupted_batches():
+  ds = pipeline().map(lambda r: {**r, "y": np.random.default_rng(r["id"]).random(4)})
+  whole = [[next(it) for _ in range(9)] for it in shards(ds, 3)]
+  first = shards(ds, 3)
+  for it in first:
+    for _ in range(4):
+      next(it)
+  saved = [it.get_state() for it in first]
+  again = shards(ds, 3, states=saved)
+  for k, it in enumerate(again):
+    for want in whole[k][4:]:
+      got = next(it)
+      assert jax.tree.all(jax.tree.map(np.array_equal, got, want))
+      assert jax.tree.all(jax.tree.map(lambda a, b: a.dtype == b.dtype, got, want))
+
+
+def test_uneven_global_batch_and_repeat():
+  ds = grain.MapDataset.range(10).repeat(3)
+  its = shards(ds, 3, batch=7)
+  assert [it.batch_size for it in its] == [3, 2, 2]
+  seen = [x for it in its for _ in range(2) for x in next(it).tolist()]
+  rest = shards(ds, 2, batch=4, states=[it.get_state() for it in its])
+  seen += [x for it in rest for b in it for x in b.tolist()]
+  assert sorted(seen) == sorted(list(range(10)) * 3)
+
+
+def test_packing_and_bad_states_are_refused_with_what_is_supported():
+  ds = grain.MapDataset.range(20)
+  packed = grain.experimental.FirstFitPackIterDataset(
+      ds.map(lambda i: {"t": np.arange(i % 4 + 1)}).to_iter_dataset(), length_struct={"t": 8},
+      num_packing_bins=2)
+  with pytest.raises(TypeError, match=r"(?s)FirstFitPackIterDataset.*Supported: .*batch\(k\)"):
+    ElasticIterator(packed, 4, shard_index=0, shard_count=1)
+  with pytest.raises(ValueError, match="global_batch_size must be an int >= shard_count"):
+    ElasticIterator(ds, 2, shard_index=0, shard_count=4)
+  with pytest.raises(ValueError, match=r"shard_index must be an int in \[0, 2\)"):
+    ElasticIterator(ds, 4, shard_index=2, shard_count=2)
+  a, b = shards(ds, 2, batch=4)
+  next(a)
+  with pytest.raises(ValueError, match="set_state_from_shards"):
+    b.set_state(a.get_state())  # another shard's state
+  with pytest.raises(ValueError, match="dataset of 20 records and this one has 30"):
+    ElasticIterator(grain.MapDataset.range(30), 4, shard_index=0,
+                    shard_count=1).set_state_from_shards([a.get_state(), b.get_state()])
+  bad = dict(b.get_state(), position=99)
+  with pytest.raises(ValueError, match=r"position 99 is outside \[0, 10\]"):
+    a.set_state_from_shards([a.get_state(), bad])
+  with pytest.raises(ValueError, match="expected the state of shard 0 of 2"):
+    a.set_state_from_shards([b.get_state(), a.get_state()])  # out of shard order
+  with pytest.raises(ValueError, match=r"\[start, stop, step\] integer triples"):
+    a.set_state_from_shards([dict(a.get_state(), order=[[0, 20, 0]]), b.get_state()])
+
+
+# ------------------------------------------------------------------------ the protocol
+
+
+class UserLoader:
+  """A user's own elastic loader: records the states it was handed."""
+
+  checkpoint_state_is_elastic = True
+
+  def __init__(self):
+    self.pos, self.handed = 0, None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    self.pos += 1
+    return self.pos
+
+  def get_state(self):
+    return {"pos": self.pos}
+
+  def set_state_from_shards(self, states):
+    self.handed = states
+    self.pos = sum(s["pos"] for s in states)
+
+
+def test_an_elastic_iterator_gets_every_old_process_state_in_order():
+  data = resume.DataPosition(UserLoader(), "doc")
+  data.set(4, {"processes": [{"pos": 1}, {"pos": 2}, {"pos": 4}], "global": False})
+  assert data.iterator.handed == [{"pos": 1}, {"pos": 2}, {"pos": 4}] and data.iterator.pos == 7
+  class NoMethod:
+    checkpoint_state_is_elastic = True
+    get_state = set_state = None
+  with pytest.raises(TypeError, match="no set_state_from_shards"):
+    resume.DataPosition(NoMethod(), "doc").set(4, {"processes": [{}], "global": False})
+
+
+def test_grains_elastic_iterator_resumes_on_another_process_count():
+  ds = grain.MapDataset.range(64)
+  old = [grain.experimental.ElasticIterator(ds, 8, grain.sharding.ShardOptions(k, 2))
+         for k in range(2)]
+  for it in old:
+    next(it), next(it)
+  saved = {"processes": [it.get_state() for it in old], "global": False}  # saved before we knew
+  new = grain.experimental.ElasticIterator(ds, 8, grain.sharding.ShardOptions(0, 1))
+  data = resume.DataPosition(new, "doc")
+  assert data.is_global
+  data.set(2, saved)  # 2 saved processes onto this one: no refusal
+  assert next(new).tolist() == list(range(16, 24))
+
+
+def linen_free_step(state, batch):
+  return {"w": state["w"] + jnp.sum(batch["x"], dtype=jnp.float32)}
+
+
+def test_checkpoint_callback_resumes_the_elastic_iterator(tmp_path):
+  """One process (shard 0 of 1) through restore_or_init: bitwise the uninterrupted batches,
+  then trains on."""
+  ds = pipeline()
+  step = jax.jit(linen_free_step)
+  whole = ElasticIterator(ds, 6, read_options=READ)
+  want = [next(whole) for _ in range(8)]
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 5})
+  it = ElasticIterator(ds, 6, read_options=READ)
+  state = ckpt.restore_or_init({"w": jnp.zeros(())}, data_iterator=it)
+  for s in range(1, 6):
+    state = step(state, next(it))
+    ckpt.on_step_end(s, state)
+  ckpt.close()
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 5})
+  it = ElasticIterator(ds, 6, read_options=READ)
+  restored = ckpt.restore_or_init({"w": jnp.zeros(())}, data_iterator=it)
+  assert ckpt.restored_step == 5 and float(restored["w"]) == float(state["w"])
+  for w in want[5:]:
+    batch = next(it)
+    assert jax.tree.all(jax.tree.map(np.array_equal, batch, w))
+    restored = step(restored, batch)
+  ckpt.close()
+  assert float(restored["w"]) == float(sum(np.sum(b["x"]) for b in want))
+
+
+def test_the_data_package_imports_no_other_orbax_flax_layer():
+  root = os.path.join(os.path.dirname(ofx.__file__), "data")
+  for name in os.listdir(root):
+    if name.endswith(".py"):
+      tree = ast.parse(open(os.path.join(root, name)).read())
+      mods = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module]
+      mods += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+      assert all(m == "orbax_flax.data" or m.startswith("orbax_flax.data.")
+                 for m in mods if m.startswith("orbax_flax")), (name, mods)
+  src = open(resume.__file__).read()
+  assert "orbax_flax.data" not in src.replace("orbax_flax.data.ElasticIterator", "")
+
+
+# ------------------------------------------------------------------------ real processes
+
+
+def _job(workdir, n, run, steps, sigterm_after=None):
+  """elastic_worker.py as ``n`` processes through ``python -m orbax_flax.launch``; with
+  ``sigterm_after``, SIGTERM goes to the launcher once process 0 has taken that many steps."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  import jobs  # pylint: disable=g-import-not-at-top
+  env = jobs.env_for(1)
+  env.pop("XLA_FLAGS")
+  cmd = [sys.executable, "-m", "orbax_flax.launch", "-n", str(n), "--devices_per_process=1",
+         "--", os.path.join(jobs.HERE, "elastic_worker.py"), f"--workdir={workdir}",
+         f"--run={run}", f"--steps={steps}"]
+  p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                       cwd=jobs.ROOT)
+  out = ""
+  if sigterm_after is not None:
+    out = "".join(jobs.read_until(p, rf"\[0\] STEP {sigterm_after}$", timeout=300))
+    p.send_signal(signal.SIGTERM)
+  rest, _ = p.communicate(timeout=300)
+  out += rest
+  assert p.returncode == 0, out[-5000:]
+  return out
+
+
+def _resumed(out):
+  import re  # pylint: disable=g-import-not-at-top
+  return {int(s) for s in re.findall(r"RESUMED (\d+)", out)}
+
+
+def _ended(out, word):
+  import re  # pylint: disable=g-import-not-at-top
+  return {int(s) for s in re.findall(rf"{word} (\d+)", out)}
+
+
+def test_processes_2_1_3_with_sigterm_between_deliver_every_record_once(tmp_path):
+  """Real jobs through orbax_flax.launch, each resumed by restore_or_init(state,
+  data_iterator=it) on another process count; every record id of the pipeline counted once."""
+  import elastic_worker  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+  outs = [_job(workdir, 2, 0, 10_000, sigterm_after=4)]
+  outs.append(_job(workdir, 1, 1, 10_000, sigterm_after=_ended(outs[0], "PREEMPTED").pop() + 3))
+  last = _ended(outs[1], "PREEMPTED").pop() + 4
+  outs.append(_job(workdir, 3, 2, last))
+  (p1,), (p2,), (done,) = (_ended(o, w) for o, w in zip(outs, ["PREEMPTED", "PREEMPTED", "DONE"]))
+  assert _resumed(outs[0]) == {0} and _resumed(outs[1]) == {p1} and _resumed(outs[2]) == {p2}
+  assert done == last and outs[0].count("PREEMPTED") == 2 and outs[2].count("DONE") == 3
+  # The records each run trained on, up to the step the next run resumed from.
+  seen = collections.Counter()
+  for run, (first, upto, n) in enumerate([(0, p1, 2), (p1, p2, 1), (p2, last, 3)]):
+    for proc in range(n):
+      lines = (workdir / "ledger" / f"run{run}-p{proc}.txt").read_text().split("\n")
+      steps = [[int(x) for x in line.split()] for line in lines if line]
+      assert [s[0] for s in steps if s[0] <= upto] == list(range(first + 1, upto + 1))
+      for s in steps:
+        if s[0] <= upto:
+          assert len(s) - 1 == 12 // n  # this process's share of the global batch
+          seen.update(s[1:])
+  # The rest of the order, from the last job's final checkpoint, read on one shard here.
+  saved = ofx.CheckpointManager(str(workdir / "checkpoints")).restore(last, {"data": None})["data"]
+  assert len(saved["processes"]) == 3
+  rest = ElasticIterator(elastic_worker.pipeline(), 12, shard_index=0, shard_count=1)
+  rest.set_state_from_shards(saved["processes"])
+  for batch in rest:
+    seen.update(batch["id"].tolist())
+  assert max(seen.values()) == 1  # none twice
+  assert sorted(seen) == all_ids(elastic_worker.pipeline())  # none skipped
