@@ -17,6 +17,8 @@ is delivered exactly once across any sequence of shard counts.
 
 from __future__ import annotations
 
+import collections
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +26,8 @@ try:
   import grain
 except ImportError as e:  # pragma: no cover
   raise ImportError("orbax_flax.data needs grain: pip install 'orbax-flax[data]'") from e
+# grain's own batching (what MapDataset.batch uses), so that batches are grain's batches.
+from grain._src.python.dataset.transformations import batch as batch_lib
 
 from orbax_flax.data import order as order_lib
 
@@ -109,11 +113,13 @@ class ElasticIterator:
     base, extra = divmod(global_batch_size, shard_count)
     self._batch_size = base + (shard_index < extra)
     self._read_options = read_options
-    self._drop_remainder, self._batch_fn = drop_remainder, batch_fn
+    self._drop_remainder = drop_remainder
+    self._batch_fn = batch_lib.make_batch if batch_fn is None else batch_fn
     self._order = order_lib.initial(self._length)
     self._order_lists = order_lib.to_lists(self._order)
-    self._start = 0          # this shard's place in the order where _iterator began
-    self._iterator = None    # grain's iterator, built on the first next()
+    self._place = 0                   # how many of this shard's positions it has handed out
+    self._pending = collections.deque()  # the read chunk's positions not handed out yet
+    self._chunks = None               # grain's iterator of chunks, started by the first next()
 
   @property
   def batch_size(self) -> int:
@@ -124,26 +130,41 @@ class ElasticIterator:
     return self
 
   def __next__(self) -> Any:
-    if self._iterator is None:
-      self._iterator = self._build()
-    return next(self._iterator)
+    if self._chunks is None:
+      self._chunks = self._read()
+    records = []
+    while len(records) < self._batch_size:
+      if not self._pending:
+        chunk = next(self._chunks, None)
+        if chunk is None:
+          break
+        self._pending.extend(chunk)
+      record = self._pending.popleft()
+      self._place += 1
+      if record is not None:  # None: a record a filter dropped
+        records.append(record)
+    if not records or (self._drop_remainder and len(records) < self._batch_size):
+      raise StopIteration
+    return self._batch_fn(records)
 
-  def _build(self):
+  def _read(self):
+    """grain's iterator over this shard's positions from its place on, a chunk at a time.
+
+    Each chunk is one batch's worth of positions (a filter makes some None),
+    read by grain's prefetch threads as the chunks of a ``MapDataset.batch``
+    are (grain refuses that ``batch`` after a ``filter``): the threads work a
+    chunk at a time, and this shard's place stays exact to the record.
+    """
     ranges = order_lib.shard_ranges(self._order, self._index, self._count)
     views = [self._dataset[r.start:r.stop:r.step] for r in ranges] or [self._dataset[0:0]]
     view = views[0] if len(views) == 1 else grain.MapDataset.concatenate(views)
-    return iter(view[self._start:].to_iter_dataset(self._read_options)
-                .batch(self._batch_size, drop_remainder=self._drop_remainder,
-                       batch_fn=self._batch_fn))
-
-  def _place(self) -> int:
-    if self._iterator is None:
-      return self._start
-    return self._start + self._iterator.get_state()["next_index"]
+    starts = grain.MapDataset.range(self._place, len(view), self._batch_size)
+    chunks = starts.map(functools.partial(_chunk, view, self._batch_size))
+    return iter(chunks.to_iter_dataset(self._read_options))
 
   def get_state(self) -> dict[str, Any]:
     """This shard's state: the order (the same on every shard) and its place in it."""
-    return {"shard_index": self._index, "shard_count": self._count, "position": self._place(),
+    return {"shard_index": self._index, "shard_count": self._count, "position": self._place,
             "order": [list(t) for t in self._order_lists], "length": self._length}
 
   def set_state(self, state: dict[str, Any]) -> None:
@@ -207,12 +228,18 @@ class ElasticIterator:
                        f" [0, {limit}]")
     return order
 
-  def _restart(self, order: order_lib.Order, start: int) -> None:
+  def _restart(self, order: order_lib.Order, place: int) -> None:
     self.close()
-    self._order, self._order_lists, self._start = order, order_lib.to_lists(order), start
+    self._order, self._order_lists, self._place = order, order_lib.to_lists(order), place
 
   def close(self) -> None:
-    """Stops grain's prefetch threads (the next ``next()`` starts them again)."""
-    if self._iterator is not None:
-      self._iterator.close()
-      self._iterator = None
+    """Stops grain's prefetch threads (the next ``next()`` starts them again where it stood)."""
+    if self._chunks is not None:
+      self._chunks.close()
+      self._chunks = None
+    self._pending.clear()  # read ahead, not counted in the place: read again after a restart
+
+
+def _chunk(view: grain.MapDataset, size: int, start: int) -> list[Any]:
+  """Positions ``start``... of ``view``, ``size`` of them (fewer at its end); None: filtered."""
+  return [view[i] for i in range(start, min(start + size, len(view)))]
