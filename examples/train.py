@@ -7,7 +7,11 @@ r"""Train a small transformer language model with checkpointing, preemption hand
 Kill it (SIGTERM, or the signals in config.checkpoint.preemption_signals) and
 start it again as often as you like: it resumes from the latest committed
 step, on whatever devices and processes the new run has, and ends with the
-same model an uninterrupted run would have. To make Ctrl-C save and stop the
+same model an uninterrupted run would have. A preempted run saves, then exits
+with status 143 (ofx.PREEMPTED_EXIT_CODE, 128 + SIGTERM), which schedulers
+restart on; a finished run exits 0:
+
+    until python examples/train.py --workdir=/tmp/run; do :; done To make Ctrl-C save and stop the
 same way, add SIGINT:
 
     python examples/train.py --workdir=/tmp/run --config.checkpoint.preemption_signals="('SIGTERM','SIGINT')"
@@ -60,7 +64,12 @@ def metric_writer(workdir: str):
   return ofx.TensorBoardWriter(os.path.join(workdir, "tensorboard"))
 
 
-def train_and_evaluate(config, workdir: str):
+def train_and_evaluate(config, workdir: str) -> int:
+  """Trains (resuming from ``workdir`` if it can); returns the process's exit status.
+
+  0 when ``config.num_steps`` are done; ``ofx.PREEMPTED_EXIT_CODE`` when the
+  run was preempted and its step committed: a restart resumes it.
+  """
   import jax  # pylint: disable=g-import-not-at-top
 
   import lm  # pylint: disable=g-import-not-at-top
@@ -94,9 +103,9 @@ def train_and_evaluate(config, workdir: str):
   digest = params_digest(state.params)
   if ckpt.preempted:
     logging.info("PREEMPTED at step %d; params %s; restart to resume", step, digest)
-  else:
-    logging.info("DONE at step %d; params %s", step, digest)
-  return state
+    return ofx.PREEMPTED_EXIT_CODE  # not 0: a scheduler must restart the job
+  logging.info("DONE at step %d; params %s", step, digest)
+  return 0
 
 
 def main(argv):
@@ -104,13 +113,14 @@ def main(argv):
   launch.initialize_from_env(heartbeat_timeout_seconds=int(os.environ.get("OFX_HEARTBEAT_S", "100")))
   logging.getLogger("orbax_flax").setLevel(logging.INFO)
   try:
-    train_and_evaluate(_CONFIG.value, _WORKDIR.value)
+    status = train_and_evaluate(_CONFIG.value, _WORKDIR.value)
   except KeyboardInterrupt:
     print("interrupted (Ctrl-C); rerun the same command to resume from the last committed step"
           " (with --config.checkpoint.preemption_signals=\"('SIGTERM','SIGINT')\" Ctrl-C saves"
           " first)",
           file=sys.stderr)
     sys.exit(130)
+  sys.exit(status)
 
 
 if __name__ == "__main__":

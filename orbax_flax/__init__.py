@@ -62,6 +62,7 @@ _EXPORTS = {
     "data": ("orbax_flax.data", None),  # the subpackage: ofx.data.ElasticIterator (needs grain)
     "convert": "orbax_flax.converting",
     "export_safetensors": "orbax_flax.formats.safetensors_export",
+    "PREEMPTED_EXIT_CODE": "orbax_flax.launch",
 }
 
 __all__ = [
@@ -74,7 +75,7 @@ __all__ = [
     "SaveEvent", "EveryNSteps", "EveryNSeconds", "OnSteps", "FirstStep", "YoungDaly", "any_of",
     "KeepLast",
     "KeepEvery", "KeepBest", "KeepOnePer", "to_delete",
-    "__version__",
+    "PREEMPTED_EXIT_CODE", "__version__",
 ]
 
 

@@ -41,6 +41,21 @@ def say(message: str, *args) -> None:
     print("orbax_flax: " + (message % args if args else message), file=sys.stderr, flush=True)
 
 
+def once_per_job_level() -> int:
+  """The level of a line every process of a job logs alike (a step committed): INFO on
+  process 0, DEBUG on the others, so that a job of N processes shows it once, not N times.
+
+  Example:
+    >>> import logging
+    >>> once_per_job_level() == logging.INFO  # one process: process 0
+    True
+  """
+  jax = sys.modules.get("jax")  # not imported here: the CLI's --help stays light
+  if jax is None or jax.process_index() == 0:
+    return logging.INFO
+  return logging.DEBUG
+
+
 class Progress:
   """Mutable progress of one piece of work; updated by the worker threads."""
 

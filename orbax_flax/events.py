@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from orbax_flax import _progress
 from orbax_flax import describe
 from orbax_flax.schedule import Schedule
 
@@ -78,19 +79,21 @@ class EventLog:
                 schedule: Schedule, stored: Mapping[str, int] | None = None) -> None:
     """A save committed: ``blocked`` holds its blocking times, ``schedule`` learns its cost,
     ``stored`` its ``bytes_written`` and ``bytes_reused`` (differential saves)."""
-    log.info("checkpoint step %d (%s) committed to %s: blocking %.3f s (items %.3f, data"
-             " iterator %.3f, previous save %.3f, train step still computing %.3f, snapshot"
-             " %.3f), total %.3f s, %s written by this process", blocked.step, blocked.reason,
-             where, blocked.blocking_s, blocked.blocking_items_s, blocked.blocking_data_s,
-             blocked.blocking_wait_s, blocked.blocking_ready_s, blocked.blocking_copy_s, total_s,
-             describe.human_bytes(nbytes))
+    log.log(_progress.once_per_job_level(),  # process 0's line; the others' at DEBUG
+            "checkpoint step %d (%s) committed to %s: blocking %.3f s (items %.3f, data"
+            " iterator %.3f, previous save %.3f, train step still computing %.3f, snapshot"
+            " %.3f), total %.3f s, %s written by this process", blocked.step, blocked.reason,
+            where, blocked.blocking_s, blocked.blocking_items_s, blocked.blocking_data_s,
+            blocked.blocking_wait_s, blocked.blocking_ready_s, blocked.blocking_copy_s, total_s,
+            describe.human_bytes(nbytes))
     # The cost of a save: what it blocked the loop beyond the train step's own computation.
     interval = schedule.committed(blocked.blocking_s - blocked.blocking_ready_s)
     loss = None if interval is None else interval / 2
     if schedule.auto is not None:
-      log.info("save_interval=auto: saves cost %.3f s (median of the last %d), mtbf %.0f s:"
-               " saving every %.1f s; a failure loses %.1f s of work on average", schedule.cost(),
-               schedule.cost_count(), schedule.auto.mtbf_seconds, interval, loss)
+      log.log(_progress.once_per_job_level(), "save_interval=auto: saves cost %.3f s (median of"
+              " the last %d), mtbf %.0f s: saving every %.1f s; a failure loses %.1f s of work on"
+              " average", schedule.cost(), schedule.cost_count(), schedule.auto.mtbf_seconds,
+              interval, loss)
     with self._lock:
       self._events.append(dataclasses.replace(blocked, total_s=total_s, nbytes=nbytes,
                                               expected_loss_s=loss, **(stored or {})))

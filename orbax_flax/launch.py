@@ -13,6 +13,10 @@ without the failed process they cannot save or commit anything) and the
 launcher exits with the failing process's code. With the training callback a
 failure on one process ends the whole job within about 6 s: 3 s for the others
 to fail too (an exception save needs every process), then the grace.
+
+A process that exits with :data:`PREEMPTED_EXIT_CODE` (preempted, its step
+committed) has not failed: the others are left to exit the same way, and the
+launcher exits with that code too, so that whatever restarts it restarts the job.
 """
 
 from __future__ import annotations
@@ -26,6 +30,14 @@ import subprocess
 import sys
 import threading
 import time
+
+# The exit status of a job that was preempted and saved: 143 = 128 + SIGTERM, the status a shell
+# (and Kubernetes, SLURM, torchelastic) reports for a process the scheduler's SIGTERM ended. Those
+# restart on it as on any non-zero status (restartPolicy: OnFailure; `until python train.py; do
+# :; done`; torchrun --max-restarts; an sbatch script's `scontrol requeue` on a non-zero status),
+# and a Kubernetes podFailurePolicy can match it (onExitCodes: [143], action: Ignore) so that
+# preemptions do not count against the Job's backoffLimit. 0 would tell them the job finished.
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM.value
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
@@ -107,7 +119,7 @@ def launch(argv: list[str], num_processes: int, devices_per_process: int | None 
   code = 0
   try:
     while any(p.poll() is None for p in procs):
-      failed = [p for p in procs if p.poll() not in (None, 0)]
+      failed = [p for p in procs if p.poll() not in (None, 0, PREEMPTED_EXIT_CODE)]
       if failed:
         code = failed[0].returncode
         i = procs.index(failed[0])

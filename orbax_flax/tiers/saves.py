@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from orbax_flax import _progress
 from orbax_flax import errors
 from orbax_flax import schedule
 from orbax_flax.tiers import local
@@ -54,10 +55,11 @@ class LocalSaves:
       return e if isinstance(e, errors.StorageError) else errors.StorageError(str(e))
     self._when.record(step, seconds)
     interval = self._when.interval()
-    log.info("local checkpoint step %d committed in %.3f s (%s, %d replica(s))%s", step, seconds,
-             self._directory, self.tier.replicas,
-             "" if interval is None else f"; local_save_interval=auto: next in {interval:.1f} s,"
-             f" a failure loses {interval / 2:.1f} s of work on average")
+    log.log(_progress.once_per_job_level(),  # process 0's line; the others' at DEBUG
+            "local checkpoint step %d committed in %.3f s (%s, %d replica(s))%s", step, seconds,
+            self._directory, self.tier.replicas,
+            "" if interval is None else f"; local_save_interval=auto: next in {interval:.1f} s,"
+            f" a failure loses {interval / 2:.1f} s of work on average")
     if writer is not None:
       scalars = {"checkpoint/local_s": seconds}
       if interval is not None:
