@@ -81,6 +81,7 @@ def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool
   wants: list[tuple[Want, str, int]] = []
   as_python: set[tuple[str, int]] = set()  # Python scalar targets read from 0-d arrays
   whole: list[str] = []
+  matched = 0
   for item, subtree in target.items():
     saved_item = manifest.items.get(item)
     if saved_item is None:
@@ -91,15 +92,17 @@ def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool
       whole.append(item)
       continue
     saved = saved_item.by_path()
-    flat, treedef = jax.tree_util.tree_flatten_with_path(subtree)
+    flat = _tree.flatten(subtree)  # a Linen box's value at the box's own path
     out: list[Any] = [None] * len(flat)
-    results[item] = (treedef, out)
+    results[item] = (jax.tree_util.tree_structure(subtree), out)
     seen = set()
-    for i, (kp, leaf) in enumerate(flat):
-      path_ = tuple(_tree.key_part(k) for k in kp)
+    for i, (path_, leaf) in enumerate(flat):
+      rec = saved.get(path_)
+      if rec is None and path_ + ("value",) in saved:  # saved boxed, before boxes were metadata
+        path_ += ("value",)
+        rec = saved[path_]
       seen.add(path_)
       where = f"{item}/{_tree.path_str(path_)}"
-      rec = saved.get(path_)
       if rec is None:
         if any(t.matches(_tree.path_str(path_)) for t in from_target):
           if isinstance(leaf, (jax.Array, np.ndarray)) or _tree.leaf_kind(leaf) == "value":
@@ -108,8 +111,9 @@ def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool
             diffs.append(f"{where}: not in checkpoint, and FromTarget needs a concrete value in"
                          f" the target (an array), not a {type(leaf).__name__}")
           continue
-        diffs.append(f"{where}: in target, not in checkpoint")
+        diffs.append(f"{where}: {_IN_TARGET}")
         continue
+      matched += 1
       want = _want(item, rec, leaf, where, diffs, bad_shardings, allow_lossy_casts, casts)
       if want is None:
         continue
@@ -122,17 +126,119 @@ def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool
     if not partial:
       for path_ in saved:
         if path_ not in seen:
-          diffs.append(f"{item}/{_tree.path_str(path_)}: in checkpoint, not in target (pass"
-                       " partial=True to restore a subset)")
+          diffs.append(f"{item}/{_tree.path_str(path_)}: {_IN_CHECKPOINT}")
   if diffs:
-    raise errors.TreeMismatchError(
-        f"restore target does not match the checkpoint at {source}:\n  " + "\n  ".join(diffs),
-        diffs)
+    summary = mismatch_summary(diffs, matched, source)
+    raise errors.TreeMismatchError(summary + "\n" + _advice(diffs), diffs,
+                                   summary=summary)
   if bad_shardings:
     raise ValueError("target shardings cannot hold these arrays (JAX needs every sharded"
                      " dimension to divide evenly); change the PartitionSpec or mesh:\n  "
                      + "\n  ".join(bad_shardings))
   return Match(results, wants, whole, as_python)
+
+
+_IN_TARGET = "in target, not in checkpoint"
+_IN_CHECKPOINT = "in checkpoint, not in target"
+_LOSSY = "converting loses information"
+_ALL_SHOWN = 6  # up to this many differences are all shown; more are grouped by kind
+_SHOWN = 3      # paths named per kind of difference when grouped
+
+
+def _kind(diff: str) -> tuple[str, str]:
+  """``(kind, where)`` of one difference line: the line less its path."""
+  if diff.startswith("item "):
+    return diff, ""
+  where, _, what = diff.partition(": ")
+  return what, where
+
+
+def _group(kind: str) -> str:
+  """Differences that read as one kind: shapes differ whatever the shapes."""
+  return "of other shapes" if kind.startswith("shape ") else kind
+
+
+def _diagnosis(diffs: list[str], matched: int) -> str:
+  kinds = [_kind(d)[0] for d in diffs]
+  only_target = [w for k, w in map(_kind, diffs) if k == _IN_TARGET]
+  only_saved = [w for k, w in map(_kind, diffs) if k == _IN_CHECKPOINT]
+  boxed = {w.rsplit("/", 1)[0] for w in only_saved if w.endswith("/value")}
+  unboxed = {w.rsplit("/", 1)[0] for w in only_target if w.endswith("/value")}
+  if any(d.startswith("item ") for d in diffs):
+    return ("the checkpoint holds other items than the target: another kind of state (e.g. a"
+            " plain pytree against a TrainState), or another run's checkpoint (a different"
+            " workdir)")
+  if (boxed & set(only_target)) or (unboxed & set(only_saved)):
+    return ("one side holds variables ('.../value', NNX Variables) where the other holds plain"
+            " arrays: an NNX state against a Linen one, or the reverse")
+  if only_target and only_saved and not matched:
+    return ("no key path in common: the target is another model's state, or this is another"
+            " run's checkpoint (a different workdir)")
+  if only_target and only_saved:
+    return (f"a different model: {len(only_target)} key(s) only in the target, {len(only_saved)}"
+            f" only in the checkpoint, {matched} in both")
+  if only_saved:
+    return f"the target holds a subset of the checkpoint ({len(only_saved)} key(s) left out)"
+  if only_target:
+    return f"the target has {len(only_target)} key(s) the checkpoint lacks (a newer model?)"
+  if any(k.startswith("shape ") for k in kinds):
+    return "the same keys with other shapes: a different model configuration"
+  if all(_LOSSY in k for k in kinds):
+    return "other dtypes, and converting them loses information"
+  return f"{len(diffs)} difference(s)"
+
+
+def mismatch_summary(diffs: list[str], matched: int, source: str) -> str:
+  """A mismatch in a few lines: a diagnosis, then the differences (one line per kind, with a
+  count and its first paths, when there are many; ``TreeMismatchError.differences`` keeps all).
+
+  Example:
+    >>> print(mismatch_summary([f"s/{k}: in target, not in checkpoint" for k in "abcdefgh"], 3,
+    ...                        "ck"))
+    restore target does not match the checkpoint at ck: the target has 8 key(s) the checkpoint lacks (a newer model?)
+      s/a: in target, not in checkpoint (and 7 more like it: s/b, s/c, s/d, ...)
+  """
+  head = f"restore target does not match the checkpoint at {source}: {_diagnosis(diffs, matched)}"
+  if len(diffs) <= _ALL_SHOWN:
+    return "\n  ".join([head] + diffs)
+  groups: dict[str, list[str]] = {}
+  for d in diffs:
+    groups.setdefault(_group(_kind(d)[0]), []).append(d)
+  lines = [head]
+  for kind, members in groups.items():
+    more = [_kind(d)[1] for d in members[1:]]
+    shown = ", ".join(more[:_SHOWN]) + (", ..." if len(more) > _SHOWN else "")
+    lines.append(members[0] + (f" (and {len(more)} more {'like it' if kind == _kind(members[0])[0] else kind}:"
+                               f" {shown})" if more else ""))
+  return "\n  ".join(lines)
+
+
+def _advice(diffs: list[str]) -> str:
+  """What to do, for ``ofx.restore`` (a resume words its own: the callback has no ``partial``)."""
+  kinds = {_kind(d)[0] for d in diffs}
+  if kinds == {_IN_CHECKPOINT}:
+    return "Fix: pass partial=True to restore only the target's keys."
+  if _IN_TARGET in kinds or _IN_CHECKPOINT in kinds:
+    return ("Fix: check that the checkpoint is this model's (ofx.metadata(path) lists its keys);"
+            " to take a part of it, give a target of that part and partial=True.")
+  return "Fix: see each difference above (TreeMismatchError.differences lists every one)."
+
+
+def cast_lines(casts: list) -> list[str]:
+  """One line per kind of dtype change in ``casts`` (``(where, saved, target, exact)``),
+  with a count and an example path.
+
+  Example:
+    >>> cast_lines([("s/a", "float32", "bfloat16", False), ("s/b", "float32", "bfloat16", False)])
+    ["s/a converted from float32 (checkpoint) to bfloat16 (this run's state), losing information (allow_lossy_casts) (and 1 more arrays like it)"]
+  """
+  groups: dict[tuple[str, str, bool], list[str]] = {}
+  for where, saved, wanted, exact in casts:
+    groups.setdefault((saved, wanted, exact), []).append(where)
+  return [f"{w[0]} converted from {s} (checkpoint) to {t} (this run's state)"
+          f"{'' if exact else ', losing information (allow_lossy_casts)'}"
+          f"{f' (and {len(w) - 1} more arrays like it)' if len(w) > 1 else ''}"
+          for (s, t, exact), w in groups.items()]
 
 
 @dataclasses.dataclass
@@ -262,10 +368,9 @@ def _cast_ok(saved: np.dtype, target: np.dtype, where: str, allow_lossy: bool, d
     return True
   exact = lossless(saved, target)
   if not exact and not allow_lossy:
-    diffs.append(f"{where}: {saved} in checkpoint, {target} in target: converting loses"
-                 f" information; pass allow_lossy_casts=True (checkpoint.allow_lossy_casts for"
-                 f" a resume) to convert anyway, rounding or truncating, or restore as {saved}"
-                 " and cast yourself")
+    diffs.append(f"{where}: {saved} in checkpoint, {target} in target: {_LOSSY}; pass"
+                 " allow_lossy_casts=True (checkpoint.allow_lossy_casts for a resume) to convert"
+                 " anyway, rounding or truncating, or restore as the saved dtype and cast yourself")
     return False
   if casts is not None:
     casts.append((where, str(saved), str(target), exact))

@@ -74,12 +74,13 @@ def target(target: dict[str, Any], manifest: Manifest | None) -> dict[str, Any]:
     saved_item = manifest.items.get(item)
     saved = saved_item.by_path() if saved_item is not None else {}
 
-    def leaf_for(kp, x, saved=saved):
-      rec = saved.get(tuple(_tree.key_part(k) for k in kp))
+    def leaf_for(path, x, saved=saved):
+      rec = saved.get(path, saved.get(path + ("value",)))  # a Linen box: saved at its own path
       if not isinstance(rec, Array) or rec.is_packed or not rec.chunk_shape:
         return x
       return _leaf(x, rec.chunk_shape)
-    out[item] = jax.tree_util.tree_map_with_path(leaf_for, tree)
+    out[item] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree),
+                                             [leaf_for(p, x) for p, x in _tree.flatten(tree)])
   return out
 
 

@@ -9,6 +9,11 @@ other registered pytree node (flax ``struct.dataclass``, NNX ``State``,
 Key paths are tuples of strings: ``("params", "Dense_0", "kernel")``. Dict
 keys, attribute names and sequence indices all become strings, so a target
 written as nested dicts matches a checkpoint saved from a dataclass.
+
+A Linen partitioning box (``nn.Partitioned``, ``nn.LogicallyPartitioned``, any
+``flax.core.meta.AxisMetadata``) is metadata, not structure: its ``value`` is
+stored at the box's own path, so a boxed state and its ``nn.unbox`` save the
+same checkpoint and either restores into the other.
 """
 
 from __future__ import annotations
@@ -23,6 +28,11 @@ import ml_dtypes
 import numpy as np
 
 from orbax_flax import errors
+
+try:
+  from flax.core.meta import AxisMetadata as _AxisMetadata
+except ImportError:  # pragma: no cover
+  _AxisMetadata = None
 
 Path = tuple[str, ...]
 
@@ -53,10 +63,35 @@ def key_part(entry: Any) -> str:
   return str(entry)
 
 
+def is_box(x: Any) -> bool:
+  """True for a Linen partitioning box (``nn.Partitioned``, ``nn.LogicallyPartitioned``).
+
+  Any ``flax.core.meta.AxisMetadata`` whose one pytree child is ``value``.
+  """
+  if _AxisMetadata is None or not isinstance(x, _AxisMetadata):
+    return False
+  keyed = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
+  return len(keyed) == 1 and key_part(keyed[0][0][0]) == "value"
+
+
 def flatten(tree: Any) -> list[tuple[Path, Any]]:
-  """Flattens ``tree`` like ``jax.tree_util`` into ``(path, leaf)`` pairs."""
-  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return [(tuple(key_part(k) for k in p), leaf) for p, leaf in leaves]
+  """Flattens ``tree`` like ``jax.tree_util`` into ``(path, leaf)`` pairs.
+
+  The leaves come in jax's order; a box's ``value`` has the box's own path.
+
+  Example:
+    >>> from flax import linen as nn
+    >>> flatten({"w": nn.Partitioned(1.0, ("x",)), "b": [2.0]})
+    [(('b', '0'), 2.0), (('w',), 1.0)]
+  """
+  out: list[tuple[Path, Any]] = []
+  for p, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_box)[0]:
+    path = tuple(key_part(k) for k in p)
+    if is_box(leaf):
+      out.extend((path + q, x) for q, x in flatten(leaf.value))
+    else:
+      out.append((path, leaf))
+  return out
 
 
 def dtype_from_name(name: str) -> np.dtype:
@@ -202,6 +237,8 @@ def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any]]]:
   def walk(node: Any, path: Path) -> dict:
     if node is None:
       return {"t": "none"}
+    if is_box(node):  # metadata, not structure: stored as its value
+      return walk(node.value, path)
     if _is_leaf(node):
       leaves.append((path, node))
       return {"t": "leaf", "i": len(leaves) - 1}

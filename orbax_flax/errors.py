@@ -57,11 +57,14 @@ class TreeMismatchError(CheckpointError, ValueError):
 
   Attributes:
     differences: one human-readable line per difference, by key path.
+    summary: the message less its advice (a diagnosis, counts, the first paths),
+      for a caller that words its own advice.
   """
 
-  def __init__(self, message: str, differences: list[str]):
+  def __init__(self, message: str, differences: list[str], summary: str | None = None):
     super().__init__(message)
     self.differences = list(differences)
+    self.summary = message if summary is None else summary
 
 
 class UnsupportedLeafError(CheckpointError, TypeError):

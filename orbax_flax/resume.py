@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from orbax_flax import _matching
 from orbax_flax import _multihost
 from orbax_flax import _progress
 from orbax_flax import _location
@@ -284,6 +285,8 @@ class Resume:
     casts: list = []
     try:  # a step saved without a data position restores without one
       got = self._local.restore(target, casts=casts, optional=(DATA_ITEM,), **options)
+    except errors.TreeMismatchError as e:
+      raise _resume_mismatch(e, self._policy.local_directory) from None
     except (errors.StorageError, TimeoutError) as e:  # the local tier never stops a start
       log.error("local tier: cannot resume from %s (%s); reading the persistent tier",
                 self._policy.local_directory, e)
@@ -313,8 +316,11 @@ class Resume:
       try:
         summary = restoring.read_summary(Location.parse(manager.step_path(step)))
         casts: list = []
-        restored = manager.restore(step, target, allow_lossy_casts=self._policy.allow_lossy_casts,
-                                   casts=casts)
+        try:
+          restored = manager.restore(step, target,
+                                     allow_lossy_casts=self._policy.allow_lossy_casts, casts=casts)
+        except errors.TreeMismatchError as e:
+          raise _resume_mismatch(e, manager.directory) from None
         _log_casts(casts)
         error = None
       except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
@@ -553,9 +559,23 @@ def _targets(items: dict[str, Any]) -> dict[str, Any]:
 
 
 def _log_casts(casts: list) -> None:
-  for where, saved, wanted, exact in casts:
-    log.warning("resume: %s converted from %s (checkpoint) to %s (this run's state)%s", where,
-                saved, wanted, "" if exact else ", losing information (allow_lossy_casts)")
+  for line in _matching.cast_lines(casts):  # one line per kind of change, not one per leaf
+    log.warning("resume: %s", line)
+
+
+def _resume_mismatch(e: errors.TreeMismatchError, directory: Any) -> errors.TreeMismatchError:
+  """The mismatch, with the advice a resume can follow (the callback has no ``partial``)."""
+  kinds = " ".join(e.differences)
+  advice = []
+  if "loses information" in kinds:
+    advice.append("to convert anyway, set CheckpointPolicy(allow_lossy_casts=True)"
+                  " (--config.checkpoint.allow_lossy_casts=True); or keep the saved dtypes")
+  if "not in target" in kinds or "not in checkpoint" in kinds or "shape" in kinds:
+    advice.append(f"if {directory} belongs to another run or model, give this run its own"
+                  " --workdir; to start a changed model from this run's weights, use a new"
+                  " workdir with CheckpointPolicy(init_from='<step dir>:<item>/params')")
+  text = "Fix: " + "; ".join(advice) if advice else ""
+  return errors.TreeMismatchError(f"{e.summary}\n{text}".rstrip(), e.differences, summary=e.summary)
 
 
 def _mesh_text(tree: Any) -> str:

@@ -22,6 +22,8 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from orbax_flax import _tree
+
 try:
   from flax import nnx
 except ImportError:  # pragma: no cover
@@ -73,7 +75,7 @@ def is_uncommitted(leaf: Any) -> bool:
   return isinstance(leaf, jax.Array) and not leaf.committed
 
 
-def abstract(tree: Any, sharding: Any = None) -> Any:
+def abstract(tree: Any, sharding: Any = None, *, rules: Any = None) -> Any:
   """A restore target with the structure of ``tree``.
 
   Args:
@@ -82,19 +84,29 @@ def abstract(tree: Any, sharding: Any = None) -> Any:
       strings or None; or an NNX module (its ``nnx.state``).
     sharding: for leaves that have no (concrete) sharding: a
       ``jax.sharding.Sharding`` for all of them; a ``jax.sharding.Mesh`` (each
-      leaf gets the partition spec recorded on it, e.g. by
-      ``nnx.with_partitioning`` under ``jax.set_mesh``, or in NNX variable
-      metadata, else replicated); a pytree of shardings like ``tree``; or a
-      function ``(key_path, leaf) -> Sharding``. Leaves of live arrays keep
-      their own sharding.
+      leaf gets the partition spec recorded on it: a Linen box's names
+      (``nn.Partitioned``, or ``nn.LogicallyPartitioned`` mapped through the
+      logical axis rules), the spec of ``nnx.with_partitioning`` under
+      ``jax.set_mesh``, or NNX variable metadata; else replicated); a pytree
+      of shardings like ``tree`` or any prefix of it, as ``jax.jit`` takes
+      (flax's ``nn.logical_to_mesh_sharding(...)`` tree, with a sharding where
+      ``tree`` has a box); or a function ``(key_path, leaf) -> Sharding``.
+      Leaves of live arrays keep their own sharding.
+    rules: logical axis rules (``(("embed", "data"), ("mlp", "model"))``) for
+      ``nn.LogicallyPartitioned`` boxes with a Mesh; default: the box's own,
+      else flax's ``nn.logical_axis_rules`` context.
 
   Returns:
     The same structure, with ``jax.ShapeDtypeStruct`` (with sharding) for
     every array (an :class:`UncommittedStruct` for an uncommitted one), numpy
     arrays for numpy leaves, and every other leaf as is.
 
+  The target keeps ``tree``'s structure, Linen boxes included, so a restore
+  into it gives back boxed params with their names.
+
   Raises:
-    ValueError: a leaf has no sharding and ``sharding`` gives none, naming it.
+    ValueError: a leaf has no sharding and ``sharding`` gives none, naming it;
+      a logically partitioned leaf and no rules to map its names.
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np, orbax_flax as ofx
@@ -113,10 +125,11 @@ def abstract(tree: Any, sharding: Any = None) -> Any:
   per_leaf = None
   if sharding is not None and not isinstance(sharding, (jax.sharding.Sharding, jax.sharding.Mesh)) \
       and not callable(sharding):
-    per_leaf = dict(jax.tree_util.tree_flatten_with_path(
-        sharding, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0])
+    per_leaf = {tuple(_tree.key_part(k) for k in p): s for p, s in
+                jax.tree_util.tree_flatten_with_path(
+                    sharding, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
 
-  def one(path, leaf):
+  def one(path, leaf, box=None):
     if isinstance(leaf, jax.Array):
       return of_array(leaf)
     if not isinstance(leaf, jax.ShapeDtypeStruct) or isinstance(leaf, UncommittedStruct):
@@ -124,10 +137,41 @@ def abstract(tree: Any, sharding: Any = None) -> Any:
     own = leaf.sharding
     if own is not None and _concrete(own):
       return leaf
-    chosen = _choose(path, leaf, own, sharding, specs, per_leaf)
+    if box is not None and isinstance(sharding, jax.sharding.Mesh):
+      chosen = NamedSharding(sharding, _box_spec(box, rules, jax.tree_util.keystr(path)))
+    else:
+      chosen = _choose(path, leaf, own, sharding, specs, per_leaf)
     return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=chosen)
 
-  return jax.tree_util.tree_map_with_path(one, tree)
+  def node(path, x):
+    if _tree.is_box(x):  # a Linen box keeps its names; its value gets the spec they give
+      inner = path + (jax.tree_util.GetAttrKey("value"),)
+      return x.replace_boxed(jax.tree_util.tree_map_with_path(
+          lambda p, leaf: one(inner + p, leaf, box=x), x.value))
+    return one(path, x)
+
+  return jax.tree_util.tree_map_with_path(node, tree, is_leaf=_tree.is_box)
+
+
+def _spmd_boxes() -> tuple[type, ...]:
+  from flax.linen import spmd  # pylint: disable=g-import-not-at-top
+  return (spmd.LogicallyPartitioned,)
+
+
+def _box_spec(box: Any, rules: Any, where: str) -> P:
+  """The mesh PartitionSpec of a Linen box's names (logical ones through the rules)."""
+  if not isinstance(box, _spmd_boxes()):
+    return box.get_partition_spec() if hasattr(box, "get_partition_spec") else P()
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+  rules = rules if rules is not None else box.rules if box.rules is not None \
+      else nn.get_logical_axis_rules()
+  names = tuple(box.names)
+  if not rules and any(n is not None for n in names):
+    raise ValueError(
+        f"abstract(): {where} is nn.LogicallyPartitioned with logical axes {names}, and no"
+        " logical axis rules map them to the mesh; pass them (ofx.abstract(tree, mesh,"
+        " rules=(('embed', 'data'), ...))) or call under `with nn.logical_axis_rules(rules):`.")
+  return nn.logical_to_mesh_axes(names, rules)
 
 
 def _concrete(sharding: Any) -> bool:
@@ -145,11 +189,14 @@ def _choose(path: Any, leaf: Any, own: Any, sharding: Any, specs: dict | None,
     if own is not None and hasattr(own, "spec"):  # eval_shape under jax.set_mesh: the recorded spec
       return NamedSharding(sharding, own.spec)
     return NamedSharding(sharding, (specs or {}).get(path, P()))
-  if per_leaf is not None:
-    if path not in per_leaf:
-      raise ValueError(f"abstract(): the sharding tree has no sharding for {where}; give one for"
-                       " every array leaf, or pass a Mesh or a single Sharding.")
-    return per_leaf[path]
+  if per_leaf is not None:  # a tree of shardings, or a prefix of the tree (as jax.jit takes)
+    parts = tuple(_tree.key_part(k) for k in path)
+    for n in range(len(parts), -1, -1):
+      if parts[:n] in per_leaf:
+        return per_leaf[parts[:n]]
+    raise ValueError(f"abstract(): the sharding tree has no sharding for {where} (nor for any"
+                     " subtree holding it); give one for every array leaf or subtree, or pass a"
+                     " Mesh or a single Sharding.")
   if callable(sharding):
     return sharding(path, leaf)
   raise ValueError(

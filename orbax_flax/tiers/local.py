@@ -243,7 +243,9 @@ class LocalTier:
         kind, _, message = mismatch.removeprefix(_MISMATCH).partition(": ")
         if kind != "TreeMismatchError":  # a target sharding that cannot hold its array
           raise ValueError(message)
-        raise errors.TreeMismatchError(message, [l.strip() for l in message.splitlines()[1:]])
+        lines = message.splitlines()  # a diagnosis, the differences (indented), the advice
+        raise errors.TreeMismatchError(message, [l.strip() for l in lines[1:] if l.startswith(" ")],
+                                       summary="\n".join(l for l in lines if not l.startswith("Fix:")))
       damaged = [p for p, v in enumerate(verdicts) if v.startswith(_DAMAGED)]
       bad = [f"process {p}: {v.removeprefix(_DAMAGED)}" for p, v in enumerate(verdicts) if v]
       if not bad:
