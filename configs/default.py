@@ -90,6 +90,8 @@ def get_checkpoint_config() -> ml_collections.ConfigDict:
   c.watchdog_seconds = _DEFAULTS.watchdog_seconds
   # Resume into dtypes that lose information (float32 saved, bfloat16 model) only if True.
   c.allow_lossy_casts = _DEFAULTS.allow_lossy_casts
+  # JAX's compilation cache in <workdir>/compilation_cache: a restart loads its train step, not compiles it.
+  c.compilation_cache = _DEFAULTS.compilation_cache
   return c
 
 

@@ -37,6 +37,7 @@ from orbax_flax import errors
 from orbax_flax import interruptions
 from orbax_flax import policy as policy_lib
 from orbax_flax import preemption
+from orbax_flax import restart
 from orbax_flax import resume
 from orbax_flax import state_items
 from orbax_flax.config import CheckpointPolicy
@@ -74,6 +75,10 @@ class CheckpointCallback(callbacks.Callback):
   def __init__(self, workdir: str, config: Any, *, metadata: Mapping[str, Any] | None = None,
                writer: Any = None, clock=time.time):
     self.policy = config if isinstance(config, CheckpointPolicy) else CheckpointPolicy.from_config(config)
+    # The restart's clock (its line at the first step), and JAX's compile cache in the workdir
+    # if the policy asks (first: an object-store workdir is refused before anything is built).
+    self._restart = restart.RestartClock.start(workdir, self.policy.compilation_cache)
+    self._pending: restart.PendingRestore | None = None
     directory = self.policy.directory or os.path.join(workdir, "checkpoints")
     self.manager = CheckpointManager(directory, self.policy, clock=clock)
     parts = self.manager.components  # what the policy describes, built once (orbax_flax.components)
@@ -115,12 +120,36 @@ class CheckpointCallback(callbacks.Callback):
       UnsupportedLeafError: a leaf of the state cannot be saved.
       TypeError: NNX objects nested inside a plain pytree.
     """
+    self._begin_restore(state, data_iterator)
+    return self._restored(self._resume.restore(state, self._data))
+
+  def restore_or_init_async(self, state: Any, *, data_iterator: Any = None) -> restart.PendingRestore:
+    """:meth:`restore_or_init` on a thread, so that a restart costs about max(restore, compile).
+
+    Returns at once: compile the train step against ``state`` (the restored state has its
+    shapes and shardings), then ``state = pending.join()`` (docs/training.md). Until then
+    ``state`` and ``data_iterator`` belong to the restore: do not run, donate or advance them.
+    The checks and signal handlers run here; the restore's errors are raised by ``join()``.
+    """
+    self._begin_restore(state, data_iterator, background=True)
+    self._pending = restart.PendingRestore(lambda: self._resume.restore(state, self._data),
+                                           self._restored, clock=self._restart)
+    return self._pending
+
+  def _begin_restore(self, state: Any, data_iterator: Any, background: bool = False) -> None:
+    if self._pending is not None:
+      raise RuntimeError("a restore_or_init_async restore is still pending: join() it first")
     self._check_open()
     state_items.check(state)  # every part of the state can be saved, before anything runs
     self._state_checked = True
     self._watch()
     self._data = resume.DataPosition.of(data_iterator, self.manager.coordination_key)
-    state, self.restored_step = self._resume.restore(state, self._data)
+    self._restart.restore_began(background)
+
+  def _restored(self, got: tuple[Any, int | None]) -> Any:
+    state, self.restored_step = got
+    self._pending = None
+    self._restart.joined(self.restored_step)
     # The first save's staging memory, prepared in the background from now on.
     self.manager.prepare(state_items.to_items(state))
     return state
@@ -186,6 +215,11 @@ class CheckpointCallback(callbacks.Callback):
     if self._closed:
       self._check_open()
     step = _loop_step(step)
+    if self._pending is not None:
+      raise RuntimeError("on_step_end before the restore_or_init_async restore was joined: train"
+                         " on the state that its join() returns")
+    if self._restart.timing_first_step:  # once: its line and scalars, the step computed
+      self._restart.first_step_done(step, (state_items.to_items(state), metrics), self.writer)
     if self.preempted:
       log.warning("on_step_end(%d) called after this job was preempted at step %d (its checkpoint"
                   " is committed): training should have stopped when on_step_end returned True."
@@ -352,6 +386,7 @@ class CheckpointCallback(callbacks.Callback):
           self._save_failed(e)
       self._flush_events()
     finally:
+      self._restart.close()
       if self._watcher is not None:
         self._watcher.close()
 

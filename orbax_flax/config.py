@@ -155,6 +155,9 @@ class CheckpointPolicy:
     replicas: how many other processes hold a copy of each process's local
       shards, sent with JAX collectives; losing any ``replicas`` hosts' local
       disks loses no local step.
+    compilation_cache: JAX's compilation cache in ``<workdir>/compilation_cache/``: a restart
+      loads its compiled train step. Off by default: it is process-wide and grows unpruned,
+      and a workdir on an object store is refused (docs/training.md).
   """
   save_interval_steps: int = 0
   save_interval_seconds: float = 0.0
@@ -192,6 +195,7 @@ class CheckpointPolicy:
   local_save_interval: str = ""
   local_max_to_keep: int = 1
   replicas: int = 1
+  compilation_cache: bool = False
 
   def __post_init__(self):
     _check(self)
@@ -256,10 +260,6 @@ class CheckpointPolicy:
     """Whether the local tier saves (a directory and an interval of either kind)."""
     return bool(self.local_directory) and bool(self.local_save_interval_steps
                                                or self.local_save_interval == "auto")
-
-  @property
-  def uses_time(self) -> bool:
-    return self.save_interval_seconds > 0 or self.save_interval == "auto"
 
   def keep_rules(self) -> list[policy_lib.KeepRule]:
     """The keep rules; empty means keep everything."""

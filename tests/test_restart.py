@@ -1,0 +1,160 @@
+"""A restart in the least time (issue 30): its clock, the compile cache, the background restore.
+
+* The callback logs the restart's parts in one line at the first step after
+  ``restore_or_init`` and writes them to the metric writer beside the save timings.
+* ``compilation_cache=True``: a second process of the same job loads its train
+  step from ``<workdir>/compilation_cache/<jax, backend, devices>/`` (JAX's cache
+  hit events, as the restart line reports them); a job on another device count
+  gets another directory; an object-store workdir is refused before anything runs.
+* ``restore_or_init_async``: the values are bitwise those saved, the user's
+  jitted step runs on them, and the restore's errors surface at ``join()``.
+"""
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jobs
+import orbax_flax as ofx
+
+_QUIET = dict(save_final_step=False, save_on_preemption=False, save_on_exception=False)
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _state(seed=0):
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  rng = np.random.default_rng(seed)
+  return {"w": jax.device_put(rng.standard_normal((64, 32), dtype=np.float32),
+                              NamedSharding(mesh, P("data", "model"))),
+          "b": jax.device_put(rng.standard_normal(32, dtype=np.float32), NamedSharding(mesh, P())),
+          "step": jnp.int32(0)}
+
+
+@jax.jit
+def _train_step(s):
+  return {"w": s["w"] * 0.5 + 1.0, "b": s["b"] - s["w"].sum(0), "step": s["step"] + 1}
+
+
+def _save_steps(workdir, steps=4):
+  state = _state()
+  with ofx.CheckpointCallback(workdir, dict(save_interval_steps=2, **_QUIET)) as ckpt:
+    state = ckpt.restore_or_init(state)
+    for step in range(steps):
+      state = _train_step(state)
+      ckpt.on_step_end(step + 1, state)
+  return jax.tree.map(np.asarray, state)
+
+
+def test_the_restart_is_logged_in_one_line_and_written_beside_the_save_timings(tmp_path, caplog):
+  saved = _save_steps(str(tmp_path))
+  writer = jobs.RecordingWriter()
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    with ofx.CheckpointCallback(str(tmp_path), dict(save_interval_steps=2, **_QUIET),
+                                writer=writer) as ckpt:
+      state = ckpt.restore_or_init(_state(seed=1))
+      assert ckpt.restored_step == 4
+      np.testing.assert_array_equal(np.asarray(state["w"]), saved["w"])
+      state = _train_step(state)
+      ckpt.on_step_end(5, state)
+      ckpt.on_step_end(6, _train_step(state))
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restart from")]
+  assert len(lines) == 1, lines  # once, at the first step
+  assert re.match(r"restart from step 4: process start to restore [\d.]+ s \(imports, JAX, model"
+                  r" init\), restore [\d.]+ s, first train step [\d.]+ s \(compile and run\),"
+                  r" [\d.]+ s in all$", lines[0]), lines[0]
+  restart = [s for step, s in writer.scalars if "restart/restore_s" in s]
+  assert len(restart) == 1 and writer.scalars[0][0] == 5
+  parts = restart[0]
+  assert set(parts) == {"restart/startup_s", "restart/restore_s", "restart/first_step_s",
+                        "restart/total_s"}
+  assert all(v >= 0 for v in parts.values())
+  assert parts["restart/total_s"] >= parts["restart/restore_s"] + parts["restart/first_step_s"]
+  saves = [s for _, s in writer.scalars if "checkpoint/blocking_s" in s]
+  assert saves  # the save timings go to the same writer
+
+
+def test_a_background_restore_gives_the_saved_values_and_trains(tmp_path, caplog):
+  saved = _save_steps(str(tmp_path))
+  template = _state(seed=1)
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    with ofx.CheckpointCallback(str(tmp_path), dict(save_interval_steps=2, **_QUIET)) as ckpt:
+      pending = ckpt.restore_or_init_async(template)
+      compiled = _train_step.lower(template).compile()  # while the bytes land
+      with pytest.raises(RuntimeError, match="join"):
+        ckpt.on_step_end(5, template)
+      state = pending.join()
+      assert pending.join() is state  # joining again returns the same state
+      assert ckpt.restored_step == 4
+      for k in saved:
+        got = np.asarray(state[k])
+        assert got.dtype == saved[k].dtype and got.tobytes() == saved[k].tobytes(), k
+      assert state["w"].sharding == template["w"].sharding
+      state = compiled(state)  # the step compiled against the template runs on the restored state
+      again = _train_step(jax.tree.map(jnp.asarray, saved))
+      np.testing.assert_array_equal(np.asarray(state["w"]), np.asarray(again["w"]))
+      ckpt.on_step_end(5, state)
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restart from")]
+  assert len(lines) == 1 and "(in the background, joined after" in lines[0], lines
+
+
+def test_a_background_restore_raises_its_error_at_join(tmp_path):
+  _save_steps(str(tmp_path))
+  wrong = dict(_state(), w=jnp.zeros((64, 16), jnp.float32))  # another shape than saved
+  with ofx.CheckpointCallback(str(tmp_path), dict(save_interval_steps=2, **_QUIET)) as ckpt:
+    pending = ckpt.restore_or_init_async(wrong)
+    with pytest.raises(ValueError, match="shape"):
+      pending.join()
+
+
+def test_nothing_to_resume_joins_the_state_passed_in(tmp_path):
+  template = _state()
+  with ofx.CheckpointCallback(str(tmp_path), dict(save_interval_steps=2, **_QUIET)) as ckpt:
+    state = ckpt.restore_or_init_async(template).join()
+    assert ckpt.restored_step is None and state["w"] is template["w"]
+
+
+def test_the_compilation_cache_refuses_an_object_store_workdir():
+  with pytest.raises(ValueError, match="compilation_cache=True needs a workdir on a filesystem"):
+    ofx.CheckpointCallback("s3://bucket/run", dict(compilation_cache=True))
+
+
+def _run(workdir, steps, devices, *flags):
+  env = jobs.env_for(devices)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the test session's shared cache: not this one
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # cache even this small step
+  r = subprocess.run([sys.executable, os.path.join(HERE, "restart_worker.py"), workdir,
+                      str(steps), *flags], env=env, capture_output=True, text=True, timeout=240)
+  assert r.returncode == 0, r.stderr[-4000:]
+  result = json.loads(r.stdout.split("RESULT ", 1)[1])
+  line = [l for l in r.stderr.splitlines() if "first train step" in l]
+  assert len(line) == 1, r.stderr[-4000:]
+  hits = re.search(r"compile cache: (\d+) hits?, (\d+) miss", line[0])
+  assert hits, line[0]
+  return result, int(hits.group(1)), int(hits.group(2))
+
+
+def test_a_second_process_loads_its_train_step_from_the_compilation_cache(tmp_path):
+  workdir = str(tmp_path / "run")
+  first, hits, misses = _run(workdir, 2, 4)
+  assert first["restored"] is None and hits == 0 and misses >= 1
+  cache = first["cache_dir"]
+  assert cache.startswith(os.path.join(workdir, "compilation_cache", f"jax-{jax.__version__}-cpu-"))
+  assert cache.endswith("-4dev-1proc") and os.listdir(cache)
+  entries = set(os.listdir(cache))
+  second, hits, misses = _run(workdir, 2, 4, "--async")  # a restart, compiling while restoring
+  assert second["restored"] == 2 and second["cache_dir"] == cache
+  assert hits >= 1 and misses == 0, (hits, misses)
+  assert set(os.listdir(cache)) == entries  # nothing compiled again
+  # Another mesh (8 devices) never reads the 4-device programs: its own directory.
+  third, hits, _ = _run(workdir, 2, 8)
+  assert third["restored"] == 4 and third["cache_dir"].endswith("-8dev-1proc") and hits == 0
