@@ -20,6 +20,7 @@ import ast
 import datetime
 import os
 import sys
+import textwrap
 from collections.abc import Sequence
 
 # Only light imports here: `--help` and usage errors must not wait for JAX and
@@ -48,8 +49,16 @@ def cmd_list(directory: str, out) -> int:
   loc = Location.parse(directory)
   steps, leftovers = step_dir.list_steps(loc)
   if not steps and not leftovers:
-    print(f"no checkpoints in {loc}{_where_they_are(loc)}", file=out)
-    return EXIT_MISSING
+    sub = loc.join("checkpoints")  # a workdir: CheckpointCallback keeps its steps there
+    try:
+      steps, leftovers = step_dir.list_steps(sub)
+    except (OSError, errors.CheckpointError):
+      pass
+    if not steps and not leftovers:
+      print(f"no checkpoints in {loc}{_where_they_are(loc)}", file=out)
+      return EXIT_MISSING
+    print(f"note: {loc} is a workdir; listing its checkpoints directory, {sub}\n", file=out)
+    loc = sub
   rows = []
   damaged = 0
   for step in steps:
@@ -329,15 +338,47 @@ def _print_local_plan(policy, steps: int, fv, out) -> None:
         " process", file=out)
 
 
+# list, show, verify: (help line, what it does, examples, argument, the argument's help).
+_COMMANDS = {
+    "list": (
+        "committed steps and leftovers of a directory",
+        "Lists the committed steps of a directory of steps (a CheckpointManager's, or"
+        " CheckpointCallback's <workdir>/checkpoints): when each was saved, why, its size, the"
+        " processes and devices that saved it, its metrics; and leftovers of interrupted saves."
+        " Given a workdir, it lists <workdir>/checkpoints (and says so).",
+        "examples:\n  python -m orbax_flax list /tmp/ofx_run/checkpoints\n"
+        "  python -m orbax_flax list /tmp/ofx_run        # a workdir: lists its checkpoints/\n\n"
+        "exit status: 0 fine, 1 a step cannot be read, 2 no checkpoints there",
+        "directory", "a directory of steps, or a workdir"),
+    "show": (
+        "contents of one checkpoint",
+        "Shows one checkpoint (orbax_flax, orbax-checkpoint or safetensors): its items, the tree"
+        " of each with shapes, dtypes and shardings, bytes per item, and what was recorded with"
+        " it (step, reason, metrics, mesh).",
+        "example:\n  python -m orbax_flax show /tmp/ofx_run/checkpoints/100\n\n"
+        "exit status: 0 fine, 2 no checkpoint there (a directory of steps: the error lists them)",
+        "path", "one checkpoint: a step directory such as <workdir>/checkpoints/100"),
+    "verify": (
+        "check every checksum of one checkpoint",
+        "Re-reads every chunk of one checkpoint and checks its checksum, naming every damaged"
+        " array. orbax-checkpoint and safetensors checkpoints store no checksums: every chunk or"
+        " byte range is checked to be present and to decode.",
+        "example:\n  python -m orbax_flax verify /tmp/ofx_run/checkpoints/100\n\n"
+        "exit status: 0 intact, 1 corruption found, 2 no checkpoint there",
+        "path", "one checkpoint: a step directory such as <workdir>/checkpoints/100"),
+}
+
+
 def main(argv: Sequence[str] | None = None, out=None) -> int:
   out = out or sys.stdout
   argv = list(sys.argv[1:] if argv is None else argv)
   parser = argparse.ArgumentParser(prog="python -m orbax_flax", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = parser.add_subparsers(dest="command", required=True)
-  sub.add_parser("list", help="committed steps and leftovers of a directory").add_argument("directory")
-  sub.add_parser("show", help="contents of one checkpoint").add_argument("path")
-  sub.add_parser("verify", help="check every checksum of one checkpoint").add_argument("path")
+  for name, (short, what, example, arg, arg_help) in _COMMANDS.items():
+    sub.add_parser(name, help=short, description=textwrap.fill(what, 88), epilog=example,
+                   formatter_class=argparse.RawDescriptionHelpFormatter).add_argument(
+                       arg, help=arg_help)
   sub.add_parser("plan", help="dry-run a checkpoint policy (python -m orbax_flax plan --help)",
                  add_help=False)
   sub.add_parser("convert", help="convert SRC DST [--format orbax_flax|safetensors] [--dtype D]",

@@ -1,11 +1,13 @@
 """The command-line tool, through real subprocesses."""
 
+import contextlib
 import io
 import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import jobs
 import orbax_flax as ofx
@@ -123,17 +125,33 @@ def test_dataclass_config_with_overrides():
   assert "POLICY 100 5 SIGTERM,SIGUSR1" in r.stdout
 
 
-def test_list_on_a_workdir_points_at_its_checkpoints(tmp_path):
+def test_list_on_a_workdir_lists_its_checkpoints_with_a_note(tmp_path):
   workdir = tmp_path / "run"
   with ofx.CheckpointManager(str(workdir / "checkpoints")) as mngr:  # CheckpointCallback's layout
     mngr.save(7, {"state": {"w": np.ones(4)}}, force=True)
   rc, out = run("list", str(workdir))
-  assert rc == 2 and f"no checkpoints in {workdir}" in out, out
-  assert f"{workdir}/checkpoints holds 1 committed step(s)" in out, out
-  assert f"python -m orbax_flax list {workdir}/checkpoints" in out, out
+  assert rc == 0, out
+  assert out.startswith(f"note: {workdir} is a workdir; listing its checkpoints directory,"
+                        f" {workdir}/checkpoints"), out
+  assert f"1 committed step(s) in {workdir}/checkpoints; latest 7" in out, out
+  rc, out = run("list", str(tmp_path))  # no steps here nor in its checkpoints/: advice, exit 2
+  assert rc == 2 and f"no checkpoints in {tmp_path}" in out, out
   out = io.StringIO()  # one checkpoint, not a directory of steps (in this process: faster)
   assert cli.main(["list", str(workdir / "checkpoints" / "7")], out=out) == 2
   assert f"python -m orbax_flax show {workdir}/checkpoints/7" in out.getvalue(), out.getvalue()
+
+
+@pytest.mark.parametrize("command, says", [
+    ("list", "Lists the committed steps"), ("show", "Shows one checkpoint"),
+    ("verify", "Re-reads every chunk")])
+def test_list_show_verify_help_says_what_each_does_with_an_example(command, says):
+  out = io.StringIO()
+  with pytest.raises(SystemExit) as e, contextlib.redirect_stdout(out):
+    cli.main([command, "--help"])
+  assert e.value.code == 0
+  text = out.getvalue()
+  assert says in text and f"python -m orbax_flax {command} /tmp/ofx_run" in text, text
+  assert "exit status: 0" in text, text
 
 
 # What `--help` may import: nothing that takes seconds (JAX, tensorstore).

@@ -266,3 +266,18 @@ def test_exception_save_wait_is_the_one_the_code_uses():
   m = re.search(r"if the others have not failed within (\d+(?:\.\d+)?) s", text)
   assert m, "docs/training.md no longer says how long an exception save waits for the others"
   assert float(m.group(1)) == interruptions.FAILED_AGREEMENT_S
+
+
+def test_the_docs_quote_no_run_fingerprint_and_the_exit_status_the_code_uses():
+  """Numbers a doc quotes are checked here or not quoted: a params fingerprint depends on the
+  JAX version and platform (docs/training.md once quoted one the example did not print)."""
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  texts = {p: open(os.path.join(ROOT, p)).read() for p in
+           ["README.md"] + [os.path.join("docs", n) for n in os.listdir(os.path.join(ROOT, "docs"))
+                            if n.endswith(".md")]}
+  for path, text in texts.items():
+    assert not re.findall(r"params [0-9a-f]{16}\b", text), path
+  training = texts[os.path.join("docs", "training.md")]
+  quoted = set(re.findall(r"PREEMPTED_EXIT_CODE`? = (\d+)", training))
+  assert quoted == {str(ofx.PREEMPTED_EXIT_CODE)}, quoted
+  assert f"the example exits {ofx.PREEMPTED_EXIT_CODE}" in training

@@ -219,3 +219,109 @@ def test_a_workdir_that_is_a_runs_checkpoints_directory_is_refused(tmp_path):
     ofx.CheckpointCallback(wrong, policy).restore_or_init({"w": jnp.zeros(4)})
   with ofx.CheckpointCallback(wrong, _policy(save_interval_steps=10, directory=wrong)) as ckpt:
     assert float(ckpt.restore_or_init({"w": jnp.zeros(4)})["w"][0]) == 20  # the way it names
+
+
+# -- overriding a checkpoint field the user's config block does not list --------------------
+
+_PARTIAL_BLOCK = """
+import ml_collections
+def get_config():
+  config = ml_collections.ConfigDict()
+  config.checkpoint = ml_collections.ConfigDict({"save_interval_steps": 100})
+  return config
+"""
+
+_FULL_BLOCK = """
+import dataclasses
+import ml_collections
+import orbax_flax as ofx
+def get_config():
+  config = ml_collections.ConfigDict()
+  config.checkpoint = ml_collections.ConfigDict(
+      dataclasses.asdict(ofx.CheckpointPolicy(save_interval_steps=100)))
+  return config
+"""
+
+
+@pytest.mark.parametrize("block", ["partial", "full"])
+def test_a_field_the_config_block_does_not_list_is_overridden_as_docs_training_says(tmp_path,
+                                                                                  block):
+  """ml_collections refuses --config.checkpoint.<field> for a field the block lacks; a block
+  built from CheckpointPolicy (docs/training.md) lists every field, so any can be overridden."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import jobs  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "config.py"
+  path.write_text(_FULL_BLOCK if block == "full" else _PARTIAL_BLOCK)
+  r = subprocess.run([sys.executable, os.path.join(jobs.HERE, "config_main.py"),
+                      f"--config={path}", "--config.checkpoint.allow_lossy_casts=True"],
+                     capture_output=True, text=True, timeout=120, env=jobs.env_for(1),
+                     check=False)
+  if block == "partial":
+    assert r.returncode != 0 and "allow_lossy_casts" in r.stderr, r.stdout + r.stderr
+  else:
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "POLICY save_interval_steps=100 allow_lossy_casts=True" in r.stdout
+
+
+# -- meshes with Explicit axes (jax.make_mesh's default in this JAX) -------------------------
+
+def _mesh(shape, kind):
+  return jax.make_mesh(shape, ("data", "model"), axis_types=(kind,) * 2)
+
+
+def test_save_and_restore_on_explicit_axes_meshes(tmp_path):
+  """A state saved on an Explicit (2, 4) mesh restores bitwise onto an Explicit (4, 2) mesh with
+  the target's shardings (axis types included), and a jitted step runs on it."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  explicit = jax.sharding.AxisType.Explicit
+  mesh = _mesh((2, 4), explicit)
+  state = {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8),
+                               NamedSharding(mesh, P("data", "model"))),
+           "b": jax.device_put(jnp.arange(8.0), NamedSharding(mesh, P("model")))}
+  ofx.save(str(tmp_path / "ckpt"), {"state": state})
+  other = _mesh((4, 2), explicit)
+  target = {"w": jax.ShapeDtypeStruct((8, 8), jnp.float32,
+                                     sharding=NamedSharding(other, P(None, "model"))),
+            "b": jax.ShapeDtypeStruct((8,), jnp.float32, sharding=NamedSharding(other, P("model")))}
+  got = ofx.restore(str(tmp_path / "ckpt"), {"state": target})["state"]
+  for k in state:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(state[k]))
+    assert got[k].sharding == target[k].sharding
+    assert got[k].sharding.mesh.axis_types == (explicit, explicit)
+  x = jax.device_put(jnp.ones((4, 8)), NamedSharding(other, P("data")))
+  y = jax.jit(lambda s, x: x @ s["w"] + s["b"])(got, x)
+  np.testing.assert_allclose(np.asarray(y), np.ones((4, 8)) @ np.asarray(state["w"]) + np.arange(8.0))
+
+
+@pytest.mark.parametrize("kind", ["Auto", "Explicit"])
+def test_a_restored_dropout_key_on_the_mesh_needs_auto_axes_as_the_readme_says(tmp_path, kind):
+  """A Linen step with nn.Dropout after a resume: the restored key lives on the mesh. On Auto
+  axes the step runs; on Explicit axes (make_mesh without axis_types) JAX itself raises
+  ShardingTypeError inside dropout, which is why the README passes axis_types."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dropout(0.1, deterministic=False)(nn.Dense(16)(x))
+
+  mesh = _mesh((2, 4), getattr(jax.sharding.AxisType, kind))
+  model = Model()
+  params = model.init(jax.random.key(0), jnp.ones((1, 8)))
+  state = jax.device_put({"params": params, "key": jax.random.key(1)}, NamedSharding(mesh, P()))
+  with ofx.CheckpointCallback(str(tmp_path), _policy(save_interval_steps=1)) as ckpt:
+    ckpt.restore_or_init(state)
+    ckpt.on_step_end(1, state)
+  with ofx.CheckpointCallback(str(tmp_path), _policy(save_interval_steps=1)) as ckpt:
+    state = ckpt.restore_or_init(state)
+  assert ckpt.restored_step == 1
+  x = jax.device_put(jnp.ones((8, 8)), NamedSharding(mesh, P("data")))
+  step = jax.jit(lambda s, x: model.apply(s["params"], x, rngs={"dropout": s["key"]}).sum())
+  if kind == "Auto":
+    assert np.isfinite(float(step(state, x)))
+  else:
+    with pytest.raises(Exception, match="must be scalar or have the same sharding") as e:
+      step(state, x)
+    assert type(e.value).__name__ == "ShardingTypeError"  # not exported by jax
