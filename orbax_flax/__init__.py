@@ -62,6 +62,7 @@ _EXPORTS = {
     "data": ("orbax_flax.data", None),  # the subpackage: ofx.data.ElasticIterator (needs grain)
     "convert": "orbax_flax.converting",
     "export_safetensors": "orbax_flax.formats.safetensors_export",
+    "export_orbax": "orbax_flax.formats.orbax_export",
     "PREEMPTED_EXIT_CODE": "orbax_flax.launch",
 }
 
@@ -70,7 +71,7 @@ __all__ = [
     "CheckpointError", "CheckpointManager", "Checkpointer", "CheckpointPolicy", "LogProgress", "Trainer",
     "CheckpointExistsError", "CheckpointFormatError", "CheckpointMetadata", "CheckpointNotFoundError",
     "ItemMetadata", "SaveCancelledError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
-    "TensorBoardWriter", "abstract", "checkpoints_iterator", "convert", "export_safetensors", "metadata", "restore", "save",
+    "TensorBoardWriter", "abstract", "checkpoints_iterator", "convert", "export_orbax", "export_safetensors", "metadata", "restore", "save",
     "save_async", "transforms", "verify", "data",
     "SaveEvent", "EveryNSteps", "EveryNSeconds", "OnSteps", "FirstStep", "YoungDaly", "any_of",
     "KeepLast",

@@ -4,7 +4,7 @@
     python -m orbax_flax show DIR/STEP     items, tree with shapes/dtypes/shardings, bytes per item
     python -m orbax_flax verify DIR/STEP   re-reads every chunk and checks its checksum
     python -m orbax_flax plan --config configs/default.py --steps 10000 [--config.checkpoint.x=y]
-    python -m orbax_flax convert SRC DST [--format orbax_flax|safetensors] [--dtype bfloat16]
+    python -m orbax_flax convert SRC[:SELECTOR] DST [--format orbax_flax|safetensors|orbax] [--dtype bfloat16]
 
 show, verify and convert read every format restore reads: orbax_flax, orbax-checkpoint, safetensors.
 
@@ -193,10 +193,17 @@ def cmd_convert(argv: list[str], out) -> int:
   parser = argparse.ArgumentParser(
       prog="python -m orbax_flax convert",
       description="Converts a checkpoint of any format (orbax_flax, orbax-checkpoint,"
-      " safetensors) into orbax_flax or safetensors.")
-  parser.add_argument("src", help="the checkpoint to read")
+      " safetensors) into orbax_flax, safetensors or orbax-checkpoint (a StandardCheckpointer"
+      " item). SRC:SELECTOR writes only a part, as init_from names it.",
+      epilog="example: python -m orbax_flax convert runs/lm/checkpoints/1000:params model"
+      " --format safetensors --dtype bfloat16   (the params only: no optimizer moments, keys,"
+      " data position or config)")
+  parser.add_argument("src", help="the checkpoint to read; SRC:<item>/<sub/tree> takes a part"
+                      " (several joined by ',', e.g. ckpt:params,train_state/batch_stats)")
   parser.add_argument("dst", help="where to write (must not exist unless --overwrite)")
-  parser.add_argument("--format", choices=["orbax_flax", "safetensors"], default="orbax_flax")
+  parser.add_argument("--format", choices=["orbax_flax", "safetensors", "orbax"],
+                      default="orbax_flax",
+                      help="orbax: an orbax-checkpoint item that StandardCheckpointer restores")
   parser.add_argument("--dtype", default=None, help="convert floating arrays, e.g. bfloat16")
   parser.add_argument("--max_shard_bytes", type=int, default=5 << 30,
                       help="safetensors: the most bytes per file (default 5 GiB)")
@@ -381,7 +388,8 @@ def main(argv: Sequence[str] | None = None, out=None) -> int:
                        arg, help=arg_help)
   sub.add_parser("plan", help="dry-run a checkpoint policy (python -m orbax_flax plan --help)",
                  add_help=False)
-  sub.add_parser("convert", help="convert SRC DST [--format orbax_flax|safetensors] [--dtype D]",
+  sub.add_parser("convert", help="convert SRC[:SELECTOR] DST [--format orbax_flax|safetensors|orbax]"
+                 " [--dtype D]",
                  add_help=False)
   if argv and argv[0] == "plan":
     return cmd_plan(argv[1:], out)

@@ -1,13 +1,19 @@
-"""Converting a checkpoint of any format into ours or into safetensors.
+"""Converting a checkpoint of any format into ours, safetensors or orbax-checkpoint's.
 
-``python -m orbax_flax convert SRC DST [--format orbax_flax|safetensors]
-[--dtype bfloat16] [--max_shard_bytes N]``, or :func:`convert`.
+``python -m orbax_flax convert SRC[:SELECTOR] DST [--format orbax_flax|safetensors|orbax]
+[--dtype bfloat16] [--max_shard_bytes N]``, or :func:`convert`. A selector
+(``:params``, ``:state/params``, ``:params,train_state/batch_stats``, as
+``init_from`` takes it) writes only that part: a model without its optimizer
+moments, dropout key, data position and config.
 
 To safetensors the conversion streams: each array is read, converted and
 written before the next is read, so host memory peaks at about the largest
 array (plus its converted copy). Tensor names are the key paths joined by
 ``.``, prefixed by the item name when the source has several items; strings
 go into the header's ``__metadata__``, numeric scalars become 0-d tensors.
+
+To orbax-checkpoint (:func:`orbax_flax.export_orbax`) the conversion streams
+the same way: each array is read and written as one zarr3 chunk.
 
 To orbax_flax the source is read whole into host memory and saved with one
 blocking save (peak: about the state's size), because a save commits every
@@ -18,16 +24,21 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 from orbax_flax import _progress
 from orbax_flax import _tree
 from orbax_flax import checkpointer
 from orbax_flax import errors
+from orbax_flax import init_from as init_from_lib
 from orbax_flax import restoring
 from orbax_flax._records import Array
 from orbax_flax.formats import _read
+from orbax_flax.formats import orbax_export
 from orbax_flax.formats import safetensors_export
+
+FORMATS = ("orbax_flax", "safetensors", "orbax")
 
 
 class LazyArray:
@@ -47,57 +58,100 @@ class LazyArray:
 
 def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None,  # pylint: disable=redefined-builtin
             max_shard_bytes: int = 5 << 30, overwrite: bool = False) -> str:
-  """Writes the checkpoint at ``src`` (any format) to ``dst`` in ``format``.
+  """Writes the checkpoint at ``src`` (any format), or the part a selector names, to ``dst``.
 
   Args:
-    src: a checkpoint of any format ``restore`` reads.
+    src: a checkpoint of any format ``restore`` reads; ``"<ckpt>:<selector>"``
+      takes a part of it, as ``init_from`` does: ``"<ckpt>:params"``, an item's
+      subtree ``"<ckpt>:state/params"``, several joined by ``,``
+      (``"<ckpt>:params,train_state/batch_stats"``).
     dst: where to write it.
-    format: "orbax_flax" or "safetensors".
+    format: "orbax_flax", "safetensors" or "orbax" (an orbax-checkpoint item
+      that ``StandardCheckpointer`` restores; see :func:`export_orbax`).
     dtype: convert floating arrays to this dtype (e.g. "bfloat16"), or None.
     max_shard_bytes: for safetensors, the most bytes per file.
     overwrite: replace ``dst`` if it exists.
 
   Returns:
     A one-line summary of what was written.
+
+  Raises:
+    ValueError: an unknown format, or a selector that names nothing (the
+      message lists the keys there); raised before anything is written.
   """
-  if format not in ("orbax_flax", "safetensors"):
-    raise ValueError(f"format={format!r}; use 'orbax_flax' or 'safetensors'")
-  loc, manifest = restoring.open_manifest(src)
+  if format not in FORMATS:
+    raise ValueError(f"format={format!r}; use one of {', '.join(map(repr, FORMATS))}")
+  path, selector = init_from_lib.split(str(src))
+  loc, manifest = restoring.open_manifest(path)
+  several = len(manifest.items) > 1
   if format == "orbax_flax":
-    items = checkpointer.restore(src)  # shows progress on a terminal, as every restore does
+    items = checkpointer.restore(path)  # shows progress on a terminal, as every restore does
+    if selector:
+      items = _tree.pick(items, selector, keep_paths=True)
     checkpointer.save(dst, items, overwrite=overwrite, dtype=dtype)
     return f"wrote {dst} (orbax_flax, {len(items)} item(s)) from {manifest.format}"
   progress = _progress.Progress(f"convert {loc}", sum(
       r.nbytes for i in manifest.items.values() for r in i.leaves))
   progress.phase = "converting array by array"
   reader = restoring.reader_for(loc, manifest)
+  trees = {}
+  for item, saved in manifest.items.items():
+    leaves = [LazyArray(reader, item, rec, progress) if isinstance(rec, Array) else rec.decoded()
+              for rec in saved.leaves]
+    trees[item] = _tree.decode_structure(saved.structure, leaves)
+  if selector:
+    tree = _tree.pick(trees, selector)
+  else:
+    tree = trees if several or not manifest.any_item else next(iter(trees.values()))
+  if format == "orbax":
+    tree = tree if isinstance(tree, dict) else {"value": tree}
+    if dtype is not None:
+      tree = _cast_lazy(tree, dtype)
+    with _progress.Monitor(progress):
+      written = orbax_export.export_orbax(dst, tree, overwrite=overwrite)
+    return f"wrote {written} (orbax-checkpoint, zarr3) from {manifest.format}"
   flat: dict[str, Any] = {}
   meta: dict[str, str] = {}
   source: dict[str, str] = {}  # tensor name -> the leaf it is made from
   clashes: list[str] = []
-  several = len(manifest.items) > 1
-  for item, saved in manifest.items.items():
-    for rec in saved.leaves:
-      name = ".".join(([item] if several else []) + list(rec.path))
-      if not isinstance(rec, Array):
-        value = rec.decoded()
-        if isinstance(value, (str, bytes)):
-          meta[name] = value if isinstance(value, str) else value.decode(errors="replace")
-          continue
-        value = np.asarray(value)
-      else:
-        value = LazyArray(reader, item, rec, progress)
-      leaf = f"{item}/{rec.path_text}"
-      if name in source:
-        clashes.append(f"{source[name]} and {leaf} are both named {name!r}")
-      source[name] = leaf
-      flat[name] = value
+  for p, value in _tree.flatten(tree):
+    name = ".".join(p)
+    if not isinstance(value, LazyArray):
+      if isinstance(value, (str, bytes)):
+        meta[name] = value if isinstance(value, str) else value.decode(errors="replace")
+        continue
+      value = np.asarray(value)
+    leaf = _tree.path_str(p)
+    if name in source:
+      clashes.append(f"{source[name]} and {leaf} are both named {name!r}")
+    source[name] = leaf
+    flat[name] = value
   _check_names(source, clashes, dst)
   with _progress.Monitor(progress):  # bytes, GB/s and ETA on a terminal; quiet in logs and CI
     names = safetensors_export.export_safetensors(
         dst, flat, dtype=dtype, max_shard_bytes=max_shard_bytes, name_fn=lambda p: p[0],
         metadata=meta, overwrite=overwrite)
   return f"wrote {dst} (safetensors, {len(flat)} tensors in {len(names)} file(s))"
+
+
+class _Cast:
+  """A lazy array read and converted to ``dtype`` (floating arrays only)."""
+
+  def __init__(self, lazy: LazyArray, dtype: np.dtype):
+    self._lazy, self.shape, self.dtype = lazy, lazy.shape, dtype
+
+  def read(self) -> np.ndarray:
+    return self._lazy.read().astype(self.dtype)
+
+
+def _cast_lazy(tree: Any, dtype: Any) -> Any:
+  to = _tree.dtype_from_name(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+
+  def one(x):
+    if isinstance(x, LazyArray) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+      return _Cast(x, to)
+    return x
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, LazyArray))
 
 
 def _check_names(source: dict[str, str], clashes: list[str], dst: str) -> None:

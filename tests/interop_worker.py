@@ -6,6 +6,8 @@ Modes:
     every addressable shard.
   export: orbax_flax exports a sharded state as safetensors; prints the bytes
     this process wrote.
+  export_orbax: orbax_flax exports a sharded state as an orbax-checkpoint item
+    (each process its own shards).
 """
 
 import argparse
@@ -48,7 +50,7 @@ def build(mesh):
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--mode", choices=["ocp_save", "restore", "export", "read_once"])
+  p.add_argument("--mode", choices=["ocp_save", "restore", "export", "export_orbax", "read_once"])
   p.add_argument("--path")
   a = jobs.join(p)
   import orbax_flax as ofx  # pylint: disable=g-import-not-at-top  # after jax.distributed
@@ -83,6 +85,9 @@ def main():
         for s, t in zip(arr.addressable_shards, state[name].addressable_shards):
           np.testing.assert_array_equal(np.asarray(s.data), np.asarray(t.data), err_msg=name)
       print(f"READ read_once={once} {progress.done} bytes", flush=True)
+    return
+  if a.mode == "export_orbax":
+    print("EXPORTED", ofx.export_orbax(a.path, {"params": build(mesh), "step": 7}), flush=True)
     return
   if a.mode == "export":
     from orbax_flax.formats import _cbytes  # pylint: disable=g-import-not-at-top

@@ -75,8 +75,8 @@ def _cast_to(dtype: Any, name: str, leaf_dtype: np.dtype) -> np.dtype:
 def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_bytes: int = 5 << 30,
                        name_fn: Callable[[tuple[str, ...]], str] | None = None,
                        metadata: Mapping[str, str] | None = None, overwrite: bool = False,
-                       coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S
-                       ) -> list[str]:
+                       coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S,
+                       select: str | None = None) -> list[str]:
   """Writes ``tree`` as safetensors in the Hugging Face layout, committed atomically.
 
   Every process of a multi-process job calls it with its part of the same
@@ -98,6 +98,9 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
       ``{"format": "pt"}``, which ``transformers`` loaders require).
     overwrite: replace an existing ``path`` (only after the new one is complete).
     coordination_timeout_seconds: how long a process waits for the others.
+    select: write only a part of ``tree``, named as ``init_from`` names it:
+      ``"params"``, ``"params/decoder"``, several joined by ``,``
+      (``"params,batch_stats"``); a TrainState's fields are its keys.
 
   Returns:
     The file names written, in order.
@@ -116,6 +119,8 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
     (2, 3)
   """
   name_fn = name_fn or _default_name
+  if select:
+    tree = _tree.pick(tree, select)
   flat = _tree.flatten(tree)
   entries: list[tuple[str, tuple[int, ...], np.dtype]] = []
   values: list[Any] = []
@@ -123,7 +128,7 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
   seen: dict[str, str] = {}
   for p, leaf in flat:
     where = _tree.path_str(p)
-    kind = "lazy" if _is_lazy(leaf) else _tree.leaf_kind(leaf)
+    kind = "lazy" if is_lazy(leaf) else _tree.leaf_kind(leaf)
     if kind is None or isinstance(leaf, (str, bytes)):
       problems.append(f"{where}: a {type(leaf).__name__} is not an array")
       continue
@@ -193,7 +198,7 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
     for i, value in enumerate(values):
       f, base = where_of[i]
       shape, out_dtype = entries[i][1], entries[i][2]
-      for box, data in _owned(value, me):
+      for box, data in owned_boxes(value, me):
         fd = fds.get(f)
         if fd is None:
           fd = fds[f] = os.open(os.path.join(tmp, f), os.O_WRONLY)
@@ -218,21 +223,21 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
           json.dump(index, fh, indent=2)
           fh.flush()
           os.fsync(fh.fileno())
-      _commit(tmp, path)
+      commit_dir(tmp, path)
     except OSError as e:
       error = f"{type(e).__name__}: {e}"
   agree("commit", error)
   return names
 
 
-def _is_lazy(leaf: Any) -> bool:
+def is_lazy(leaf: Any) -> bool:
   """An array read on demand (``convert``'s streaming leaves): ``shape``, ``dtype``, ``read()``."""
   return callable(getattr(leaf, "read", None)) and hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 
 
-def _owned(value: Any, me: int):
+def owned_boxes(value: Any, me: int):
   """``(box, host data)`` for the parts of ``value`` this process writes."""
-  if _is_lazy(value):
+  if is_lazy(value):
     if me == 0:
       yield tuple((0, s) for s in value.shape), value.read()
     return
@@ -262,7 +267,7 @@ def _owned(value: Any, me: int):
     yield tuple((0, s) for s in value.shape), value
 
 
-def _commit(tmp: str, path: str) -> None:
+def commit_dir(tmp: str, path: str) -> None:
   """Renames ``tmp`` to ``path``; an existing ``path`` is moved aside first, then removed."""
   parent = os.path.dirname(path)
   old = None

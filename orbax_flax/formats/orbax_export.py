@@ -1,0 +1,288 @@
+"""Writing orbax-checkpoint (0.12.x) checkpoints from a live, possibly sharded, multi-process tree.
+
+:func:`export_orbax` writes the layout orbax-checkpoint's ``StandardCheckpointer``
+and ``CheckpointManager`` restore (read by :mod:`.orbax_checkpoint` too), without
+importing orbax-checkpoint and without gathering the tree:
+
+* ``_METADATA``: each leaf's key path (``key_metadata``: dict keys and
+  attribute names are type 2, sequence indices type 1) and ``value_type``
+  (``jax.Array``, ``np.ndarray``, ``scalar``, ``string``, or ``None`` for an
+  empty node), with ``use_ocdbt: false`` and ``use_zarr3: true``.
+* one zarr3 array per array or numeric scalar leaf, in a directory named by
+  its keys joined with ``.``: chunks are the array's shards (a numpy array or
+  scalar is one chunk), zstd-compressed. Every process writes the chunks of
+  the shards it owns (``replica_id`` 0); process 0 writes the metadata.
+* ``_sharding``: each ``jax.Array``'s sharding (mesh shape, axis names and
+  types, partition spec, device ids) as orbax records it, so a restore without
+  a target places arrays as they were (a restore with a target ignores it).
+* ``_strings.json`` for string leaves, ``_CHECKPOINT_METADATA`` naming the
+  ``StandardCheckpointHandler``, and ``commit_success.txt``.
+
+With ``step`` the directory is a ``CheckpointManager`` run: the item sits in
+``<path>/<step>/<item>`` beside the step's ``_CHECKPOINT_METADATA``. The
+directory is written under a temporary name and renamed into place by process
+0, as our checkpoints are committed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from orbax_flax import _multihost
+from orbax_flax import _tree
+from orbax_flax.formats import safetensors_export
+
+_HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
+_TMP = ".ofx-tmp-export"
+_SEQUENCE, _DICT = 1, 2  # orbax's KeyType
+
+
+def _keys(path: Any) -> list[dict[str, Any]]:
+  return [{"key": _tree.key_part(k), "key_type": _SEQUENCE
+           if isinstance(k, jax.tree_util.SequenceKey) else _DICT} for k in path]
+
+
+def _is_empty(x: Any) -> bool:
+  """An empty node (None, optax.EmptyState(), {}): orbax records it as a ``None`` leaf."""
+  return x is None or (jax.tree_util.tree_structure(x).num_leaves == 0)
+
+
+def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[str, str]]:
+  """``(tree_metadata, arrays (name, value), strings)`` of ``tree``; ValueError for a leaf
+  orbax-checkpoint cannot hold, naming every one."""
+  meta: dict[str, Any] = {}
+  arrays: list[tuple[str, Any]] = []
+  strings: dict[str, str] = {}
+  problems: list[str] = []
+  seen: dict[str, str] = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty)[0]:
+    parts = tuple(_tree.key_part(k) for k in path)
+    where, name = _tree.path_str(parts), ".".join(parts)
+    if not parts:
+      problems.append("<root>: the tree is a single leaf; give a dict, e.g. {'params': params}")
+      continue
+    if name in seen:
+      problems.append(f"{where}: stored as {name!r}, as {seen[name]} is")
+      continue
+    seen[name] = where
+    info: dict[str, Any] = {"skip_deserialize": False}
+    if _is_empty(leaf):
+      info = {"value_type": "None", "skip_deserialize": True}
+    elif safetensors_export.is_lazy(leaf):
+      info["value_type"] = "np.ndarray"
+      arrays.append((name, leaf))
+    elif isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+      problems.append(f"{where}: a PRNG key array; export jax.random.key_data(key) instead")
+      continue
+    elif isinstance(leaf, (jax.Array, np.ndarray)):
+      if not _tree.is_supported_dtype(np.dtype(leaf.dtype)):
+        problems.append(f"{where}: dtype {leaf.dtype} is not a number type")
+        continue
+      info["value_type"] = "jax.Array" if isinstance(leaf, jax.Array) else "np.ndarray"
+      if isinstance(leaf, jax.Array):
+        info["write_shape"] = list(_chunk_shape(leaf))
+      arrays.append((name, leaf))
+    elif isinstance(leaf, str):
+      info["value_type"] = "string"
+      strings[name] = leaf
+    elif isinstance(leaf, (bool, int, float, np.number, np.bool_)):
+      info["value_type"] = "scalar"
+      arrays.append((name, np.asarray(leaf)))
+    else:
+      problems.append(f"{where}: a {type(leaf).__name__} is not an array, number or string")
+      continue
+    meta[str(parts)] = {"key_metadata": _keys(path), "value_metadata": info}
+  if problems:
+    raise ValueError("cannot export these leaves as an orbax-checkpoint:\n  "
+                     + "\n  ".join(problems))
+  return meta, arrays, strings
+
+
+def _chunk_shape(value: Any) -> tuple[int, ...]:
+  """One shard of a sharded array (so each chunk has one writer); the whole array otherwise."""
+  shape = tuple(int(s) for s in value.shape)
+  if isinstance(value, jax.Array) and shape:
+    return tuple(max(int(s), 1) for s in value.sharding.shard_shape(shape))
+  return tuple(max(s, 1) for s in shape)
+
+
+def _spec(directory: str, name: str, value: Any) -> dict[str, Any]:
+  shape = [int(s) for s in value.shape]
+  return {
+      "driver": "zarr3",
+      "kvstore": {"driver": "file", "path": os.path.join(directory, name)},
+      "metadata": {
+          "shape": shape,
+          "data_type": np.dtype(value.dtype).name,
+          "chunk_grid": {"name": "regular",
+                         "configuration": {"chunk_shape": list(_chunk_shape(value))}},
+          "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
+                     {"name": "zstd", "configuration": {"level": 3, "checksum": False}}],
+      },
+      "store_data_equal_to_fill_value": True,
+  }
+
+
+def _sharding_entry(value: Any) -> str | None:
+  """orbax's ``_sharding`` record of an array's sharding (what a restore without a target
+  places it on), or None where orbax has no record for it."""
+  sharding = getattr(value, "sharding", None)
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    mesh = sharding.mesh
+    return json.dumps({
+        "sharding_type": "NamedSharding", "shape": [int(s) for s in mesh.devices.shape],
+        "axis_names": list(mesh.axis_names),
+        "axis_types": [f"AxisType.{t.name}" for t in mesh.axis_types],
+        "partition_spec": [list(p) if isinstance(p, tuple) else p for p in sharding.spec],
+        "device_mesh": {"mesh": np.vectorize(lambda d: {"id": int(d.id)}, otypes=[object])(
+            mesh.devices).tolist()}})
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    (device,) = sharding.device_set
+    return json.dumps({"sharding_type": "SingleDeviceSharding",
+                       "device_str": f"{device.platform}:{device.id}"})
+  return None
+
+
+def _write_json(path: str, value: Any) -> None:
+  with open(path, "w", encoding="utf-8") as fh:
+    json.dump(value, fh)
+    fh.flush()
+    os.fsync(fh.fileno())
+
+
+def _step_metadata(handlers: Any) -> dict[str, Any]:
+  now = time.time_ns()
+  return {"item_handlers": handlers, "metrics": {}, "performance_metrics": {},
+          "init_timestamp_nsecs": now, "commit_timestamp_nsecs": now, "custom_metadata": {}}
+
+
+def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "default",
+                 overwrite: bool = False,
+                 coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S,
+                 select: str | None = None) -> str:
+  """Writes ``tree`` as an orbax-checkpoint checkpoint, each process its own shards.
+
+  ``orbax.checkpoint.StandardCheckpointer().restore(path, target)`` restores it
+  (``step=None``), or ``CheckpointManager(path).restore(step,
+  args=StandardRestore(target))`` (with ``step``), onto any mesh the target
+  names. Every process of a multi-process job calls it with its part of the
+  same tree; nothing is gathered on one host. The layout is in
+  ``docs/interop.md``.
+
+  Args:
+    path: the item directory to create (``step=None``), or the run directory
+      of a ``CheckpointManager`` to add ``step`` to (local; shared by all
+      processes).
+    tree: a pytree of ``jax.Array``, numpy arrays, numbers and strings (not a
+      single leaf); a Linen box is kept as orbax keeps it (``.../value``).
+    step: write ``<path>/<step>/<item>``, a step of a ``CheckpointManager``.
+    item: the item's name in the step (``default`` is what a
+      ``CheckpointManager`` without item names restores).
+    overwrite: replace what is there (only after the new one is complete).
+    coordination_timeout_seconds: how long a process waits for the others.
+    select: write only a part of ``tree``, named as ``init_from`` names it:
+      ``"params"``, several joined by ``,`` (``"params,batch_stats"``); a
+      TrainState's fields are its keys.
+
+  Returns:
+    The directory written (the item's, or the step's).
+
+  Raises:
+    ValueError: a leaf orbax cannot hold (PRNG keys: export their key data),
+      two leaves with one stored name, or the directory exists without
+      ``overwrite``; raised before anything is written.
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile, os, json
+    >>> d = os.path.join(tempfile.mkdtemp(), "exported")
+    >>> _ = ofx.export_orbax(d, {"params": {"w": np.ones((2, 3), np.float32)}, "step": 7})
+    >>> sorted(json.load(open(os.path.join(d, "_METADATA")))["tree_metadata"])
+    ["('params', 'w')", "('step',)"]
+  """
+  if select:
+    tree = _tree.pick(tree, select)
+  meta, arrays, strings = _leaf_plan(tree)
+  if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+    raise ValueError(f"step={step!r}; give a step number >= 0, or None for a lone item")
+  if not item or "/" in item or item in (".", ".."):
+    raise ValueError(f"item={item!r}; give a plain directory name such as 'default'")
+  path = os.path.abspath(path)
+  final = path if step is None else os.path.join(path, str(step))
+  if os.path.exists(final) and not overwrite:
+    raise ValueError(f"{final} exists; pass overwrite=True to replace it (the old one stays"
+                     " until the new one is complete)")
+  tmp = final + _TMP
+  item_dir = tmp if step is None else os.path.join(tmp, item)
+  key = _multihost.namespace("export-orbax", final, coordination_timeout_seconds)
+  me = _multihost.process_index()
+
+  def agree(stage: str, error: str) -> None:
+    results = _multihost.all_gather(f"{key}/{stage}", error, coordination_timeout_seconds,
+                                    what=f"finish export stage {stage!r}")
+    failed = [f"process {i}: {e}" for i, e in enumerate(results) if e]
+    if failed:
+      raise RuntimeError(f"export to {final} failed ({stage}); nothing was committed:\n  "
+                         + "\n  ".join(failed))
+
+  context = ts.Context()
+  error = ""
+  if me == 0:  # the layout: every array's metadata, then every process writes its chunks
+    try:
+      shutil.rmtree(tmp, ignore_errors=True)
+      os.makedirs(item_dir)
+      futures = [ts.open(_spec(item_dir, n, v), create=True, context=context) for n, v in arrays]
+      for f in futures:
+        f.result()
+    except (OSError, ValueError) as e:
+      error = f"{type(e).__name__}: {e}"
+  agree("layout", error)
+  error = ""
+  try:
+    for name, value in arrays:
+      owned = list(safetensors_export.owned_boxes(value, me))
+      if not owned:
+        continue
+      store = ts.open(_spec(item_dir, name, value), open=True, context=context).result()
+      for box, data in owned:
+        view = store[tuple(slice(lo, hi) for lo, hi in box)] if box else store
+        view.write(np.asarray(data)).result()
+        del data  # one array's part in memory at a time
+  except (OSError, ValueError) as e:
+    error = f"{type(e).__name__}: {e}"
+  agree("write", error)
+  error = ""
+  if me == 0:
+    try:
+      _write_json(os.path.join(item_dir, "_METADATA"), {
+          "tree_metadata": meta, "use_ocdbt": False, "use_zarr3": True,
+          "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
+      if strings:
+        _write_json(os.path.join(item_dir, "_strings.json"), strings)
+      shardings = {base64.b64encode(n.encode()).decode(): e for n, v in arrays
+                   if (e := _sharding_entry(v)) is not None}
+      if shardings:
+        _write_json(os.path.join(item_dir, "_sharding"), shardings)
+      if step is None:
+        _write_json(os.path.join(tmp, "_CHECKPOINT_METADATA"), _step_metadata(_HANDLER))
+      else:
+        _write_json(os.path.join(tmp, "_CHECKPOINT_METADATA"), _step_metadata({item: _HANDLER}))
+        _write_json(os.path.join(item_dir, "_CHECKPOINT_METADATA"), _step_metadata(_HANDLER))
+        with open(os.path.join(item_dir, "commit_success.txt"), "w", encoding="utf-8") as fh:
+          fh.write("Checkpoint commit was successful.")
+      with open(os.path.join(tmp, "commit_success.txt"), "w", encoding="utf-8") as fh:
+        fh.write("Checkpoint commit was successful.")
+      os.makedirs(os.path.dirname(final), exist_ok=True)
+      safetensors_export.commit_dir(tmp, final)
+    except OSError as e:
+      error = f"{type(e).__name__}: {e}"
+  agree("commit", error)
+  return final

@@ -1,0 +1,156 @@
+"""Moving runs out: ``export_orbax``, ``convert --format orbax`` and selectors.
+
+A checkpoint written by :func:`orbax_flax.export_orbax` is restored by the real
+orbax-checkpoint 0.12.8 (``StandardCheckpointer``, ``CheckpointManager``)
+bitwise onto another mesh; ``convert`` and the ``export_*`` functions take the
+``init_from`` selector so that a model leaves without its optimizer moments,
+keys, data position and config.
+"""
+
+import io
+import json
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax.training import train_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import load_file
+
+import jobs
+import orbax_flax as ofx
+from orbax_flax import cli
+
+
+def _state(mesh):
+  model = nn.Dense(16)
+  params = model.init(jax.random.key(0), jnp.ones((1, 8)))
+  params = jax.device_put(params, NamedSharding(mesh, P()))
+  params["params"]["kernel"] = jax.device_put(params["params"]["kernel"] + 0.5,
+                                              NamedSharding(mesh, P("data", "model")))
+  return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=optax.adam(1e-3))
+
+
+def _same(a, b):
+  leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(leaves_a) == len(leaves_b)
+  for x, y in zip(leaves_a, leaves_b):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.tobytes() == y.tobytes()
+
+
+def _onto(tree, mesh):
+  """orbax's restore target of ``tree``: every array split over the mesh where it divides."""
+  def one(x):
+    if not isinstance(x, jax.Array):
+      return x
+    spec = P("all") if x.ndim and x.shape[0] % mesh.size == 0 else P()
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+  return jax.tree.map(one, tree)
+
+
+def test_export_orbax_restores_bitwise_with_orbax_checkpoint_onto_another_mesh(tmp_path):
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  state = _state(mesh)
+  tree = {"state": state, "bf16": jnp.arange(12, dtype=jnp.bfloat16), "host": np.arange(5),
+          "lr": 0.5, "empty": None}
+  path = ofx.export_orbax(str(tmp_path / "item"), tree)
+  other = jax.make_mesh((4,), ("all",), devices=jax.devices()[4:])
+  target = _onto(tree, other)
+  got = ocp.StandardCheckpointer().restore(path, target)
+  _same(got, tree)
+  assert got["state"].params["params"]["kernel"].sharding == target["state"].params["params"]["kernel"].sharding
+  assert got["state"].params["params"]["kernel"].sharding.mesh == other
+  # A CheckpointManager run: the step is found, its "default" item restores.
+  run = str(tmp_path / "run")
+  ofx.export_orbax(run, tree, step=1000)
+  with ocp.CheckpointManager(run) as mgr:
+    assert mgr.all_steps() == [1000]
+    _same(mgr.restore(1000, args=ocp.args.StandardRestore(target)), tree)
+  # orbax without a target places arrays as they were (the _sharding file).
+  with pytest.warns(UserWarning, match="from sharding file"):  # orbax's own note
+    whole = ocp.PyTreeCheckpointer().restore(path)
+  assert whole["state"]["params"]["params"]["kernel"].sharding.spec == P("data", "model")
+  # Strings, and our own reader, read it too.
+  named = ofx.export_orbax(str(tmp_path / "named"), {"w": np.ones(2), "name": "gpt"})
+  assert ocp.PyTreeCheckpointer().restore(named)["name"] == "gpt"
+  np.testing.assert_array_equal(ofx.restore(path)["default"]["host"], np.arange(5))
+
+
+def test_export_orbax_refuses_what_orbax_cannot_hold_before_writing(tmp_path):
+  d = str(tmp_path / "x")
+  with pytest.raises(ValueError, match=r"key: a PRNG key array; export jax.random.key_data"):
+    ofx.export_orbax(d, {"key": jax.random.key(0), "w": np.ones(2)})
+  with pytest.raises(ValueError, match="single leaf"):
+    ofx.export_orbax(d, np.ones(2))
+  assert not os.path.exists(d) and not os.listdir(tmp_path)
+  ofx.export_orbax(d, {"w": np.ones(2)})
+  with pytest.raises(ValueError, match="exists; pass overwrite=True"):
+    ofx.export_orbax(d, {"w": np.zeros(2)})
+  ofx.export_orbax(d, {"w": np.zeros(2)}, overwrite=True)
+  np.testing.assert_array_equal(ocp.PyTreeCheckpointer().restore(d)["w"], np.zeros(2))
+
+
+def test_export_orbax_from_two_processes_each_writing_its_shards(tmp_path):
+  d = str(tmp_path / "exported")
+  jobs.run("interop_worker.py", ["--mode=export_orbax", f"--path={d}"], 2, 4).check()
+  import interop_worker  # pylint: disable=g-import-not-at-top
+  values = interop_worker.expected_state()
+  mesh = jax.make_mesh((8,), ("all",))
+  target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(
+      mesh, P("all") if v.shape[0] % 8 == 0 else P())) for k, v in values.items()}, "step": 0}
+  got = ocp.StandardCheckpointer().restore(d, target)
+  # Process 1's shards are not addressable on process 0: they are there only if it wrote them.
+  for name, value in values.items():
+    np.testing.assert_array_equal(np.asarray(got["params"][name]), value, err_msg=name)
+  assert got["step"] == 7
+
+
+def test_convert_takes_a_selector_and_writes_orbax(tmp_path):
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  state = _state(mesh)
+  run = str(tmp_path / "run")
+  with ofx.CheckpointCallback(run, ofx.CheckpointPolicy(save_interval_steps=1)) as ckpt:
+    ckpt.on_step_end(1, ckpt.restore_or_init(state))
+  step = os.path.join(run, "checkpoints", "1")
+  # Only the params: no optimizer moments, no step.
+  out = str(tmp_path / "st")
+  buf = io.StringIO()
+  assert cli.main(["convert", f"{step}:params", out, "--format", "safetensors"], out=buf) == 0
+  tensors = load_file(os.path.join(out, "model.safetensors"))
+  assert sorted(tensors) == ["params.bias", "params.kernel"]
+  np.testing.assert_array_equal(tensors["params.kernel"], np.asarray(state.params["params"]["kernel"]))
+  # To orbax-checkpoint, the params: StandardCheckpointer restores them bitwise.
+  out = str(tmp_path / "ocp")
+  assert cli.main(["convert", f"{step}:params", out, "--format", "orbax"], out=buf) == 0
+  target = _onto(jax.device_get(state.params), jax.make_mesh((8,), ("all",)))
+  _same(ocp.StandardCheckpointer().restore(out, target), state.params)
+  meta = json.load(open(os.path.join(out, "_METADATA"), encoding="utf-8"))
+  assert sorted(meta["tree_metadata"]) == ["('params', 'bias')", "('params', 'kernel')"]
+  # Several selections, and one that names nothing.
+  both = str(tmp_path / "both")
+  ofx.convert(f"{step}:params,opt_state/0/mu", both, format="safetensors")
+  assert sorted(load_file(os.path.join(both, "model.safetensors"))) == [
+      "opt_state.0.mu.params.bias", "opt_state.0.mu.params.kernel", "params.params.bias",
+      "params.params.kernel"]
+  with pytest.raises(ValueError, match=r"no 'paramz'; the keys at '<root>' are \['opt_state'"):
+    ofx.convert(f"{step}:paramz", str(tmp_path / "none"), format="safetensors")
+  assert not os.path.exists(tmp_path / "none")
+
+
+def test_export_functions_take_the_selector(tmp_path):
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  state = _state(mesh)
+  ofx.export_safetensors(str(tmp_path / "st"), state, select="params/params")
+  assert sorted(load_file(str(tmp_path / "st" / "model.safetensors"))) == ["bias", "kernel"]
+  path = ofx.export_orbax(str(tmp_path / "ocp"), state, select="params,step")
+  got = ocp.StandardCheckpointer().restore(
+      path, _onto({"params": state.params, "step": 0}, jax.make_mesh((8,), ("all",))))
+  _same(got["params"], state.params)
+  assert got["step"] == 0
