@@ -26,6 +26,7 @@ from orbax_flax import _planning
 from orbax_flax import errors
 from orbax_flax._location import Location
 from orbax_flax._planning import TMP_MARKER
+from orbax_flax.differential import refs
 
 log = logging.getLogger("orbax_flax")
 
@@ -118,9 +119,27 @@ def _commit_local(plan: _planning.Plan, gen: str, target: Location, data: bytes)
                                        " nothing was overwritten.")
   if _location.exchange(tmp, dst):
     _location.fsync_dir(os.path.dirname(dst))
-    shutil.rmtree(tmp, ignore_errors=True)  # Now holds the old checkpoint.
+    _dispose_replaced(final, tmp)  # tmp now holds the old checkpoint
     return
   _replace_in_place(tmp, dst, gen, data)
+
+
+def _dispose_replaced(final: Location, old: str) -> None:
+  """Removes the checkpoint an overwrite replaced, now at ``old``; unless sibling steps
+  borrow its data (differential saves): then it is kept as retired data,
+  ``<name>.ofx-base-<generation>``, where their references find it (and the manager's
+  sweep removes it once nothing borrows from it)."""
+  gen = refs.generation_of(old)
+  users = refs.borrowers(final, gen) if gen is not None else []
+  if not users:
+    shutil.rmtree(old, ignore_errors=True)
+    return
+  aside = os.path.join(os.path.dirname(final.local_path), refs.retired_name(final.name, gen))
+  os.rename(os.path.join(old, _manifest.MANIFEST_KEY), os.path.join(old, refs.RETIRED_KEY))
+  os.rename(old, aside)
+  _location.fsync_dir(os.path.dirname(aside))
+  log.info("%s overwritten; its previous data stays as %s: step(s) %s borrow from it",
+           final, os.path.basename(aside), ", ".join(users))
 
 
 def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:

@@ -81,3 +81,12 @@ class SaveCancelledError(CheckpointError):
 
 class StorageError(CheckpointError, OSError):
   """The storage backend failed or could not be reached."""
+
+
+class WriterConflictError(CheckpointError, RuntimeError):
+  """Another live job (or manager) writes the directory: a directory of steps has one writer.
+
+  The message names the holder (host, process id, since when). Stop that job,
+  or read the directory without writing (``restore``, ``all_steps``,
+  :func:`orbax_flax.checkpoints_iterator`): readers need no lease.
+  """

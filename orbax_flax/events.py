@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -68,12 +69,20 @@ class SaveEvent:
             for v in [getattr(self, f.name)] if v is not None}
 
 
+KEPT_EVENTS = 1024  # events kept until taken; older ones are dropped
+
+
 class EventLog:
-  """The saves committed since they were last taken, each logged when it commits."""
+  """The saves committed since they were last taken, each logged when it commits.
+
+  At most :data:`KEPT_EVENTS` are kept for a caller that never takes them
+  (:meth:`pop`): the oldest go first, so a run that saves every step for a
+  million steps holds a bounded record.
+  """
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._events: list[SaveEvent] = []
+    self._events: collections.deque[SaveEvent] = collections.deque(maxlen=KEPT_EVENTS)
 
   def committed(self, blocked: SaveEvent, total_s: float, nbytes: int, where: str,
                 schedule: Schedule, stored: Mapping[str, int] | None = None) -> None:
@@ -103,7 +112,8 @@ class EventLog:
     if not self._events:  # the per-step path: no lock
       return []
     with self._lock:
-      events, self._events = self._events, []
+      events = list(self._events)
+      self._events.clear()
     return events
 
 

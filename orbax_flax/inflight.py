@@ -54,6 +54,11 @@ class InFlight:
     current = self._current
     return current[0] if current is not None and not current[1].done() else None
 
+  def started_step(self) -> int | None:
+    """The step of the save started last and not abandoned, whether or not it has ended."""
+    current = self._current
+    return current[0] if current is not None and not current[1].cancelled.is_set() else None
+
   def saving(self, step: int) -> bool:
     """Whether a save of ``step`` was started and not abandoned (it may have ended)."""
     current = self._current

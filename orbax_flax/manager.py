@@ -17,6 +17,7 @@ discovery; nothing else is read until step metadata is needed.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -67,13 +68,17 @@ class CheckpointManager:
       replacing the policy's.
     keep: keep rules composed by hand (``[ofx.KeepLast(3), ...]``), replacing the policy's.
     clock: wall-time source, ``time.time`` by default; tests pass a fake.
-    writes: the :class:`~orbax_flax.registry.Writes` of another manager of this process on
-      the same directory (``other.registry.writes``): their sweeps spare each other's saves.
+
+  A directory has one writer: the first save takes its writer lease
+  (:mod:`orbax_flax.leases`), and a save while another live job or manager
+  holds it raises :class:`~orbax_flax.errors.WriterConflictError` naming it. A
+  manager that only restores and lists (an evaluator's) changes nothing on
+  storage.
   """
 
   def __init__(self, directory: Any, policy: CheckpointPolicy | None = None, *,
                trigger: policy_lib.Trigger | None = None, keep: Any = None,
-               clock: Callable[[], float] = time.time, writes: registry_lib.Writes | None = None):
+               clock: Callable[[], float] = time.time):
     self._dir = Location.parse(directory)
     self.policy = policy if policy is not None else CheckpointPolicy()
     if not isinstance(self.policy, CheckpointPolicy):
@@ -87,13 +92,15 @@ class CheckpointManager:
     self._events = events_lib.EventLog()
     self._closed = False
     self._ckptr = checkpointer_lib.Checkpointer(**self.components.checkpointer)
-    self.registry = registry_lib.StepRegistry(self._dir, writes=writes,
+    self.registry = registry_lib.StepRegistry(self._dir,
                                               deletes=_multihost.process_index() == 0,
                                               pins=self._ckptr.differential.pins)
+    self._commits = 0       # commits recorded: each one's keep decision has its own key
+    self._writer_tries = 0  # attempts to become the directory's writer (their keys)
     self._rollback = rollback_lib.Rollback(self._dir, self.registry, self._key,
                                            self.policy.coordination_timeout_seconds)
     if _multihost.process_count() > 1:  # every process of this job is here: none is writing
-      _multihost.all_gather(f"{self._key}/start", "ready")
+      _multihost.all_gather(f"{self._key}/start", "ready", self.policy.coordination_timeout_seconds)
     self.registry.start()
 
   @property
@@ -194,9 +201,12 @@ class CheckpointManager:
         self.prepare(items)
       return False
     self._prepared = True
+    self._become_writer()  # before anything is written: a second writer is refused here
     if self._inflight.saving(step):
-      log.warning("step %d is being saved already in %s; not saving it again", step, self._dir)
-      return False
+      if not self._rollback.abandons(step):
+        log.warning("step %d is being saved already in %s; not saving it again", step, self._dir)
+        return False
+      self._inflight.finish()  # the abandoned run's save of this step: replaced once it ends
     overwrite = self._rollback.replaces(step, forced=decided in policy_lib.FORCED
                                         and reason != "final")
     if overwrite is None or self._schedule.skips(step, decided, self.inflight_step() is not None):
@@ -211,8 +221,10 @@ class CheckpointManager:
     path, options = self._dir.join(str(step)), dict(custom_metadata=custom, overwrite=overwrite,
                                                     dtype=dtype)
     with self.registry.saving(step):  # a write in progress until _record ends it
-      options["overwrite"] = retention.before_save(  # differential: the base, and room
-          self._ckptr.differential, self._dir, step, self.registry.committed(), overwrite)
+      with self.registry.lock:  # one order with deletions: claim the step, then make room
+        overwrite = self.registry.claim(step) or overwrite  # a pending deletion is called off
+        options["overwrite"] = retention.before_save(  # differential: the base, and room
+            self._ckptr.differential, self._dir, step, self.registry.committed(), overwrite)
       if self.policy.async_save:
         cancellable = decided == "exception" or (  # a second Ctrl-C, a grace period ran out
             decided == "preemption" and self.policy.preemption_grace_seconds > 0)
@@ -239,12 +251,55 @@ class CheckpointManager:
       gone = self._rollback.committed(info, new_run)
       self._events.committed(blocked, time.perf_counter() - start,
                              handle.nbytes if handle is not None else 0,
-                             self.step_path(info.step), self._schedule,
-                             retention.stored_bytes(self._dir.join(str(info.step))))
-      doomed = self.registry.retain(self.components.keep) if not self._rollback.active() else []
+                             self.step_path(info.step), self._schedule, self._stored(info.step))
+      doomed = self._agree_on_retention()
+      self.registry.doom(doomed)
       self.registry.delete(set(doomed) | gone)
     finally:
       self.registry.writes.end(info.step)
+
+  def _stored(self, step: int) -> dict[str, int] | None:
+    """The bytes written and reused by ``step``'s save, read back from its manifest; None
+    (logged) if that read fails: the step committed all the same."""
+    try:
+      return retention.stored_bytes(self._dir.join(str(step)))
+    except (errors.CheckpointError, OSError) as e:
+      log.warning("step %d committed; reading back its stored bytes failed (%s), so its event"
+                  " reports none", step, e)
+      return None
+
+  def _agree_on_retention(self) -> list[int]:
+    """What the keep rules drop after a commit: process 0 decides, every process applies the
+    same decision (rules may read what differs between processes: metrics, clocks)."""
+    n, self._commits = self._commits, self._commits + 1
+    rules = self.components.keep
+    decide = lambda: json.dumps([] if self._rollback.active() else  # noqa: E731
+                                self.registry.retain(rules))
+    if not rules:
+      return []
+    return json.loads(_multihost.decide_per_step(
+        f"{self._key}/retain", n, decide, timeout_s=self.policy.coordination_timeout_seconds))
+
+  def _become_writer(self) -> None:
+    """Makes this job the directory's one writer (process 0 takes the lease; every process
+    learns the outcome), or raises :class:`~orbax_flax.errors.WriterConflictError`."""
+    if self.registry.is_writer:
+      self.registry.become_writer()  # raises if the lease was lost meanwhile
+      return
+    problem = ""
+    if _multihost.process_index() == 0:
+      try:
+        self.registry.become_writer()
+      except errors.WriterConflictError as e:
+        problem = str(e)
+    if _multihost.process_count() > 1:
+      self._writer_tries += 1
+      problem = _multihost.broadcast(f"{self._key}/writer/{self._writer_tries}", problem,
+                                     self.policy.coordination_timeout_seconds)
+      if not problem and _multihost.process_index() != 0:
+        self.registry.become_writer()  # (no lease of its own: process 0 holds the job's)
+    if problem:
+      raise errors.WriterConflictError(problem)
 
   def prepare(self, items: Mapping[str, Any]) -> int:
     """Prepares in the background the staging memory of the first async save of ``items`` (see
@@ -343,7 +398,8 @@ class CheckpointManager:
     with self.registry.reading(step):
       out = self._ckptr.restore(self._dir.join(str(step)), target, **options)
     self._schedule.saved(step)
-    self._rollback.restored(step, self.inflight_step())
+    # The save started last counts as newer even if its commit is not recorded yet.
+    self._rollback.restored(step, self._inflight.started_step())
     return out
 
 

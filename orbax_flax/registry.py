@@ -1,12 +1,26 @@
-"""The steps of one directory as a manager knows them: committed, read, leased, doomed, written.
+"""The one owner of a directory's steps in a process: what exists, and every change to it.
 
 :class:`StepRegistry` holds what :class:`~orbax_flax.CheckpointManager` knows
-about its directory's steps and carries out what follows from it: the
-committed steps and their metadata, the restores reading a step (never deleted
-meanwhile), the deletions retention asks for (deferred while a step is read,
-or while an evaluator's reader lease holds it), and the sweeping of leftovers
-of interrupted saves. :class:`Writes` is the set of steps whose save has
-started and not ended, which sweeps never touch.
+about its directory's steps and is the only code that changes them: commits
+are recorded here, and every decision that moves, retires or deletes a step
+(keep rules, a rollback's abandoned steps, differential references, leftover
+sweeps, the object-store step index) is applied here, in one order, under one
+lock (:attr:`lock`, shared with the checkpointer's differential pins, so that
+choosing a base and deleting it never interleave). The invariant:
+
+  A decision taken earlier (a step doomed by a keep rule or a rollback) is
+  re-checked under the lock when it is carried out: a step that a new save
+  claimed meanwhile (:meth:`claim`) is not deleted, whatever the deleter
+  thread decided before.
+
+The registry changes storage only while its process is the directory's one
+writer (:class:`~orbax_flax.leases.WriterLease`): from the first save on, or
+for the few seconds of a start-up sweep when no writer is there. A manager
+that only restores and lists (an evaluator's) changes nothing. Where steps are
+(committed, deleted, their state on disk) is recorded on storage itself by
+atomic renames (``<step>`` -> ``<step>.ofx-tmp-delete-...``, ``_CHECKPOINT``
+-> ``_RETIRED``): every change is one such step, so a kill at any point leaves
+a state the next writer reads back (see :mod:`orbax_flax.step_dir`).
 
 A step an evaluator holds a reader lease on is not deleted either: the
 deletion follows the protocol of :mod:`orbax_flax.leases`.
@@ -36,12 +50,8 @@ class Writes:
   """The steps whose save has started and not yet ended, under one directory.
 
   Leftover sweeps never touch them (a save below the latest step, after a
-  rollback, looks like debris until it commits). Each manager has its own;
-  managers of one process on one directory share one by passing it
-  (``CheckpointManager(directory, writes=other.registry.writes)``), so that one's
-  sweep spares the other's save. Saves of other processes are not in it:
-  there the rule that only leftovers at or below the latest committed step are
-  swept protects what a training job is writing.
+  rollback, looks like debris until it commits). Saves of other jobs are never
+  swept: only the directory's one writer sweeps (:mod:`orbax_flax.leases`).
   """
 
   def __init__(self):
@@ -66,23 +76,24 @@ class StepRegistry:
 
   Args:
     directory: the manager's directory.
-    writes: the steps being written there (shared between managers of one
-      process on one directory; default: a new one).
-    deletes: whether this process deletes (process 0 of a job); the others
-      only keep their view of the steps.
+    deletes: whether this process deletes (process 0 of a job, which holds the
+      writer lease); the others only keep their view of the steps.
     pins: the generations differential saves in flight reference (the
       checkpointer's :class:`~orbax_flax.differential.differ.Pins`; default none).
   """
 
-  def __init__(self, directory: Location, *, writes: Writes | None = None, deletes: bool = True,
+  def __init__(self, directory: Location, *, deletes: bool = True,
                pins: differ.Pins | None = None):
     self._dir = directory
     self._pins = pins if pins is not None else differ.Pins()
-    self.writes = writes if writes is not None else Writes()
+    self.lock = self._pins.lock  # every change to the steps, and the choice of a base
+    self.writes = Writes()
     self._deletes = deletes
+    self._lease = leases.WriterLease(directory) if deletes else None
+    self._writer = False  # this process writes (process 0: holds the lease)
     self._lock = threading.Lock()
     self._steps: set[int] = set()
-    self._deleting: set[int] = set()  # uncommitted by this manager, deletion pending
+    self._deleting: set[int] = set()  # doomed here, deletion pending (re-checked when done)
     self._reading: dict[int, int] = {}  # steps a restore is reading: never deleted meanwhile
     self._deferred: set[int] = set()    # doomed while being read: deleted once read
     self._leased: set[int] = set()      # doomed, but an evaluator's lease holds them
@@ -94,13 +105,55 @@ class StepRegistry:
 
   def start(self) -> None:
     """At a manager's start, every process of its job there (none writing): reports the
-    leftovers and, where this process deletes, sweeps them."""
+    leftovers and, where this process deletes and no other writer holds the directory,
+    sweeps them and repairs the step index (holding the writer lease for that long)."""
     if self._leftovers:
       log.warning("%s holds %d uncommitted step(s), saves in progress (of another job) or"
                   " interrupted: %s. A save in progress becomes <step> when it commits; a training"
                   " job here removes the interrupted ones (at or below its latest step) itself.",
                   self._dir, len(self._leftovers), ", ".join(l.name for l in self._leftovers[:5]))
-    if self._deletes:
+    if not self._deletes or self._writer:
+      return
+    lease = leases.WriterLease(self._dir, purpose="sweep")
+    try:
+      lease.acquire(wait_s=0)
+    except errors.WriterConflictError:
+      log.info("%s: another job writes here; this manager reads and sweeps nothing until it"
+               " saves", self._dir)
+      return
+    try:
+      self._tidy()
+    finally:
+      lease.release()
+
+  def become_writer(self) -> None:
+    """Makes this process the directory's writer (process 0 takes the writer lease), then
+    sweeps leftovers and repairs the step index from a full listing taken under the lease.
+
+    Raises:
+      WriterConflictError: another live job (or manager) writes the directory.
+    """
+    if self._writer:
+      if self._lease is not None:
+        self._lease.check()
+      return
+    if self._lease is not None:
+      self._lease.acquire()
+      try:
+        self._tidy()
+      except BaseException:
+        self._lease.release()
+        raise
+    self._writer = True
+
+  @property
+  def is_writer(self) -> bool:
+    return self._writer
+
+  def _tidy(self) -> None:
+    """Under a writer lease: the full listing, the sweep, the index made to match."""
+    with self.lock:
+      self.reload(full=True)
       self.sweep()
       step_dir.reindex(self._dir, self.committed())
 
@@ -114,6 +167,7 @@ class StepRegistry:
       self._steps = set(steps) - self._deleting
       self._infos = {s: i for s, i in self._infos.items() if s in self._steps}
       self._leftovers = leftovers
+      self._leased &= self._steps | self._deleting
 
   def committed(self) -> list[int]:
     """Committed steps, ascending."""
@@ -178,11 +232,15 @@ class StepRegistry:
 
   def add(self, info: policy_lib.StepInfo, *, dropping: Iterable[int] = ()) -> None:
     """``info.step`` committed; the steps ``dropping`` are uncommitted at the same moment."""
+    dropping = set(dropping) - {info.step}
     with self._lock:
       self._steps.add(info.step)
+      self._deleting.discard(info.step)
       self._infos[info.step] = info
-      self._steps -= set(dropping)
-      self._deleting |= set(dropping)
+      self._steps -= dropping
+      self._deleting |= dropping
+      for step in dropping:
+        self._infos.pop(step, None)
     if self._deletes and not self._dir.is_local:
       try:
         step_dir.index(self._dir, info.step)
@@ -216,24 +274,47 @@ class StepRegistry:
         self.delete([step])
 
   def retain(self, rules: Sequence[policy_lib.KeepRule]) -> list[int]:
-    """Uncommits the steps no rule keeps (see :func:`orbax_flax.policy.to_delete`); returns them."""
+    """The committed steps no rule keeps (see :func:`orbax_flax.policy.to_delete`): a
+    decision, carried out by :meth:`doom` and :meth:`delete` once the job agrees on it."""
     if not rules:
       return []
     if any(getattr(r, "reads_metadata", True) for r in rules):
       steps = self.infos()
     else:
       steps = [policy_lib.StepInfo(s, 0.0) for s in self.committed()]
-    doomed = policy_lib.to_delete(steps, rules)
+    return policy_lib.to_delete(steps, rules)
+
+  def doom(self, steps: Iterable[int]) -> None:
+    """Uncommits ``steps`` (the job's decision: the same on every process); deleted by
+    :meth:`delete`. A step a save claims meanwhile (:meth:`claim`) is spared."""
+    steps = set(steps)
     with self._lock:
-      self._steps -= set(doomed)
-      self._deleting |= set(doomed)
-    return doomed
+      self._steps -= steps
+      self._deleting |= steps
+      for step in steps:
+        self._infos.pop(step, None)
+
+  def claim(self, step: int) -> bool:
+    """A save of ``step`` starts: a pending deletion of it is called off (the save replaces
+    it). Returns whether storage may hold a checkpoint of ``step`` that the save replaces
+    (committed, or doomed and not yet deleted)."""
+    with self.lock, self._lock:
+      doomed = step in self._deleting
+      self._deleting.discard(step)
+      self._deferred.discard(step)
+      self._leased.discard(step)
+      return doomed
 
   def delete(self, steps: Iterable[int]) -> None:
-    """Deletes ``steps`` (uncommitted already) in the background, with the leased ones
-    left from earlier, and sweeps leftovers; only where this process deletes."""
+    """Deletes ``steps`` (doomed already) in the background, with the leased ones left
+    from earlier, and sweeps leftovers; only where this process deletes.
+
+    Finished deletions are forgotten here (their errors kept for :meth:`wait`), so
+    that a long run holds no record per save.
+    """
     steps = sorted(steps)
-    if self._deletes and (steps or self._leftovers or self._leased):
+    self._deletions = [f for f in self._deletions if not f.done() or f.exception() is not None]
+    if self._deletes and self._writer and (steps or self._leftovers or self._leased):
       self._deletions.append(self._deleter.submit(self._delete, steps))
 
   def _delete(self, steps: list[int]) -> None:
@@ -258,21 +339,26 @@ class StepRegistry:
           self._leased |= set(steps)
         return
       for step in steps:
-        with self._lock:
-          if self._reading.get(step):
-            self._deferred.add(step)  # a restore is reading it: deleted when it is done
-            continue
-          if step in leased:  # an evaluator (checkpoints_iterator) is reading it
-            if step not in self._leased:
-              log.info("step %d: not deleted yet, an evaluator holds a reader lease on it; it is"
-                       " deleted at a later save", step)
-            self._leased.add(step)
-            continue
-          self._leased.discard(step)
-        log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
-        retention.delete_step(self._dir, step, self._pins)  # keeps what is referenced
-        with self._lock:
-          self._deleting.discard(step)
+        with self.lock:  # the decision is re-checked where it is carried out
+          with self._lock:
+            if step not in self._deleting:
+              continue  # a save of this step claimed it since: it replaces the old one
+            if self._reading.get(step):
+              self._deferred.add(step)  # a restore is reading it: deleted when it is done
+              continue
+            if step in leased:  # an evaluator (checkpoints_iterator) is reading it
+              if step not in self._leased:
+                log.info("step %d: not deleted yet, an evaluator holds a reader lease on it; it"
+                         " is deleted at a later save", step)
+              self._leased.add(step)
+              continue
+            self._leased.discard(step)
+          if self._lease is not None:
+            self._lease.check()
+          log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
+          retention.delete_step(self._dir, step, self._pins)  # keeps what is referenced
+          with self._lock:
+            self._deleting.discard(step)
     finally:
       # Deleted (uncommitted) or kept: either way readers may look at it again.
       leases.withdraw_deletion(self._dir, steps)
@@ -289,17 +375,18 @@ class StepRegistry:
     :attr:`writes` are never touched (a save below the latest step, after
     restoring an older one).
     """
-    committed = self.committed()  # before listing: a step committing meanwhile is not debris
-    latest = committed[-1] if committed else None
-    _, leftovers = step_dir.list_steps(self._dir, full=True)
-    writing = self.writes.steps()
-    for l in leftovers:
-      if l.step is None or l.step in writing or latest is None or l.step > latest:
-        continue
-      log.info("removing leftover %s of an interrupted save or delete", l.name)
-      step_dir.remove(self._dir, l.name)
-    retention.sweep(self._dir, self._pins)  # retired bases nothing references
-    _, self._leftovers = step_dir.list_steps(self._dir, full=True)
+    with self.lock:
+      committed = self.committed()  # before listing: a step committing meanwhile is not debris
+      latest = committed[-1] if committed else None
+      _, leftovers = step_dir.list_steps(self._dir, full=True)
+      writing = self.writes.steps()
+      for l in leftovers:
+        if l.step is None or l.step in writing or latest is None or l.step > latest:
+          continue
+        log.info("removing leftover %s of an interrupted save or delete", l.name)
+        step_dir.remove(self._dir, l.name)
+      retention.sweep(self._dir, self._pins)  # retired bases nothing references
+      _, self._leftovers = step_dir.list_steps(self._dir, full=True)
 
   @contextlib.contextmanager
   def saving(self, step: int) -> Iterator[None]:
@@ -328,8 +415,11 @@ class StepRegistry:
       f.result()
 
   def close(self) -> None:
-    """Releases the deleting thread (after the deletions in progress)."""
+    """Releases the deleting thread (after the deletions in progress) and the writer lease."""
     self._deleter.shutdown(wait=True)
+    if self._lease is not None:
+      self._lease.release()
+    self._writer = False
 
 
 def info_from_summary(step: int, summary: restoring.Summary) -> policy_lib.StepInfo:

@@ -67,6 +67,11 @@ class Rollback:
     with self._lock:
       return step in self._registry, step in self._abandoned
 
+  def abandons(self, step: int) -> bool:
+    """Whether ``step`` belongs to the run a rollback abandoned (a save of it replaces it)."""
+    with self._lock:
+      return step in self._abandoned
+
   def replaces(self, step: int, *, forced: bool) -> bool | None:
     """Whether a save of ``step`` replaces a committed one (one of the abandoned run, or any if
     ``forced``); None: ``step`` is committed and is not saved again (logged)."""
@@ -99,13 +104,20 @@ class Rollback:
     return self._timeline
 
   def restored(self, step: int, inflight: int | None) -> None:
-    """``step`` was restored, ``inflight`` is being saved: a rollback if newer steps exist."""
+    """``step`` was restored, ``inflight`` was the last save started (ended or not, its
+    commit perhaps not recorded yet): a rollback if newer steps exist."""
     with self._lock:
       newer = {s for s in self._registry.committed() if s > step}
-      if newer and inflight is not None and inflight > step:
+      if inflight is not None and inflight > step:
         newer.add(inflight)  # a save of the abandoned run still in flight belongs to it too
-      if newer:
-        self.to, self._abandoned = step, newer
+      cancelled = not newer and self.to is not None
+      # The last restore decides: a restore of the latest step calls off an earlier rollback
+      # (looking at an old step, then resuming the newest, abandons nothing).
+      self.to, self._abandoned = (step, newer) if newer else (None, set())
+    if cancelled:
+      self._timeline = None  # the latest step's again (read when next asked)
+      log.info("restored step %d, the latest of %s: the earlier rollback is called off, no"
+               " step is abandoned", step, self._dir)
     if not newer:
       return
     self._count += 1

@@ -9,11 +9,14 @@ On an object store a listing names every key of every step (tensorstore lists
 without a delimiter: thousands of data files a step on a large job), so the
 steps are also indexed: an empty key ``<directory>/_steps/<step>``, written by
 the manager after the step commits (:func:`index`) and deleted before the step
-is uncommitted (:func:`delete_step`). :func:`list_steps` lists the index alone,
-a few hundred bytes a step; it falls back to the whole listing where the index
-is empty (a directory written before the index, or by hand). A crash between
-the commit and the index write leaves a committed step out of the index until
-the manager's next start-up (:func:`reindex`), like a hand-made step.
+is uncommitted (:func:`delete_step`). :func:`list_steps` lists the index and
+checks that each entry's manifest exists (one small read a step: an entry
+whose step has no ``_CHECKPOINT`` is not a step); it falls back to the whole
+listing where the index is empty (a directory written before the index, or by
+hand). A crash between the commit and the index write leaves a committed step
+out of the index until the directory's writer next starts (:func:`reindex`,
+run only under the writer lease, from a listing taken under it), like a
+hand-made step.
 """
 
 from __future__ import annotations
@@ -68,8 +71,9 @@ def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Le
     return sorted(steps), sorted(leftovers, key=lambda l: l.name)
   if not full:
     indexed = sorted(int(k) for k in _location.list_keys(loc.join(INDEX)) if _is_step(k))
-    if indexed:
-      return indexed, []
+    if indexed:  # an entry is a step only while its manifest exists (one small read each)
+      return [s for s in indexed if _location.read_key(
+          loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None], []
   keys = _location.list_keys(loc)
   committed, prefixes = set(), set()
   for k in keys:
@@ -119,14 +123,26 @@ def remove(loc: Location, name: str) -> None:
   since the listing) is left alone.
   """
   if loc.is_local:
-    shutil.rmtree(os.path.join(loc.local_path, name), ignore_errors=True)
+    remove_local(os.path.join(loc.local_path, name))
   elif _location.read_key(loc.join(name.rstrip("/")), _manifest.MANIFEST_KEY,
                           max_bytes=1) is None:
     _location.delete_prefix(loc, name)
 
 
+def remove_local(path: str) -> None:
+  """Removes a local directory, or only the link if ``path`` is a symlink: nothing is ever
+  deleted through a link (it may lead out of the directory of steps)."""
+  if os.path.islink(path):
+    try:
+      os.unlink(path)
+    except FileNotFoundError:
+      pass
+    return
+  shutil.rmtree(path, ignore_errors=True)
+
+
 def delete_step(loc: Location, step: int) -> None:
-  """Uncommits ``step`` atomically first, then removes its data."""
+  """Uncommits ``step`` atomically first, then removes its data (a linked step: the link)."""
   name = str(step)
   if loc.is_local:
     doomed = f"{name}{TMP_MARKER}delete-{uuid.uuid4().hex[:8]}"
@@ -136,7 +152,7 @@ def delete_step(loc: Location, step: int) -> None:
       return
     except OSError as e:
       raise _location.storage_error(loc, f"deleting step {step}", e) from e
-    shutil.rmtree(os.path.join(loc.local_path, doomed), ignore_errors=True)
+    remove_local(os.path.join(loc.local_path, doomed))
     return
   _location.delete_key(loc.join(INDEX), name)  # out of the index first: listed means committed
   _location.delete_key(loc.join(name), _manifest.MANIFEST_KEY)

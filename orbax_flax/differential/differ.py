@@ -103,7 +103,7 @@ class Differ:
     if self.me == 0:
       self.token = self._pick()
       if self.nproc > 1:
-        _multihost.publish(f"{key}/diff-base", self.token)
+        _multihost.publish(f"{key}/diff-base", self.token, timeout_s=timeout_s)
     else:
       self.token = _multihost.fetch(f"{key}/diff-base", timeout_s, missing=[0],
                                     waiting_for="process 0 to choose the differential base")
@@ -116,8 +116,10 @@ class Differ:
       try:
         summary = restoring.read_summary(base)  # (its bases checked by the decoder)
         gens = {summary.generation} | {b.generation for b in summary.bases}
+        for b in summary.bases:  # what the base borrows must still be there to borrow again
+          refs.locate_step(base, b.dir, b.generation)
       except (errors.CheckpointError, errors.StorageError, OSError, ValueError) as e:
-        log.warning("differential save to %s: base %s cannot be read (%s); saving in full",
+        log.warning("differential save to %s: base %s cannot be used (%s); saving in full",
                     self.loc, base, e)
         return ""
       self.pins.add(gens, self.alive)
@@ -228,11 +230,12 @@ class Differ:
     return {"homes": self.homes, "chunks": self.chunks, "packed": self.packed,
             "written": self.written, "reused": self.reused}
 
-  def publish(self, key: str, error: BaseException | None) -> None:
+  def publish(self, key: str, error: BaseException | None, timeout_s: float) -> None:
     """Hands this process's decisions to process 0 (multi-process saves, before the status)."""
     if self.me != 0 and error is None:
       raw = zlib.compress(json.dumps(self.results()).encode(), 1)
-      _multihost.publish(f"{key}/diff/{self.me}", base64.b64encode(raw).decode())
+      _multihost.publish(f"{key}/diff/{self.me}", base64.b64encode(raw).decode(),
+                         timeout_s=timeout_s)
 
   def complete(self, manifest: dict[str, Any], key: str, timeout_s: float) -> dict[str, Any]:
     """``manifest`` with every process's hashes and references (process 0, at the commit)."""
@@ -283,8 +286,8 @@ class _Full:
   def select(self, pieces: Sequence[Any]) -> Sequence[Any]:
     return pieces
 
-  def publish(self, key: str, error: BaseException | None) -> None:
-    del key, error
+  def publish(self, key: str, error: BaseException | None, timeout_s: float) -> None:
+    del key, error, timeout_s
 
   def complete(self, manifest: dict[str, Any], key: str, timeout_s: float) -> dict[str, Any]:
     del key, timeout_s

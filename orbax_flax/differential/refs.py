@@ -32,6 +32,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from orbax_flax import _manifest
 from orbax_flax import _records_decode
 from orbax_flax import errors
 from orbax_flax._location import Location
@@ -46,6 +47,7 @@ RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: retired data moved asi
 OWNER_STRIDE = _records_decode.OWNER_STRIDE  # expanded owners: home * it + process
 _DIR = _records_decode.BASE_DIR
 _GEN = re.compile(r"^[0-9a-f]{16}$")
+MAX_SUMMARY_BYTES = 16 << 20  # a summary longer than this is not read to find a generation
 
 
 def retired_name(directory: str, generation: str) -> str:
@@ -87,18 +89,73 @@ def locate_step(loc: Location, directory: str, generation: str) -> Location:
       " another step.")
 
 
-def holds_generation(path: str, generation: str) -> bool:
-  """True if the local checkpoint directory ``path`` is of ``generation`` (its data or manifest).
-
-  A quick look to find a directory, not a check: its manifest is decoded and verified next.
-  """
-  for key in ("_CHECKPOINT", RETIRED_KEY):
+def summary_of(path: str) -> Any:
+  """The decoded, verified summary of the local checkpoint data in ``path``: of its
+  ``_CHECKPOINT`` manifest or, retired, its ``_RETIRED`` one; None if neither decodes."""
+  for key in (_manifest.MANIFEST_KEY, RETIRED_KEY):
     try:
       with open(os.path.join(path, key), "rb") as f:
-        if f'"generation":"{generation}"'.encode() in f.read(1 << 16):
-          return True
-    except OSError:
-      pass
+        data = f.read(_manifest.SUMMARY_READ_BYTES)
+        summary = _manifest.decode_summary(data, os.path.join(path, key))
+        if summary is None:  # a long summary: read as far as its header says, then all
+          extent = _manifest.summary_extent(data)
+          f.seek(0)
+          data = f.read(extent if extent is not None else MAX_SUMMARY_BYTES)
+          summary = _manifest.decode_summary(data, os.path.join(path, key))
+    except (OSError, errors.CheckpointError):
+      continue
+    if summary is not None:
+      return summary
+  return None
+
+
+def generation_of(path: str) -> str | None:
+  """The generation of the local checkpoint data in ``path`` (the decoded ``generation``
+  field of its manifest, :func:`summary_of`); None if missing or damaged.
+
+  Example:
+    >>> import tempfile
+    >>> generation_of(tempfile.mkdtemp()) is None
+    True
+  """
+  summary = summary_of(path)
+  return None if summary is None else summary.generation
+
+
+def borrowers(loc: Location, generation: str) -> list[str]:
+  """The committed sibling steps of the local checkpoint ``loc`` whose manifests borrow
+  data of ``generation`` (decoded ``bases``), by name.
+
+  Example:
+    >>> import tempfile
+    >>> borrowers(Location.parse(tempfile.mkdtemp() + "/3"), "0123456789abcdef")
+    []
+  """
+  root = os.path.dirname(loc.local_path)
+  try:
+    names = sorted(n for n in os.listdir(root) if n.isascii() and n.isdigit() and n != loc.name)
+  except OSError:
+    return []
+  out = []
+  for name in names:
+    summary = summary_of(os.path.join(root, name))
+    if summary is not None and os.path.exists(os.path.join(root, name, _manifest.MANIFEST_KEY)) \
+        and any(b.generation == generation for b in summary.bases):
+      out.append(name)
+  return out
+
+
+def holds_generation(path: str, generation: str) -> bool:
+  """True if the local checkpoint directory ``path`` holds the data of ``generation``.
+
+  Decided by the decoded ``generation`` field of its manifest (never by text
+  found in it: a manifest also names the generations it borrows from). Only
+  when no manifest decodes (damaged) do its database names
+  (``<item>/p<i>-<generation>``) decide.
+  """
+  found = generation_of(path)
+  if found is not None:
+    return found == generation
   try:
     return any(d.endswith(f"-{generation}") for item in os.scandir(path) if item.is_dir()
                for d in os.listdir(item.path))

@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 from orbax_flax import _location
-from orbax_flax import _manifest
 from orbax_flax import _multihost
 from orbax_flax import errors
 from orbax_flax import restoring
@@ -63,17 +61,6 @@ def referenced(root: Location, exclude: int | None = None) -> set[str] | None:
   return gens
 
 
-def _generation(path: str, key: str) -> str | None:
-  """The generation of the manifest ``key`` (``_CHECKPOINT``, ``_RETIRED``) in ``path``, or None."""
-  try:
-    with open(os.path.join(path, key), "rb") as f:
-      data = f.read(1 << 20)
-    summary = _manifest.decode_summary(data, os.path.join(path, key))
-  except (errors.CheckpointError, OSError):
-    return None
-  return None if summary is None else summary.generation
-
-
 def delete_step(root: Location, step: int, pins: differ.Pins) -> None:
   """Deletes ``step``, or retires it if a committed step or a save in flight references it."""
   if not root.is_local:
@@ -82,7 +69,8 @@ def delete_step(root: Location, step: int, pins: differ.Pins) -> None:
   with pins.lock:
     keep = referenced(root, exclude=step)
     path = os.path.join(root.local_path, str(step))
-    gen = _generation(path, "_CHECKPOINT")
+    gen = refs.generation_of(path) if not os.path.exists(
+        os.path.join(path, refs.RETIRED_KEY)) else None
     if keep is not None:
       keep |= pins.live()
       if gen is None:  # damaged or gone: keep it only if it holds data something uses
@@ -97,7 +85,23 @@ def delete_step(root: Location, step: int, pins: differ.Pins) -> None:
 
 
 def _retire(root: Location, step: int) -> None:
+  """Retires ``step`` in place (its manifest renamed ``_RETIRED``); a step that is a link
+  (to a checkpoint outside the directory) is never changed through it: the link itself
+  moves aside to ``<step>.ofx-base-<generation>``, where references find it."""
   path = os.path.join(root.local_path, str(step))
+  if os.path.islink(path):
+    gen = refs.generation_of(path)
+    try:
+      if gen is None:
+        os.unlink(path)
+      else:
+        os.rename(path, os.path.join(root.local_path, refs.retired_name(str(step), gen)))
+      _location.fsync_dir(root.local_path)
+    except FileNotFoundError:
+      return
+    except OSError as e:
+      raise _location.storage_error(root, f"retiring the linked step {step}", e) from e
+    return
   try:
     os.rename(os.path.join(path, "_CHECKPOINT"), os.path.join(path, refs.RETIRED_KEY))
     _location.fsync_dir(path)
@@ -131,11 +135,15 @@ def make_room(root: Location, step: int, pins: differ.Pins) -> bool:
       if _multihost.process_index() != 0:
         return False  # process 0 decides (and retires); the others' plans accept either outcome
       keep = referenced(root, exclude=step)
-      gen = _generation(path, "_CHECKPOINT")
+      gen = refs.generation_of(path)
       if gen is None or (keep is not None and gen not in keep | pins.live()):
         return False  # nothing references it: the save replaces it as before
       _retire(root, step)
-    gen = _generation(path, refs.RETIRED_KEY)
+      if not os.path.lexists(path):
+        return True  # a link, moved aside whole
+    if not os.path.exists(os.path.join(path, refs.RETIRED_KEY)):
+      return False
+    gen = refs.generation_of(path)
     if gen is None:
       return False
     aside = os.path.join(root.local_path, refs.retired_name(str(step), gen))
@@ -171,14 +179,14 @@ def sweep(root: Location, pins: differ.Pins) -> list[str]:
     keep |= pins.live()
     for name, gen in retired.items():
       path = os.path.join(root.local_path, name)
-      gen = gen or _generation(path, refs.RETIRED_KEY)
+      gen = gen or refs.generation_of(path)
       if gen in keep or (gen is None and any(refs.holds_generation(path, g) for g in keep)):
         continue  # (unreadable: kept while it holds data of a generation something uses)
       log.info("removing %s: retired data no step references any more", name)
       if name.isdigit():
         step_dir.delete_step(root, int(name))
       else:
-        shutil.rmtree(path, ignore_errors=True)
+        step_dir.remove_local(path)
       removed.append(name)
   return removed
 

@@ -1,0 +1,268 @@
+"""A model of what a CheckpointManager promises, driven through random sequences of operations.
+
+The promise (``docs/guarantees.md``, promise 2): whatever the order of valid
+operations, every step the manager lists restores bitwise to what was last
+saved under it, the newest save that returned is listed, and with keep-all
+retention no step is lost that was not abandoned by a rollback.
+
+Operations: saves (a fresh step, partial changes so that differential saves
+borrow), forced re-saves of a listed step, rollbacks (restore an older step,
+then save), restores of the latest step (calling a rollback off), bursts of
+those without waiting in between (commits, deletions and the next save
+interleave), restarts with other keep rules and async/blocking, a second
+manager reading beside the writer, and a writer killed mid-save (SIGKILL of a
+real process). ``differential`` on and off, on a local directory and on S3.
+
+A few dozen sequences per case run in CI; ``ORBAX_FLAX_FAULTS=long`` runs
+thousands (the counts are in ``docs/guarantees.md``).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import hypothesis
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine
+from hypothesis.stateful import initialize
+from hypothesis.stateful import invariant
+from hypothesis.stateful import precondition
+from hypothesis.stateful import rule
+
+import orbax_flax as ofx
+
+LONG = os.environ.get("ORBAX_FLAX_FAULTS") == "long"
+PARTS = 4
+FROZEN = np.random.default_rng(0).standard_normal((PARTS, 128, 512)).astype(np.float32)
+
+
+def _items(tag: int, changed: float) -> dict:
+  """A state of four 256 KiB arrays, the first ``changed`` fraction of which carry ``tag``;
+  the others are the same in every save (a differential save borrows them)."""
+  parts = {f"p{i}": FROZEN[i] + (tag if i < round(changed * PARTS) else 0) for i in range(PARTS)}
+  return {"state": {**parts, "b": np.full(16, tag, np.float32), "step": tag}}
+
+
+def _equal(got: dict, want: dict) -> bool:
+  g, w = got["state"], want["state"]
+  return set(g) == set(w) and all(np.array_equal(np.asarray(g[k]), np.asarray(w[k])) for k in w)
+
+
+_KILL_WORKER = r"""
+import sys, numpy as np, orbax_flax as ofx
+d, step, tag = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+frozen = np.random.default_rng(0).standard_normal((4, 128, 512)).astype(np.float32)
+parts = {f"p{i}": frozen[i] + (tag if i < 2 else 0) for i in range(4)}
+m = ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=sys.argv[4] == "1"))
+print("READY", flush=True)
+m.save(step, {"state": {**parts, "b": np.full(16, tag, np.float32), "step": tag}}, force=True)
+m.wait()
+print("SAVED", flush=True)
+"""
+
+
+class ManagerModel(RuleBasedStateMachine):
+  """The model is ``saved``: step -> the tag and change fraction last saved under it."""
+
+  directory = ""       # set per case by make_machine
+  differential = False
+  kills = True
+
+  def __init__(self):
+    super().__init__()
+    self.saved: dict[int, tuple[int, float]] = {}
+    self.rolled_to: int | None = None  # a rollback waiting for this run's first commit
+    self.keep: int | None = None
+    self.async_save = True
+    self.tag = 0
+    self.last_saved: int | None = None
+    self.last_started: int | None = None
+    self.dir = None
+    self.mngr = None
+
+  @initialize(async_save=st.booleans())
+  def start(self, async_save):
+    self.dir = self.directory + f"/{time.monotonic_ns()}"
+    self.async_save = async_save
+    self._open()
+
+  def _open(self):
+    self.writing = False
+    self.mngr = ofx.CheckpointManager(self.dir, ofx.CheckpointPolicy(
+        max_to_keep=self.keep or 0, differential=self.differential, async_save=self.async_save))
+
+  def _next_tag(self) -> int:
+    self.tag += 1
+    return self.tag
+
+  def _commit(self, step: int, tag: int, changed: float) -> None:
+    """The model's side of a save that returned: what it replaces or abandons."""
+    if self.rolled_to is not None:
+      for s in [s for s in self.saved if s > self.rolled_to and s != step]:
+        del self.saved[s]
+      self.rolled_to = None
+    self.saved[step] = (tag, changed)
+    self.last_saved = step
+    self._apply_keep()
+
+  def _apply_keep(self):
+    if self.keep is not None:  # max_to_keep: the newest ones stay
+      for s in sorted(self.saved)[:-self.keep]:
+        del self.saved[s]
+
+  def _save(self, step: int, changed: float, force: bool) -> None:
+    tag = self._next_tag()
+    if not self.mngr.save(step, _items(tag, changed), force=force):
+      # Documented: a step whose save is still in flight is not saved again.
+      assert step == self.last_started, (step, self.last_started)
+      return
+    self.last_started = step
+    self.writing = True
+    self._commit(step, tag, changed)
+
+  def _new_step(self) -> int:
+    return (max(self.saved) if self.saved else 0) + 1
+
+  # ------------------------------------------------------------------ operations
+
+  @rule(changed=st.sampled_from([0.0, 0.25, 1.0]))
+  def save(self, changed):
+    self._save(self._new_step(), changed, force=True)
+
+  @precondition(lambda self: self.saved)
+  @rule(data=st.data(), changed=st.sampled_from([0.0, 0.5]))
+  def force_resave(self, data, changed):
+    step = data.draw(st.sampled_from(sorted(self.saved)))
+    if self.rolled_to is not None and step > self.rolled_to:
+      step = self.rolled_to  # (re-saving an abandoned step is a save of the new run)
+    self._save(step, changed, force=True)
+
+  @precondition(lambda self: len(self.saved) >= 2)
+  @rule(data=st.data(), then_save=st.booleans())
+  def rollback(self, data, then_save):
+    step = data.draw(st.sampled_from(sorted(self.saved)[:-1]))
+    tag, changed = self.saved[step]
+    assert _equal(self.mngr.restore(step), _items(tag, changed))
+    self.rolled_to = step
+    if then_save:  # the run goes on from there: the step after it, right away
+      self._save(step + 1, 0.25, force=True)
+
+  @precondition(lambda self: self.saved)
+  @rule()
+  def restore_latest(self):
+    latest = max(self.saved)
+    tag, changed = self.saved[latest]
+    assert _equal(self.mngr.restore(), _items(tag, changed))
+    self.rolled_to = None  # the newest resumed: an earlier rollback is called off
+
+  @rule(ops=st.lists(st.sampled_from(["save", "force", "rollback", "latest"]), min_size=2,
+                     max_size=4))
+  def burst(self, ops):
+    """Several operations without waiting in between: commits, the deleter and the next save
+    interleave."""
+    for op in ops:
+      if op == "save" or not self.saved:
+        self._save(self._new_step(), 0.25, force=True)
+      elif op == "force":
+        step = max(self.saved) if self.rolled_to is None else self.rolled_to
+        self._save(step, 0.0, force=True)
+      elif op == "rollback" and len(self.saved) >= 2:
+        step = sorted(self.saved)[-2]
+        self.mngr.restore(step)
+        self.rolled_to = step
+        self._save(step + 1, 0.25, force=True)
+      elif op == "latest":
+        self.mngr.restore()
+        self.rolled_to = None
+
+  @rule(keep=st.sampled_from([None, 2, 3]), async_save=st.booleans())
+  def restart(self, keep, async_save):
+    self.mngr.close()
+    self.keep, self.async_save = keep, async_save
+    self.rolled_to = None  # a restore of the old run is not a rollback of the new one
+    self._open()
+
+  @rule()
+  def reader_beside_the_writer(self):
+    """A second manager on the directory (an evaluator's): it lists, restores, and changes
+    nothing, and its save is refused while the writer lives."""
+    reader = ofx.CheckpointManager(self.dir)
+    try:
+      steps = reader.all_steps()
+      if steps:
+        reader.restore(steps[0])
+      if self.writing:  # this manager has saved since it opened: it holds the writer lease
+        with pytest.raises(ofx.WriterConflictError, match="writer already"):
+          reader.save(10**6, _items(0, 0.0), force=True)
+    finally:
+      reader.close()
+
+  @precondition(lambda self: self.kills)
+  @rule(delay=st.floats(0.0, 1.5))
+  def killed_writer(self, delay):
+    """The writer is another process, SIGKILLed mid-save; this job then restarts."""
+    self.mngr.close()
+    step, tag = self._new_step(), self._next_tag()
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_WORKER, self.dir, str(step), str(tag),
+                             "1" if self.differential else "0"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "READY"
+    time.sleep(delay)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    self.rolled_to = None
+    self._open()
+    if step in self.mngr.all_steps():  # it committed before the kill
+      self.saved[step] = (tag, 0.5)
+      self.last_saved = step
+      self._apply_keep()
+
+  # ------------------------------------------------------------------ the promise
+
+  @invariant()
+  def every_listed_step_restores_as_saved(self):
+    if self.mngr is None:
+      return
+    self.mngr.wait()
+    listed = self.mngr.all_steps()
+    assert set(listed) <= set(self.saved), (listed, sorted(self.saved))
+    if self.last_saved is not None and self.last_saved in self.saved:
+      assert self.last_saved in listed, (self.last_saved, listed)
+    if self.keep is None:  # keep-all: nothing but a rollback's abandoned steps goes
+      assert listed == sorted(self.saved), (listed, sorted(self.saved))
+    for step in listed:
+      tag, changed = self.saved[step]
+      got = ofx.restore(self.mngr.step_path(step))
+      assert _equal(got, _items(tag, changed)), step
+
+  def teardown(self):
+    if self.mngr is not None:
+      self.mngr.close()
+
+
+def _run(directory: str, differential: bool, examples: int, kills: bool) -> None:
+  machine = type("Case", (ManagerModel,), {"directory": directory, "differential": differential,
+                                           "kills": kills})
+  hypothesis.stateful.run_state_machine_as_test(machine, settings=hypothesis.settings(
+      max_examples=examples, stateful_step_count=12 if not LONG else 25, deadline=None,
+      suppress_health_check=list(hypothesis.HealthCheck), derandomize=not LONG,
+      database=None))
+
+
+@pytest.mark.parametrize("differential", [False, True])
+def test_model_local(tmp_path, differential):
+  _run(str(tmp_path), differential, 2000 if LONG else 25, kills=LONG)
+
+
+def test_model_local_with_kills(tmp_path):
+  """A writer SIGKILLed mid-save, differential on: a few sequences (each kill starts a process)."""
+  _run(str(tmp_path), True, 400 if LONG else 4, kills=True)
+
+
+def test_model_s3(s3_server):
+  bucket = s3_server.new_bucket()
+  _run(s3_server.url(bucket, "run"), False, 500 if LONG else 8, kills=False)
