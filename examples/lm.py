@@ -1,7 +1,7 @@
 """A small decoder-only transformer language model, its data and its sharding.
 
 Everything here is deterministic: the synthetic corpus is a function of
-(seed, batch index), dropout draws from a key carried in the train state, so a
+(seed, record index), dropout draws from a key carried in the train state, so a
 run that is stopped and resumed ends bitwise where an uninterrupted one does.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import flax.linen as nn
+import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +18,8 @@ import optax
 from flax.training import train_state
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+from orbax_flax.data import ElasticIterator
 
 
 class Block(nn.Module):
@@ -125,48 +128,52 @@ def make_train_step(mesh: jax.sharding.Mesh, state: TrainState):
                  out_shardings=(state_sharding, replicated), donate_argnums=0)
 
 
-class SyntheticText:
-  """An endless, resumable stream of token batches from a fixed random bigram chain.
+def corpus(config) -> grain.MapDataset:
+  """The synthetic corpus, as a grain ``MapDataset``: record ``i`` is ``{"id": i, "tokens": ...}``.
 
-  ``get_state()`` / ``set_state()`` hold the index of the next batch; the
-  batch is a pure function of (seed, index), so every process computes the same
-  global batch and any process count resumes at the same place; it says so with
-  ``checkpoint_state_is_global``, so a resume may change the process count.
+  The tokens follow a fixed random bigram chain (each token has a few likely
+  successors: learnable structure) and are a pure function of (seed, i), so
+  any process reads any record. 2**40 records: endless for any run here.
   """
+  rng = np.random.default_rng(config.seed + 7)
+  logits = rng.standard_normal((config.vocab_size, config.vocab_size)) * 3.0
+  cumulative = np.cumsum(np.exp(logits) / np.exp(logits).sum(1, keepdims=True), axis=1)
+  length, last = config.seq_len + 1, config.vocab_size - 1
 
-  checkpoint_state_is_global = True
+  def record(i: int) -> dict[str, Any]:
+    r = np.random.default_rng([config.seed, i])
+    tokens = np.empty(length, np.int32)
+    tokens[0] = r.integers(0, config.vocab_size)
+    u = r.random(length)
+    for t in range(1, length):
+      tokens[t] = min(np.searchsorted(cumulative[tokens[t - 1]], u[t]), last)
+    return {"id": i, "tokens": tokens}
 
-  def __init__(self, config, mesh: jax.sharding.Mesh):
-    self.batch_size, self.seq_len, self.vocab = config.batch_size, config.seq_len + 1, config.vocab_size
-    self.seed = config.seed
-    rng = np.random.default_rng(config.seed + 7)
-    # Each token has a few likely successors: learnable structure.
-    logits = rng.standard_normal((self.vocab, self.vocab)) * 3.0
-    self.transitions = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
-    self.cumulative = np.cumsum(self.transitions, axis=1)
-    self.sharding = NamedSharding(mesh, P("data", None))
-    self.index = 0
+  return grain.MapDataset.range(2**40).map(record)
 
-  def get_state(self) -> dict[str, int]:
-    return {"next_index": self.index}
 
-  def set_state(self, state: dict[str, int]) -> None:
-    self.index = int(state["next_index"])
+def text_batches(config, mesh: jax.sharding.Mesh, ledger=None) -> ElasticIterator:
+  """The corpus read through ``orbax_flax.data.ElasticIterator``: global token batches.
 
-  def host_batch(self, index: int) -> np.ndarray:
-    rng = np.random.default_rng([self.seed, index])
-    tokens = np.empty((self.batch_size, self.seq_len), np.int32)
-    tokens[:, 0] = rng.integers(0, self.vocab, self.batch_size)
-    u = rng.random((self.batch_size, self.seq_len))
-    for t in range(1, self.seq_len):
-      cum = self.cumulative[tokens[:, t - 1]]
-      tokens[:, t] = np.minimum((cum < u[:, t:t + 1]).sum(1), self.vocab - 1)
-    return tokens
+  Each process reads its share of every global batch (``batch_size //
+  process_count`` records, grain's prefetch threads) and puts it on its own
+  devices' rows of the ``("data", None)``-sharded batch. The iterator's
+  position is checkpointed with every step and resumes exactly on any process
+  count: every record is trained on once. ``ledger(ids)``, if given, is told
+  the ids of this process's records of each batch.
+  """
+  n = jax.process_count()
+  if config.batch_size % n:
+    raise ValueError(f"batch_size={config.batch_size} must be a multiple of the {n} processes:"
+                     " each process puts an equal share of the batch on its devices")
+  sharding = NamedSharding(mesh, P("data", None))
+  shape = (config.batch_size, config.seq_len + 1)
 
-  def __iter__(self):
-    return self
+  def to_global(records):  # grain's batch_fn: this process's records -> its rows of the batch
+    if ledger is not None:
+      ledger([r["id"] for r in records])
+    local = np.stack([r["tokens"] for r in records])
+    return jax.make_array_from_process_local_data(sharding, local, shape)
 
-  def __next__(self) -> jax.Array:
-    batch = self.host_batch(self.index)
-    self.index += 1
-    return jax.make_array_from_callback(batch.shape, self.sharding, lambda idx: batch[idx])
+  return ElasticIterator(corpus(config), config.batch_size, batch_fn=to_global,
+                         read_options=grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))

@@ -25,6 +25,7 @@ import hashlib
 import logging
 import os
 import sys
+import time
 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -64,6 +65,52 @@ def metric_writer(workdir: str):
   return ofx.TensorBoardWriter(os.path.join(workdir, "tensorboard"))
 
 
+class RecordLedger:
+  """The ids of the records each step trained on, for the record check at the end of a run.
+
+  Every process appends ``<run> <step> <ids...>`` lines to
+  ``<workdir>/records/p<process>.txt``; ``<run>`` is the same on every process
+  of a run. A step trained again after a resume counts from its latest run.
+  """
+
+  def __init__(self, workdir: str):
+    import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    self.directory = os.path.join(workdir, "records")
+    os.makedirs(self.directory, exist_ok=True)
+    self.run = int(multihost_utils.broadcast_one_to_all(np.int64(time.time_ns())))
+    self.step = 0
+    self.file = open(os.path.join(self.directory, f"p{jax.process_index()}.txt"), "a")
+
+  def start(self, step: int) -> None:
+    self.step = step  # the next batch is for step + 1
+
+  def __call__(self, ids) -> None:
+    self.step += 1
+    self.file.write(f"{self.run} {self.step} {' '.join(map(str, ids))}\n")
+    self.file.flush()
+
+  def check(self, last_step: int, batch_size: int) -> str:
+    """Whether steps 1..last_step trained records 0..last_step x batch_size - 1, each once."""
+    steps: dict[int, dict[int, list[int]]] = {}
+    for name in sorted(os.listdir(self.directory)):
+      with open(os.path.join(self.directory, name)) as f:
+        for line in f:
+          run, step, *ids = map(int, line.split())
+          if step <= last_step:
+            steps.setdefault(step, {}).setdefault(run, []).extend(ids)
+    ids = [i for step in sorted(steps) for i in steps[step][max(steps[step])]]
+    runs = len({max(runs) for runs in steps.values()})
+    want = last_step * batch_size
+    if sorted(steps) == list(range(1, last_step + 1)) and sorted(ids) == list(range(want)):
+      return (f"RECORDS steps 1-{last_step} ({runs} run(s)): {want} records, ids 0-{want - 1},"
+              " each trained on exactly once")
+    twice = len(ids) - len(set(ids))
+    return (f"RECORDS CHECK FAILED steps 1-{last_step}: {len(ids)} records, {twice} repeated,"
+            f" {len(set(range(want)) - set(ids))} of ids 0-{want - 1} missing")
+
+
 def train_and_evaluate(config, workdir: str) -> int:
   """Trains (resuming from ``workdir`` if it can); returns the process's exit status.
 
@@ -80,7 +127,8 @@ def train_and_evaluate(config, workdir: str) -> int:
                jax.device_count(), dict(mesh.shape))
   writer = metric_writer(workdir)
   state = lm.create_state(config, mesh)
-  data = lm.SyntheticText(config, mesh)
+  ledger = RecordLedger(workdir)
+  data = lm.text_batches(config, mesh, ledger)  # ofx.data.ElasticIterator: resumes on any count
   ckpt = ofx.CheckpointCallback(workdir, config.checkpoint, writer=writer,
                                 metadata={"config": config.to_dict()})
 
@@ -88,6 +136,7 @@ def train_and_evaluate(config, workdir: str) -> int:
     """Logs a fingerprint of the restored params (to compare with the saving run)."""
 
     def on_train_start(self, state, data):
+      ledger.start(ckpt.restored_step or 0)
       if ckpt.restored_step is not None:
         logging.info("RESTORED step %d; params %s", ckpt.restored_step, params_digest(state.params))
       return state
@@ -101,6 +150,9 @@ def train_and_evaluate(config, workdir: str) -> int:
       writer.close()
   step = int(state.step)
   digest = params_digest(state.params)
+  data.close()
+  if jax.process_index() == 0:
+    logging.info("%s", ledger.check(step, config.batch_size))
   if ckpt.preempted:
     logging.info("PREEMPTED at step %d; params %s; restart to resume", step, digest)
     return ofx.PREEMPTED_EXIT_CODE  # not 0: a scheduler must restart the job

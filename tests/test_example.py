@@ -122,6 +122,10 @@ def test_resume_on_other_device_and_process_counts(tmp_path):
   (_, digest20), = done(out)
   out = run(tmp_path, 30, n=4, devices=2, extra=tiered)              # 4 processes x 2 devices
   assert set(restored(out)) == {("20", digest20)}
+  # The data followed: ofx.data.ElasticIterator, resumed on 2 -> 1 -> 4 processes, trained on
+  # every record exactly once (the example's ledger of record ids, checked on process 0).
+  assert "RECORDS steps 1-30 (3 run(s)): 240 records, ids 0-239, each trained on exactly once" \
+      in out, out[-3000:]
   for i in range(4):
     assert re.search(rf"\[{i}\] .*local tier: written by a job of another process count", out), i
   assert len(set(done(out))) == 1 and done(out)[0][0] == "30"
