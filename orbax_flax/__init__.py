@@ -28,6 +28,7 @@ _EXPORTS = {
     "CheckpointFormatError": "orbax_flax.errors",
     "CheckpointNotFoundError": "orbax_flax.errors",
     "SaveCancelledError": "orbax_flax.errors",
+    "WriterConflictError": "orbax_flax.errors",
     "StorageError": "orbax_flax.errors",
     "TreeMismatchError": "orbax_flax.errors",
     "UnsupportedLeafError": "orbax_flax.errors",
@@ -63,6 +64,7 @@ _EXPORTS = {
     "convert": "orbax_flax.converting",
     "export_safetensors": "orbax_flax.formats.safetensors_export",
     "export_orbax": "orbax_flax.formats.orbax_export",
+    "Prefetched": "orbax_flax.prefetching",
     "PREEMPTED_EXIT_CODE": "orbax_flax.launch",
 }
 
@@ -70,8 +72,8 @@ __all__ = [
     "ArrayMetadata", "AsyncSave", "Callback", "CheckpointCallback", "CheckpointCorruptedError",
     "CheckpointError", "CheckpointManager", "Checkpointer", "CheckpointPolicy", "LogProgress", "Trainer",
     "CheckpointExistsError", "CheckpointFormatError", "CheckpointMetadata", "CheckpointNotFoundError",
-    "ItemMetadata", "SaveCancelledError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
-    "TensorBoardWriter", "abstract", "checkpoints_iterator", "convert", "export_orbax", "export_safetensors", "metadata", "restore", "save",
+    "ItemMetadata", "SaveCancelledError", "WriterConflictError", "StorageError", "TreeMismatchError", "UnsupportedLeafError",
+    "TensorBoardWriter", "abstract", "checkpoints_iterator", "convert", "export_orbax", "export_safetensors", "Prefetched", "metadata", "restore", "save",
     "save_async", "transforms", "verify", "data",
     "SaveEvent", "EveryNSteps", "EveryNSeconds", "OnSteps", "FirstStep", "YoungDaly", "any_of",
     "KeepLast",
