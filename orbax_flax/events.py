@@ -69,7 +69,7 @@ class SaveEvent:
             for v in [getattr(self, f.name)] if v is not None}
 
 
-KEPT_EVENTS = 1024  # events kept until taken; older ones are dropped
+KEPT_EVENTS = 32  # events kept until taken (pop_events); older ones are dropped
 
 
 class EventLog:
