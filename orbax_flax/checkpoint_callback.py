@@ -254,40 +254,17 @@ class CheckpointCallback(callbacks.Callback):
     return False
 
   def _check_step(self, state: Any, metrics: Any) -> None:
-    """What a save would refuse, refused at the step it is first seen, not at the first save.
-
-    The state's leaves are checked once (at the first step, unless
-    :meth:`restore_or_init` did); the metrics at every step that passes them
-    (their shapes and dtypes only: no device value is fetched). The policy's
-    ``best_metric`` is looked for whenever the set of metric names changes:
-    absent while a reported name is close to it (a typo), it raises with "did
-    you mean"; absent with nothing close, a WARNING says so once (eval metrics
-    reported only on eval steps are legitimate).
-    """
+    """What a save would refuse, refused at the step it is first seen, not at the first save:
+    the state's leaves once (unless :meth:`restore_or_init` did), the metrics at every step
+    that passes them (see :func:`orbax_flax.policy.check_step_metrics`)."""
     if not self._state_checked:
       state_items.check(state)
       self._state_checked = True
-    if metrics is None:
-      return
-    policy_lib.check_metrics(metrics)
-    names = frozenset(metrics)
-    if not self.policy.best_metric or names == self._metric_names:
-      return
-    first = self._metric_names is None
-    self._metric_names = names
-    problem = policy_lib.missing_metric(self.policy.best_metric, sorted(map(str, names)))
-    if problem is None:
-      return
-    what = (f"keep_best={self.policy.keep_best} ranks the saved steps by it" if self.policy.keep_best
-            else "best_step() ranks the saved steps by it")
-    if "did you mean" in problem:
-      raise ValueError(f"{problem} {what}; a step saved without it ranks last, so keep_best"
-                       " would keep the newest steps instead of the best. Set"
-                       " checkpoint.best_metric to the name the loop reports, or report it.")
-    if first:
-      log.warning("%s: %s, and steps saved without it rank last (keep_best then keeps the newest)."
-                  " Fine if the loop reports it only on some steps (e.g. eval steps); otherwise"
-                  " set checkpoint.best_metric to a name the loop reports.", problem, what)
+    if metrics is not None:
+      self._metric_names, warning = policy_lib.check_step_metrics(
+          metrics, self.policy.best_metric, self._metric_names)
+      if warning:
+        log.warning("%s", warning)
 
   def _save_preemption(self, step: int, state: Any, metrics: Any, data_state: Any,
                        data_s: float) -> None:

@@ -377,3 +377,48 @@ def missing_metric(metric: str, reported: Sequence[str]) -> str | None:
   close = difflib.get_close_matches(metric, names, n=1, cutoff=0.6)
   return (f"best_metric={metric!r} is not among the metrics reported ({', '.join(names)})"
           + (f"; did you mean {close[0]!r}?" if close else ""))
+
+
+def check_step_metrics(metrics: object, best_metric: str, seen: frozenset | None
+                       ) -> tuple[frozenset | None, str | None]:
+  """One step's metrics, checked for what a save records and what the policy ranks by.
+
+  The values are checked by :func:`check_metrics` (shapes and dtypes only).
+  ``best_metric`` is looked for whenever the set of names differs from
+  ``seen`` (the names last checked; None before the first step with metrics):
+  absent while a reported name is close to it (a typo), it raises; absent with
+  nothing close, a warning is returned the first time (eval metrics reported
+  only on eval steps are legitimate).
+
+  Returns:
+    ``(the names now seen, a warning to log or None)``.
+
+  Raises:
+    TypeError: a metric that is not a scalar number.
+    ValueError: ``best_metric`` is not reported and a reported name is close to it.
+
+  Example:
+    >>> check_step_metrics({"loss": 1.0}, "eval_accuracy", None)[1][:40]
+    "best_metric='eval_accuracy' is not among"
+    >>> check_step_metrics({"loss": 1.0, "eval_accuracy": 0.5}, "eval_acc", None)
+    Traceback (most recent call last):
+    ...
+    ValueError: best_metric='eval_acc' is not among the metrics reported (eval_accuracy, loss); did you mean 'eval_accuracy'? ...
+  """
+  check_metrics(metrics)
+  names = frozenset(metrics)  # type: ignore[arg-type]
+  if not best_metric or names == seen:
+    return seen, None
+  problem = missing_metric(best_metric, sorted(map(str, names)))
+  if problem is None:
+    return names, None
+  if "did you mean" in problem:
+    raise ValueError(f"{problem} keep_best and best_step() rank the saved steps by it, and a step"
+                     " saved without it ranks last: keep_best would keep the newest steps instead"
+                     " of the best. Set checkpoint.best_metric to the name the loop reports, or"
+                     " report it.")
+  warning = None if seen is not None else (
+      f"{problem}: keep_best and best_step() rank the saved steps by it, and steps saved without"
+      " it rank last (keep_best then keeps the newest). Fine if the loop reports it only on some"
+      " steps (e.g. eval steps); otherwise set checkpoint.best_metric to a name the loop reports.")
+  return names, warning

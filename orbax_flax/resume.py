@@ -13,7 +13,7 @@ runs at the start of every run, in this order:
 3. nothing committed: a run of another library found in the workdir (an
    orbax-checkpoint ``CheckpointManager`` directory, or flax's legacy
    ``checkpoint_<N>`` checkpoints) is continued, the whole state restored from
-   its newest step (see :class:`PreviousRun`); else the policy's ``init_from``
+   its newest step (see :mod:`orbax_flax.workdir`); else the policy's ``init_from``
    (fine-tuning: see :mod:`orbax_flax.init_from`), else the fresh state as it
    is. A run never starts fresh silently beside checkpoints it could have
    continued: a workdir that is itself a run's checkpoints directory, or an
@@ -33,8 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
@@ -42,8 +41,6 @@ import numpy as np
 from orbax_flax import _matching
 from orbax_flax import _multihost
 from orbax_flax import _progress
-from orbax_flax import _location
-from orbax_flax import _manifest
 from orbax_flax import _tree
 from orbax_flax import checkpointer
 from orbax_flax import errors
@@ -51,10 +48,9 @@ from orbax_flax import init_from
 from orbax_flax import restoring
 from orbax_flax import state_items
 from orbax_flax import targets
+from orbax_flax import workdir as workdir_lib
 from orbax_flax._location import Location
-from orbax_flax import step_dir
 from orbax_flax.config import CheckpointPolicy
-from orbax_flax.formats import orbax_checkpoint
 from orbax_flax.manager import CheckpointManager
 from orbax_flax.tiers.local import LocalTier
 
@@ -243,14 +239,14 @@ class Resume:
       TreeMismatchError: the state does not match the checkpoint.
     """
     steps = self._manager.all_steps()
-    _refuse_foreign_steps(self._manager.directory, steps)
+    workdir_lib.refuse_foreign_steps(self._manager.directory, steps)
     if self._local is not None:
       resumed = self._restore_local(state, data, steps[-1] if steps else None)
       if resumed[1] is not None:
         return resumed
     if not steps:
-      previous = None if self._workdir is None else PreviousRun.find(self._workdir,
-                                                                     self._manager.directory)
+      previous = None if self._workdir is None else workdir_lib.PreviousRun.find(
+          self._workdir, self._manager.directory)
       if self._policy.init_from:
         if previous is not None:
           log.warning("%s; init_from=%r is set, so this run starts from that instead",
@@ -362,7 +358,7 @@ class Resume:
                   self._manager.directory)
     return state_items.from_items(state, items)
 
-  def _continue(self, previous: PreviousRun, state: Any,
+  def _continue(self, previous: workdir_lib.PreviousRun, state: Any,
                 data: DataPosition | None) -> tuple[Any, int]:
     """Continues another library's run: its newest step, the whole state, onto this mesh."""
     if state_items.kind(state) == "nnx":
@@ -398,137 +394,6 @@ class Resume:
                   " iterator starts where it is", step)
       return
     data.set(step, saved)
-
-
-class PreviousRun(NamedTuple):
-  """A run of another library found where a new orbax_flax run starts.
-
-  ``kind`` is ``"orbax-checkpoint"`` (a ``CheckpointManager`` directory of
-  numbered steps) or ``"flax"`` (``flax.training.checkpoints``' legacy
-  ``checkpoint_<N>``: an orbax pytree directory, or a msgpack file that
-  orbax_flax does not read).
-
-  Example:
-    >>> import tempfile
-    >>> PreviousRun.find(tempfile.mkdtemp(), "/nonexistent/checkpoints") is None
-    True
-  """
-  kind: str
-  directory: str   # the directory that holds the steps
-  steps: tuple[int, ...]
-  path: str        # the newest step's checkpoint
-
-  @property
-  def step(self) -> int:
-    return self.steps[-1]
-
-  @classmethod
-  def find(cls, workdir: str, directory: str) -> PreviousRun | None:
-    """The other library's run in ``workdir``, ``workdir/checkpoints`` or ``directory``, if any.
-
-    Raises:
-      ValueError: ``workdir`` is itself an orbax_flax checkpoints directory (a
-        run's ``<workdir>/checkpoints`` passed as the workdir).
-    """
-    loc = Location.parse(workdir)
-    if not loc.is_local:
-      _refuse_checkpoints_dir(loc, directory)
-      return None
-    seen = []
-    for candidate in (loc.local_path, os.path.join(loc.local_path, "checkpoints"), directory):
-      if candidate in seen or not os.path.isdir(candidate):
-        continue
-      seen.append(candidate)
-      ocp = orbax_checkpoint.steps(Location.parse(candidate))
-      if ocp:
-        return cls("orbax-checkpoint", candidate, tuple(ocp),
-                   os.path.join(candidate, str(ocp[-1])))
-      legacy = orbax_checkpoint.legacy_steps(Location.parse(candidate))
-      if legacy:
-        return cls("flax", candidate, tuple(s for s, _ in legacy),
-                   os.path.join(candidate, legacy[-1][1]))
-    _refuse_checkpoints_dir(loc, directory)
-    return None
-
-  def description(self) -> str:
-    what = ("an orbax-checkpoint run" if self.kind == "orbax-checkpoint"
-            else "flax.training.checkpoints checkpoints")
-    return (f"{self.directory} holds {what} (step(s) {_steps_text(self.steps)}), and nothing"
-            " of orbax_flax's")
-
-  def item(self) -> str:
-    """The item of the newest step that holds the training state.
-
-    Raises:
-      CheckpointFormatError: a flax msgpack file, which orbax_flax does not read.
-      TreeMismatchError: a step of several items, none of them ``default`` or ``state``.
-    """
-    if os.path.isfile(self.path):
-      raise self.refusal("its newest step is a flax msgpack file, which orbax_flax does not"
-                         " read; restore it with flax.training.checkpoints.restore_checkpoint"
-                         " and save that state with ofx.save(..., {'state': state})",
-                         errors.CheckpointFormatError)
-    names = sorted(orbax_checkpoint.open_checkpoint(Location.parse(self.path)).items)
-    item = names[0] if len(names) == 1 else next(
-        (n for n in ("default", "state") if n in names), None)
-    if item is None:
-      raise self.refusal(f"its steps hold the items {names}, and none is 'default' or 'state',"
-                         " so the one holding the training state is not known")
-    return item
-
-  def refusal(self, problem: str, kind: type = errors.TreeMismatchError) -> Exception:
-    """The error that refuses to continue this run, with the lines to write instead."""
-    text = (f"{self.description()}; it cannot be continued as this job's state: {problem}.\n"
-            f"Start from its params instead with --config.checkpoint.init_from={self.path}"
-            f" (CheckpointPolicy(init_from={self.path!r}); add :<item>/<sub/tree> to name"
-            " another part), or move it away to start from scratch.")
-    return kind(text, []) if kind is errors.TreeMismatchError else kind(text)
-
-
-def _refuse_checkpoints_dir(workdir: Location, directory: str) -> None:
-  """Raises if ``workdir`` itself holds orbax_flax steps: a run's checkpoints directory."""
-  if Location.parse(directory) == workdir:
-    return
-  try:
-    steps, _ = step_dir.list_steps(workdir)
-  except (NotADirectoryError, errors.StorageError):
-    return
-  ours = [s for s in steps if _location.read_key(workdir.join(str(s)), _manifest.MANIFEST_KEY,
-                                                  max_bytes=1) is not None]
-  if ours:
-    parent = os.path.dirname(str(workdir).rstrip("/"))
-    raise ValueError(
-        f"workdir={str(workdir)!r} holds orbax_flax checkpoints itself (step(s)"
-        f" {_steps_text(ours)}): it is a run's checkpoints directory, and this run would look for"
-        f" its steps in {directory}, find none and start from scratch. Pass the run's workdir,"
-        f" {parent!r} (--workdir={parent}), to resume step {ours[-1]}; or, to keep the steps"
-        f" where they are, set the policy's directory={str(workdir)!r}"
-        f" (--config.checkpoint.directory={workdir}).")
-
-
-def _refuse_foreign_steps(directory: str, steps: list[int]) -> None:
-  """Raises if every step listed in ``directory`` is an orbax-checkpoint step, none ours."""
-  loc = Location.parse(directory)
-  if not steps or not loc.is_local or set(orbax_checkpoint.steps(loc)) != set(steps):
-    return
-  if any(_location.read_key(loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None
-         for s in steps):
-    return
-  elsewhere = os.path.join(os.path.dirname(directory.rstrip("/")), "checkpoints_orbax_flax")
-  raise errors.CheckpointExistsError(
-      f"{directory} holds an orbax-checkpoint run (step(s) {_steps_text(steps)}), and orbax_flax"
-      " would write its own steps among that library's. Give this run's checkpoints a directory"
-      f" of their own with --config.checkpoint.directory={elsewhere}"
-      f" (CheckpointPolicy(directory={elsewhere!r})): the run then continues the orbax-checkpoint"
-      f" run from step {steps[-1]} (the whole state), and leaves its steps as they are. To take"
-      " only its params instead:"
-      f" --config.checkpoint.init_from={os.path.join(directory, str(steps[-1]))}.")
-
-
-def _steps_text(steps: Any) -> str:
-  steps = list(steps)
-  return ", ".join(map(str, steps)) if len(steps) <= 6 else (
-      f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-2:]))}")
 
 
 _STOPPED = "stopped: "  # a resume vote: this process raised (not damage that falls back)
