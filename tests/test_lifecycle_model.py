@@ -38,11 +38,11 @@ import orbax_flax as ofx
 
 LONG = os.environ.get("ORBAX_FLAX_FAULTS") == "long"
 PARTS = 4
-FROZEN = np.random.default_rng(0).standard_normal((PARTS, 128, 512)).astype(np.float32)
+FROZEN = np.random.default_rng(0).standard_normal((PARTS, 256, 1280)).astype(np.float32)
 
 
 def _items(tag: int, changed: float) -> dict:
-  """A state of four 256 KiB arrays, the first ``changed`` fraction of which carry ``tag``;
+  """A state of four 1.25 MiB (chunked) arrays, the first ``changed`` fraction of which carry ``tag``;
   the others are the same in every save (a differential save borrows them)."""
   parts = {f"p{i}": FROZEN[i] + (tag if i < round(changed * PARTS) else 0) for i in range(PARTS)}
   return {"state": {**parts, "b": np.full(16, tag, np.float32), "step": tag}}
@@ -56,7 +56,7 @@ def _equal(got: dict, want: dict) -> bool:
 _KILL_WORKER = r"""
 import sys, numpy as np, orbax_flax as ofx
 d, step, tag = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-frozen = np.random.default_rng(0).standard_normal((4, 128, 512)).astype(np.float32)
+frozen = np.random.default_rng(0).standard_normal((4, 256, 1280)).astype(np.float32)
 parts = {f"p{i}": frozen[i] + (tag if i < 2 else 0) for i in range(4)}
 m = ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=sys.argv[4] == "1"))
 print("READY", flush=True)

@@ -1,0 +1,207 @@
+"""Regression tests of a step's life: rollback, retention, references, sweeps, a second manager.
+
+Each one reproduces a defect of ``../shared/repros/r4`` (named in its docstring)
+through the public API; each failed on the code before the registry became the
+one owner of a directory's steps (``orbax_flax/registry.py``).
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import jobs
+import orbax_flax as ofx
+from orbax_flax import leases
+
+FROZEN = np.random.default_rng(0).standard_normal((4, 256, 1280)).astype(np.float32)
+
+
+def items(tag, changed=1):
+  """Four 1.25 MiB (chunked, not packed) arrays, the first ``changed`` of which carry ``tag`` (the rest borrowable)."""
+  return {"state": {**{f"p{i}": FROZEN[i] + (tag if i < changed else 0) for i in range(4)},
+                    "b": np.full(8, tag, np.float32)}}
+
+
+def restores_as(path, want):
+  got = ofx.restore(path)["state"]
+  return all(np.array_equal(np.asarray(got[k]), v) for k, v in want["state"].items())
+
+
+def test_a_restore_of_the_latest_step_calls_off_an_earlier_rollback(tmp_path):
+  """rollback_not_cancelled: restore(1), restore(3) (the newest), save(4) kept 2 and 3."""
+  with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(async_save=False)) as m:
+    for s in (1, 2, 3):
+      m.save(s, items(s), force=True)
+    m.restore(1)
+    m.restore(3)
+    m.save(4, items(4), force=True)
+    m.wait()
+    assert m.all_steps() == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("how", ["rollback", "force"])
+def test_steps_saved_after_a_rollback_or_a_forced_resave_restore(tmp_path, how):
+  """diff_rollback_self_reference: a base moved aside was looked for in the new step (its
+  own ``bases`` list matched a text search), so the new step and every later one failed."""
+  d = str(tmp_path)
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=True, async_save=False)) as m:
+    for s in (1, 2, 3):
+      m.save(s, items(s), force=True)
+    if how == "rollback":
+      m.restore(1)
+    m.save(2, items(20), force=True)  # replaces 2, which 3 borrows from
+    m.save(3 if how == "rollback" else 4, items(30), force=True)
+    m.wait()
+    for s in m.all_steps():
+      want = {1: items(1), 2: items(20), 3: items(30 if how == "rollback" else 3), 4: items(30)}[s]
+      assert restores_as(os.path.join(d, str(s)), want), s
+
+
+@pytest.mark.parametrize("differential", [False, True])
+def test_a_save_right_after_a_rollback_is_not_undone_by_the_late_deleter(tmp_path, monkeypatch,
+                                                                         differential):
+  """rollback_abandoned_delete_race: the deleter decided to delete the abandoned 10 and acted
+  after the new 10 had committed (differential: the newest step was lost; plain: save(10)
+  raised CheckpointExistsError). The deleter is made slow here, as on a loaded machine."""
+  slow = leases.leased_steps
+  monkeypatch.setattr(leases, "leased_steps", lambda *a, **k: (time.sleep(0.5), slow(*a, **k))[1])
+  d = str(tmp_path)
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=differential,
+                                                     async_save=False)) as m:
+    for s in range(1, 11):
+      m.save(s, items(s), force=True)
+    m.restore(8)
+    m.save(9, items(90), force=True)
+    m.save(10, items(100), force=True)
+    m.wait()
+    assert m.all_steps() == list(range(1, 11))
+  assert restores_as(os.path.join(d, "10"), items(100))
+  assert restores_as(os.path.join(d, "9"), items(90))
+
+
+def test_a_save_whose_base_was_deleted_by_hand_writes_in_full(tmp_path):
+  """diff_base_deleted_by_hand: after ``rm -rf`` of a base, the next save committed a step
+  that borrowed from it and could not be restored."""
+  d = str(tmp_path)
+  pol = ofx.CheckpointPolicy(differential=True, async_save=False)
+  with ofx.CheckpointManager(d, pol) as m:
+    for s in range(3):
+      m.save(s, items(s), force=True)
+  shutil.rmtree(os.path.join(d, "0"))
+  with pytest.raises(ofx.CheckpointFormatError, match="step '0'"):
+    ofx.restore(os.path.join(d, "2"))  # a step that borrowed from it says so
+  with ofx.CheckpointManager(d, pol) as m:
+    m.save(3, items(3), force=True)
+  assert restores_as(os.path.join(d, "3"), items(3))
+
+
+def test_an_overwrite_of_a_step_others_borrow_from_keeps_their_bytes(tmp_path):
+  """diff_convert: ``convert S S --overwrite`` (a save with overwrite=True) removed the old
+  generation that later steps borrow from."""
+  d = str(tmp_path)
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=True, async_save=False)) as m:
+    for s in range(3):
+      m.save(s, items(s), force=True)
+  r = subprocess.run([sys.executable, "-m", "orbax_flax", "convert", f"{d}/1", f"{d}/1",
+                      "--overwrite"], capture_output=True, text=True, env=jobs.env_for(1))
+  assert r.returncode == 0, r.stderr
+  assert restores_as(os.path.join(d, "2"), items(2))
+  assert restores_as(os.path.join(d, "1"), items(1))
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=True, max_to_keep=1)) as m:
+    m.save(3, items(3), force=True)  # retention, then the sweep, runs on the moved-aside data
+  assert restores_as(os.path.join(d, "3"), items(3))
+
+
+@pytest.mark.parametrize("differential", [False, True])
+def test_retention_never_changes_a_linked_step_outside_the_directory(tmp_path, differential):
+  """symlink_step_retire: retention renamed ``_CHECKPOINT`` through a step linked in from
+  another run, which that run's own manager later deleted."""
+  other, run = str(tmp_path / "other"), str(tmp_path / "run")
+  with ofx.CheckpointManager(other, ofx.CheckpointPolicy(differential=True)) as m:
+    m.save(5, items(5, changed=0), force=True)
+  os.makedirs(run)
+  os.symlink(os.path.join(other, "5"), os.path.join(run, "5"))
+  pol = ofx.CheckpointPolicy(max_to_keep=1, differential=differential)
+  with ofx.CheckpointManager(run, pol) as m:
+    m.restore()
+    for s in (6, 7, 8):
+      m.save(s, items(s, changed=0), force=True)
+  ofx.CheckpointManager(run, pol).close()  # a restart: its start-up sweep
+  with ofx.CheckpointManager(other, ofx.CheckpointPolicy(differential=True)) as m:
+    assert m.all_steps() == [5]
+  assert restores_as(os.path.join(other, "5"), items(5, changed=0))
+  assert restores_as(os.path.join(run, "8"), items(8, changed=0))
+
+
+def test_a_second_manager_sweeps_nothing_a_writer_is_writing(tmp_path):
+  """second_manager_sweeps_inflight: an evaluator's manager, started while the trainer's
+  rollback save (below the latest step) was in flight, removed it as debris."""
+  d = str(tmp_path)
+  m = ofx.CheckpointManager(d, ofx.CheckpointPolicy(async_save=True))
+  big = lambda v: {"state": {"w": np.full((8, 1 << 20), v, np.float32)}}  # noqa: E731
+  m.save(5, big(5), force=True)
+  m.save(10, big(10), force=True)
+  m.wait()
+  m.restore(5)
+  m.save(6, big(6), force=True)
+  evaluator = ofx.CheckpointManager(d)  # while step 6 is written
+  assert evaluator.all_steps() == [5, 10]
+  with pytest.raises(ofx.WriterConflictError, match="writer already"):
+    evaluator.save(7, big(7), force=True)
+  evaluator.close()
+  m.wait()
+  assert (np.asarray(ofx.restore(os.path.join(d, "6"))["state"]["w"]) == 6).all()
+  m.close()
+  with ofx.CheckpointManager(d) as successor:  # the writer has gone: the next one may write
+    successor.save(11, big(11), force=True)
+
+
+def test_a_writer_that_died_leaves_a_lease_the_next_job_takes_over(tmp_path):
+  """The lease survives a SIGKILL and is taken over at once on the same host."""
+  d = str(tmp_path)
+  code = ("import sys, os, numpy as np, orbax_flax as ofx\n"
+          "m = ofx.CheckpointManager(sys.argv[1])\n"
+          "m.save(1, {'s': {'w': np.ones(4)}}, force=True); m.wait()\n"
+          "print('SAVED', flush=True); os.kill(os.getpid(), 9)\n")
+  r = subprocess.run([sys.executable, "-c", code, d], capture_output=True, text=True,
+                     env=jobs.env_for(1))
+  assert "SAVED" in r.stdout and r.returncode == -9
+  with open(os.path.join(d, leases.WRITER)) as f:
+    assert json.load(f)["purpose"] == "writer"  # left behind by the killed job
+  with ofx.CheckpointManager(d) as m:
+    m.save(2, {"s": {"w": np.ones(4)}}, force=True)
+    m.wait()
+    assert m.all_steps() == [1, 2]
+
+
+def test_the_object_store_index_is_repaired_only_by_the_writer(s3_server):
+  """objstore_reindex_race: a second manager rewrote the step index from a listing taken
+  before the trainer committed 3 and deleted 1 (3 vanished from listings, 1 came back)."""
+  url = s3_server.url(s3_server.new_bucket(), "run")
+  m = ofx.CheckpointManager(url, ofx.CheckpointPolicy(max_to_keep=2, async_save=False))
+  m.save(1, items(1), force=True)
+  m.save(2, items(2), force=True)
+  second = ofx.CheckpointManager(url)
+  m.save(3, items(3), force=True)
+  m.wait()
+  second.close()
+  assert list(ofx.checkpoints_iterator(url, start_after=2, timeout=0)) == [3]
+  assert ofx.CheckpointManager(url).all_steps() == [2, 3]
+  m.close()
+
+
+def test_every_process_applies_the_same_keep_decision(tmp_path):
+  """stale_steps_other_process: keep rules that read what differs between processes (a metric
+  each host computes, host clocks 40 ms apart) were applied by each process to its own view;
+  process 1 listed a step process 0 had deleted. Two real processes."""
+  res = jobs.run("keep_worker.py", [str(tmp_path)], 2, 1).check()
+  results = [json.loads(l.split(" ", 1)[1]) for out in res.outputs for l in out.splitlines()
+             if l.startswith("RESULT")]
+  assert len(results) == 2 and results[0] == results[1], res.outputs
+  assert results[0] == sorted(int(n) for n in os.listdir(tmp_path) if n.isdigit())
