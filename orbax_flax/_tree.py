@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import collections
 import functools
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -168,6 +169,27 @@ def pick(tree: Any, selector: str, *, keep_paths: bool = False) -> Any:
       at = at.setdefault(k, {})
     at[dst[-1]] = node
   return out
+
+
+def put(tree: Any, path: Path, value: Any) -> Any:
+  """``tree`` with ``value`` at ``path`` (through dicts and Mapping nodes; new dicts, not in place).
+
+  Raises:
+    ValueError: a node on the way is not a dict (a dataclass field is set at the item level).
+
+  Example:
+    >>> put({"a": {"b": 1, "c": 2}}, ("a", "b"), 9)
+    {'a': {'b': 9, 'c': 2}}
+  """
+  if not path:
+    return value
+  if not isinstance(tree, Mapping) or path[0] not in tree:
+    raise ValueError(f"cannot put a value at {path_str(path)!r}: the tree there is a"
+                     f" {type(tree).__name__}" + (f" with keys {sorted(tree)}" if isinstance(
+                         tree, Mapping) else ", not a dict"))
+  out = dict(tree)
+  out[path[0]] = put(tree[path[0]], path[1:], value)
+  return out if type(tree) is dict else type(tree)(out)
 
 
 def dtype_from_name(name: str) -> np.dtype:

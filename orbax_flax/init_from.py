@@ -59,6 +59,50 @@ def load(text: str, name: str, target: Any,
   return _take(text, source, manifest, name, target, ckptr), source
 
 
+def several(text: str) -> bool:
+  """True when ``init_from`` names several parts, or puts one elsewhere (``dst=src``).
+
+  Example:
+    >>> several("/runs/a:params"), several("/runs/a:params,train_state/batch_stats")
+    (False, True)
+  """
+  selector = split(text)[1]
+  return "," in selector or "=" in selector
+
+
+def load_parts(text: str, targets: dict[str, Any], ckptr: checkpointer.Checkpointer
+               ) -> tuple[dict[tuple[str, ...], Any], Location]:
+  """Several parts of a checkpoint (``"<ckpt>:params,train_state/batch_stats"``), each restored
+  into the same part of this run's state; ``dst=src`` takes ``src`` into ``dst``
+  (``"<ckpt>:params=default/params,train_state/batch_stats=default/batch_stats"``).
+
+  Args:
+    text: the policy's ``init_from``.
+    targets: this run's items as restore targets.
+    ckptr: the checkpointer that restores them.
+
+  Returns:
+    ``({destination key path: restored subtree}, the step it came from)``.
+
+  Raises:
+    CheckpointNotFoundError, TreeMismatchError: as :func:`load`; ValueError: a
+    destination that is not part of this run's state (naming what is).
+  """
+  path, selector = split(text)
+  source = _checkpoint_in(path, text)
+  _, manifest = restoring.open_manifest(source)
+  out = {}
+  for dst, src in _tree.selections(selector):
+    try:
+      target = _tree.pick(targets, "/".join(dst))
+    except ValueError as e:
+      raise ValueError(f"init_from={text!r}: {'/'.join(dst)!r} is not a part of this run's state"
+                       f" ({e}); name a destination among its items {sorted(targets)}, as"
+                       " dst=<item>/<sub/tree>") from None
+    out[dst] = _take(text, source, manifest, "/".join(src), target, ckptr)
+  return out, source
+
+
 def split(text: str) -> tuple[str, str]:
   """``init_from`` as (checkpoint, selector); the selector is "" when none is given.
 

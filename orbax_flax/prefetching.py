@@ -1,0 +1,105 @@
+"""The position of the batches a training loop consumed, around a prefetching iterator.
+
+``flax.jax_utils.prefetch_to_device(source, 2)`` (or any loader that reads
+ahead into a queue) takes batches from ``source`` before the loop uses them. A
+checkpoint that forwards ``source.get_state()`` then records a position a few
+batches *past* the last one trained on, and a resume silently skips them.
+:class:`Prefetched` wraps the source and the prefetching: its ``get_state()``
+is the source's position right after the last batch the loop took out, and
+``set_state`` moves the source there and starts the read-ahead again. A source
+without ``get_state`` is counted: its position is the number of batches
+consumed, and ``set_state`` skips that many batches of a fresh source.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+
+class Prefetched:
+  """An iterator over ``prefetch(source)`` whose state is what the loop consumed.
+
+  Args:
+    source: the iterator the batches come from: with ``get_state()`` /
+      ``set_state(state)`` (grain's, your own), or a function returning a
+      fresh iterator (then the position is a count of batches, and a resume
+      skips that many of a fresh one).
+    prefetch: turns an iterator into the reading-ahead one, e.g.
+      ``lambda it: flax.jax_utils.prefetch_to_device(it, 2)``.
+
+  Hand the :class:`Prefetched` (not the source) to the checkpoint callback as
+  the data iterator, and train on what it yields.
+
+  Example:
+    >>> class Source:
+    ...   def __init__(self): self.i = 0
+    ...   def __next__(self): self.i += 1; return self.i
+    ...   def __iter__(self): return self
+    ...   def get_state(self): return {"i": self.i}
+    ...   def set_state(self, s): self.i = s["i"]
+    >>> def ahead(it):                 # reads 3 batches ahead, like prefetch_to_device
+    ...   queue = collections.deque()
+    ...   for x in it:
+    ...     queue.append(x)
+    ...     if len(queue) > 3: yield queue.popleft()
+    >>> data = Prefetched(Source(), ahead)
+    >>> next(data), next(data), data.get_state()     # the source has read 6
+    (1, 2, {'i': 2})
+    >>> data.set_state({"i": 1}); next(data)
+    2
+  """
+
+  def __init__(self, source: Any, prefetch: Callable[[Iterator[Any]], Iterable[Any]]):
+    self._stateful = hasattr(source, "get_state") and hasattr(source, "set_state")
+    if not self._stateful and not callable(source):
+      raise TypeError(
+          f"Prefetched(source=...): a {type(source).__name__} has no get_state()/set_state(),"
+          " so its position cannot be restored; pass an iterator that has them (grain's), or"
+          " a function returning a fresh iterator (the position is then a count of batches)")
+    self._source = source
+    self._prefetch = prefetch
+    self._start(source.get_state() if self._stateful else 0)
+
+  def _start(self, state: Any) -> None:
+    """Reads ahead from ``state``: the source there, and a new prefetching iterator."""
+    self._after: collections.deque = collections.deque()  # source state after each batch read
+    self._state = state
+    if self._stateful:
+      self._source.set_state(state)
+      it = self._source
+    else:
+      it = iter(self._source())
+      for _ in range(state):
+        next(it)
+    self._it = iter(self._prefetch(self._reading(it)))
+
+  def _reading(self, it: Iterator[Any]) -> Iterator[Any]:
+    count = self._state if not self._stateful else None
+    for batch in it:
+      if self._stateful:
+        self._after.append(self._source.get_state())
+      else:
+        count += 1
+        self._after.append(count)
+      yield batch
+
+  def __iter__(self) -> Prefetched:
+    return self
+
+  def __next__(self) -> Any:
+    batch = next(self._it)
+    self._state = self._after.popleft()  # the position right after the batch handed out
+    return batch
+
+  def get_state(self) -> Any:
+    """The source's position after the last batch this iterator handed out."""
+    return self._state
+
+  def set_state(self, state: Any) -> None:
+    """Continues after the batch ``state`` was taken at; the read-ahead starts again there."""
+    if not self._stateful and (isinstance(state, bool) or not isinstance(state, int) or state < 0):
+      raise ValueError(f"Prefetched.set_state({state!r}): a counted source's state is the"
+                       " number of batches consumed (an int >= 0)")
+    self._start(state)
