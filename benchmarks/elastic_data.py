@@ -9,6 +9,8 @@ One shard (of 2) of a shuffled MapDataset whose map does a little numpy work per
 * ``grain ElasticIterator``: ``grain.experimental.ElasticIterator`` (no filter allowed);
 * ``grain to_iter_dataset``: ``ds[k::n].to_iter_dataset(read_options).batch(b)``, the plain
   per-process pipeline (its position resumes only on the same process count);
+* ``grain batch().to_iter_dataset``: ``ds[k::n].batch(b).to_iter_dataset(read_options)``, the
+  same batched before the threads (refused by grain after a ``filter``);
 * ``ofx ElasticIterator``: ours.
 
 and the same pipeline with a ``filter`` (grain's ElasticIterator refuses it). Each variant runs
@@ -46,6 +48,9 @@ def variants(ds, ro, with_filter):
         ds, BATCH, grain.sharding.ShardOptions(0, SHARDS), read_options=ro))
   out["grain to_iter_dataset"] = lambda: iter(ds[0::SHARDS].to_iter_dataset(ro).batch(
       BATCH // SHARDS))
+  if not with_filter:  # batched before the threads, as grain's ElasticIterator does
+    out["grain batch().to_iter_dataset"] = lambda: iter(
+        ds[0::SHARDS].batch(BATCH // SHARDS).to_iter_dataset(ro))
   out["ofx ElasticIterator"] = lambda: ElasticIterator(ds, BATCH, shard_index=0,
                                                        shard_count=SHARDS, read_options=ro)
   return out
@@ -97,8 +102,8 @@ def main():
   new = ElasticIterator(ds, BATCH, shard_index=0, shard_count=3)
   resume_us = min(timeit.repeat(lambda: new.set_state_from_shards(states), number=200,
                                 repeat=5)) / 200 * 1e6
-  g = grain.experimental.ElasticIterator(ds.map(lambda r: r) if False else pipeline(a.records, False),
-                                         BATCH, grain.sharding.ShardOptions(0, SHARDS))
+  g = grain.experimental.ElasticIterator(pipeline(a.records, False), BATCH,
+                                         grain.sharding.ShardOptions(0, SHARDS))
   next(g)
   grain_us = min(timeit.repeat(g.get_state, number=n, repeat=5)) / n * 1e6
   for i in its:
