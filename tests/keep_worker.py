@@ -11,7 +11,7 @@ import jobs
 
 parser = argparse.ArgumentParser()
 parser.add_argument("dir")
-a = jobs.join(parser, heartbeat_timeout_seconds=30)
+a = jobs.join(parser)
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import numpy as np  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position

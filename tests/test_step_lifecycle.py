@@ -47,20 +47,24 @@ def test_a_restore_of_the_latest_step_calls_off_an_earlier_rollback(tmp_path):
 
 @pytest.mark.parametrize("how", ["rollback", "force"])
 def test_steps_saved_after_a_rollback_or_a_forced_resave_restore(tmp_path, how):
-  """diff_rollback_self_reference: a base moved aside was looked for in the new step (its
-  own ``bases`` list matched a text search), so the new step and every later one failed."""
+  """diff_rollback_self_reference: the new step 2 borrows the bytes of the old step 2 (moved
+  aside to ``2.ofx-base-<gen>``); a text search found that generation in the new step's own
+  ``bases`` list, so the reader looked in the new ``2/``: it and every later step failed."""
   d = str(tmp_path)
   with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=True, async_save=False)) as m:
-    for s in (1, 2, 3):
-      m.save(s, items(s), force=True)
+    m.save(1, items(1), force=True)
+    m.save(2, items(2), force=True)
+    m.save(3, items(2), force=True)  # 3 borrows all of 2's bytes
     if how == "rollback":
       m.restore(1)
-    m.save(2, items(20), force=True)  # replaces 2, which 3 borrows from
-    m.save(3 if how == "rollback" else 4, items(30), force=True)
+    m.save(2, items(2), force=True)  # the same bytes again: borrowed from the old 2, aside
+    m.save(3 if how == "rollback" else 4, items(2), force=True)
+    m.save(5, items(2), force=True)
     m.wait()
-    for s in m.all_steps():
-      want = {1: items(1), 2: items(20), 3: items(30 if how == "rollback" else 3), 4: items(30)}[s]
-      assert restores_as(os.path.join(d, str(s)), want), s
+    listed = m.all_steps()
+  assert listed == ([1, 2, 3, 5] if how == "rollback" else [1, 2, 3, 4, 5])
+  for s in listed:
+    assert restores_as(os.path.join(d, str(s)), items(1 if s == 1 else 2)), s
 
 
 @pytest.mark.parametrize("differential", [False, True])
@@ -107,11 +111,11 @@ def test_an_overwrite_of_a_step_others_borrow_from_keeps_their_bytes(tmp_path):
   d = str(tmp_path)
   with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=True, async_save=False)) as m:
     for s in range(3):
-      m.save(s, items(s), force=True)
+      m.save(s, items(min(s, 1)), force=True)  # 2 borrows all of 1's bytes
   r = subprocess.run([sys.executable, "-m", "orbax_flax", "convert", f"{d}/1", f"{d}/1",
                       "--overwrite"], capture_output=True, text=True, env=jobs.env_for(1))
   assert r.returncode == 0, r.stderr
-  assert restores_as(os.path.join(d, "2"), items(2))
+  assert restores_as(os.path.join(d, "2"), items(1))
   assert restores_as(os.path.join(d, "1"), items(1))
   with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=True, max_to_keep=1)) as m:
     m.save(3, items(3), force=True)  # retention, then the sweep, runs on the moved-aside data
