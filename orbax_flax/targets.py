@@ -90,7 +90,8 @@ def abstract(tree: Any, sharding: Any = None, *, rules: Any = None) -> Any:
       ``jax.set_mesh``, or NNX variable metadata; else replicated); a pytree
       of shardings like ``tree`` or any prefix of it, as ``jax.jit`` takes
       (flax's ``nn.logical_to_mesh_sharding(...)`` tree, with a sharding where
-      ``tree`` has a box); or a function ``(key_path, leaf) -> Sharding``.
+      ``tree`` has a box), PartitionSpecs under ``jax.set_mesh`` included; or
+      a function ``(key_path, leaf) -> Sharding``.
       Leaves of live arrays keep their own sharding.
     rules: logical axis rules (``(("embed", "data"), ("mlp", "model"))``) for
       ``nn.LogicallyPartitioned`` boxes with a Mesh; default: the box's own,
@@ -123,11 +124,13 @@ def abstract(tree: Any, sharding: Any = None, *, rules: Any = None) -> Any:
     tree = nnx.state(tree)
   specs = _nnx_specs(tree) if isinstance(sharding, jax.sharding.Mesh) else None
   per_leaf = None
+  if isinstance(sharding, P):
+    sharding = _on_context_mesh(sharding)
   if sharding is not None and not isinstance(sharding, (jax.sharding.Sharding, jax.sharding.Mesh)) \
       and not callable(sharding):
-    per_leaf = {tuple(_tree.key_part(k) for k in p): s for p, s in
-                jax.tree_util.tree_flatten_with_path(
-                    sharding, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]}
+    per_leaf = {tuple(_tree.key_part(k) for k in p): _on_context_mesh(s) if isinstance(s, P) else s
+                for p, s in jax.tree_util.tree_flatten_with_path(
+                    sharding, is_leaf=lambda x: isinstance(x, (jax.sharding.Sharding, P)))[0]}
 
   def one(path, leaf, box=None):
     if isinstance(leaf, jax.Array):
@@ -151,6 +154,16 @@ def abstract(tree: Any, sharding: Any = None, *, rules: Any = None) -> Any:
     return one(path, x)
 
   return jax.tree_util.tree_map_with_path(node, tree, is_leaf=_tree.is_box)
+
+
+def _on_context_mesh(spec: P) -> NamedSharding:
+  """A PartitionSpec (as ``jax.jit`` takes it under ``jax.set_mesh``) on the context mesh."""
+  mesh = jax.sharding.get_mesh()
+  if not isinstance(mesh, jax.sharding.Mesh) or mesh.empty:
+    raise ValueError(f"abstract(): a PartitionSpec ({spec}) names no devices outside"
+                     " `with jax.set_mesh(mesh):`; call it there, or pass NamedShardings (or"
+                     " the mesh: ofx.abstract(tree, mesh)).")
+  return NamedSharding(mesh, spec)
 
 
 def _spmd_boxes() -> tuple[type, ...]:

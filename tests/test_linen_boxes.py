@@ -66,6 +66,12 @@ def test_abstract_places_boxed_params_by_their_names_and_the_rules():
     assert isinstance(target["params"]["Dense_0"]["kernel"], nn.LogicallyPartitioned)
     assert target["params"]["Dense_0"]["kernel"].names == ("embed", "mlp")
   assert want["['params']['Dense_0']['kernel']"].spec == jax.P("data", "model")
+  # PartitionSpecs under jax.set_mesh, as jit takes them there (flax's logical_to_mesh tree).
+  with jax.set_mesh(mesh):
+    from_specs = ofx.abstract(shapes, nn.logical_to_mesh(nn.get_partition_spec(shapes), rules))
+  _same_shardings(_specs(from_specs), want)
+  with pytest.raises(ValueError, match=r"names no devices outside `with jax.set_mesh"):
+    ofx.abstract(shapes, nn.logical_to_mesh(nn.get_partition_spec(shapes), rules))
   # nn.Partitioned names mesh axes directly.
   boxed = {"w": nn.Partitioned(jax.ShapeDtypeStruct((8, 4), jnp.float32), ("data", None))}
   assert ofx.abstract(boxed, mesh)["w"].value.sharding.spec == jax.P("data", None)
