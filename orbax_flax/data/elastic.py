@@ -2,10 +2,11 @@
 
 Shard ``k`` of ``n`` reads every ``n``-th position of the global order (see
 :mod:`orbax_flax.data.order`) through grain: a slice of the user's
-``MapDataset`` per range of the order, concatenated, read by grain's prefetch
-threads (``read_options``; records a ``filter`` dropped are skipped there) and
-batched by grain. Its state is the order (O(shards) ranges, the same on every
-shard) and how many of its positions the shard has read.
+``MapDataset`` per range of the order, concatenated, read a batch's worth of
+positions at a time by grain's prefetch threads (``read_options``), and
+batched by grain's own batch function once the records a ``filter`` dropped
+are skipped. Its state is the order (O(shards) ranges, the same on every
+shard) and how many of its positions the shard has handed out.
 
 At a resume, :meth:`ElasticIterator.set_state_from_shards` gets every old
 shard's state. On the same shard count each shard continues from its own
