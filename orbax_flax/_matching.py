@@ -169,8 +169,9 @@ def _diagnosis(diffs: list[str], matched: int) -> str:
             " plain pytree against a TrainState), or another run's checkpoint (a different"
             " workdir)")
   if (boxed & set(only_target)) or (unboxed & set(only_saved)):
-    return ("one side holds variables ('.../value', NNX Variables) where the other holds plain"
-            " arrays: an NNX state against a Linen one, or the reverse")
+    return ("boxed against unboxed: one side keeps its arrays in variables ('.../value', NNX"
+            " Variables) where the other has plain arrays (an NNX state against a Linen one, or"
+            " the reverse)")
   if only_target and only_saved and not matched:
     return ("no key path in common: the target is another model's state, or this is another"
             " run's checkpoint (a different workdir)")

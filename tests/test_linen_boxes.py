@@ -198,3 +198,9 @@ def test_a_mismatch_leads_with_a_diagnosis_and_advice_for_the_api_called(tmp_pat
   assert "partial=True" in str(e.value).splitlines()[-1]
   got = ofx.restore(step_dir, {"params": ofx.abstract(params)}, partial=True)["params"]
   assert sorted(got) == sorted(params)
+  # Arrays inside variables on one side only ('.../value': an NNX state against a Linen one).
+  plain = str(tmp_path / "plain")
+  ofx.save(plain, {"params": {"w": np.ones(2), "b": np.zeros(2)}})
+  with pytest.raises(ofx.TreeMismatchError, match="boxed against unboxed") as e:
+    ofx.restore(plain, {"params": {"w": {"value": np.ones(2)}, "b": {"value": np.zeros(2)}}})
+  assert len(str(e.value).splitlines()) <= 6

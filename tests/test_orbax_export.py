@@ -131,6 +131,14 @@ def test_convert_takes_a_selector_and_writes_orbax(tmp_path):
   assert cli.main(["convert", f"{step}:params", out, "--format", "orbax"], out=buf) == 0
   target = _onto(jax.device_get(state.params), jax.make_mesh((8,), ("all",)))
   _same(ocp.StandardCheckpointer().restore(out, target), state.params)
+  half = str(tmp_path / "ocp16")
+  assert cli.main(["convert", f"{step}:params", half, "--format", "orbax", "--dtype", "bfloat16"],
+                  out=buf) == 0
+  got = ocp.StandardCheckpointer().restore(half, jax.tree.map(
+      lambda t: jax.ShapeDtypeStruct(t.shape, jnp.bfloat16, sharding=t.sharding),
+      _onto(state.params, jax.make_mesh((8,), ("all",)))))
+  np.testing.assert_array_equal(np.asarray(got["params"]["kernel"]),
+                                np.asarray(state.params["params"]["kernel"]).astype(jnp.bfloat16))
   meta = json.load(open(os.path.join(out, "_METADATA"), encoding="utf-8"))
   assert sorted(meta["tree_metadata"]) == ["('params', 'bias')", "('params', 'kernel')"]
   # Several selections, and one that names nothing.
