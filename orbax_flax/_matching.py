@@ -178,6 +178,10 @@ def _diagnosis(diffs: list[str], matched: int) -> str:
   if only_target and only_saved:
     return (f"a different model: {len(only_target)} key(s) only in the target, {len(only_saved)}"
             f" only in the checkpoint, {matched} in both")
+  shapes = sum(k.startswith("shape ") for k in kinds)
+  if only_target and shapes:
+    return (f"a different model: {len(only_target)} key(s) only in the target, {shapes} of other"
+            " shapes")
   if only_saved:
     return f"the target holds a subset of the checkpoint ({len(only_saved)} key(s) left out)"
   if only_target:

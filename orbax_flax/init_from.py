@@ -211,11 +211,17 @@ def _take(text: str, source: Location, manifest: Manifest, selector: str, target
   except errors.TreeMismatchError as e:
     raise _init_from_mismatch(text, source, manifest,
                               f"this run's state does not match {'/'.join((item,) + under)} of"
-                              " the checkpoint:\n  " + "\n  ".join(e.differences), item, under,
+                              f" the checkpoint: {_shown(e)}", item, under,
                               e.differences) from None
   for k in under:
     out = out[k]
   return out
+
+
+def _shown(e: errors.TreeMismatchError) -> str:
+  """A mismatch's diagnosis and differences (one line per kind when many), without its advice."""
+  head, *lines = e.summary.splitlines()
+  return head.partition(": ")[2] + "".join(f"\n  {l.strip()}" for l in lines)
 
 
 def _from_orbax_checkpoint(text: str, source: Location, manifest: Manifest, name: str,

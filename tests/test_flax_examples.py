@@ -257,3 +257,10 @@ def test_init_from_takes_params_and_batch_stats_at_once(tmp_path):
   with ofx.CheckpointCallback(str(tmp_path / "bad"), bad) as ckpt:
     with pytest.raises(ValueError, match=r"'stats' is not a part of this run's state"):
       ckpt.restore_or_init(_imagenet_state())
+  # Another model's params: a diagnosis and a few lines, not one line per leaf.
+  other = ofx.CheckpointPolicy(save_interval_steps=3, init_from=str(tmp_path / "pretrain"))
+  with ofx.CheckpointCallback(str(tmp_path / "other"), other) as ckpt:
+    with pytest.raises(ofx.TreeMismatchError, match="a different model: 3 key.s. only in the"
+                       " target, 2 of other shapes") as e:
+      ckpt.restore_or_init(_lm_init(jax.random.key(0)))
+  assert len(str(e.value).splitlines()) < 12, str(e.value)
