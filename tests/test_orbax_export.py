@@ -141,6 +141,11 @@ def test_convert_takes_a_selector_and_writes_orbax(tmp_path):
                                 np.asarray(state.params["params"]["kernel"]).astype(jnp.bfloat16))
   meta = json.load(open(os.path.join(out, "_METADATA"), encoding="utf-8"))
   assert sorted(meta["tree_metadata"]) == ["('params', 'bias')", "('params', 'kernel')"]
+  # Into our own format: the selected items only.
+  ours = str(tmp_path / "ours")
+  ofx.convert(f"{step}:params", ours)
+  assert sorted(ofx.metadata(ours).items) == ["params"]
+  _same(ofx.restore(ours)["params"], jax.device_get(state.params))
   # Several selections, and one that names nothing.
   both = str(tmp_path / "both")
   ofx.convert(f"{step}:params,opt_state/0/mu", both, format="safetensors")
