@@ -64,9 +64,22 @@ class ChunkIndex:
     return self._dbs.get((item, owner))
 
   def _load_one(self, key: tuple[str, int]) -> dict[bytes, Located] | None:
-    """The index of one database; None if it cannot be described (tensorstore then reads)."""
+    """The index of one database; None if it cannot be described (tensorstore then reads).
+
+    Raises:
+      CheckpointFormatError: a link inside the checkpoint (see :func:`check_no_links`).
+      CheckpointCorruptedError: the index cannot be read, or places a value outside its
+        data file (missing or truncated), checked here before any read allocates memory.
+    """
     db = self.db(*key)
     base = os.path.normpath(os.path.join(self.loc.local_path, db))  # (a base: ../<dir>/...)
+    check_no_links(self.loc.local_path, db)
+    out = self._read_index(db, base)
+    if out is not None:
+      _check_extents(out, base)
+    return out
+
+  def _read_index(self, db: str, base: str) -> dict[bytes, Located] | None:
     try:
       store = ts.KvStore.open({"driver": "file", "path": base + "/"},
                               context=_location.default_context()).result()
@@ -92,8 +105,70 @@ class ChunkIndex:
     except ValueError as e:
       if _tsio.is_corruption(e):
         raise errors.CheckpointCorruptedError(
-            f"checkpoint data is corrupted: the index of database {base} cannot be read: {e}."
+            f"checkpoint data is corrupted: the index of database {base} cannot be read:"
+            f" {_tsio.what_failed(e)} ({e})."
             " Restore from another checkpoint.") from e
       raise _location.storage_error(self.loc, f"reading the index of {db}", e) from e
     except (KeyError, TypeError, IndexError, AttributeError):
       return None  # an index layout this reader does not know: let tensorstore read
+
+
+def check_no_links(root: str, db: str) -> None:
+  """Refuses a symbolic link anywhere in database ``db`` of the local checkpoint ``root``.
+
+  The item directory, the database directory and everything in it (its
+  manifest, ``d/`` and data files): a checkpoint reads only its own files
+  (promise 7), and a link would lead anywhere. ``db`` is relative to ``root``;
+  a differential base's (``../<step>/<item>/...``) is checked from that step's
+  directory down.
+
+  Raises:
+    CheckpointFormatError: naming the link and where it points.
+  """
+  parts = db.split("/")
+  top = root
+  if parts[0] == "..":  # a sibling step's database: its directory is where confinement starts
+    top, parts = os.path.join(os.path.dirname(os.path.normpath(root)), parts[1]), parts[2:]
+  path = top
+  for part in parts:
+    path = os.path.join(path, part)
+    _refuse_link(path, db)
+  for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+    for name in dirnames + filenames:
+      _refuse_link(os.path.join(dirpath, name), db)
+
+
+def _refuse_link(path: str, db: str) -> None:
+  if os.path.islink(path):
+    try:
+      target = os.readlink(path)
+    except OSError:
+      target = "?"
+    raise errors.CheckpointFormatError(
+        f"{path} is a symbolic link (to {target}) inside the checkpoint's database {db}: a"
+        " checkpoint reads only its own files, never through a link (orbax_flax never writes"
+        " one; the checkpoint was crafted or assembled by hand). Copy the real files in place"
+        " of the link, or restore another checkpoint.")
+
+
+def _check_extents(index: dict[bytes, Located], base: str) -> None:
+  """Every value the index places in a data file lies inside that file."""
+  sizes: dict[str, int] = {}
+  for key, at in index.items():
+    if at.file is None:
+      continue
+    if at.file not in sizes:
+      try:
+        sizes[at.file] = os.stat(at.file).st_size
+      except FileNotFoundError:
+        raise errors.CheckpointCorruptedError(
+            f"checkpoint data is corrupted: data file {at.file} of database {base} is missing"
+            f" (its index names it for key {key.decode(errors='replace')}). Restore from another"
+            " checkpoint.") from None
+      except OSError as e:
+        raise errors.StorageError(f"cannot read data file {at.file}: {e}") from e
+    if at.offset + at.length > sizes[at.file]:
+      raise errors.CheckpointCorruptedError(
+          f"checkpoint data is corrupted: data file {at.file} of database {base} is"
+          f" {sizes[at.file]} bytes, where its index places key {key.decode(errors='replace')}"
+          f" at bytes {at.offset}+{at.length} (truncated?). Restore from another checkpoint.")

@@ -46,6 +46,10 @@ READS = (1, 2)              # the format versions this library reads
 COMPACT_OWNERS = 1024       # an array of this many chunks or more stores its owners compactly
 _MAX_OWNERS = 1 << 24       # chunks of one array a reader accepts (512 TB at 32 MiB a chunk)
 _MAGIC = b"orbax_flax checkpoint v1 "
+# The largest manifest read or written. A manifest holds a few hundred bytes a leaf (owners of
+# many chunks compacted, ~40 bytes a chunk of a differential save's hashes): 20,000 leaves are
+# ~6 MB; a crafted one must not make a reader load gigabytes of JSON.
+MAX_MANIFEST_BYTES = 256 << 20
 SUMMARY_READ_BYTES = 4 << 10  # enough for the header and a typical summary (else see summary_extent)
 
 
@@ -84,7 +88,14 @@ def encode(manifest: dict[str, Any], compact_owners: int = COMPACT_OWNERS) -> by
   body = _dumps({"format": FORMAT, "version": version, "items": items})
   header = _MAGIC + (f"summary_sha256={_sha(summary_line)} sha256={_sha(body)}"
                      f" summary_bytes={len(summary_line)}").encode()
-  return header + b"\n" + summary_line + b"\n" + body
+  data = header + b"\n" + summary_line + b"\n" + body
+  if len(data) > MAX_MANIFEST_BYTES:
+    leaves = sum(len(i["leaves"]) for i in manifest["items"].values())
+    raise ValueError(
+        f"the checkpoint's manifest would be {len(data) >> 20} MiB, more than the"
+        f" {MAX_MANIFEST_BYTES >> 20} MiB a reader accepts ({leaves} leaves): save fewer,"
+        " larger arrays (e.g. stack per-layer weights), or less custom metadata.")
+  return data
 
 
 def _split_header(data: bytes, where: str) -> tuple[dict[str, str], bytes]:

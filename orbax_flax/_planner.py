@@ -68,6 +68,7 @@ class Planner:
         "library_version": _planning.LIBRARY_VERSION, "created": time.time(),
         "process_count": nproc, "device_count": jax.device_count(),
         "all_chunks_stored": True,
+        "database_identity": True,  # each database names itself (orbax_flax._tsio.IDENTITY_KEY)
         "custom": custom, "items": items_meta,
     }
     if casts:

@@ -19,31 +19,68 @@ from orbax_flax import _layout
 
 
 class TempPool:
-  """Reused temporary buffers, at most ``limit`` bytes out at once (one larger alone)."""
+  """Reused temporary buffers, at most ``limit`` bytes out at once (one larger alone).
+
+  Every :meth:`get` is paired with a :meth:`put` on every path, errors
+  included, so a wait in :meth:`get` lasts only as long as the reads holding
+  buffers (each bounded: a local ``preadv``). Once a read of the restore has
+  failed, :meth:`abort` wakes every waiting thread, which then raises instead
+  of waiting for memory the restore no longer needs.
+  """
 
   def __init__(self, limit: int):
     self.limit = limit
     self._free: list[np.ndarray] = []
     self._out = 0
     self._cond = threading.Condition()
+    self._aborted: BaseException | None = None
 
   def get(self, n: int) -> np.ndarray:
     with self._cond:
-      while self._out and self._out + n > self.limit:
+      while self._out and self._out + n > self.limit and self._aborted is None:
         self._cond.wait()
+      if self._aborted is not None:
+        raise Aborted() from self._aborted
       self._out += n
       fits = [i for i, b in enumerate(self._free) if b.nbytes >= n]
       if fits:
         return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+    try:
       return np.empty(n, np.uint8)
+    except BaseException:
+      self.put(None, n)
+      raise
 
-  def put(self, buf: np.ndarray, n: int) -> None:
+  def put(self, buf: np.ndarray | None, n: int) -> None:
     with self._cond:
       self._out -= n
-      self._free.append(buf)
+      if buf is not None:
+        self._free.append(buf)
       while sum(b.nbytes for b in self._free) > self.limit and self._free:
         self._free.pop(0)
       self._cond.notify_all()
+
+  def abort(self, error: BaseException) -> None:
+    """Wakes every waiting :meth:`get` (which raises :class:`Aborted`); later gets raise too."""
+    with self._cond:
+      if self._aborted is None:
+        self._aborted = error
+      self._cond.notify_all()
+
+  def reset(self) -> None:
+    """Ready for the next read of the same reader (after an abort)."""
+    with self._cond:
+      self._aborted = None
+
+  @property
+  def out(self) -> int:
+    """Bytes handed out and not yet returned (0 between reads)."""
+    with self._cond:
+      return self._out
+
+
+class Aborted(Exception):
+  """Raised in a reading thread that stops because another read of the restore failed."""
 
 
 def contiguous(inner: _layout.Box, outer: _layout.Box) -> bool:
@@ -61,11 +98,12 @@ def flat_view(out: np.ndarray, inner: _layout.Box, outer: _layout.Box) -> np.nda
 
 
 def run_in_order(calls: list[tuple[Any, tuple]], file: str, start: int, length: int,
-                  fds: Files) -> None:
+                  fds: Files, stop: threading.Event | None = None) -> None:
   """Runs the reads of one contiguous span of one data file, in file order.
 
   The kernel is told first that the whole span will be read (so that cold
-  reads stream at the disk's speed rather than chunk by chunk).
+  reads stream at the disk's speed rather than chunk by chunk). Once ``stop``
+  is set (another read failed), the remaining reads are skipped.
   """
   if file and length > 0 and hasattr(os, "posix_fadvise"):
     try:
@@ -73,6 +111,8 @@ def run_in_order(calls: list[tuple[Any, tuple]], file: str, start: int, length: 
     except OSError:
       pass  # a missing file is reported by the read itself
   for fn, args in calls:
+    if stop is not None and stop.is_set():
+      return  # another read failed: the restore is over
     fn(*args)
 
 

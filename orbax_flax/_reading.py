@@ -25,6 +25,7 @@ chunk.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import math
@@ -131,17 +132,132 @@ class Reader:
     self.temps = _read_buffers.TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
     self.bytes_read = 0
     self._lock = threading.Lock()
+    self._identified: set[tuple[str, int]] = set()
 
   def db(self, item: str, owner: int) -> str:
     return self.homes.db_name(item, owner)
+
+  # ------------------------------------------------------------------ which database is this
+
+  def identify(self, dbs: Sequence[tuple[str, int]]) -> None:
+    """Checks that each ``(item, owner)`` database is the one it is meant to be.
+
+    A database names itself (``orbax_flax._tsio.IDENTITY_KEY``: item, process
+    and generation). A name that differs means the database was moved from
+    another item or process, or copied from another checkpoint: its chunks,
+    each intact, would be another array's values. Checkpoints written before
+    the key (``database_identity`` absent from the manifest) are read as before.
+
+    Raises:
+      CheckpointCorruptedError: naming the database and what it says it is.
+    """
+    for item, owner in dict.fromkeys(dbs):
+      if (item, owner) in self._identified:
+        continue
+      loc, db = self.homes.home(item, owner)
+      found = self._identity_value(item, owner, loc, db)
+      own = not refs.split(owner)[0]
+      if found is None and own and self.manifest.database_identity:
+        raise self._wrong_database(item, owner, "it does not name itself (its"
+                              f" {_tsio.IDENTITY_KEY} key is missing): it was not written with"
+                              " this checkpoint")
+      if found is not None and found != _tsio.identity(db):
+        prefix = len(_tsio.identity(""))
+        raise self._wrong_database(item, owner, "it names itself"
+                              f" {found[prefix:prefix + 200].decode(errors='replace')!r}, not"
+                              f" {db!r}: it was moved here from another item or process, or"
+                              " copied from another checkpoint")
+      self._identified.add((item, owner))
+
+  def _identity_value(self, item: str, owner: int, loc: Location, db: str) -> bytes | None:
+    index = self.index.get(item, owner) if self.index is not None else None
+    if index is not None:
+      at = index.get(_tsio.IDENTITY_KEY.encode())
+      if at is None or at.inline is not None:
+        return None if at is None else at.inline
+      if at.length > 4096:
+        return b"?" * 8  # not a name this library writes
+      try:
+        with open(at.file, "rb") as f:
+          f.seek(at.offset)
+          return f.read(at.length)
+      except OSError as e:
+        raise _location.storage_error(self.loc, f"reading {at.file}", e) from e
+    try:
+      kv = ts.KvStore.open(_tsio.db_spec(loc, db), context=_tsio.context()).result()
+      r = kv.read(_tsio.IDENTITY_KEY).result()
+    except ValueError as e:
+      raise _read_error(self.loc, item, "(database identity)", self.db(item, owner), e) from e
+    return bytes(r.value) if r.state == "value" else None
+
+  # ------------------------------------------------------------------ sizes, before allocating
+
+  def stored_problems(self, arrays: Sequence[tuple[str, Array]]) -> dict[tuple[str, str], str]:
+    """What the databases contradict of the manifest's sizes, per ``(item, array name)``.
+
+    Checked against the databases' indexes (local checkpoints), before any
+    buffer is allocated: each array's chunks are stored at the length its chunk
+    shape gives, and a database holds at least as many of them as the manifest
+    assigns to it (every chunk is stored since ``all_chunks_stored``). So an
+    array the manifest makes larger than its stored bytes, by its shape, its
+    chunk shape or its list of owners, is refused before a byte is allocated
+    for it. The indexes place every value inside its data file
+    (:mod:`orbax_flax._chunk_index`), so the stored bytes are bounded by the
+    files. Linear in the number of chunks; object stores are not checked here.
+    """
+    if self.index is None:
+      return {}
+    needs = [(item, rec) for item, rec in arrays if rec.owners]
+    dbs = [(item, o) for item, rec in needs for o in set(rec.owners)]
+    self.index.load(dbs)
+    self.identify(dbs)
+    stats: dict[tuple[str, int], dict[bytes, tuple[int, set[int]]]] = {}
+    problems: dict[tuple[str, str], str] = {}
+    for item, rec in needs:
+      if rec.is_packed:
+        if refs.split(rec.owners[0])[0]:
+          continue  # in a base's packed buffer: checked as that base's chunks are read
+        size = self.manifest.items[item].packed[rec.owners[0]]
+        chunk_bytes = _planning.pack_chunk_bytes(size)
+        pieces = self.manifest.items[item].packed_pieces.get(rec.owners[0])
+        own = ({k for lo, hi, base, _ in pieces if base < 0
+                for k in range(lo // chunk_bytes, (hi - 1) // chunk_bytes + 1)} if pieces
+               else range(-(-size // chunk_bytes)))  # a differential save stores its own pieces
+        name, per = _planning.PACKED, {rec.owners[0]: len(own)}
+      else:
+        name, per = rec.name, collections.Counter(rec.owners)
+        chunk_bytes = math.prod(rec.chunk_shape) * rec.np_stored_dtype.itemsize
+        if rec.np_stored_dtype.name in _SUB_BYTE:
+          chunk_bytes = -1  # stored packed by tensorstore: lengths not compared
+      for owner, n in per.items():
+        index = self.index.get(item, owner)
+        if index is None:
+          continue  # a layout the index reader does not know: tensorstore checks as it reads
+        if (item, owner) not in stats:
+          stats[item, owner] = _array_stats(index)
+        count, lengths = stats[item, owner].get(name.encode(), (0, set()))
+        problem = None
+        if count < n and self.manifest.all_chunks_stored:
+          problem = (f"the manifest places {n} chunk(s) in this database, which holds {count}:"
+                     " the manifest's shape, chunk shape or owners do not match what was stored")
+        elif chunk_bytes >= 0 and lengths - {chunk_bytes + 4}:
+          problem = (f"its chunks are stored as {sorted(lengths - {chunk_bytes + 4})[0] - 4}"
+                     f" bytes where the manifest's chunk shape gives {chunk_bytes}")
+        if problem:
+          key = (item, rec.name)
+          problems.setdefault(key, str(self._corrupted(
+              item, rec.path_text if not rec.is_packed else _packed_names_of(rec), owner, problem)))
+    return problems
 
   # ------------------------------------------------------------------ entry point
 
   def read(self, fills: Sequence[Fill], packed: Sequence[PackedFill] = ()) -> None:
     """Fills every ``out``; raises CheckpointCorruptedError / StorageError naming the array."""
+    dbs = ([(f.item, o) for f in fills for o in set(f.rec.owners)]
+           + [(p.item, p.owner) for p in packed])
     if self.index is not None:
-      self.index.load([(f.item, o) for f in fills for o in set(f.rec.owners)]
-                      + [(p.item, p.owner) for p in packed])
+      self.index.load(dbs)
+    self.identify(dbs)
     jobs: list[tuple[tuple, Any]] = []   # (sort key, callable)
     slow: list[Fill] = []
     chunk_needs: dict[tuple[str, int, str, int], list[tuple[Fill, _layout.Box]]] = {}
@@ -202,27 +318,47 @@ class Reader:
       tasks += [file_jobs[i:i + per_task] for i in range(0, len(file_jobs), per_task)]
     tasks.sort(key=len, reverse=True)
     fds = _read_buffers.Files()
+    stop = threading.Event()
     try:
       self._run([(_read_buffers.run_in_order, ([(fn, args + (fds,)) for _, (fn, args) in t],
-                                  t[0][0][0], t[0][0][1], t[-1][0][1] + t[-1][0][2] - t[0][0][1], fds))
+                                  t[0][0][0], t[0][0][1], t[-1][0][1] + t[-1][0][2] - t[0][0][1], fds,
+                                  stop), stop)
                  for t in tasks])
     finally:
       fds.close()
     if slow:
       self._read_with_tensorstore(slow)
 
-  def _run(self, calls: list[tuple[Any, tuple]]) -> None:
+  def _run(self, calls: list[tuple[Any, tuple, threading.Event]]) -> None:
+    """Runs ``fn(*args)`` for each call on the reading threads; raises the first failure.
+
+    The first failure ends the read: reads not started are dropped, each
+    running one stops after its current chunk (``stop`` is the last argument
+    of each call), and a thread waiting for temporary memory is woken. Every
+    wait here is on reads of local files, each of which ends.
+    """
     if not calls:
       return
+    stop = calls[0][2]
     if len(calls) == 1:
-      fn, args = calls[0]
+      fn, args, _ = calls[0]
       fn(*args)
       return
-    with concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(calls)),
-                                               thread_name_prefix="orbax_flax-read") as ex:
-      futures = [ex.submit(fn, *args) for fn, args in calls]
-      for fut in futures:
-        fut.result()
+    ex = concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(calls)),
+                                               thread_name_prefix="orbax_flax-read")
+    futures = []
+    try:
+      futures = [ex.submit(fn, *args) for fn, args, _ in calls]
+      concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    finally:  # all done, one failed, or this thread interrupted: the others stop now
+      stop.set()
+      self.temps.abort(errors.CheckpointError("the restore's read ended"))
+      ex.shutdown(wait=True, cancel_futures=True)
+      self.temps.reset()
+    errs = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+    real = [e for e in errs if not isinstance(e, _read_buffers.Aborted)]
+    if errs:
+      raise (real or errs)[0]
 
   # ------------------------------------------------------------------ direct reads
 
@@ -238,17 +374,23 @@ class Reader:
         data = into
       return data, int.from_bytes(value[n:], "little")
     crc = bytearray(4)
-    dst = into if into is not None else self.temps.get(n)[:n]
-    try:
-      got = os.preadv(fds.get(located.file), [memoryview(dst), crc], located.offset)
-    except FileNotFoundError as e:
-      raise self._corrupted(item, what, owner, f"data file {located.file} is missing") from e
-    except OSError as e:
-      raise _location.storage_error(self.loc, f"reading {located.file}", e) from e
-    if got != located.length:
-      raise self._corrupted(item, what, owner, f"data file {located.file} is shorter than its"
-                            f" index says ({got} of {located.length} bytes at {located.offset}:"
-                            " truncated?)")
+    temp = self.temps.get(n) if into is None else None
+    dst = into if into is not None else temp[:n]
+    try:  # on any error the temporary buffer goes back to the pool (others may wait for it)
+      try:
+        got = os.preadv(fds.get(located.file), [memoryview(dst), crc], located.offset)
+      except FileNotFoundError as e:
+        raise self._corrupted(item, what, owner, f"data file {located.file} is missing") from e
+      except OSError as e:
+        raise _location.storage_error(self.loc, f"reading {located.file}", e) from e
+      if got != located.length:
+        raise self._corrupted(item, what, owner, f"data file {located.file} is shorter than its"
+                              f" index says ({got} of {located.length} bytes at {located.offset}:"
+                              " truncated?)")
+    except BaseException:
+      if temp is not None:
+        self.temps.put(temp, n)
+      raise
     self._count(got)
     return dst, int.from_bytes(crc, "little")
 
@@ -306,7 +448,12 @@ class Reader:
     # checksum is extended slice by slice and compared at the end (a mismatch
     # fails the restore, so nothing read is ever handed out). Temporary memory
     # is one slice, not one chunk.
-    fd = fds.get(located.file)
+    try:
+      fd = fds.get(located.file)
+    except FileNotFoundError as e:
+      raise self._corrupted(item, what, owner, f"data file {located.file} is missing") from e
+    except OSError as e:
+      raise _location.storage_error(self.loc, f"reading {located.file}", e) from e
     crc = 0
     pos = 0
     while pos < stored:
@@ -405,10 +552,31 @@ class Reader:
 
   # ------------------------------------------------------------------ errors
 
+  def _wrong_database(self, item: str, owner: int, problem: str) -> errors.CheckpointCorruptedError:
+    return errors.CheckpointCorruptedError(
+        f"checkpoint data is corrupted: item {item!r}, database"
+        f" {self.loc.join(self.db(item, owner))}: {problem}. Restore from another checkpoint.")
+
   def _corrupted(self, item: str, what: str, owner: int, problem: str) -> errors.CheckpointCorruptedError:
     return errors.CheckpointCorruptedError(
         f"checkpoint data is corrupted: item {item!r}, array {what}, database"
         f" {self.loc.join(self.db(item, owner))}: {problem}. Restore from another checkpoint.")
+
+
+def _array_stats(index: dict[bytes, _chunk_index.Located]) -> dict[bytes, tuple[int, set[int]]]:
+  """Per array name in a database's index: (number of chunks, their stored lengths)."""
+  out: dict[bytes, tuple[int, set[int]]] = {}
+  for key, at in index.items():
+    name, sep, _ = key.partition(b"/c/")
+    if sep:
+      count, lengths = out.get(name, (0, set()))
+      lengths.add(at.length)
+      out[name] = (count + 1, lengths)
+  return out
+
+
+def _packed_names_of(rec: Array) -> str:
+  return f"{rec.path_text} (packed)"
 
 
 def _packed_names(pfs: Sequence[PackedFill]) -> str:

@@ -158,6 +158,7 @@ class Summary:
   casts: Mapping[str, str] = dataclasses.field(default_factory=dict)  # leaf -> dtype in memory
   item_bytes: Mapping[str, int] = dataclasses.field(default_factory=dict)
   all_chunks_stored: bool = False
+  database_identity: bool = False  # every database of this checkpoint holds its identity key
   bases: tuple[Base, ...] = ()                 # a differential save's referenced steps
   stored_bytes: Mapping[str, int] | None = None  # a differential save's {"own", "borrowed"}
 

@@ -122,7 +122,8 @@ class _Checker:
     if not isinstance(s.get("library_version"), str):
       self.bad(f"library_version is {_short(s.get('library_version'))}, not a string")
     for field, kind in (("custom", dict), ("casts", dict), ("item_bytes", dict),
-                        ("all_chunks_stored", bool), ("bases", list)):
+                        ("all_chunks_stored", bool), ("database_identity", bool),
+                        ("bases", list)):
       if field in s and not isinstance(s[field], kind):
         self.bad(f"{field} is {_short(s[field])}, not a {kind.__name__}")
     for leaf, dtype in s.get("casts", {}).items():
@@ -134,7 +135,8 @@ class _Checker:
             "library_version": s["library_version"], "generation": gen,
             "custom": s.get("custom", {}), "casts": s.get("casts", {}),
             "item_bytes": s.get("item_bytes", {}),
-            "all_chunks_stored": s.get("all_chunks_stored", False), "bases": bases,
+            "all_chunks_stored": s.get("all_chunks_stored", False),
+            "database_identity": s.get("database_identity", False), "bases": bases,
             "stored_bytes": stored}
 
   def items(self, items: Any, nproc: int) -> dict[str, Item]:

@@ -78,6 +78,18 @@ def array_spec(loc: Location, db: str, name: str, shape: Sequence[int], dtype: s
   }
 
 
+# Each process database holds, beside its arrays, one key naming the database itself:
+# ``<item>/p<process>-<generation>``, relative to its checkpoint. A reader compares it with
+# the database it meant to open, so a database moved to another item or process, or copied
+# in from another checkpoint, is an error, not another array's values (docs/format.md).
+IDENTITY_KEY = "ofx_database"
+
+
+def identity(db: str) -> bytes:
+  """The value of :data:`IDENTITY_KEY` in database ``db`` (``<item>/p<process>-<generation>``)."""
+  return b"orbax_flax database " + db.encode()
+
+
 def as_stored(data: np.ndarray, dtype: str) -> np.ndarray:
   return data if data.dtype.name == dtype else data.view(dtype)
 
@@ -94,6 +106,7 @@ class DatabaseWriter:
 
   def __init__(self, loc: Location, db: str, ctx: ts.Context):
     self._loc, self._db, self._ctx = loc, db, ctx
+    self._named = False  # the database's identity key written (with its first batch)
     self._pending: list[tuple[Any, Any, np.ndarray]] = []
     self._stores: dict[str, Any] = {}
     self._commits: list[Any] = []
@@ -123,6 +136,10 @@ class DatabaseWriter:
     writes = [(stores[key[0]] if key[0] in stores else self._stores[key[0]].with_transaction(txn))
               [slices].write(data, can_reference_source_data_indefinitely=True)
               for key, slices, data in pending]
+    if not self._named:
+      kv = ts.KvStore.open(db_spec(self._loc, self._db), context=self._ctx).result()
+      writes.append(kv.with_transaction(txn).write(IDENTITY_KEY, identity(self._db)))
+      self._named = True
     for w in writes:  # staged in the transaction (no I/O yet)
       w.result()
     commit = txn.commit_async()
@@ -195,9 +212,37 @@ def _find_value(store: ts.KvStore, node: str, key: bytes) -> str | None:
   return None
 
 
+# What a tensorstore error says failed, by what its text holds (first match wins).
+_FAILURES = (
+    (("checksum", "Checksum", "CRC", "Digest mismatch"),
+     "the stored checksum does not match the bytes read"),
+    (("NOT_FOUND",), "a file or key it needs is missing"),
+    (("OUT_OF_RANGE",), "a file is shorter than its index says (truncated?)"),
+    (("DATA_LOSS",), "the stored bytes do not decode (damaged)"),
+    (("FAILED_PRECONDITION", "INVALID_ARGUMENT"),
+     "the stored array metadata does not match the manifest"),
+)
+
+
+def what_failed(e: Exception) -> str:
+  """A phrase naming what a tensorstore read error says went wrong.
+
+  Example:
+    >>> what_failed(ValueError('NOT_FOUND: Error reading "a0/c/0"'))
+    'a file or key it needs is missing'
+    >>> what_failed(ValueError("INTERNAL: something else"))
+    'tensorstore could not read it (INTERNAL)'
+  """
+  text = str(e).split(" [tensorstore_spec=", 1)[0]  # (the spec names the crc32c codec)
+  for marks, phrase in _FAILURES:
+    if any(m in text for m in marks):
+      return phrase
+  code = text.split(":", 1)[0].strip()
+  return "tensorstore could not read it" + (f" ({code})" if code.isupper() else "")
+
+
 def corrupted(item: str, path: str, loc: Location, db: str, e: Exception) -> errors.CheckpointCorruptedError:
   where = locate(loc, db, str(e))
   return errors.CheckpointCorruptedError(
       f"checkpoint data is corrupted: item {item!r}, array {path}, file {where}:"
-      f" {e}. The stored checksum does not match the bytes read; restore from"
-      " another checkpoint.")
+      f" {what_failed(e)} ({e}). Restore from another checkpoint.")

@@ -99,9 +99,30 @@ def _steps_text(steps: list[int]) -> str:
   return f"step(s) [{shown}]"
 
 
+def _manifest_bytes(loc: Location) -> bytes | None:
+  """The manifest file's bytes (None: none), refused beyond ``MAX_MANIFEST_BYTES`` or as a link.
+
+  Raises:
+    CheckpointFormatError: a manifest larger than the cap (read no further than the cap), or
+      a symbolic link (a checkpoint reads only its own files).
+  """
+  where = f"{loc}/{_manifest.MANIFEST_KEY}"
+  if loc.is_local and os.path.islink(os.path.join(loc.local_path, _manifest.MANIFEST_KEY)):
+    raise errors.CheckpointFormatError(
+        f"{where} is a symbolic link (to"
+        f" {os.readlink(os.path.join(loc.local_path, _manifest.MANIFEST_KEY))}): a checkpoint"
+        " reads only its own files, never through a link; copy the real file in its place.")
+  data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.MAX_MANIFEST_BYTES + 1)
+  if data is not None and len(data) > _manifest.MAX_MANIFEST_BYTES:
+    raise errors.CheckpointFormatError(
+        f"{where} is larger than {_manifest.MAX_MANIFEST_BYTES >> 20} MiB, the most a manifest"
+        " may hold (orbax_flax writes none larger); damaged or crafted, it is not read.")
+  return data
+
+
 def read_manifest(loc: Location) -> Manifest:
   """The committed manifest at ``loc``; CheckpointNotFoundError if none."""
-  data = None if TMP_MARKER in loc.name else _location.read_key(loc, _manifest.MANIFEST_KEY)
+  data = None if TMP_MARKER in loc.name else _manifest_bytes(loc)
   if data is None:
     raise _not_found(loc)
   return _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
@@ -116,7 +137,7 @@ def open_manifest(path: Any) -> tuple[Location, Manifest]:
   """
   loc = Location.parse(path)
   if TMP_MARKER not in loc.name:
-    data = _location.read_key(loc, _manifest.MANIFEST_KEY)
+    data = _manifest_bytes(loc)
     if data is not None:
       return loc, _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
     foreign = formats.open_foreign(loc)
@@ -143,7 +164,7 @@ def read_summary(loc: Location) -> Summary:
     raise _not_found(loc)
   summary = _manifest.decode_summary(data, where)
   extent = _manifest.summary_extent(data) if summary is None else None
-  if extent is not None and extent > len(data):  # a long summary: read just that much
+  if extent is not None and len(data) < extent <= _manifest.MAX_MANIFEST_BYTES:  # a long summary
     data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=extent)
     summary = None if data is None else _manifest.decode_summary(data, where)
   if summary is None:  # a long summary of a manifest that does not say its length: read it all
@@ -294,6 +315,11 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[_matching.Want],
   packed arrays included. With a budget, arrays are read and placed in rounds.
   """
   reader = reader_for(loc, manifest, max_host_bytes, progress)
+  if reader is not None:  # sizes checked against the stored chunks before any allocation
+    problems = reader.stored_problems([(w.item, w.rec) for w in wants if isinstance(w.rec, Array)
+                                       and not _read.needs_generic(w.rec)])
+    if problems:
+      raise errors.CheckpointCorruptedError("\n  ".join(problems.values()))
   out: list[Any] = [None] * len(wants)
   for window in _windows(wants, max_host_bytes):
     fills, packed, requests = [], [], []

@@ -70,9 +70,13 @@ def verify_report(path: Any) -> tuple[int, str]:
 
 
 def _verify(loc: Location, manifest: Manifest, reader: _reading.Reader) -> int:
-  problems: list[str] = []
+  # Sizes first, from the indexes: an array whose manifest contradicts its stored chunks is
+  # reported without allocating for it or reading its chunks one by one.
+  bad = reader.stored_problems([(item, rec) for item, saved in manifest.items.items()
+                                for rec in saved.leaves if isinstance(rec, Array)])
+  problems: list[str] = list(bad.values())
   verified = 0
-  for batch, nbytes in _batches(manifest):
+  for batch, nbytes in _batches(manifest, set(bad)):
     try:
       reader.read([f for f in batch if isinstance(f, _reading.Fill)],
                   [f for f in batch if isinstance(f, _reading.PackedFill)])
@@ -128,14 +132,21 @@ def _verify_foreign(loc: Location, manifest: Manifest) -> int:
   return verified
 
 
-def _batches(manifest: Manifest):
-  """Fills for every stored chunk, in batches of about ``_BATCH_BYTES`` (buffers included)."""
+def _batches(manifest: Manifest, skip: set[tuple[str, str]] = frozenset()):
+  """Fills for every stored chunk, in batches of about ``_BATCH_BYTES`` (buffers included).
+
+  ``skip``: ``(item, array name)`` already reported (a packed one skips its buffer).
+  """
   batch: list[Any] = []
   used = 0
   for item, saved in manifest.items.items():
     packed: dict[int, list[Array]] = {}
+    skipped = {r.owners[0] for r in saved.leaves if isinstance(r, Array) and r.is_packed
+               and (item, r.name) in skip}
     for rec in saved.leaves:
-      if not isinstance(rec, Array) or not rec.owners:
+      if not isinstance(rec, Array) or not rec.owners or (item, rec.name) in skip:
+        continue
+      if rec.is_packed and rec.owners[0] in skipped:
         continue
       if rec.is_packed:
         packed.setdefault(rec.owners[0], []).append(rec)
