@@ -83,6 +83,25 @@ def test_export_orbax_restores_bitwise_with_orbax_checkpoint_onto_another_mesh(t
   np.testing.assert_array_equal(ofx.restore(path)["default"]["host"], np.arange(5))
 
 
+def test_export_orbax_splits_shards_into_chunks_each_written_once(tmp_path):
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  x = jax.device_put(jnp.arange(64 * 48, dtype=jnp.float32).reshape(64, 48),
+                     NamedSharding(mesh, P("data", "model")))  # shards of (32, 12): 1536 bytes
+  path = ofx.export_orbax(str(tmp_path / "x"), {"x": x}, max_chunk_bytes=512)
+  zarr = json.load(open(os.path.join(path, "x", "zarr.json"), encoding="utf-8"))
+  chunk = zarr["chunk_grid"]["configuration"]["chunk_shape"]
+  assert chunk == [8, 12] and 32 % chunk[0] == 0  # a chunk tiles a shard: one writer each
+  files = [f for _, _, fs in os.walk(os.path.join(path, "x", "c")) for f in fs]
+  assert len(files) == (64 // 8) * (48 // 12)
+  meta = json.load(open(os.path.join(path, "_METADATA"), encoding="utf-8"))
+  assert meta["tree_metadata"]["('x',)"]["value_metadata"]["write_shape"] == [32, 12]
+  other = jax.make_mesh((8,), ("all",))
+  got = ocp.StandardCheckpointer().restore(path, _onto({"x": x}, other))
+  _same(got, {"x": x})
+  with pytest.raises(ValueError, match="max_chunk_bytes=0"):
+    ofx.export_orbax(str(tmp_path / "y"), {"x": x}, max_chunk_bytes=0)
+
+
 def test_export_orbax_refuses_what_orbax_cannot_hold_before_writing(tmp_path):
   d = str(tmp_path / "x")
   with pytest.raises(ValueError, match=r"key: a PRNG key array; export jax.random.key_data"):

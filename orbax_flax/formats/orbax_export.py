@@ -9,8 +9,8 @@ importing orbax-checkpoint and without gathering the tree:
   (``jax.Array``, ``np.ndarray``, ``scalar``, ``string``, or ``None`` for an
   empty node), with ``use_ocdbt: false`` and ``use_zarr3: true``.
 * one zarr3 array per array or numeric scalar leaf, in a directory named by
-  its keys joined with ``.``: chunks are the array's shards (a numpy array or
-  scalar is one chunk), zstd-compressed. Every process writes the chunks of
+  its keys joined with ``.``: chunks tile the array's shards (a numpy array or
+  scalar is one shard), split to at most about 64 MiB, zstd-compressed. Every process writes the chunks of
   the shards it owns (``replica_id`` 0); process 0 writes the metadata.
 * ``_sharding``: each ``jax.Array``'s sharding (mesh shape, axis names and
   types, partition spec, device ids) as orbax records it, so a restore without
@@ -88,8 +88,8 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[s
         problems.append(f"{where}: dtype {leaf.dtype} is not a number type")
         continue
       info["value_type"] = "jax.Array" if isinstance(leaf, jax.Array) else "np.ndarray"
-      if isinstance(leaf, jax.Array):
-        info["write_shape"] = list(_chunk_shape(leaf))
+      if isinstance(leaf, jax.Array):  # what orbax records: the shape each shard writes
+        info["write_shape"] = [int(d) for d in leaf.sharding.shard_shape(leaf.shape)]
       arrays.append((name, leaf))
     elif isinstance(leaf, str):
       info["value_type"] = "string"
@@ -107,15 +107,32 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[s
   return meta, arrays, strings
 
 
-def _chunk_shape(value: Any) -> tuple[int, ...]:
-  """One shard of a sharded array (so each chunk has one writer); the whole array otherwise."""
+def _chunk_shape(value: Any, max_bytes: int = 64 << 20) -> tuple[int, ...]:
+  """A chunk that tiles one shard (so each chunk has one writer), of at most about
+  ``max_bytes``: a shard's dimensions are divided, leading ones first, by their divisors.
+
+  Example:
+    >>> import numpy as np
+    >>> _chunk_shape(np.zeros((3, 4), np.float32)), _chunk_shape(np.zeros((), np.int32))
+    ((3, 4), ())
+    >>> _chunk_shape(np.zeros((1024, 1024, 64), np.float32))
+    (256, 1024, 64)
+  """
   shape = tuple(int(s) for s in value.shape)
   if isinstance(value, jax.Array) and shape:
-    return tuple(max(int(s), 1) for s in value.sharding.shard_shape(shape))
-  return tuple(max(s, 1) for s in shape)
+    shape = tuple(int(s) for s in value.sharding.shard_shape(shape))
+  chunk = [max(s, 1) for s in shape]
+  itemsize = np.dtype(value.dtype).itemsize
+  for d, size in enumerate(chunk):
+    rest = itemsize * int(np.prod(chunk[:d] + chunk[d + 1:], dtype=np.int64))
+    if rest * size <= max_bytes:
+      break
+    chunk[d] = max((k for k in range(1, size + 1) if size % k == 0 and rest * k <= max_bytes),
+                   default=1)
+  return tuple(chunk)
 
 
-def _spec(directory: str, name: str, value: Any) -> dict[str, Any]:
+def _spec(directory: str, name: str, value: Any, max_chunk_bytes: int) -> dict[str, Any]:
   shape = [int(s) for s in value.shape]
   return {
       "driver": "zarr3",
@@ -124,7 +141,8 @@ def _spec(directory: str, name: str, value: Any) -> dict[str, Any]:
           "shape": shape,
           "data_type": np.dtype(value.dtype).name,
           "chunk_grid": {"name": "regular",
-                         "configuration": {"chunk_shape": list(_chunk_shape(value))}},
+                         "configuration": {"chunk_shape": list(_chunk_shape(
+                             value, max_chunk_bytes))}},
           "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
                      {"name": "zstd", "configuration": {"level": 3, "checksum": False}}],
       },
@@ -168,7 +186,7 @@ def _step_metadata(handlers: Any) -> dict[str, Any]:
 def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "default",
                  overwrite: bool = False,
                  coordination_timeout_seconds: float = _multihost.DEFAULT_TIMEOUT_S,
-                 select: str | None = None) -> str:
+                 select: str | None = None, max_chunk_bytes: int = 64 << 20) -> str:
   """Writes ``tree`` as an orbax-checkpoint checkpoint, each process its own shards.
 
   ``orbax.checkpoint.StandardCheckpointer().restore(path, target)`` restores it
@@ -192,6 +210,8 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     select: write only a part of ``tree``, named as ``init_from`` names it:
       ``"params"``, several joined by ``,`` (``"params,batch_stats"``); a
       TrainState's fields are its keys.
+    max_chunk_bytes: the most bytes per zarr chunk (a shard is split into
+      chunks that tile it; a reader decodes one chunk at a time).
 
   Returns:
     The directory written (the item's, or the step's).
@@ -210,6 +230,8 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
   """
   if select:
     tree = _tree.pick(tree, select)
+  if max_chunk_bytes <= 0:
+    raise ValueError(f"max_chunk_bytes={max_chunk_bytes}; give a positive size such as 64 << 20")
   meta, arrays, strings = _leaf_plan(tree)
   if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
     raise ValueError(f"step={step!r}; give a step number >= 0, or None for a lone item")
@@ -239,7 +261,8 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     try:
       shutil.rmtree(tmp, ignore_errors=True)
       os.makedirs(item_dir)
-      futures = [ts.open(_spec(item_dir, n, v), create=True, context=context) for n, v in arrays]
+      futures = [ts.open(_spec(item_dir, n, v, max_chunk_bytes), create=True, context=context)
+                 for n, v in arrays]
       for f in futures:
         f.result()
     except (OSError, ValueError) as e:
@@ -251,7 +274,8 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
       owned = list(safetensors_export.owned_boxes(value, me))
       if not owned:
         continue
-      store = ts.open(_spec(item_dir, name, value), open=True, context=context).result()
+      store = ts.open(_spec(item_dir, name, value, max_chunk_bytes), open=True,
+                      context=context).result()
       for box, data in owned:
         view = store[tuple(slice(lo, hi) for lo, hi in box)] if box else store
         view.write(np.asarray(data)).result()
