@@ -93,6 +93,11 @@ class Prefetched:
     self._state = self._after.popleft()  # the position right after the batch handed out
     return batch
 
+  @property
+  def checkpoint_state_is_global(self) -> bool:
+    """The source's own answer: its position is one for every process (see ``DataPosition``)."""
+    return bool(self._stateful and getattr(self._source, "checkpoint_state_is_global", False))
+
   def get_state(self) -> Any:
     """The source's position after the last batch this iterator handed out."""
     return self._state

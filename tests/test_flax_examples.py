@@ -231,6 +231,11 @@ def test_prefetched_counts_a_source_without_a_position():
     data.set_state({"i": 3})
   with pytest.raises(TypeError, match="no get_state"):
     ofx.Prefetched(iter(range(3)), ahead)
+  assert not data.checkpoint_state_is_global
+
+  class Global(Batches):  # a position in the global order: resumes on any process count
+    checkpoint_state_is_global = True
+  assert ofx.Prefetched(Global(1), lambda it: it).checkpoint_state_is_global
 
 
 def test_init_from_takes_params_and_batch_stats_at_once(tmp_path):
