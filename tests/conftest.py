@@ -16,6 +16,10 @@ import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-po
 
 assert jax.device_count() == 8, jax.devices()
 
+# Entry points the tests run as scripts: each defines absl's --config flag at import, so
+# the doctest collection must not import two of them into one process.
+collect_ignore = ["config_main.py", "dataclass_config_main.py"]
+
 
 @pytest.fixture
 def ckpt_dir(tmp_path):
