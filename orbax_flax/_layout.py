@@ -188,9 +188,12 @@ def assign_owners_grid(group: np.ndarray, group_holders: Sequence[frozenset[int]
     return np.asarray(owners, dtype=np.int64)
   counts = np.bincount(group, minlength=len(group_holders))
   owners = single[group]
-  for g in np.flatnonzero(counts).tolist():
-    if single[g] >= 0:
-      load[int(single[g])] += int(counts[g]) * chunk_bytes
+  alone = np.flatnonzero((counts > 0) & (single >= 0))  # groups of one holder: all theirs
+  if len(alone):
+    added = np.zeros(len(load), dtype=np.int64)
+    np.add.at(added, single[alone], counts[alone] * chunk_bytes)
+    for p in np.flatnonzero(added).tolist():
+      load[p] += int(added[p])
   multi = np.flatnonzero((counts > 0) & (single < 0)).tolist()
   if multi:
     order = np.argsort(group, kind="stable")

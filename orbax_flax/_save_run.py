@@ -11,6 +11,7 @@ agreed through the coordination service and process 0 commits
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -28,6 +29,8 @@ from orbax_flax import errors
 from orbax_flax._location import Location
 from orbax_flax._planning import Piece
 from orbax_flax.differential import differ as differ_lib
+
+log = logging.getLogger("orbax_flax")
 
 # Writes go out in batches of about half a second each (two in flight), so that a
 # cancelled save stops writing within about a second.
@@ -83,9 +86,10 @@ class SaveRun:
             os.makedirs(_committing.target(final, gen).local_path)
           except OSError as e:
             raise _location.storage_error(final, "creating the checkpoint directory", e) from e
-        _multihost.publish(f"{self.key}/gen", gen)
+        _multihost.publish(f"{self.key}/gen", gen, timeout_s=self.timeout_s)
       except BaseException as e:
-        _multihost.publish(f"{self.key}/gen", f"error: {e}")
+        if not isinstance(e, _multihost.CoordinationTimeoutError):
+          _multihost.publish(f"{self.key}/gen", f"error: {e}", timeout_s=self.timeout_s)
         raise
     else:
       gen = _multihost.fetch(f"{self.key}/gen", self.timeout_s,
@@ -205,29 +209,69 @@ class SaveRun:
       self._discard()
       raise error
     status = "ok" if error is None else _describe(error)
-    self.differ.publish(self.key, error)
     self.progress.phase = "waiting for every process to finish writing"
-    _multihost.arrive(f"{self.key}/status", status)
+    answered = True
     try:
+      self.differ.publish(self.key, error, self.timeout_s)
+      _multihost.arrive(f"{self.key}/status", status, timeout_s=self.timeout_s)
       if self.me != 0:
         self._follow(error)
       else:
         self._lead(error)
+    except _multihost.CoordinationTimeoutError as e:
+      if e.missing != [0] or self.me == 0:  # only the service's silence is handled here
+        raise
+      answered = False
+      self._unanswered(e, error)
     finally:
-      _multihost.leave(self.key)  # every key of this save is read: the last process deletes them
+      if answered:
+        self._leave()
+
+  def _leave(self) -> None:
+    """Every key of this save is read: the last process deletes them (cleanup: if the service
+    does not answer, they stay, a few bytes, rather than replace the save's outcome)."""
+    try:
+      _multihost.leave(self.key, timeout_s=self.timeout_s)
+    except _multihost.CoordinationTimeoutError as e:
+      log.warning("save to %s: its keys stay in the coordination service: %s", self.plan.loc, e)
+
+  def _unanswered(self, e: _multihost.CoordinationTimeoutError,
+                  error: BaseException | None) -> None:
+    """A call into the coordination service got no answer in time (process 0, its host, is
+    stopped or hung): raises this process's verdict without waiting any longer.
+
+    A process that never reported its part written (``error``) knows that
+    nothing can commit: process 0 commits only on every process's "ok". One
+    that did report it cannot know whether process 0 decided to commit before
+    it stopped answering. Either way this process's abort is posted: it reaches
+    the service when it answers again, before process 0's decision if that was
+    not taken yet, and the others then learn this verdict.
+    """
+    if error is not None:
+      text = (f"save to {self.plan.loc} aborted by process {self.me}: it failed"
+              f" ({_describe(error)}) and then {_lower_first(str(e))} Nothing was committed.")
+      _multihost.post_claim(f"{self.key}/decision", f"failed: {text}")
+      raise errors.StorageError(text) from error
+    text = (f"save to {self.plan.loc} aborted by process {self.me}: {_lower_first(str(e))}"
+            " This process had written its part: the checkpoint is committed only if process 0"
+            " decided so before it stopped answering (`python -m orbax_flax verify"
+            f" {self.plan.loc}` tells).")
+    _multihost.post_claim(f"{self.key}/decision", f"failed: {text}")
+    raise errors.StorageError(text) from e
 
   def _follow(self, error: BaseException | None) -> None:
     try:
       decision = _multihost.fetch(f"{self.key}/decision", self.timeout_s,
                                   waiting_for="process 0's commit decision", missing=[0])
     except _multihost.CoordinationTimeoutError:
-      missing = _multihost.absent(f"{self.key}/status")
+      missing = _multihost.absent(f"{self.key}/status", timeout_s=self.timeout_s)
       who = (f"process(es) {missing} did not finish writing" if missing
              else "process 0 did not decide")
       decision = _multihost.claim(
           f"{self.key}/decision",
           f"failed: save to {self.plan.loc} aborted by process {self.me} after waiting"
-          f" {self.timeout_s:g} s (coordination_timeout_seconds): {who}; nothing was committed.")
+          f" {self.timeout_s:g} s (coordination_timeout_seconds): {who}; nothing was committed.",
+          timeout_s=self.timeout_s)
     if error is not None:
       if isinstance(error, errors.SaveCancelledError) or decision == "commit":
         raise error
@@ -257,7 +301,8 @@ class SaveRun:
       decision = _multihost.claim(
           f"{self.key}/decision",
           f"failed: save to {final} aborted by process 0: {e} Nothing was committed; the data"
-          " written so far is a leftover, removed by a later save or manager.")
+          " written so far is a leftover, removed by a later save or manager.",
+          timeout_s=self.timeout_s)
       # Never delete here: a process that did not report may still be writing.
       if error is not None:
         raise error
@@ -273,9 +318,9 @@ class SaveRun:
       else:
         text = (f"failed: save to {final} failed, nothing was committed: "
                 + "; ".join(f"process {p}: {s}" for p, s in failed))
-      decision = _multihost.claim(f"{self.key}/decision", text)
+      decision = _multihost.claim(f"{self.key}/decision", text, timeout_s=self.timeout_s)
     else:
-      decision = _multihost.claim(f"{self.key}/decision", "commit")
+      decision = _multihost.claim(f"{self.key}/decision", "commit", timeout_s=self.timeout_s)
     if decision != "commit":
       self._discard()  # every process reported: nobody writes any more
       if error is not None:
@@ -286,10 +331,11 @@ class SaveRun:
       self._commit()
     except BaseException as e:
       _multihost.publish(f"{self.key}/outcome",
-                         f"save to {final} failed on process 0, nothing was committed: {e}")
+                         f"save to {final} failed on process 0, nothing was committed: {e}",
+                         timeout_s=self.timeout_s)
       self._discard()
       raise
-    _multihost.publish(f"{self.key}/outcome", "ok")
+    _multihost.publish(f"{self.key}/outcome", "ok", timeout_s=self.timeout_s)
 
   # ---------------------------------------------------------------- the commit
 
@@ -313,6 +359,10 @@ def _describe(error: BaseException) -> str:
   if isinstance(error, errors.SaveCancelledError):
     return f"{_CANCELLED}{error}"
   return f"error: {type(error).__name__}: {error}"
+
+
+def _lower_first(text: str) -> str:
+  return text[:1].lower() + text[1:]
 
 
 def _verdict_text(decision: str) -> str:

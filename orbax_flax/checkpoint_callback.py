@@ -143,7 +143,8 @@ class CheckpointCallback(callbacks.Callback):
     state_items.check(state)  # every part of the state can be saved, before anything runs
     self._state_checked = True
     self._watch()
-    self._data = resume.DataPosition.of(data_iterator, self.manager.coordination_key)
+    self._data = resume.DataPosition.of(data_iterator, self.manager.coordination_key,
+                                        self.policy.coordination_timeout_seconds)
     self._restart.restore_began(background)
 
   def _restored(self, got: tuple[Any, int | None]) -> Any:
@@ -271,14 +272,20 @@ class CheckpointCallback(callbacks.Callback):
     self.preempted = True
     self._preempted_at = step
     start = time.monotonic()
+    # The grace period counts from the signal (on every process: see PreemptionWatcher), not
+    # from this step, which the processes agreed on maybe many seconds later.
+    signalled = start - (self._watcher.signal_time or start)  # seconds before start
+    grace = self.policy.preemption_grace_seconds
+    log.warning("preempted: saving step %d, %.2f s after the signal%s", step, signalled,
+                f" ({max(0.0, grace - signalled):.2f} s of the {grace:g} s grace period left)"
+                if grace else "")
     items = self._items(step, state, data_state, data_s)  # the mark's get_state(), if any
     if self._local is not None:  # seconds: done first, whatever the grace period
       items = self.manager.host_snapshot(items)
       # A failure is logged: the persistent save still runs.
       self._local.save(step, items, timeline=self.manager.timeline, writer=self.writer)
     self._save(step, state, metrics, "preemption", items=items)
-    signalled = start - (self._watcher.signal_time or start)  # seconds before start
-    if interruptions.committed_in_grace(self.manager, step, self.policy.preemption_grace_seconds,
+    if interruptions.committed_in_grace(self.manager, step, grace,
                                         time.monotonic() - start + signalled):
       self._flush_events()
       _progress.say("preempted: step %d is committed; stopping", step)

@@ -411,7 +411,7 @@ def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
 
 def _one_save(path: Any) -> Checkpointer:
   """The checkpointer of one module-function save: no staging memory kept, keys of ``path``."""
-  key = _multihost.namespace("save", str(Location.parse(path)))
+  key = _multihost.namespace("save", str(Location.parse(path)), _multihost.DEFAULT_TIMEOUT_S)
   return Checkpointer(keep_staging_memory=False, coordination_key=key)
 
 

@@ -74,9 +74,11 @@ def build(policy: CheckpointPolicy, directory: Any, *, clock: Callable[[], float
   loc = Location.parse(directory)
   key = _multihost.namespace("manager", str(loc), policy.coordination_timeout_seconds)
   if trigger is None:
-    schedule = Schedule(*policy.triggers(), key=key, clock=clock, if_busy=policy.if_busy)
+    schedule = Schedule(*policy.triggers(), key=key, clock=clock, if_busy=policy.if_busy,
+                        timeout_s=policy.coordination_timeout_seconds)
   elif callable(trigger):
-    schedule = Schedule.of(trigger, key=key, clock=clock, if_busy=policy.if_busy)
+    schedule = Schedule.of(trigger, key=key, clock=clock, if_busy=policy.if_busy,
+                           timeout_s=policy.coordination_timeout_seconds)
   else:
     raise TypeError(f"trigger={trigger!r}: must be a trigger, e.g. ofx.any_of(ofx.EveryNSteps(100),"
                     " ofx.EveryNSeconds(600))")
@@ -87,10 +89,12 @@ def build(policy: CheckpointPolicy, directory: Any, *, clock: Callable[[], float
                                 max_to_keep=policy.local_max_to_keep,
                                 coordination_timeout_seconds=policy.coordination_timeout_seconds,
                                 max_host_bytes=policy.max_host_bytes)
-    local_schedule = Schedule(*policy.triggers(local=True), key=f"{key}/local", clock=clock)
+    local_schedule = Schedule(*policy.triggers(local=True), key=f"{key}/local", clock=clock,
+                              timeout_s=policy.coordination_timeout_seconds)
   watcher = None
   if policy.save_on_preemption:
-    watcher = lambda: preemption.PreemptionWatcher(policy.preemption_signals)  # noqa: E731
+    watcher = lambda: preemption.PreemptionWatcher(  # noqa: E731
+        policy.preemption_signals, policy.coordination_timeout_seconds)
   options = dict(max_host_bytes=policy.max_host_bytes,
                  keep_staging_memory=policy.keep_staging_memory,
                  coordination_timeout_seconds=policy.coordination_timeout_seconds,

@@ -21,6 +21,13 @@ A second signal while the first is being handled restores the default action
 and re-sends the signal: the process dies at once. That is safe: a checkpoint
 is committed atomically, so a kill leaves no half-written step marked
 committed.
+
+:attr:`PreemptionWatcher.signal_time` is when the signal came, on every
+process (a grace period counts from it, not from the step the processes agree
+on, which may come many seconds later): the time of this process's own
+handler, or else the time JAX's notifier recorded in the coordination service
+when it caught SIGTERM on whichever process got it (it looks once a second, so
+up to about a second after the signal).
 """
 
 from __future__ import annotations
@@ -31,8 +38,15 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from datetime import datetime
+
+from orbax_flax import _multihost
 
 log = logging.getLogger("orbax_flax")
+
+# The key under which JAX's preemption sync manager (XLA's preemption_sync_manager.cc) records
+# the time its notifier caught SIGTERM, as RFC 3339 text, for every process to read.
+_JAX_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
 
 
 def _jax_sync_manager_active() -> bool:
@@ -50,6 +64,12 @@ class PreemptionWatcher:
   numbering. Use as a context manager (or call :meth:`close`) to put the
   previous signal handlers back.
 
+  Args:
+    signals: the signal names that mean preemption.
+    timeout_s: how long reading the signal's time from the coordination
+      service may wait (a multi-process job; the policy's
+      ``coordination_timeout_seconds``).
+
   Example:
     >>> w = PreemptionWatcher(("SIGUSR1",))
     >>> w.reached(1)
@@ -57,8 +77,10 @@ class PreemptionWatcher:
     >>> w.close()
   """
 
-  def __init__(self, signals: Sequence[str] = ("SIGTERM",)):
-    self.signal_time: float | None = None
+  def __init__(self, signals: Sequence[str] = ("SIGTERM",),
+               timeout_s: float = _multihost.DEFAULT_TIMEOUT_S):
+    self.signal_time: float | None = None  # time.monotonic() of the signal, once known
+    self._timeout_s = timeout_s
     self._signals = [signal.Signals[s] for s in signals]
     self._use_jax = _jax_sync_manager_active()
     self._flag = threading.Event()
@@ -102,10 +124,28 @@ class PreemptionWatcher:
     if self._use_jax:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       hit = multihost_utils.reached_preemption_sync_point(step)
-      if hit and self.signal_time is None:
-        self.signal_time = time.monotonic()
+      if hit:
+        self._note_signal_time()
       return hit
     return self._flag.is_set()
+
+  def _note_signal_time(self) -> None:
+    """Sets :attr:`signal_time` from JAX's notice (or our handler's time, if earlier).
+
+    Without a readable notice, the sync point is the time (late: a grace period
+    then counts from here, as it did before the notice was read).
+    """
+    now_wall, now = time.time(), time.monotonic()
+    at = now
+    try:
+      notice = None if _multihost.client() is None else _multihost.try_fetch(
+          _JAX_NOTICE_KEY, timeout_s=self._timeout_s)
+      if notice is not None:
+        at = now - max(0.0, now_wall - datetime.fromisoformat(notice).timestamp())
+    except (ValueError, TimeoutError) as e:
+      log.warning("preemption: cannot read when the signal came (%s); the grace period counts"
+                  " from the step the processes agreed on", e)
+    self.signal_time = at if self.signal_time is None else min(self.signal_time, at)
 
   def close(self) -> None:
     """Restores the signal handlers that were there before."""

@@ -31,6 +31,7 @@ process, and moved back to where the restored step stopped.
 
 from __future__ import annotations
 
+import builtins
 import json
 import logging
 from typing import Any
@@ -321,11 +322,18 @@ class Resume:
         error = None
       except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
         error = e
+      except BaseException as e:  # pylint: disable=broad-except  # every process learns it first
+        if jax.process_count() > 1:
+          self._tell_the_others(step, e)
+        raise
       if jax.process_count() > 1:  # every process resumes from the same step, or none does
         votes = _multihost.all_gather(f"{manager.coordination_key}/resume/{step}",
                                       "ok" if error is None else f"{type(error).__name__}: {error}",
                                       timeout_s=self._policy.coordination_timeout_seconds,
                                       what=f"restore step {step}")
+        stopped = [(p, v[len(_STOPPED):]) for p, v in enumerate(votes) if v.startswith(_STOPPED)]
+        if stopped:
+          raise _failed_elsewhere(step, manager.directory, stopped)
         bad = [f"process {p}: {v}" for p, v in enumerate(votes) if v != "ok"]
         if bad and error is None:
           error = errors.CheckpointCorruptedError("; ".join(bad))
@@ -344,8 +352,24 @@ class Resume:
         " refusing to start from scratch over them. Move the directory away to start fresh, or"
         " repair it:\n  " + "\n  ".join(failures))
 
+  def _tell_the_others(self, step: int, error: BaseException) -> None:
+    """Votes ``error`` (not damage: it stops the resume) without waiting for the others' votes.
+
+    Every other process finds it at the vote and raises the same kind of error
+    (:func:`_failed_elsewhere`), rather than wait there for this process until
+    the coordination timeout.
+    """
+    try:
+      _multihost.arrive(f"{self._manager.coordination_key}/resume/{step}",
+                        f"{_STOPPED}{type(error).__name__}: {error}",
+                        timeout_s=self._policy.coordination_timeout_seconds)
+    except _multihost.CoordinationTimeoutError as e:
+      error.add_note(f"orbax_flax: the other processes could not be told: {e}")
+
   def _init_from(self, state: Any) -> Any:
     items = state_items.to_items(state)
+    if init_from.several(self._policy.init_from):
+      return self._init_parts(state, items)
     name = "params" if "params" in items else "state"
     target = _targets({name: items[name]})[name]
     p = self._policy  # a restore like any other: the run's watchdog, progress and memory budget
@@ -356,6 +380,20 @@ class Resume:
       items[name], source = init_from.load(p.init_from, name, target, ckptr)
     _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)", name, source,
                   self._manager.directory)
+    return state_items.from_items(state, items)
+
+  def _init_parts(self, state: Any, items: dict[str, Any]) -> Any:
+    """``init_from`` naming several parts (params and batch_stats): each into its place."""
+    p = self._policy
+    with checkpointer.Checkpointer(max_host_bytes=p.max_host_bytes,
+                                   coordination_timeout_seconds=p.coordination_timeout_seconds,
+                                   coordination_key=f"{self._manager.coordination_key}/init_from",
+                                   watchdog_seconds=p.watchdog_seconds) as ckptr:
+      parts, source = init_from.load_parts(p.init_from, _targets(items), ckptr)
+    for dst, value in parts.items():
+      items[dst[0]] = _tree.put(items[dst[0]], dst[1:], value)
+    _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)",
+                  ", ".join("/".join(d) for d in parts), source, self._manager.directory)
     return state_items.from_items(state, items)
 
   def _continue(self, previous: workdir_lib.PreviousRun, state: Any,

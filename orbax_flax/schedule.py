@@ -53,13 +53,17 @@ class Schedule:
     clock: wall-time source (tests pass a fake).
     if_busy: a save due while the previous one still writes: "wait" for it,
       or "skip" it (see :meth:`skips`).
+    timeout_s: how long a process waits for process 0's decision and for the
+      coordination service (the policy's ``coordination_timeout_seconds``).
   """
 
   def __init__(self, steps: policy_lib.Trigger | None = None,
                time: policy_lib.Trigger | None = None,  # pylint: disable=redefined-outer-name
                auto: policy_lib.YoungDaly | None = None, *, key: str,
-               clock: Callable[[], float] = time.time, if_busy: str = "wait"):
+               clock: Callable[[], float] = time.time, if_busy: str = "wait",
+               timeout_s: float = _multihost.DEFAULT_TIMEOUT_S):
     self._steps = steps
+    self._timeout_s = timeout_s
     self._if_busy = if_busy
     self._time = time
     self._auto = auto
@@ -73,15 +77,15 @@ class Schedule:
 
   @classmethod
   def of(cls, trigger: policy_lib.Trigger, *, key: str, clock: Callable[[], float] = time.time,
-         if_busy: str = "wait") -> Schedule:
+         if_busy: str = "wait", timeout_s: float = _multihost.DEFAULT_TIMEOUT_S) -> Schedule:
     """A schedule of one trigger composed by hand (e.g. ``any_of(EveryNSteps(100), ...)``).
 
     Decided on every process alike if it does not read the clock, else by
     process 0.
     """
     if getattr(trigger, "reads_clock", True):
-      return cls(time=trigger, key=key, clock=clock, if_busy=if_busy)
-    return cls(trigger, key=key, clock=clock, if_busy=if_busy)
+      return cls(time=trigger, key=key, clock=clock, if_busy=if_busy, timeout_s=timeout_s)
+    return cls(trigger, key=key, clock=clock, if_busy=if_busy, timeout_s=timeout_s)
 
   @property
   def auto(self) -> policy_lib.YoungDaly | None:
@@ -113,7 +117,8 @@ class Schedule:
     if reason is not None or (self._time is None and self._auto is None):
       return reason
     return _multihost.decide_per_step(f"{self._key}/time", step,
-                                      lambda: self._timed(state) or "") or None
+                                      lambda: self._timed(state) or "",
+                                      timeout_s=self._timeout_s) or None
 
   def _timed(self, state: policy_lib.SaveState) -> str | None:
     reason = self._time(state) if self._time is not None else None
@@ -127,7 +132,8 @@ class Schedule:
     if self._if_busy != "skip" or reason in policy_lib.FORCED:
       return False
     if _multihost.process_count() > 1:  # every process must skip the same steps
-      busy = "1" in _multihost.all_gather(f"{self._key}/busy/{step}", "1" if busy else "0")
+      busy = "1" in _multihost.all_gather(f"{self._key}/busy/{step}", "1" if busy else "0",
+                                          self._timeout_s)
     if busy:
       log.info("skipping the %s save of step %d: the previous save is still being written",
                reason, step)

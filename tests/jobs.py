@@ -52,11 +52,13 @@ def env_for(devices_per_process: int, extra: dict[str, str] | None = None) -> di
   return env
 
 
-def join(parser: argparse.ArgumentParser) -> argparse.Namespace:
+def join(parser: argparse.ArgumentParser, heartbeat_timeout_seconds: int = 10) -> argparse.Namespace:
   """In a worker script: parses the flags :func:`start` passes, then joins the job.
 
   ``parser`` holds the worker's own flags; --coordinator, --num_processes and
-  --process_id are added here.
+  --process_id are added here. A job whose test stops a process (SIGSTOP) for
+  seconds raises ``heartbeat_timeout_seconds``: JAX aborts the job when a
+  process misses its heartbeats that long.
   """
   import jax  # pylint: disable=g-import-not-at-top  # only worker processes need it
   parser.add_argument("--coordinator")
@@ -64,7 +66,8 @@ def join(parser: argparse.ArgumentParser) -> argparse.Namespace:
   parser.add_argument("--process_id", type=int)
   a = parser.parse_args()
   jax.distributed.initialize(a.coordinator, num_processes=a.num_processes, process_id=a.process_id,
-                             initialization_timeout=60, heartbeat_timeout_seconds=10)
+                             initialization_timeout=60,
+                             heartbeat_timeout_seconds=heartbeat_timeout_seconds)
   return a
 
 

@@ -1,8 +1,9 @@
 """One process of a 2-process save in which process ``--slow`` arrives seconds late.
 
 The slow process stops itself with SIGSTOP just before the save (the test
-sends SIGCONT after a few seconds): a real process, really late. The
-checkpointer's coordination timeout is 2 s.
+sends SIGCONT once the other process has printed its result, having given
+up): a real process, really late. The checkpointer's coordination timeout is
+2 s.
 """
 
 import argparse
@@ -27,7 +28,7 @@ def make_while_process_0_is_stopped():
     print(f"P0 READY pid={os.getpid()}", flush=True)
     os.kill(os.getpid(), signal.SIGSTOP)
   else:
-    _multihost.publish("slow_worker/asking", "1")
+    _multihost.publish("slow_worker/asking", "1", timeout_s=60)
     time.sleep(1)  # process 0 is stopped by now
     start = time.monotonic()
     try:
@@ -43,7 +44,7 @@ def main():
   p.add_argument("--path")
   p.add_argument("--slow", type=int)
   p.add_argument("--stop_before_making", type=int, default=0)
-  a = jobs.join(p)
+  a = jobs.join(p, heartbeat_timeout_seconds=60)  # the test stops a process for seconds
   mesh = jax.make_mesh((jax.device_count(),), ("x",))
   value = np.arange(8 * (1 << 16), dtype=np.float32).reshape(8, 1 << 16)
   x = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("x")), lambda i: value[i])
@@ -58,10 +59,10 @@ def main():
   if jax.process_index() == a.slow:
     _multihost.fetch("slow_worker/made", 60, waiting_for="the other process's Checkpointer")
   else:
-    _multihost.publish("slow_worker/made", "1")
+    _multihost.publish("slow_worker/made", "1", timeout_s=60)
   print(f"P{jax.process_index()} READY pid={os.getpid()}", flush=True)
   if jax.process_index() == a.slow:
-    os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes us 5 s later
+    os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes us once the other has its result
   try:
     ckptr.save(a.path, {"s": {"x": x}})
     print(f"P{jax.process_index()} RESULT ok", flush=True)

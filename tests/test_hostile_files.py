@@ -802,3 +802,110 @@ def test_fuzz_differential_references(diff_ckpt, outside, edit, in_summary):
   path, expected = diff_ckpt
   file, data, _ = _edited_manifest(path, edit, in_summary)
   check_file_mutation(file, data, lambda: _own_read(path), expected, outside[1], exact=False)
+
+
+# ---------------------------------------------------------------------------
+# Sizes and links (issue 26): a crafted size is refused before it is allocated; a link is
+# never followed.
+
+
+@pytest.fixture(scope="module")
+def sized_ckpt(tmp_path_factory, outside):
+  """A chunked array (one chunk per device) and a packed one."""
+  path = str(tmp_path_factory.mktemp("sized") / "ckpt")
+  mesh = jax.make_mesh((len(jax.devices()),), ("x",))
+  w = jax.device_put(np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512),
+                     jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")))
+  ofx.save(path, {"state": {"w": w, "b": np.arange(5, dtype=np.float32)}})
+  return path, ofx.restore(path)
+
+
+# Dimensions a crafted manifest would claim: the stored ones, near them, and huge.
+_DIMS = st.one_of(st.sampled_from([1, 2, 5, 64, 128, 256, 512, 1024, 2048, 2**20, 2**31, 2**40]),
+                  st.integers(1, 4096))
+
+
+def _resize(body: dict, shape: list[int], chunk: list[int], nbytes_delta: int) -> dict:
+  """``body`` with leaf ``w`` claiming ``shape`` in chunks of ``chunk``: every other field
+  consistent (nbytes, one owner per chunk, compact when many), so only the sizes lie."""
+  body = json.loads(json.dumps(body))
+  (rec,) = [r for r in body["items"]["state"]["leaves"] if r["path"] == ["w"]]
+  grid = int(np.prod([-(-s // c) for s, c in zip(shape, chunk)]))
+  rec.update(shape=shape, chunk_shape=chunk, nbytes=int(np.prod(shape)) * 4 + nbytes_delta)
+  rec.pop("owners", None)
+  if grid >= 1024:
+    import zlib  # pylint: disable=g-import-not-at-top
+    import base64  # pylint: disable=g-import-not-at-top
+    rec["owners_z"] = base64.b64encode(zlib.compress(np.zeros(grid, "<u4").tobytes())).decode()
+    body["version"] = 2
+  else:
+    rec["owners"] = [0] * grid
+  return body
+
+
+@settings(_SETTINGS, max_examples=400 if LONG else 60)
+@given(shape=st.lists(_DIMS, min_size=1, max_size=3), chunk=st.lists(_DIMS, min_size=1, max_size=3),
+       nbytes_delta=st.sampled_from([0, 0, 0, 4, -4]))
+def test_fuzz_own_manifest_sizes(sized_ckpt, outside, shape, chunk, nbytes_delta):
+  """Shapes, chunk shapes and owner counts a crafted manifest states consistently (hashes
+  redone): restore and verify refuse them (a ``CheckpointError``) before allocating, or read
+  what is stored; never a ``MemoryError``/``OSError``, never a value from outside."""
+  path, expected = sized_ckpt
+  chunk = (chunk + [1] * 3)[:len(shape)]
+  grid = int(np.prod([-(-s // c) for s, c in zip(shape, chunk)], dtype=object))
+  if grid > 2**20 or any(c > s for c, s in zip(chunk, shape)):
+    chunk = [min(c, s) for c, s in zip(chunk, shape)]
+    grid = int(np.prod([-(-s // c) for s, c in zip(shape, chunk)], dtype=object))
+  if grid > 2**20:  # a million chunks at most: the owners list itself must stay small here
+    chunk = list(shape)
+  file = os.path.join(path, "_CHECKPOINT")
+  _, line, body = open(file, "rb").read().split(b"\n", 2)
+  summary, body = json.loads(line), json.loads(body)
+  body = _resize(body, shape, chunk, nbytes_delta)
+  if body["version"] == 2:
+    summary["version"] = 2
+  check_file_mutation(file, _rehash(summary, body),
+                      lambda: (ofx.restore(path), ofx.verify(path))[0], expected, outside[1],
+                      exact=False)
+
+
+def _entries(root: str) -> list[str]:
+  """Every file and directory below ``root`` (relative), in a stable order."""
+  out = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames.sort()
+    out += [os.path.relpath(os.path.join(dirpath, n), root) for n in sorted(dirnames + filenames)]
+  return out
+
+
+@settings(_SETTINGS, max_examples=200 if LONG else 40)
+@given(which=st.integers(0, 10_000), to_outside=st.booleans(), absolute=st.booleans())
+def test_fuzz_links_inside_a_checkpoint_are_never_followed(own_ckpt, outside, which, to_outside,
+                                                            absolute):
+  """Any file or directory of a checkpoint replaced by a symbolic link, to the same content
+  moved aside inside the checkpoint or to the sentinel checkpoint outside: every read
+  refuses it with a ``CheckpointFormatError`` naming the link (never follows it)."""
+  path, _ = own_ckpt
+  entries = _entries(path)
+  rel = entries[which % len(entries)]
+  link = os.path.join(path, rel)
+  if to_outside:
+    target = os.path.join(outside[0], "ours", "_CHECKPOINT" if rel == "_CHECKPOINT" else "state")
+    aside = link + ".aside"
+  else:
+    target = aside = link + ".aside"
+  os.rename(link, aside)
+  try:
+    os.symlink(target if absolute else os.path.relpath(target, os.path.dirname(link)), link)
+    outside[1].active, outside[1].seen = True, []
+    try:
+      for read in (lambda: ofx.restore(path), lambda: ofx.verify(path)):
+        with pytest.raises(ofx.CheckpointFormatError, match="symbolic link") as e:
+          read()
+        assert link in str(e.value) or rel.split(os.sep)[0] in str(e.value)
+    finally:
+      outside[1].active = False
+    assert not outside[1].seen, outside[1].seen
+  finally:
+    os.remove(link)
+    os.rename(aside, link)

@@ -1,0 +1,89 @@
+"""One process of a 3-process job in which process ``--stopped`` stops (SIGSTOP) while the
+others call into the coordination service.
+
+Every other process makes each call of :mod:`orbax_flax._multihost` with a 1 s
+deadline, once the test says the process is stopped (it creates ``--go``), and
+prints one line per call: ``CALL <name> <outcome> missing=<list> | <message>``,
+then ``DONE``. The test resumes the stopped process (SIGCONT) once
+every other process is done: a call without a deadline would hang until then.
+Process 0 hosts the coordination service: with it stopped every call gets no
+answer; with another process stopped, the waits for that process time out.
+"""
+
+import argparse
+import os
+import signal
+import time
+
+import jax
+
+import jobs
+from orbax_flax import _multihost
+
+T = 1.0  # each call's deadline (coordination_timeout_seconds), seconds
+
+
+def calls(stopped: int) -> dict:
+  """The calls to make, by name: each must raise CoordinationTimeoutError naming ``stopped``."""
+  me = jax.process_index()
+  if stopped != 0:  # the service answers: only the waits for the stopped process time out
+    def gather_after_arrive():
+      _multihost.arrive("w/gather", "x", timeout_s=T)
+      return _multihost.gather("w/gather", T)
+    return {
+        "fetch": lambda: _multihost.fetch(f"w/only-from/{stopped}", T, missing=[stopped]),
+        "gather": gather_after_arrive,
+        "all_gather": lambda: _multihost.all_gather("w/all_gather", "x", T),
+    }
+  return {  # process 0 is stopped: the service itself does not answer
+      "namespace": lambda: _multihost.namespace("kind", "/some/dir", T),
+      "publish": lambda: _multihost.publish(f"w/publish/{me}", "x", timeout_s=T),
+      "claim": lambda: _multihost.claim("w/claim", f"{me}", timeout_s=T),
+      "arrive": lambda: _multihost.arrive("w/arrive", "x", timeout_s=T),
+      "leave": lambda: _multihost.leave("w/leave", timeout_s=T),
+      "dir_get": lambda: _multihost.dir_get("w/dir", timeout_s=T),
+      "try_fetch": lambda: _multihost.try_fetch("w/try", timeout_s=T),
+      "delete": lambda: _multihost.delete("w/delete", timeout_s=T),
+      "absent": lambda: _multihost.absent("w/absent", timeout_s=T),
+      "fetch": lambda: _multihost.fetch("w/fetch", T, missing=[0]),
+      "broadcast": lambda: _multihost.broadcast("w/broadcast", None, T),
+      "decide_per_step": lambda: _multihost.decide_per_step("w/decide", 5, lambda: "x",
+                                                            timeout_s=T),
+      "gather": lambda: _multihost.gather("w/gather0", T),
+      "all_gather": lambda: _multihost.all_gather("w/all_gather0", "x", T),
+  }
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--stopped", type=int)
+  p.add_argument("--go")
+  a = jobs.join(p, heartbeat_timeout_seconds=120)  # stopped for about 15 s
+  _multihost.all_gather("w/ready", "1", 60)
+  me = jax.process_index()
+  if me != a.stopped:  # done with the rendezvous above (it reads the service after "all")
+    _multihost.publish(f"w/past/{me}", "1", timeout_s=60)
+  if me == a.stopped:
+    for p in range(jax.process_count()):
+      if p != me:
+        _multihost.fetch(f"w/past/{p}", 60)
+    print(f"P{a.stopped} STOPPING pid={os.getpid()}", flush=True)
+    os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes us once the others are DONE
+  else:
+    while not os.path.exists(a.go):  # the test creates it once the process is stopped
+      time.sleep(0.05)
+    for name, call in calls(a.stopped).items():
+      start = time.monotonic()
+      try:
+        call()
+        print(f"CALL {name} returned", flush=True)
+      except Exception as e:  # pylint: disable=broad-except
+        print(f"CALL {name} {type(e).__name__} missing={getattr(e, 'missing', None)}"
+              f" after={time.monotonic() - start:.1f} | {e}", flush=True)
+    print("DONE", flush=True)
+  _multihost.all_gather("w/exit", "1", 60)
+  os._exit(0)  # pylint: disable=protected-access  # skip jax.distributed's shutdown barrier
+
+
+if __name__ == "__main__":
+  main()
