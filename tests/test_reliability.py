@@ -390,6 +390,18 @@ def test_resume_raises_when_told_or_when_nothing_restores(tmp_path):
     _train(tmp_path, {"save_interval_steps": 5}, 11)  # never starts fresh over them
 
 
+def test_an_error_on_one_process_at_resume_reaches_every_process_at_once(tmp_path):
+  """Only process 1's state does not match the step (not damage: no fall back). Process 0,
+  which restored fine, raises the same kind of error naming process 1 and the difference,
+  at the vote, instead of waiting there for process 1 until the 120 s coordination timeout."""
+  jobs.run("resume_worker.py", [f"--dir={tmp_path}", "--mode=save"], 2, 2).check()
+  res = jobs.run("resume_worker.py", [f"--dir={tmp_path}", "--mode=resume"], 2, 2)
+  (r0,), (r1,) = [re.findall(r"RESULT (.*)", o) or [o[-3000:]] for o in res.outputs]
+  assert r1.startswith("TreeMismatchError") and "state/extra" in r1, r1
+  assert r0.startswith("TreeMismatchError"), r0  # not a CoordinationTimeoutError 120 s later
+  assert "process 1: TreeMismatchError" in r0 and "state/extra" in r0, r0
+
+
 # ---------------------------------------------------------------------- 12. watchdog
 
 
