@@ -260,6 +260,21 @@ def test_an_abandoned_preemption_save_does_not_hold_the_exit(s3_server, s3_bucke
     ofx.metadata(url + "/1")
 
 
+def test_the_grace_period_counts_from_the_signal_under_jax_preemption_sync(tmp_path):
+  """Two processes, JAX's preemption sync (SIGTERM on process 1, caught by JAX's notifier),
+  and a train step that takes 4 s after the signal: the step they agree on comes seconds
+  later, and the 2 s grace period is already spent there on every process (it used to count
+  from that step: a fresh 2 s)."""
+  res = jobs.run("grace_clock_worker.py", [f"--dir={tmp_path}"], 2, 2).check()
+  for out in res.outputs:
+    after, = re.findall(r"preempted: saving step 3, ([\d.]+) s after the signal", out) or [out]
+    # 4 s of step after the signal, less the up to about a second JAX's notifier takes to look.
+    assert float(after) >= 2.0, out
+    assert "(0.00 s of the 2 s grace period left)" in out, out
+    assert "did not commit within the 2 s grace period" in out, out
+    assert "RESULT preempted=True stopped_at=3 committed=[]" in out, out
+
+
 # ---------------------------------------------------------------------- 6. restore while saving
 
 
