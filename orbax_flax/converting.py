@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from orbax_flax import _progress
+from orbax_flax import _selecting
 from orbax_flax import _tree
 from orbax_flax import checkpointer
 from orbax_flax import errors
@@ -87,7 +88,7 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
   if format == "orbax_flax":
     items = checkpointer.restore(path)  # shows progress on a terminal, as every restore does
     if selector:
-      items = _tree.pick(items, selector, keep_paths=True)
+      items = _selecting.pick(items, selector, keep_paths=True)
     checkpointer.save(dst, items, overwrite=overwrite, dtype=dtype)
     return f"wrote {dst} (orbax_flax, {len(items)} item(s)) from {manifest.format}"
   progress = _progress.Progress(f"convert {loc}", sum(
@@ -100,7 +101,7 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
               for rec in saved.leaves]
     trees[item] = _tree.decode_structure(saved.structure, leaves)
   if selector:
-    tree = _tree.pick(trees, selector)
+    tree = _selecting.pick(trees, selector)
   else:
     tree = trees if several or not manifest.any_item else next(iter(trees.values()))
   if format == "orbax":

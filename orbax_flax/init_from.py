@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from orbax_flax import _selecting
 from orbax_flax import _tree
 from orbax_flax import checkpointer
 from orbax_flax import errors
@@ -92,9 +93,9 @@ def load_parts(text: str, targets: dict[str, Any], ckptr: checkpointer.Checkpoin
   source = _checkpoint_in(path, text)
   _, manifest = restoring.open_manifest(source)
   out = {}
-  for dst, src in _tree.selections(selector):
+  for dst, src in _selecting.selections(selector):
     try:
-      target = _tree.pick(targets, "/".join(dst))
+      target = _selecting.pick(targets, "/".join(dst))
     except ValueError as e:
       raise ValueError(f"init_from={text!r}: {'/'.join(dst)!r} is not a part of this run's state"
                        f" ({e}); name a destination among its items {sorted(targets)}, as"

@@ -42,6 +42,7 @@ import numpy as np
 from orbax_flax import _matching
 from orbax_flax import _multihost
 from orbax_flax import _progress
+from orbax_flax import _selecting
 from orbax_flax import _tree
 from orbax_flax import checkpointer
 from orbax_flax import errors
@@ -391,7 +392,7 @@ class Resume:
                                    watchdog_seconds=p.watchdog_seconds) as ckptr:
       parts, source = init_from.load_parts(p.init_from, _targets(items), ckptr)
     for dst, value in parts.items():
-      items[dst[0]] = _tree.put(items[dst[0]], dst[1:], value)
+      items[dst[0]] = _selecting.put(items[dst[0]], dst[1:], value)
     _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)",
                   ", ".join("/".join(d) for d in parts), source, self._manager.directory)
     return state_items.from_items(state, items)

@@ -38,6 +38,7 @@ import numpy as np
 import tensorstore as ts
 
 from orbax_flax import _multihost
+from orbax_flax import _selecting
 from orbax_flax import _tree
 from orbax_flax.formats import safetensors_export
 
@@ -229,7 +230,7 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     ["('params', 'w')", "('step',)"]
   """
   if select:
-    tree = _tree.pick(tree, select)
+    tree = _selecting.pick(tree, select)
   if max_chunk_bytes <= 0:
     raise ValueError(f"max_chunk_bytes={max_chunk_bytes}; give a positive size such as 64 << 20")
   meta, arrays, strings = _leaf_plan(tree)

@@ -23,6 +23,7 @@ import numpy as np
 
 from orbax_flax import _layout
 from orbax_flax import _multihost
+from orbax_flax import _selecting
 from orbax_flax import _tree
 from orbax_flax.formats import _cbytes
 from orbax_flax.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, dtype_name
@@ -120,7 +121,7 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
   """
   name_fn = name_fn or _default_name
   if select:
-    tree = _tree.pick(tree, select)
+    tree = _selecting.pick(tree, select)
   flat = _tree.flatten(tree)
   entries: list[tuple[str, tuple[int, ...], np.dtype]] = []
   values: list[Any] = []
