@@ -16,7 +16,9 @@ files, field by field and byte by byte, and assert for every mutation:
   opens files in C++, unseen by the hook: the sentinel values cover those).
 
 For safetensors the safetensors package is the reference: when it loads a
-mutated file, our values must be its values.
+mutated file, our values must be its values. Sizes (shapes, chunk shapes,
+owner counts up to a million chunks, stated consistently) are refused before
+anything is allocated; a symbolic link anywhere in a checkpoint is refused.
 
 A few hundred examples per reader by default; ``ORBAX_FLAX_FAULTS=long`` runs
 thousands.
