@@ -51,7 +51,8 @@ class SaveRun:
   Args:
     plan: the plan of the save.
     key: a coordination-service prefix unique to this save, same on every process.
-    timeout_s: how long a process waits for another at each rendezvous.
+    timeout_s: the deadline of each call to the coordination service and of each wait
+      for another process (coordination_timeout_seconds).
     cancelled: set by ``AsyncSave.cancel()``.
 
   The keys of a save are deleted by the last process done with them.

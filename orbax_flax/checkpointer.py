@@ -55,8 +55,9 @@ class Checkpointer:
     keep_staging_memory: keep the staging copy between async saves (fast
       blocking phase from the second save on). False releases it after every
       save, for memory-tight hosts; each save then copies into fresh pages.
-    coordination_timeout_seconds: how long a process waits for the others at
-      each rendezvous of a multi-process save; the error names who is missing.
+    coordination_timeout_seconds: the deadline of every call to the
+      coordination service and of every wait for the other processes; the
+      error names who is missing.
     host_transfer: how an async save snapshots device arrays: "memcpy" (copy
       into the staging memory; the default on CPU, where device buffers are
       host memory), "pinned_host" (a device-to-host transfer into pinned

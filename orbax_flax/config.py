@@ -122,8 +122,9 @@ class CheckpointPolicy:
       memory-tight hosts; saves then block longer).
     differential: a save writes only the chunks that changed since the latest step (xxh3-128
       of every chunk) and references the rest; retention keeps what kept steps reference.
-    coordination_timeout_seconds: how long a process waits for the others at each rendezvous
-      of a multi-process save; the error names the processes that did not arrive.
+    coordination_timeout_seconds: the deadline of every call to the coordination service in a
+      multi-process job (a rendezvous, a decision, a set or read): the error names the
+      processes that did not arrive or answer (process 0, which hosts the service).
     on_unreadable_checkpoint: the latest step cannot be read on resume (a
       damaged or missing file): "fallback" logs it loudly and resumes from
       the newest step that restores, "raise" stops; when committed steps
