@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from orbax_flax import _chunk_index
 from orbax_flax import _layout
 from orbax_flax import _planning
 from orbax_flax import _progress
@@ -19,6 +20,7 @@ from orbax_flax import errors
 from orbax_flax import restoring
 from orbax_flax._location import Location
 from orbax_flax._records import Array, Manifest
+from orbax_flax.differential import hashing
 from orbax_flax.formats import _read
 
 _BATCH_BYTES = 256 << 20
@@ -81,6 +83,7 @@ def _verify(loc: Location, manifest: Manifest, reader: _reading.Reader) -> int:
       reader.read([f for f in batch if isinstance(f, _reading.Fill)],
                   [f for f in batch if isinstance(f, _reading.PackedFill)])
       verified += nbytes
+      problems += _content_problems(loc, batch)
     except errors.CheckpointCorruptedError as e:
       if len(batch) > 1:  # find every damaged one
         for f in batch:
@@ -98,8 +101,30 @@ def _verify(loc: Location, manifest: Manifest, reader: _reading.Reader) -> int:
   return verified
 
 
+def _content_problems(loc: Location, batch: list[Any]) -> list[str]:
+  """Chunks read intact whose bytes are not those the manifest recorded (``chunk_hash``).
+
+  A differential save records each chunk's content hash (xxh3-128). A chunk's
+  CRC-32C covers only its bytes: a chunk, data file or database put in the
+  place of another passes it, but not this comparison.
+  """
+  out = []
+  for f in batch:
+    if not isinstance(f, _reading.Fill) or not f.rec.chunk_hash:
+      continue
+    chunking = _layout.Chunking(f.rec.shape, f.rec.chunk_shape)
+    (c,) = chunking.chunks_in_box(f.box)
+    if hashing.block_hash(f.out) != f.rec.chunk_hash[c]:
+      out.append(f"checkpoint data is corrupted: item {f.item!r}, array {f.rec.path_text}, chunk"
+                 f" {_chunk_index.chunk_key(f.rec.name, chunking.chunk_coords(c))} in {loc}: its"
+                 " bytes pass their CRC-32C but are not the bytes the manifest recorded (its"
+                 " chunk_hash): another chunk's bytes were put in its place.")
+  return out
+
+
 COVERAGE = {
-    "orbax_flax": "every chunk's CRC-32C and the manifest's SHA-256s",
+    "orbax_flax": ("every chunk's CRC-32C, the manifest's SHA-256s, each database's identity"
+                   " and, for differential saves, every chunk's recorded content hash"),
     "orbax-checkpoint": ("every array's chunks are present and decode (orbax-checkpoint stores no"
                          " checksums of its own; compressed chunks fail to decode when damaged)"),
     "safetensors": ("every tensor's byte range is inside its file and readable (safetensors"

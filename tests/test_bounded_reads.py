@@ -322,3 +322,41 @@ def test_a_tensorstore_failure_is_not_called_a_checksum_mismatch(tmp_path):
   assert "checksum" not in str(e.value)
   assert "metadata does not match the manifest" in str(e.value)
 
+
+
+def _value_at(db: str, key: bytes) -> tuple[str, int, int]:
+  """(data file, offset, length) of ``key`` in OCDBT database ``db`` (a value not inline)."""
+  store = ts.KvStore.open({"driver": "file", "path": db + "/"}).result()
+  stack = [ts.ocdbt.dump(store).result()["versions"][-1]["root"]["location"]]
+  while stack:
+    for entry in ts.ocdbt.dump(store, stack.pop()).result().get("entries", []):
+      child = entry.get("node") or entry.get("location")
+      if isinstance(child, str) and child.startswith("btreenode::"):
+        stack.append(child)
+      elif entry.get("key") == key and "indirect_value" in entry:
+        file, offset, length = str(entry["indirect_value"]).split("::", 1)[1].rsplit(":", 2)
+        return os.path.join(db, file), int(offset), int(length)
+  raise KeyError(key)
+
+
+def test_verify_checks_a_differential_saves_content_hashes(tmp_path):
+  """Another chunk's bytes (CRC-32C and all) written over a chunk of the same size: its
+  checksum passes and its database is the right one, but a differential save recorded each
+  chunk's content hash, and verify compares it."""
+  path = str(tmp_path / "c")
+  a, b = np.arange(1 << 20, dtype=np.float32), np.arange(1 << 20, dtype=np.float32) * -1
+  ckptr = ofx.Checkpointer(differential=True)
+  ckptr.save(path, {"a": {"w": a}, "b": {"w": b}})
+  ckptr.close()
+  gen = _manifest(path)[0]["generation"]
+  src = _value_at(f"{path}/b/p0-{gen}", b"a0/c/0")
+  dst = _value_at(f"{path}/a/p0-{gen}", b"a0/c/0")
+  assert src[2] == dst[2]
+  with open(src[0], "rb") as f:
+    f.seek(src[1])
+    data = f.read(src[2])
+  with open(dst[0], "r+b") as f:
+    f.seek(dst[1])
+    f.write(data)
+  with pytest.raises(ofx.errors.CheckpointCorruptedError, match="not the bytes the manifest recorded"):
+    ofx.verify(path)
