@@ -117,6 +117,7 @@ class _ShardLayout:
   full_holders: frozenset[int]                    # processes holding every shard
   holder_sets: tuple[frozenset[int], ...]         # the distinct values of holders
   holder_table: np.ndarray                        # over the grid of shards: index in holder_sets
+  max_holders: int                                # the most processes holding one shard
 
 
 @functools.lru_cache(maxsize=1024)
@@ -125,19 +126,18 @@ def _shard_layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> _S
   for device, index in sharding.devices_indices_map(shape).items():
     start = tuple(s.start or 0 for s in index)
     holders.setdefault(start, set()).add(device.process_index)
-  distinct = set(map(frozenset, holders.values()))
-  full = frozenset.intersection(*distinct)
+  frozen = {k: frozenset(v) for k, v in holders.items()}
   shard_shape = tuple(sharding.shard_shape(shape))
   sets: dict[frozenset[int], int] = {}
-  by_shard = {tuple(lo // s if s else 0 for lo, s in zip(start, shard_shape)):
-              sets.setdefault(frozenset(h), len(sets)) for start, h in holders.items()}
-  table = np.full(tuple(max(k[d] for k in by_shard) + 1 for d in range(len(shard_shape))),
-                  -1, dtype=np.int64)
-  for k, g in by_shard.items():
-    table[k] = g
+  group = np.array([sets.setdefault(h, len(sets)) for h in frozen.values()], dtype=np.int64)
+  # Each shard's position in the grid of shards (its start over the shard shape).
+  coords = np.array(list(frozen), dtype=np.int64).reshape(len(frozen), len(shard_shape))
+  coords //= np.maximum(np.array(shard_shape, dtype=np.int64), 1)
+  table = np.full(tuple(coords.max(axis=0) + 1), -1, dtype=np.int64)
+  table[tuple(coords.T) if shard_shape else ()] = group if shard_shape else group[0]
   table.flags.writeable = False
-  return _ShardLayout(shard_shape, {k: frozenset(v) for k, v in holders.items()}, full,
-                      tuple(sets), table)
+  return _ShardLayout(shard_shape, frozen, frozenset.intersection(*sets), tuple(sets), table,
+                      max(map(len, sets)))
 
 
 def check_items(items: Any) -> None:
@@ -277,7 +277,7 @@ def plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me:
   shard_shape = shape if lay is None else lay.shard_shape
   # A shard held by k processes is cut into at least k chunks, so that its
   # holders share the writing.
-  sharers = len(full_holders) if lay is None else max(len(h) for h in lay.holder_sets)
+  sharers = len(full_holders) if lay is None else lay.max_holders
   shard_bytes = math.prod(shard_shape) * dtype.itemsize
   chunk_limit = min(_layout.DEFAULT_MAX_CHUNK_BYTES, -(-shard_bytes // sharers))
   chunk_shape = _layout.choose_chunk_shape(shard_shape, dtype.itemsize, chunk_limit)

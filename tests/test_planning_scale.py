@@ -164,7 +164,7 @@ MESHES = {
     "interleaved": np.arange(24).reshape(4, 6) % 5,
 }
 SPECS = [(0, 1), (1, 0), (0, None), (None, 1), (), (1,), (None, 0)]
-SHAPES = [(512, 1024), (96, 4096), (1 << 10, 1 << 11), (600, 1200), (64, 8), (1 << 20,)]
+SHAPES = [(512, 1024), (96, 4096), (1 << 10, 1 << 11), (600, 1200), (64, 8), (1 << 20,), ()]
 
 
 @pytest.mark.parametrize("mesh", sorted(MESHES))
