@@ -74,8 +74,21 @@ def verify_report(path: Any) -> tuple[int, str]:
 def _verify(loc: Location, manifest: Manifest, reader: _reading.Reader) -> int:
   # Sizes first, from the indexes: an array whose manifest contradicts its stored chunks is
   # reported without allocating for it or reading its chunks one by one.
-  bad = reader.stored_problems([(item, rec) for item, saved in manifest.items.items()
-                                for rec in saved.leaves if isinstance(rec, Array)])
+  arrays = [(item, rec) for item, saved in manifest.items.items()
+            for rec in saved.leaves if isinstance(rec, Array)]
+  try:
+    bad = reader.stored_problems(arrays)
+  except errors.CheckpointFormatError:
+    raise  # crafted (a link, a manifest lying about sizes): refused as a whole
+  except errors.CheckpointCorruptedError:  # a damaged database (identity, index): which ones?
+    bad = {}
+    for item, rec in arrays:
+      try:
+        bad.update(reader.stored_problems([(item, rec)]))
+      except errors.CheckpointFormatError:
+        raise
+      except errors.CheckpointCorruptedError as e:
+        bad[item, rec.name] = str(e)
   problems: list[str] = list(bad.values())
   verified = 0
   for batch, nbytes in _batches(manifest, set(bad)):

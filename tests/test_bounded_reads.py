@@ -360,3 +360,20 @@ def test_verify_checks_a_differential_saves_content_hashes(tmp_path):
     f.write(data)
   with pytest.raises(ofx.errors.CheckpointCorruptedError, match="not the bytes the manifest recorded"):
     ofx.verify(path)
+
+
+def test_verify_lists_every_item_whose_database_is_not_its_own(tmp_path):
+  """Three items, two databases swapped and the third intact: verify names both, not only
+  the first it meets."""
+  path = str(tmp_path / "c")
+  value = np.arange(1 << 20, dtype=np.float32)
+  ofx.save(path, {"a": {"w": value}, "b": {"w": -value}, "c": {"w": value + 1}})
+  gen = _manifest(path)[0]["generation"]
+  os.rename(f"{path}/a/p0-{gen}", f"{path}/tmp")
+  os.rename(f"{path}/b/p0-{gen}", f"{path}/a/p0-{gen}")
+  os.rename(f"{path}/tmp", f"{path}/b/p0-{gen}")
+  with pytest.raises(ofx.errors.CheckpointCorruptedError) as e:
+    ofx.verify(path)
+  assert f"names itself 'b/p0-{gen}'" in str(e.value)
+  assert f"names itself 'a/p0-{gen}'" in str(e.value)
+  assert "item 'c'" not in str(e.value)
