@@ -192,8 +192,9 @@ def post_claim(key: str, value: str) -> None:
   """Sends a :func:`claim` of ``key`` without waiting for the answer.
 
   For a process that gives up because the service does not answer: the claim
-  reaches the service when it answers again (before anything decided later),
-  so the others find this process's verdict there.
+  reaches the service when it answers again, so the others find this
+  process's verdict there unless a decision was taken first (then the claim
+  fails, unseen). The call's thread ends with the call.
   """
   c = client()
   if c is not None:
@@ -291,8 +292,9 @@ def arrive(key: str, value: str = "", *, timeout_s: float) -> None:
 def gather(key: str, timeout_s: float, *, what: str = "report") -> list[str]:
   """Waits until every process :func:`arrive`-d at ``key``; their values in process order.
 
-  Four round trips whatever the number of processes. On timeout the error
-  names the processes that have not arrived.
+  A fixed number of calls whatever the number of processes, each within
+  ``timeout_s``. On timeout the error names the processes that have not
+  arrived (or process 0, if the service itself does not answer).
   """
   c = client()
   if c is None:
