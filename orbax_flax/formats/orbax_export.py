@@ -249,12 +249,7 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
   me = _multihost.process_index()
 
   def agree(stage: str, error: str) -> None:
-    results = _multihost.all_gather(f"{key}/{stage}", error, coordination_timeout_seconds,
-                                    what=f"finish export stage {stage!r}")
-    failed = [f"process {i}: {e}" for i, e in enumerate(results) if e]
-    if failed:
-      raise RuntimeError(f"export to {final} failed ({stage}); nothing was committed:\n  "
-                         + "\n  ".join(failed))
+    safetensors_export.agree_on_stage(key, final, stage, error, coordination_timeout_seconds)
 
   context = ts.Context()
   error = ""

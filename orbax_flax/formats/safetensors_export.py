@@ -165,12 +165,7 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
   me = _multihost.process_index()
 
   def agree(stage: str, error: str) -> None:
-    results = _multihost.all_gather(f"{key}/{stage}", error, coordination_timeout_seconds,
-                                    what=f"finish export stage {stage!r}")
-    failed = [f"process {i}: {e}" for i, e in enumerate(results) if e]
-    if failed:
-      raise RuntimeError(f"export to {path} failed ({stage}); nothing was committed:\n  "
-                         + "\n  ".join(failed))
+    agree_on_stage(key, path, stage, error, coordination_timeout_seconds)
 
   where_of: dict[int, tuple[str, int]] = {}
   headers = []
@@ -266,6 +261,17 @@ def owned_boxes(value: Any, me: int):
   if me == 0:
     value = np.asarray(value)
     yield tuple((0, s) for s in value.shape), value
+
+
+def agree_on_stage(key: str, where: str, stage: str, error: str, timeout_s: float) -> None:
+  """Every process reports ``stage`` of an export to ``where`` done (``error`` "") or failed;
+  raises on every process, naming each failure, if any process failed."""
+  results = _multihost.all_gather(f"{key}/{stage}", error, timeout_s,
+                                  what=f"finish export stage {stage!r}")
+  failed = [f"process {i}: {e}" for i, e in enumerate(results) if e]
+  if failed:
+    raise RuntimeError(f"export to {where} failed ({stage}); nothing was committed:\n  "
+                       + "\n  ".join(failed))
 
 
 def commit_dir(tmp: str, path: str) -> None:
