@@ -19,8 +19,10 @@ import os
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "orbax_flax")
-# Module-level state still to be given an owner object (issue 17): name -> the variable.
-_STATE_DEBT: dict[str, set[str]] = {}
+# Module-level state still to be given an owner object: name -> the variable.
+# _location's shared tensorstore Context (the object-store connection pools and retry
+# settings every small key read uses) is still a process-wide lazy global.
+_STATE_DEBT: dict[str, set[str]] = {"orbax_flax._location": {"_default_context"}}
 # Imports of our own modules inside functions (issue 17): the CLI imports its subcommand's
 # modules when it runs (so that ``--help`` does not import JAX).
 _LATE_IMPORTS = {"orbax_flax.cli": None}  # any
@@ -174,7 +176,10 @@ def _mutations(tree, names):
 @pytest.mark.parametrize("name", list(MODULES))
 def test_no_module_level_mutable_state(name):
   tree = _tree(name)
-  found = [f for f in _mutations(tree, _module_level_mutables(tree))
+  # A ``global x`` statement rebinds module state whatever ``x`` starts as (None included).
+  rebound = [(n, node.lineno, "global statement") for node in ast.walk(tree)
+             if isinstance(node, ast.Global) for n in node.names]
+  found = [f for f in _mutations(tree, _module_level_mutables(tree)) + rebound
            if f[0] not in _STATE_DEBT.get(name, set())]
   assert not found, (f"{name} keeps state at module level; give it an owner object:\n  "
                      + "\n  ".join(f"{n} ({how}, line {line})" for n, line, how in found))
