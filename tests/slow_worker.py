@@ -1,15 +1,17 @@
 """One process of a 2-process save in which process ``--slow`` arrives seconds late.
 
-The slow process stops itself with SIGSTOP just before the save (the test
-sends SIGCONT once the other process has printed its result, having given
-up): a real process, really late. The checkpointer's coordination timeout is
-2 s.
+Both processes print READY once their last call into the coordination service
+has returned, then wait for the file ``--go``. The test stops the slow process
+(SIGSTOP) there, creates the file, and resumes the slow process (SIGCONT) once
+the other has printed its result, having given up: a real process, really
+late, stopped where no call of either process is in flight (a process stopped
+while the service it hosts answers another's call would hold that call). The
+checkpointer's coordination timeout is 2 s.
 """
 
 import argparse
 import logging
 import os
-import signal
 import time
 
 import jax
@@ -21,15 +23,16 @@ import jobs
 import orbax_flax as ofx
 from orbax_flax import _multihost
 
-def make_while_process_0_is_stopped():
-  """Process 0 stops; process 1 makes a Checkpointer and prints what happened, and when."""
-  if jax.process_index() == 0:
-    _multihost.fetch("slow_worker/asking", 60, waiting_for="process 1")
-    print(f"P0 READY pid={os.getpid()}", flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)
-  else:
-    _multihost.publish("slow_worker/asking", "1", timeout_s=60)
-    time.sleep(1)  # process 0 is stopped by now
+def wait_for(go: str) -> None:
+  while not os.path.exists(go):
+    time.sleep(0.02)
+
+
+def make_while_process_0_is_stopped(go: str):
+  """Process 0 is stopped; process 1 makes a Checkpointer and prints what happened, and when."""
+  print(f"P{jax.process_index()} READY pid={os.getpid()}", flush=True)
+  wait_for(go)  # the test stops process 0 first
+  if jax.process_index() == 1:
     start = time.monotonic()
     try:
       ofx.Checkpointer(coordination_timeout_seconds=2)
@@ -44,25 +47,20 @@ def main():
   p.add_argument("--path")
   p.add_argument("--slow", type=int)
   p.add_argument("--stop_before_making", type=int, default=0)
+  p.add_argument("--go")
   a = jobs.join(p, heartbeat_timeout_seconds=60)  # the test stops a process for seconds
   mesh = jax.make_mesh((jax.device_count(),), ("x",))
   value = np.arange(8 * (1 << 16), dtype=np.float32).reshape(8, 1 << 16)
   x = jax.make_array_from_callback(value.shape, NamedSharding(mesh, P("x")), lambda i: value[i])
   logging.basicConfig(level=logging.WARNING, format="%(message)s")
   if a.stop_before_making:
-    make_while_process_0_is_stopped()
+    make_while_process_0_is_stopped(a.go)
   ckptr = ofx.Checkpointer(coordination_timeout_seconds=2, watchdog_seconds=1)
   # Making a Checkpointer talks to the coordination service (hosted by process
-  # 0), and such a call waits while process 0 is stopped. So the slow process
-  # stops only once the other one has made its Checkpointer: from then on, the
-  # other's next coordination call is the save's own, which times out.
-  if jax.process_index() == a.slow:
-    _multihost.fetch("slow_worker/made", 60, waiting_for="the other process's Checkpointer")
-  else:
-    _multihost.publish("slow_worker/made", "1", timeout_s=60)
+  # 0): both are made before the slow process is stopped, so the other's next
+  # coordination call is the save's own, which times out.
   print(f"P{jax.process_index()} READY pid={os.getpid()}", flush=True)
-  if jax.process_index() == a.slow:
-    os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes us once the other has its result
+  wait_for(a.go)  # the test stops the slow process first
   try:
     ckptr.save(a.path, {"s": {"x": x}})
     print(f"P{jax.process_index()} RESULT ok", flush=True)

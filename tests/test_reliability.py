@@ -4,6 +4,7 @@ Each test drives the real thing: real files, a real S3 server, real processes
 and signals, a real file system that fills up.
 """
 
+import contextlib
 import itertools
 import logging
 import os
@@ -91,6 +92,22 @@ def test_restoring_an_old_step_without_saving_changes_nothing(tmp_path):
 # ---------------------------------------------------------------------- 2. split brain
 
 
+@contextlib.contextmanager
+def _stopped(procs, slow, go):
+  """Stops process ``slow`` of a slow_worker job once both are READY, then lets both go on;
+  resumes it on leaving. Yields the lines read so far, per process."""
+  seen = [jobs.read_until(p, "READY", 120) for p in procs]
+  victim = psutil.Process(int(seen[slow][-1].split("pid=")[1]))
+  victim.suspend()  # SIGSTOP, where it waits for the file
+  try:
+    while victim.status() != psutil.STATUS_STOPPED:
+      time.sleep(0.02)
+    open(go, "w").close()
+    yield seen
+  finally:
+    victim.resume()  # SIGCONT
+
+
 @pytest.mark.parametrize("slow", [0, 1])
 def test_a_late_process_gets_the_same_verdict_and_its_data_is_not_deleted(tmp_path, slow):
   """Process ``slow`` stops (SIGSTOP) just before a save and resumes only once the other has
@@ -102,16 +119,13 @@ def test_a_late_process_gets_the_same_verdict_and_its_data_is_not_deleted(tmp_pa
   process 0 resumes.
   """
   path = str(tmp_path / "c")
-  procs = jobs.start("slow_worker.py", [f"--path={path}", f"--slow={slow}"], 2, 2)
-  ready = procs[slow].stdout.readline()
-  assert "READY" in ready, ready + procs[slow].stdout.read()
-  pid = int(ready.split("pid=")[1])
-  try:  # the event that decides the outcome: the other process has given up
-    seen = jobs.read_until(procs[1 - slow], r"P\d RESULT", 120)
-  finally:
-    os.kill(pid, signal.SIGCONT)
+  procs = jobs.start("slow_worker.py", [f"--path={path}", f"--slow={slow}",
+                                        f"--go={tmp_path / 'go'}"], 2, 2)
+  with _stopped(procs, slow, tmp_path / "go") as seen:
+    # The event that decides the outcome: the other process has given up.
+    seen[1 - slow] += jobs.read_until(procs[1 - slow], r"P\d RESULT", 120)
   res = jobs.wait(procs, 120)
-  res.outputs[1 - slow] = "".join(seen) + res.outputs[1 - slow]
+  res.outputs = ["".join(lines) + out for lines, out in zip(seen, res.outputs)]
   results = [re.findall(r"RESULT (.*)", o) for o in res.outputs]
   assert all(len(r) == 1 for r in results), res.outputs
   (r0,), (r1,) = results
@@ -138,16 +152,11 @@ def test_a_late_process_gets_the_same_verdict_and_its_data_is_not_deleted(tmp_pa
 
 def test_making_a_checkpointer_while_process_0_is_stopped_times_out(tmp_path):
   """Every wait on the coordination service has a timeout, the Checkpointer's first one too."""
-  procs = jobs.start("slow_worker.py", [f"--path={tmp_path}/c", "--slow=0",
-                                        "--stop_before_making=1"], 2, 2)
-  ready = procs[0].stdout.readline()
-  assert "READY" in ready, ready + procs[0].stdout.read()
-  pid = int(ready.split("pid=")[1])
-  try:
-    out = procs[1].communicate(timeout=60)[0]
-  finally:
-    os.kill(pid, signal.SIGCONT)
-    jobs.wait(procs, 60)
+  procs = jobs.start("slow_worker.py", [f"--path={tmp_path}/c", "--slow=0", "--stop_before_making=1",
+                                        f"--go={tmp_path / 'go'}"], 2, 2)
+  with _stopped(procs, 0, tmp_path / "go") as seen:
+    out = "".join(seen[1] + jobs.read_until(procs[1], "P1 MADE", 60))
+  jobs.wait(procs, 60)
   made = re.findall(r"P1 MADE (.*)", out)
   assert made and made[0].startswith("CoordinationTimeoutError after"), out
   # An answer at all is the timeout: process 0 is resumed only after it (or after 60 s).
