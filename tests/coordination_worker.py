@@ -1,5 +1,5 @@
-"""One process of a 3-process job in which process ``--stopped`` stops (SIGSTOP) while the
-others call into the coordination service.
+"""One process of a 3-process job in which process ``--stopped`` is stopped (SIGSTOP, by the
+test) while the others call into the coordination service.
 
 Every other process makes each call of :mod:`orbax_flax._multihost` with a 1 s
 deadline, once the test says the process is stopped (it creates ``--go``), and
@@ -12,7 +12,6 @@ answer; with another process stopped, the waits for that process time out.
 
 import argparse
 import os
-import signal
 import time
 
 import jax
@@ -60,18 +59,13 @@ def main():
   p.add_argument("--go")
   a = jobs.join(p, heartbeat_timeout_seconds=120)  # stopped for about 15 s
   _multihost.all_gather("w/ready", "1", 60)
-  me = jax.process_index()
-  if me != a.stopped:  # done with the rendezvous above (it reads the service after "all")
-    _multihost.publish(f"w/past/{me}", "1", timeout_s=60)
-  if me == a.stopped:
-    for p in range(jax.process_count()):
-      if p != me:
-        _multihost.fetch(f"w/past/{p}", 60)
-    print(f"P{a.stopped} STOPPING pid={os.getpid()}", flush=True)
-    os.kill(os.getpid(), signal.SIGSTOP)  # the test resumes us once the others are DONE
-  else:
-    while not os.path.exists(a.go):  # the test creates it once the process is stopped
-      time.sleep(0.05)
+  # No call of this process is in flight from here on: the test stops process --stopped
+  # only once every process has said so (a process stopped while the service it hosts
+  # answers another's call would hold that call).
+  print(f"P{jax.process_index()} READY pid={os.getpid()}", flush=True)
+  while not os.path.exists(a.go):  # the test creates it once the process is stopped
+    time.sleep(0.02)
+  if jax.process_index() != a.stopped:
     for name, call in calls(a.stopped).items():
       start = time.monotonic()
       try:

@@ -176,17 +176,8 @@ def test_every_coordination_call_times_out_on_every_other_process(tmp_path, stop
   stopped process (process 0 hosts the service: every call waits for it) and the fix."""
   go = str(tmp_path / "go")
   procs = jobs.start("coordination_worker.py", [f"--stopped={stopped}", f"--go={go}"], 3, 1)
-  others = [p for i, p in enumerate(procs) if i != stopped]
-  try:
-    line = procs[stopped].stdout.readline()
-    assert "STOPPING" in line, line + procs[stopped].stdout.read()
-    victim = psutil.Process(int(line.split("pid=")[1]))
-    while victim.status() != psutil.STATUS_STOPPED:
-      time.sleep(0.05)
-    open(go, "w").close()
-    outs = ["".join(jobs.read_until(p, "^DONE", 120)) for p in others]
-  finally:
-    os.kill(victim.pid, signal.SIGCONT)
+  with _stopped(procs, stopped, go):
+    outs = ["".join(jobs.read_until(p, "^DONE", 120)) for i, p in enumerate(procs) if i != stopped]
   res = jobs.wait(procs, 60)
   for out, rest in zip(outs, [o for i, o in enumerate(res.outputs) if i != stopped]):
     got = dict(re.findall(r"^CALL (\w+) (.*)$", out, re.M))
