@@ -158,15 +158,14 @@ class Reader:
       found = self._identity_value(item, owner, loc, db)
       own = not refs.split(owner)[0]
       if found is None and own and self.manifest.database_identity:
-        raise self._wrong_database(item, owner, "it does not name itself (its"
-                              f" {_tsio.IDENTITY_KEY} key is missing): it was not written with"
-                              " this checkpoint")
+        raise self._wrong_database(item, owner, f"it does not name itself (its {_tsio.IDENTITY_KEY}"
+                                   " key is missing): it was not written with this checkpoint")
       if found is not None and found != _tsio.identity(db):
         prefix = len(_tsio.identity(""))
         raise self._wrong_database(item, owner, "it names itself"
-                              f" {found[prefix:prefix + 200].decode(errors='replace')!r}, not"
-                              f" {db!r}: it was moved here from another item or process, or"
-                              " copied from another checkpoint")
+                                   f" {found[prefix:prefix + 200].decode(errors='replace')!r},"
+                                   f" not {db!r}: it was moved here from another item or process,"
+                                   " or copied from another checkpoint")
       self._identified.add((item, owner))
 
   def _identity_value(self, item: str, owner: int, loc: Location, db: str) -> bytes | None:
@@ -175,12 +174,10 @@ class Reader:
       at = index.get(_tsio.IDENTITY_KEY.encode())
       if at is None or at.inline is not None:
         return None if at is None else at.inline
-      if at.length > 4096:
-        return b"?" * 8  # not a name this library writes
       try:
         with open(at.file, "rb") as f:
           f.seek(at.offset)
-          return f.read(at.length)
+          return f.read(min(at.length, 4096))  # (a longer one is no name this library writes)
       except OSError as e:
         raise _location.storage_error(self.loc, f"reading {at.file}", e) from e
     try:
@@ -322,33 +319,32 @@ class Reader:
     try:
       self._run([(_read_buffers.run_in_order, ([(fn, args + (fds,)) for _, (fn, args) in t],
                                   t[0][0][0], t[0][0][1], t[-1][0][1] + t[-1][0][2] - t[0][0][1], fds,
-                                  stop), stop)
-                 for t in tasks])
+                                  stop))
+                 for t in tasks], stop)
     finally:
       fds.close()
     if slow:
       self._read_with_tensorstore(slow)
 
-  def _run(self, calls: list[tuple[Any, tuple, threading.Event]]) -> None:
+  def _run(self, calls: list[tuple[Any, tuple]], stop: threading.Event) -> None:
     """Runs ``fn(*args)`` for each call on the reading threads; raises the first failure.
 
     The first failure ends the read: reads not started are dropped, each
-    running one stops after its current chunk (``stop`` is the last argument
-    of each call), and a thread waiting for temporary memory is woken. Every
-    wait here is on reads of local files, each of which ends.
+    running one stops after its current chunk (the calls watch ``stop``), and a
+    thread waiting for temporary memory is woken. Every wait here is on reads
+    of local files, each of which ends.
     """
     if not calls:
       return
-    stop = calls[0][2]
     if len(calls) == 1:
-      fn, args, _ = calls[0]
+      fn, args = calls[0]
       fn(*args)
       return
     ex = concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(calls)),
                                                thread_name_prefix="orbax_flax-read")
     futures = []
     try:
-      futures = [ex.submit(fn, *args) for fn, args, _ in calls]
+      futures = [ex.submit(fn, *args) for fn, args in calls]
       concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
     finally:  # all done, one failed, or this thread interrupted: the others stop now
       stop.set()
