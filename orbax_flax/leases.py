@@ -290,12 +290,17 @@ class WriterLease:
     now = self._clock()
     if self._loc.is_local:
       root = self._loc.local_path
-      if take:
-        os.makedirs(root, exist_ok=True)
       try:
+        if take:
+          os.makedirs(root, exist_ok=True)
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
       except FileNotFoundError:
+        if take:
+          raise _location.storage_error(self._loc, "creating the directory of steps",
+                                        FileNotFoundError(root)) from None
         return None
+      except OSError as e:
+        raise _location.storage_error(self._loc, "creating the directory of steps", e) from e
       try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released with the fd, and by the kernel at a kill
         path = os.path.join(root, WRITER)
