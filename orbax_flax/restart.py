@@ -150,7 +150,7 @@ class PendingRestore:
 
 
 _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits",
-                 "/jax/compilation_cache/cache_misses": "misses"}
+                 "/jax/compilation_cache/compile_requests_use_cache": "requests"}
 
 
 class RestartClock:
@@ -160,7 +160,7 @@ class RestartClock:
   :meth:`restore_began` and :meth:`restored` bracket the restore, and
   :meth:`first_step_done` ends the clock (the first train step computed).
   The compile cache's hits and misses in between are counted from JAX's
-  monitoring events.
+  monitoring events (every compile that asks the cache, and every hit).
 
   Example:
     >>> clock = RestartClock(started=None, clock=iter([1.0, 3.0, 10.0]).__next__)
@@ -181,7 +181,7 @@ class RestartClock:
     self.step: int | None = None
     self.finished_at: float | None = None
     self.cache_dir: str | None = None
-    self.counts = {"hits": 0, "misses": 0}
+    self.counts = {"hits": 0, "requests": 0}  # misses: requests - hits
     self._listening = False
 
   @classmethod
@@ -279,7 +279,8 @@ class RestartClock:
         f" (in the background, joined after {p['joined']:.2f} s)" if "joined" in p else ""))
     cache = ""
     if self.cache_dir is not None:
-      hits, misses = self.counts["hits"], self.counts["misses"]
+      hits = self.counts["hits"]
+      misses = max(0, self.counts["requests"] - hits)
       cache = (f"; compile cache: {hits} hit{'s' * (hits != 1)}, {misses}"
                f" miss{'es' * (misses != 1)}")
     bits.append(f"first train step {p.get('first_step', 0.0):.2f} s (compile and run{cache})")

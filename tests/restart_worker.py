@@ -1,28 +1,39 @@
 """A job that resumes, trains a few steps of a jitted step and ends (for tests/test_restart.py).
 
-    python restart_worker.py WORKDIR STEPS [--async]
+    python restart_worker.py WORKDIR STEPS [--async]   (or as a job: jobs.start)
 
 Policy: a save every 2 steps, ``compilation_cache=True``. Prints the callback's
 restart line (stderr, as a user sees it) and ``RESULT <json>`` on stdout.
 """
 
+import argparse
 import json
 import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jobs
 import orbax_flax as ofx
 
 
 def main() -> int:
-  workdir, steps = sys.argv[1], int(sys.argv[2])
-  background = "--async" in sys.argv
+  p = argparse.ArgumentParser()
+  p.add_argument("workdir")
+  p.add_argument("steps", type=int)
+  p.add_argument("--async", dest="background", action="store_true")
+  if any(a.startswith("--coordinator") for a in sys.argv):  # a multi-process job (jobs.start)
+    a = jobs.join(p)
+  else:
+    a = p.parse_args()
+  workdir, steps, background = a.workdir, a.steps, a.background
   mesh = jax.make_mesh((jax.device_count(),), ("d",))
   sharding = NamedSharding(mesh, P("d"))
-  state = {"w": jax.device_put(jnp.arange(512, dtype=jnp.float32), sharding),
+  values = np.arange(512, dtype=np.float32)
+  state = {"w": jax.make_array_from_callback((512,), sharding, lambda i: values[i]),
            "step": jnp.int32(0)}
 
   @jax.jit

@@ -158,3 +158,24 @@ def test_a_second_process_loads_its_train_step_from_the_compilation_cache(tmp_pa
   # Another mesh (8 devices) never reads the 4-device programs: its own directory.
   third, hits, _ = _run(workdir, 2, 8)
   assert third["restored"] == 4 and third["cache_dir"].endswith("-8dev-1proc") and hits == 0
+
+
+def test_a_job_of_two_processes_shares_one_cache_directory_and_process_0_hits(tmp_path):
+  # JAX writes cache entries from process 0 only and every process reads them. On this
+  # CPU backend the other processes' programs have keys of their own (their local
+  # devices are part of the key), so they compile again (on accelerator hosts JAX means
+  # every host to read process 0's entries). Either way the job runs, on one directory, and its
+  # process 0 loads its step on a restart.
+  workdir = str(tmp_path / "run")
+  env = {"JAX_COMPILATION_CACHE_DIR": "", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+  counts = []
+  for _ in range(2):
+    r = jobs.run("restart_worker.py", [workdir, "2"], num_processes=2, devices_per_process=2,
+                 env=env).check()
+    lines = [re.search(r"compile cache: (\d+) hits?, (\d+) miss", out) for out in r.outputs]
+    assert all(lines), r.outputs
+    counts.append([(int(m.group(1)), int(m.group(2))) for m in lines])
+    dirs = {json.loads(out.split("RESULT ", 1)[1].splitlines()[0])["cache_dir"] for out in r.outputs}
+    assert len(dirs) == 1 and dirs.pop().endswith("-4dev-2proc")
+  assert all(hits == 0 and misses >= 1 for hits, misses in counts[0]), counts
+  assert counts[1][0][0] >= 1 and counts[1][0][1] == 0, counts  # process 0: loaded, not compiled
