@@ -68,7 +68,9 @@ class CheckpointCallback(callbacks.Callback):
       ``checkpoint/blocking_ready_s`` (the train step, dispatched
       asynchronously, still computing the state and metrics being saved) and
       ``checkpoint/blocking_copy_s`` (the snapshot); ``checkpoint/total_s``,
-      ``checkpoint/bytes``).
+      ``checkpoint/bytes``); and at the first step after ``restore_or_init``
+      the restart's parts (``restart/startup_s``, ``restart/restore_s``,
+      ``restart/first_step_s``, ``restart/total_s``), also logged in one line.
     clock: wall-time source for time-based policies (tests pass a fake).
   """
 
