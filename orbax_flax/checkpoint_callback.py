@@ -139,7 +139,7 @@ class CheckpointCallback(callbacks.Callback):
     return self._pending
 
   def _begin_restore(self, state: Any, data_iterator: Any, background: bool = False) -> None:
-    if self._pending is not None:
+    if self._pending is not None and not self._pending.done():  # a failed one may be retried
       raise RuntimeError("a restore_or_init_async restore is still pending: join() it first")
     self._check_open()
     state_items.check(state)  # every part of the state can be saved, before anything runs

@@ -114,6 +114,8 @@ def test_a_background_restore_raises_its_error_at_join(tmp_path):
     pending = ckpt.restore_or_init_async(wrong)
     with pytest.raises(ValueError, match="shape"):
       pending.join()
+    state = ckpt.restore_or_init(_state())  # the failed restore does not block another
+    assert ckpt.restored_step == 4 and int(state["step"]) == 4
 
 
 def test_nothing_to_resume_joins_the_state_passed_in(tmp_path):
