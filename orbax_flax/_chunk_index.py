@@ -172,3 +172,41 @@ def _check_extents(index: dict[bytes, Located], base: str) -> None:
           f"checkpoint data is corrupted: data file {at.file} of database {base} is"
           f" {sizes[at.file]} bytes, where its index places key {key.decode(errors='replace')}"
           f" at bytes {at.offset}+{at.length} (truncated?). Restore from another checkpoint.")
+
+
+def stored_lengths(loc: Location, db: str) -> dict[bytes, int]:
+  """Key -> stored length of every value of database ``db`` of ``loc``, on any store.
+
+  From the OCDBT index alone (a few small reads on an object store, no value
+  read): what a reader compares with the sizes a manifest states before it
+  allocates anything.
+
+  Raises:
+    CheckpointCorruptedError: the index cannot be read (damaged or missing).
+    StorageError: the store cannot be reached.
+  """
+  store = _location.open_kvstore(loc, db + "/")
+  out: dict[bytes, int] = {}
+  try:
+    root = ts.ocdbt.dump(store).result()["versions"][-1]["root"].get("location")
+    stack = [root] if root else []
+    while stack:
+      for entry in ts.ocdbt.dump(store, stack.pop()).result().get("entries", []):
+        child = entry.get("node") or entry.get("location")
+        if isinstance(child, str) and child.startswith("btreenode::"):
+          stack.append(child)
+        elif "indirect_value" in entry:
+          out[bytes(entry["key"])] = int(str(entry["indirect_value"]).rsplit(":", 1)[1])
+        elif "inline_value" in entry:
+          out[bytes(entry["key"])] = len(bytes(entry["inline_value"]))
+  except ValueError as e:
+    if _tsio.is_corruption(e):
+      raise errors.CheckpointCorruptedError(
+          f"checkpoint data is corrupted: the index of database {loc.join(db)} cannot be read:"
+          f" {_tsio.what_failed(e)} ({e}). Restore from another checkpoint.") from e
+    raise _location.storage_error(loc, f"reading the index of {db}", e) from e
+  except (KeyError, TypeError, IndexError, AttributeError) as e:
+    raise errors.CheckpointCorruptedError(
+        f"checkpoint data is corrupted: the index of database {loc.join(db)} has a layout this"
+        f" reader does not know ({type(e).__name__}: {e}).") from e
+  return out

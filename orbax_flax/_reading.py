@@ -168,6 +168,12 @@ class Reader:
                                    " or copied from another checkpoint")
       self._identified.add((item, owner))
 
+  def _stored_lengths(self, item: str, owner: int) -> dict[bytes, int] | None:
+    if self.index is not None:
+      index = self.index.get(item, owner)
+      return None if index is None else {k: at.length for k, at in index.items()}
+    return _chunk_index.stored_lengths(*self.homes.home(item, owner))
+
   def _identity_value(self, item: str, owner: int, loc: Location, db: str) -> bytes | None:
     index = self.index.get(item, owner) if self.index is not None else None
     if index is not None:
@@ -200,13 +206,13 @@ class Reader:
     chunk shape or its list of owners, is refused before a byte is allocated
     for it. The indexes place every value inside its data file
     (:mod:`orbax_flax._chunk_index`), so the stored bytes are bounded by the
-    files. Linear in the number of chunks; object stores are not checked here.
+    files. Linear in the number of chunks. On an object store the lengths come
+    from each database's OCDBT index (a few small reads, no chunk read).
     """
-    if self.index is None:
-      return {}
     needs = [(item, rec) for item, rec in arrays if rec.owners]
     dbs = [(item, o) for item, rec in needs for o in set(rec.owners)]
-    self.index.load(dbs)
+    if self.index is not None:
+      self.index.load(dbs)
     self.identify(dbs)
     stats: dict[tuple[str, int], dict[bytes, tuple[int, set[int]]]] = {}
     problems: dict[tuple[str, str], str] = {}
@@ -227,11 +233,11 @@ class Reader:
         if rec.np_stored_dtype.name in _SUB_BYTE:
           chunk_bytes = -1  # stored packed by tensorstore: lengths not compared
       for owner, n in per.items():
-        index = self.index.get(item, owner)
-        if index is None:
-          continue  # a layout the index reader does not know: tensorstore checks as it reads
         if (item, owner) not in stats:
-          stats[item, owner] = _array_stats(index)
+          lengths = self._stored_lengths(item, owner)
+          if lengths is None:
+            continue  # a layout the index reader does not know: tensorstore checks as it reads
+          stats[item, owner] = _array_stats(lengths)
         count, lengths = stats[item, owner].get(name.encode(), (0, set()))
         problem = None
         if count < n and self.manifest.all_chunks_stored:
@@ -559,14 +565,14 @@ class Reader:
         f" {self.loc.join(self.db(item, owner))}: {problem}. Restore from another checkpoint.")
 
 
-def _array_stats(index: dict[bytes, _chunk_index.Located]) -> dict[bytes, tuple[int, set[int]]]:
-  """Per array name in a database's index: (number of chunks, their stored lengths)."""
+def _array_stats(stored: dict[bytes, int]) -> dict[bytes, tuple[int, set[int]]]:
+  """Per array name in a database (``stored``: key -> length): (chunks, their stored lengths)."""
   out: dict[bytes, tuple[int, set[int]]] = {}
-  for key, at in index.items():
+  for key, length in stored.items():
     name, sep, _ = key.partition(b"/c/")
     if sep:
       count, lengths = out.get(name, (0, set()))
-      lengths.add(at.length)
+      lengths.add(length)
       out[name] = (count + 1, lengths)
   return out
 

@@ -44,14 +44,18 @@ def _manifest(path):
   return json.loads(line), json.loads(body)
 
 
-def _write_manifest(path, summary, body):
-  """Writes a manifest with its digests redone (a crafted one: its hashes are no signature)."""
+def _manifest_bytes(summary, body):
+  """A manifest with its digests redone (a crafted one: its hashes are no signature)."""
   s = json.dumps(summary, sort_keys=True, separators=(",", ":")).encode()
   b = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
   sha = lambda x: hashlib.sha256(x).hexdigest()  # noqa: E731
+  return (f"orbax_flax checkpoint v1 summary_sha256={sha(s)} sha256={sha(b)}"
+          f" summary_bytes={len(s)}".encode() + b"\n" + s + b"\n" + b)
+
+
+def _write_manifest(path, summary, body):
   with open(os.path.join(path, "_CHECKPOINT"), "wb") as f:
-    f.write(f"orbax_flax checkpoint v1 summary_sha256={sha(s)} sha256={sha(b)}"
-            f" summary_bytes={len(s)}".encode() + b"\n" + s + b"\n" + b)
+    f.write(_manifest_bytes(summary, body))
 
 
 def _data_files(path, item="state"):
@@ -174,6 +178,26 @@ def test_a_manifest_claiming_more_than_is_stored_is_refused_before_allocating(
     assert isinstance(error, ofx.errors.CheckpointCorruptedError), repr(error)
     assert "array big" in str(error) and "p0-" in str(error)
     assert "chunk" in str(error)
+
+
+@pytest.mark.parametrize("shape,chunk,owners", [(2**40, 2**40, 1), (2**40, 2**20, 2**20)],
+                         ids=["4TiB_one_chunk", "4TiB_1M_missing_chunks"])
+def test_an_allocation_bomb_on_an_object_store_is_refused_before_allocating(
+    s3_server, shape, chunk, owners):
+  """On S3 the stored lengths come from the databases' OCDBT index, read before allocating."""
+  bucket = s3_server.new_bucket()
+  url = s3_server.url(bucket, "bomb")
+  ofx.save(url, {"state": {"big": np.arange(1 << 20, dtype=np.float32)}})
+  _, line, body = s3_server.get(bucket, "bomb/_CHECKPOINT").split(b"\n", 2)
+  summary, body = json.loads(line), json.loads(body)
+  body["items"]["state"]["leaves"][0].update(shape=[shape], chunk_shape=[chunk],
+                                             nbytes=shape * 4, owners=[0] * owners)
+  summary["item_bytes"]["state"] = shape * 4
+  s3_server.put(bucket, "bomb/_CHECKPOINT", _manifest_bytes(summary, body))
+  for read in (lambda: ofx.restore(url), lambda: ofx.verify(url)):
+    error = _in_thread(read)
+    assert isinstance(error, ofx.errors.CheckpointCorruptedError), repr(error)
+    assert "array big" in str(error) and "chunk" in str(error)
 
 
 def test_verify_cli_reports_an_allocation_bomb(tmp_path):
