@@ -189,12 +189,14 @@ def stored_lengths(loc: Location, db: str) -> dict[bytes, int]:
   out: dict[bytes, int] = {}
   try:
     root = ts.ocdbt.dump(store).result()["versions"][-1]["root"].get("location")
-    stack = [root] if root else []
-    while stack:
-      for entry in ts.ocdbt.dump(store, stack.pop()).result().get("entries", []):
+    level = [root] if root else []
+    while level:  # one level of the tree at a time, its nodes read concurrently
+      nodes = [ts.ocdbt.dump(store, node) for node in level]
+      level = []
+      for entry in (e for node in nodes for e in node.result().get("entries", [])):
         child = entry.get("node") or entry.get("location")
         if isinstance(child, str) and child.startswith("btreenode::"):
-          stack.append(child)
+          level.append(child)
         elif "indirect_value" in entry:
           out[bytes(entry["key"])] = int(str(entry["indirect_value"]).rsplit(":", 1)[1])
         elif "inline_value" in entry:
