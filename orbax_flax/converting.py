@@ -100,10 +100,14 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
     leaves = [LazyArray(reader, item, rec, progress) if isinstance(rec, Array) else rec.decoded()
               for rec in saved.leaves]
     trees[item] = _tree.decode_structure(saved.structure, leaves)
+  where = ""  # the item a lone item's paths are named under in messages
   if selector:
     tree = _selecting.pick(trees, selector)
+  elif several:
+    tree = trees
   else:
-    tree = trees if several or not manifest.any_item else next(iter(trees.values()))
+    (where, tree), = trees.items()
+    where = f"{where}/"
   if format == "orbax":
     tree = tree if isinstance(tree, dict) else {"value": tree}
     if dtype is not None:
@@ -122,7 +126,7 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
         meta[name] = value if isinstance(value, str) else value.decode(errors="replace")
         continue
       value = np.asarray(value)
-    leaf = _tree.path_str(p)
+    leaf = where + _tree.path_str(p)
     if name in source:
       clashes.append(f"{source[name]} and {leaf} are both named {name!r}")
     source[name] = leaf
