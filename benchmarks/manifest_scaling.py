@@ -42,9 +42,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
 
-from orbax_flax import _manifest  # noqa: E402
-from orbax_flax import _planning  # noqa: E402
-from orbax_flax import _tree  # noqa: E402
+from orbax_flax.format import _manifest  # noqa: E402
+from orbax_flax.engine import _planning  # noqa: E402
+from orbax_flax.core import _tree  # noqa: E402
 import hostmem  # noqa: E402
 from save_restore import llama_shapes  # noqa: E402  (the benchmark state's layout, one copy)
 

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 import numpy as np, jax
 import save_restore as sr
 import orbax_flax as ofx
-from orbax_flax import _crc
+from orbax_flax.core import _crc
 
 def flt(): return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 root = os.path.join(next((a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--dir=")),

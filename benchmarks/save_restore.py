@@ -455,11 +455,11 @@ class Bench:
     st_dir = self.path("st")
     if not os.path.exists(st_dir):
       os.makedirs(st_dir)
-      flat = {".".join(p): np.asarray(x) for p, x in ofx._tree.flatten(self.host)}  # pylint: disable=protected-access
+      flat = {".".join(p): np.asarray(x) for p, x in ofx.core._tree.flatten(self.host)}  # pylint: disable=protected-access
       save_file(flat, os.path.join(st_dir, "model.safetensors"))
     target = {"params": abstract(self.state)}
     shardings = {".".join(p): x.sharding
-                 for p, x in ofx._tree.flatten(abstract(self.state))}  # pylint: disable=protected-access
+                 for p, x in ofx.core._tree.flatten(abstract(self.state))}  # pylint: disable=protected-access
 
     def theirs():
       loaded = load_file(os.path.join(st_dir, "model.safetensors"))
@@ -713,7 +713,8 @@ def mp_worker(size, root, coordinator, nproc, pid, reps):
 def _mp_tiers(state, root, nproc, reps, res):
   """The local tier (with and without a peer replica) and the read-once restore."""
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  from orbax_flax import _progress, restoring  # pylint: disable=g-import-not-at-top
+  from orbax_flax.core import _progress  # pylint: disable=g-import-not-at-top
+  from orbax_flax.engine import restoring
   from orbax_flax.tiers import local  # pylint: disable=g-import-not-at-top
   items = {"state": state}
   target = {"state": abstract(state)}

@@ -85,7 +85,7 @@ def problems(cls: type) -> list[str]:
 def render(cls: type | None = None) -> str:
   """The markdown table: one row per field, in declaration order."""
   if cls is None:
-    from orbax_flax.config import CheckpointPolicy  # pylint: disable=g-import-not-at-top
+    from orbax_flax.manager.config import CheckpointPolicy  # pylint: disable=g-import-not-at-top
     cls = CheckpointPolicy
   bad = problems(cls)
   if bad:

@@ -41,10 +41,10 @@ def _when(t: float) -> str:
 
 
 def cmd_list(directory: str, out) -> int:
-  from orbax_flax import describe as metadata_lib
-  from orbax_flax import restoring
-  from orbax_flax import step_dir
-  from orbax_flax._location import Location
+  from orbax_flax.engine import describe as metadata_lib
+  from orbax_flax.engine import restoring
+  from orbax_flax.format import step_dir
+  from orbax_flax.core._location import Location
   from orbax_flax.differential import refs
   loc = Location.parse(directory)
   steps, leftovers = step_dir.list_steps(loc)
@@ -100,8 +100,8 @@ def cmd_list(directory: str, out) -> int:
 
 def _where_they_are(loc) -> str:
   """Where the checkpoints a user pointing at ``loc`` probably meant are, as advice."""
-  from orbax_flax import restoring
-  from orbax_flax import step_dir
+  from orbax_flax.engine import restoring
+  from orbax_flax.format import step_dir
   try:
     restoring.read_summary(loc)
     return (f": {loc} is one checkpoint, not a directory of steps; look inside it with"
@@ -140,8 +140,8 @@ _MAX_SUBDIRS = 64  # sub-directories of a workdir that `list` looks into for adv
 
 
 def cmd_show(path: str, out) -> int:
-  from orbax_flax import describe as metadata_lib
-  from orbax_flax import restoring
+  from orbax_flax.engine import describe as metadata_lib
+  from orbax_flax.engine import restoring
   loc, manifest = restoring.open_manifest(path)
   meta = metadata_lib.from_manifest(str(loc), manifest)
   print(meta, file=out)
@@ -162,7 +162,7 @@ def cmd_show(path: str, out) -> int:
 
 def _values(tree, prefix=""):
   """Non-array leaves (scalars, strings) of a metadata tree."""
-  from orbax_flax import describe as metadata_lib
+  from orbax_flax.engine import describe as metadata_lib
   out = []
   if isinstance(tree, dict):
     for k, v in tree.items():
@@ -176,8 +176,8 @@ def _values(tree, prefix=""):
 
 
 def cmd_verify(path: str, out) -> int:
-  from orbax_flax import describe as metadata_lib
-  from orbax_flax import verifying as verify_lib
+  from orbax_flax.engine import describe as metadata_lib
+  from orbax_flax.engine import verifying as verify_lib
   try:
     n, fmt = verify_lib.verify_report(path)
   except errors.CheckpointCorruptedError as e:
@@ -209,7 +209,7 @@ def cmd_convert(argv: list[str], out) -> int:
                       help="safetensors: the most bytes per file (default 5 GiB)")
   parser.add_argument("--overwrite", action="store_true")
   args = parser.parse_args(argv)
-  from orbax_flax import converting
+  from orbax_flax.engine import converting
   print(converting.convert(args.src, args.dst, format=args.format, dtype=args.dtype,
                            max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite),
         file=out)
@@ -267,7 +267,7 @@ def cmd_plan(argv: list[str], out) -> int:
     return EXIT_OK
   from absl import flags
   from ml_collections import config_flags
-  from orbax_flax.config import CheckpointPolicy
+  from orbax_flax.manager.config import CheckpointPolicy
   fv = flags.FlagValues()
   # sys_argv: config_flags reads --config.x=y overrides from it (sys.argv by default), so
   # main(argv) called with a list honours them as `python -m orbax_flax` does.
@@ -323,7 +323,7 @@ def cmd_plan(argv: list[str], out) -> int:
 
 def _print_auto(field: str, what: str, flag: str, policy, fv, out) -> None:
   """The interval ``field="auto"`` chooses from the cost in ``--flag`` (1 s assumed without)."""
-  from orbax_flax import policy as policy_lib
+  from orbax_flax.manager import policy as policy_lib
   cost = getattr(fv, flag)
   interval = policy_lib.YoungDaly(policy.mtbf_seconds).interval(cost)
   print(f"{field}=auto: sqrt(2 x {what} {1.0 if cost is None else cost:g} s"

@@ -1,7 +1,7 @@
 """One process of a 3-process job in which process ``--stopped`` is stopped (SIGSTOP, by the
 test) while the others call into the coordination service.
 
-Every other process makes each call of :mod:`orbax_flax._multihost` with a 1 s
+Every other process makes each call of :mod:`orbax_flax.core._multihost` with a 1 s
 deadline, once the test says the process is stopped (it creates ``--go``), and
 prints one line per call: ``CALL <name> <outcome> missing=<list> | <message>``,
 then ``DONE``. The test resumes the stopped process (SIGCONT) once
@@ -17,7 +17,7 @@ import time
 import jax
 
 import jobs
-from orbax_flax import _multihost
+from orbax_flax.core import _multihost
 
 T = 1.0  # each call's deadline (coordination_timeout_seconds), seconds
 

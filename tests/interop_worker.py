@@ -63,7 +63,9 @@ def main():
     print("SAVED", flush=True)
     return
   if a.mode == "read_once":  # each replicated array read once across processes, then gathered
-    from orbax_flax import _progress, _read_once, restoring  # pylint: disable=g-import-not-at-top
+    from orbax_flax.core import _progress  # pylint: disable=g-import-not-at-top
+    from orbax_flax.engine import _read_once
+    from orbax_flax.engine import restoring
     rng = np.random.default_rng(0)
     extra = {"big_rep": (rng.standard_normal((1024, 512)).astype(np.float32), P()),
              "cols": (rng.standard_normal((512, 256)).astype(np.float32), P(None, "model"))}

@@ -58,8 +58,8 @@ def restored_bytes(tree) -> int:
 
 
 def largest_chunk(path) -> int:
-  from orbax_flax import restoring  # pylint: disable=g-import-not-at-top
-  manifest = restoring.read_manifest(ofx._location.Location.parse(path))  # pylint: disable=protected-access
+  from orbax_flax.engine import restoring  # pylint: disable=g-import-not-at-top
+  manifest = restoring.read_manifest(ofx.core._location.Location.parse(path))  # pylint: disable=protected-access
   return max(int(np.prod(r.chunk_shape)) * r.np_dtype.itemsize
              for item in manifest.items.values() for r in item.leaves
              if getattr(r, "chunk_shape", None) is not None)

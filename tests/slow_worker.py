@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jobs
 import orbax_flax as ofx
-from orbax_flax import _multihost
+from orbax_flax.core import _multihost
 
 def wait_for(go: str) -> None:
   while not os.path.exists(go):

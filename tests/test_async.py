@@ -45,8 +45,10 @@ def test_arrays_can_be_donated_and_deleted_once_save_async_returns(ckpt_dir):
 
 
 def test_snapshot_does_not_alias_device_buffers(ckpt_dir):
-  from orbax_flax import _planner, _staging, saving  # pylint: disable=g-import-not-at-top
-  from orbax_flax._location import Location  # pylint: disable=g-import-not-at-top
+  from orbax_flax.engine import _planner  # pylint: disable=g-import-not-at-top
+  from orbax_flax.core import _staging
+  from orbax_flax.engine import saving
+  from orbax_flax.core._location import Location  # pylint: disable=g-import-not-at-top
   state = _state(8)
   plan = _planner.Planner().plan(Location.parse(ckpt_dir), {"state": state})
   saving.snapshot(plan.pieces, _staging.Staging())
@@ -67,7 +69,7 @@ def test_only_one_save_in_flight_per_checkpointer(tmp_path):
 
 def test_module_functions_share_no_checkpointer(tmp_path):
   """Each module-function call makes what it needs: no hidden global links two calls."""
-  from orbax_flax import checkpointer  # pylint: disable=g-import-not-at-top
+  from orbax_flax.engine import checkpointer  # pylint: disable=g-import-not-at-top
   assert not [n for n, v in vars(checkpointer).items() if isinstance(v, (list, dict, set))
               and not n.startswith("__")]
   first = ofx.save_async(str(tmp_path / "a"), {"state": _state(8)})

@@ -32,8 +32,8 @@ import tensorstore as ts
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import orbax_flax as ofx
-from orbax_flax import _reading
-from orbax_flax import restoring
+from orbax_flax.engine import _reading
+from orbax_flax.engine import restoring
 
 # A wait guard, not a timing: a read that has not ended by then hangs.
 _HANG_S = 120

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import orbax_flax as ofx
-from orbax_flax import resume
+from orbax_flax.training import resume
 from orbax_flax.data import ElasticIterator
 from orbax_flax.data import order as order_lib
 

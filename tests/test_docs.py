@@ -261,7 +261,7 @@ def test_engine_table_lists_every_argument(name):
 
 
 def test_exception_save_wait_is_the_one_the_code_uses():
-  from orbax_flax import interruptions  # pylint: disable=g-import-not-at-top
+  from orbax_flax.training import interruptions  # pylint: disable=g-import-not-at-top
   text = open(os.path.join(ROOT, "docs", "training.md")).read()
   m = re.search(r"if the others have not failed within (\d+(?:\.\d+)?) s", text)
   assert m, "docs/training.md no longer says how long an exception save waits for the others"

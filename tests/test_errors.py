@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import orbax_flax as ofx
 from disks import small_disk
-from orbax_flax import _location
-from orbax_flax import _save_run
+from orbax_flax.core import _location
+from orbax_flax.engine import _save_run
 
 
 def _tree_files(path):

@@ -13,7 +13,7 @@ import pytest
 
 import jobs
 import orbax_flax as ofx
-from orbax_flax import policy as policy_lib
+from orbax_flax.manager import policy as policy_lib
 
 
 def test_iterator_yields_each_step_once_in_order(tmp_path):

@@ -319,7 +319,7 @@ def test_checkpoint_timings_reach_tensorboard_without_tensorflow(tmp_path):
   tags = ea.Tags()["scalars"]
   assert {"checkpoint/blocking_s", "checkpoint/total_s", "checkpoint/bytes", "loss"} <= set(tags), tags
   assert [e.step for e in ea.Scalars("checkpoint/total_s")] == [2, 4, 6]
-  src = open(ofx.tensorboard.__file__).read()
+  src = open(ofx.training.tensorboard.__file__).read()
   assert "import tensorflow" not in src and "import tensorboard" not in src
 
 

@@ -92,7 +92,7 @@ def read_by_the_document(path):
       else:
         data = _read_array(path, item, gen, leaf, saved.get("packed", {}))
         if data.dtype.name != leaf["dtype"]:
-          data = data.view(ofx._tree.dtype_from_name(leaf["dtype"]))  # the same bits
+          data = data.view(ofx.core._tree.dtype_from_name(leaf["dtype"]))  # the same bits
         leaves.append(data)
     out[item] = _rebuild(saved["structure"], leaves)
   return summary, out

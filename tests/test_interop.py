@@ -301,7 +301,7 @@ def test_transforms_on_a_flax_model_rename_new_head_stack_unstack(tmp_path):
   params = _Model().init(jax.random.key(0), x)["params"]
   path = str(tmp_path / "ckpt")
   ofx.save(path, {"state": {"model": params, "opt_mu": jax.tree.map(jnp.zeros_like, params)}})
-  t = ofx.transforms
+  t = ofx.engine.transforms
   # 1) Rename + drop: the old "model" prefix becomes "params", the optimizer is dropped.
   target = {"params": ofx.abstract(params)}
   out = ofx.restore(path, {"state": target}, transforms=[
@@ -475,7 +475,7 @@ def test_transpose_loads_torch_layout_weights_as_flax_kernels_shard_by_shard(tmp
     reads.append((tuple(shape), tuple(box)))
     return original(fd, base, shape, box, out)
   monkeypatch.setattr(_cbytes, "pread_box", counting)
-  t = ofx.transforms
+  t = ofx.engine.transforms
   params = ofx.restore(f, {"params": target}, transforms=[
       t.Rename(r"model/(.*)", r"\1"), t.Rename(r"layers/(\d+)/mlp/(.*)", r"layers_\1/\2"),
       t.Rename(r"(norm_\d+)/weight", r"\1/scale"), t.Rename(r"(.*)/weight", r"\1/kernel"),

@@ -11,9 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_flax as ofx
-from orbax_flax import policy as policy_lib
-from orbax_flax import _save_run
-from orbax_flax import step_dir
+from orbax_flax.manager import policy as policy_lib
+from orbax_flax.engine import _save_run
+from orbax_flax.format import step_dir
 
 
 class FakeClock:

@@ -159,7 +159,7 @@ def test_a_step_that_is_not_committed_is_named_with_those_that_are(tmp_path):
 
 
 def test_manager_save_takes_dtype_and_restore_takes_transforms_and_a_budget(tmp_path):
-  t = ofx.transforms
+  t = ofx.engine.transforms
   with ofx.CheckpointManager(str(tmp_path)) as mngr:
     mngr.save(1, {"state": {"w": np.arange(6, dtype=np.float32)}}, force=True, dtype="bfloat16")
     mngr.wait()

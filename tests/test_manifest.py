@@ -54,7 +54,7 @@ def _layout(nproc, chunks, seed=0):
 
 
 def test_many_chunk_owners_are_stored_compactly_and_decode_to_the_same_manifest():
-  from orbax_flax import _manifest  # pylint: disable=g-import-not-at-top
+  from orbax_flax.format import _manifest  # pylint: disable=g-import-not-at-top
   m = _layout(nproc=1024, chunks=8 * _manifest.COMPACT_OWNERS)
   compact = _manifest.encode(m)
   plain = _manifest.encode(m, compact_owners=1 << 62)  # the version 1 encoding of the same
@@ -88,7 +88,7 @@ def test_crafted_compact_owners_are_refused():
   import base64  # pylint: disable=g-import-not-at-top
   import zlib  # pylint: disable=g-import-not-at-top
   import pytest  # pylint: disable=g-import-not-at-top
-  from orbax_flax import _manifest  # pylint: disable=g-import-not-at-top
+  from orbax_flax.format import _manifest  # pylint: disable=g-import-not-at-top
   n = _manifest.COMPACT_OWNERS
   data = _manifest.encode(_layout(nproc=1024, chunks=n))
 

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jobs
 import orbax_flax as ofx
-from orbax_flax import _save_run
+from orbax_flax.engine import _save_run
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_overwrite_replaces_generation_and_cleans_up(store, bucket):
   ofx.save(url, {"state": _state(2)}, overwrite=True)
   assert ofx.restore(url)["state"]["step"] == 2
   new_keys = store.keys(bucket)
-  gen = ofx.restoring.read_manifest(ofx._location.Location.parse(url)).generation
+  gen = ofx.engine.restoring.read_manifest(ofx.core._location.Location.parse(url)).generation
   assert all(k == "ow/_CHECKPOINT" or gen in k for k in new_keys), new_keys
 
 

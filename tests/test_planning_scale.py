@@ -19,9 +19,9 @@ import random
 import numpy as np
 import pytest
 
-from orbax_flax import _layout
-from orbax_flax import _manifest
-from orbax_flax import _planning
+from orbax_flax.format import _layout
+from orbax_flax.format import _manifest
+from orbax_flax.engine import _planning
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,7 +7,7 @@ import pytest
 
 from configs import default as default_config
 from orbax_flax import CheckpointPolicy
-from orbax_flax import policy as P
+from orbax_flax.manager import policy as P
 
 
 def S(step, now=0.0, last_step=None, last_time=0.0, first=False):  # pylint: disable=invalid-name

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import jobs
 import orbax_flax as ofx
 from disks import small_disk
-from orbax_flax import _progress
+from orbax_flax.core import _progress
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -202,7 +202,7 @@ def test_partial_restore_of_packed_arrays_reads_little_and_owns_its_memory(tmp_p
   proc = psutil.Process()
   rss0 = proc.memory_info().rss
   progress = _progress.Progress("restore")
-  from orbax_flax import restoring  # pylint: disable=g-import-not-at-top
+  from orbax_flax.engine import restoring  # pylint: disable=g-import-not-at-top
   out = restoring.restore(path, {"s": {"w000": np.zeros(1 << 18, np.float32),
                                        f"w{n - 1:03d}": np.zeros(1 << 18, np.float32)}},
                           partial=True, progress=progress)["s"]

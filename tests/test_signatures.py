@@ -9,8 +9,8 @@ import inspect
 import pytest
 
 import orbax_flax as ofx
-from orbax_flax import checkpointer
-from orbax_flax import restoring
+from orbax_flax.engine import checkpointer
+from orbax_flax.engine import restoring
 
 # The agreed keyword arguments (issue 17), in order.
 RESTORE = ["target", "partial", "allow_lossy_casts", "transforms", "read_once", "max_host_bytes",

@@ -17,7 +17,7 @@ import pytest
 
 import jobs
 import orbax_flax as ofx
-from orbax_flax import leases
+from orbax_flax.manager import leases
 
 FROZEN = np.random.default_rng(0).standard_normal((4, 256, 1280)).astype(np.float32)
 

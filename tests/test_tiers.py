@@ -236,8 +236,8 @@ def test_repeated_saves_and_restores_of_one_tier_agree_every_time(saved, tmp_pat
 import math  # noqa: E402
 import statistics  # noqa: E402
 
-from orbax_flax import policy  # noqa: E402
-from orbax_flax import schedule  # noqa: E402
+from orbax_flax.manager import policy  # noqa: E402
+from orbax_flax.manager import schedule  # noqa: E402
 
 
 def test_local_schedule_follows_young_daly_of_injected_costs():

@@ -1,6 +1,6 @@
 """One differential save on one process: which blocks to write, which to reference.
 
-The save's :class:`orbax_flax._save_run.SaveRun` calls, in its background phase:
+The save's :class:`orbax_flax.engine._save_run.SaveRun` calls, in its background phase:
 
 1. :meth:`Differ.agree` once the generation is agreed: process 0 picks the
    base (the step it was given, if it is still committed and a sibling of the
@@ -29,11 +29,11 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
-from orbax_flax import _multihost
-from orbax_flax import _planning
+from orbax_flax.core import _multihost
+from orbax_flax.engine import _planning
 from orbax_flax import errors
-from orbax_flax import restoring
-from orbax_flax._location import Location
+from orbax_flax.engine import restoring
+from orbax_flax.core._location import Location
 from orbax_flax.differential import hashing
 from orbax_flax.differential import refs
 

@@ -18,7 +18,7 @@ coordinates. A retired step (deleted by retention while referenced) keeps its
 data in place, its ``_CHECKPOINT`` renamed ``_RETIRED``; only when a new step
 of the same number is saved does it move aside, to ``<dir>.ofx-base-<generation>``.
 
-The one decoder (:mod:`orbax_flax._records_decode`) checks these fields and
+The one decoder (:mod:`orbax_flax.format._records_decode`) checks these fields and
 folds each reference into the owner number the reader uses (``home *
 OWNER_STRIDE + process``), so the reader finds the database of any chunk from
 its owner alone (:class:`Homes`).
@@ -32,10 +32,10 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from orbax_flax import _manifest
-from orbax_flax import _records_decode
+from orbax_flax.format import _manifest
+from orbax_flax.format import _records_decode
 from orbax_flax import errors
-from orbax_flax._location import Location
+from orbax_flax.core._location import Location
 
 BASES = "bases"
 CHUNK_HASH = "chunk_hash"

@@ -7,7 +7,7 @@ there every step they borrow from), or a save in flight pinned it
 stale in a crash; each decision reads the summaries (a few KB each) again.
 
 * :func:`delete_step`: an unreferenced step is deleted as before
-  (:func:`orbax_flax.step_dir.delete_step`); a referenced one is *retired* in
+  (:func:`orbax_flax.format.step_dir.delete_step`); a referenced one is *retired* in
   place: one atomic rename of its ``_CHECKPOINT`` to ``_RETIRED``. It is no
   longer a step (listings skip it), and its bytes never move, so a restore of
   a step that borrows them, running meanwhile, reads on undisturbed.
@@ -29,12 +29,12 @@ from __future__ import annotations
 import logging
 import os
 
-from orbax_flax import _location
-from orbax_flax import _multihost
+from orbax_flax.core import _location
+from orbax_flax.core import _multihost
 from orbax_flax import errors
-from orbax_flax import restoring
-from orbax_flax import step_dir
-from orbax_flax._location import Location
+from orbax_flax.engine import restoring
+from orbax_flax.format import step_dir
+from orbax_flax.core._location import Location
 from orbax_flax.differential import differ
 from orbax_flax.differential import refs
 

@@ -13,9 +13,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from orbax_flax import _layout
-from orbax_flax import _reading
-from orbax_flax._records import Array
+from orbax_flax.format import _layout
+from orbax_flax.engine import _reading
+from orbax_flax.format._records import Array
 
 _THREADS = 8
 

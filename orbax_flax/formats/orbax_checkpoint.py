@@ -36,11 +36,11 @@ from typing import Any, NamedTuple
 import numpy as np
 import tensorstore as ts
 
-from orbax_flax import _location
-from orbax_flax import _tree
+from orbax_flax.core import _location
+from orbax_flax.core import _tree
 from orbax_flax import errors
-from orbax_flax._location import Location
-from orbax_flax._records import Array, Item, Manifest, Record, Value
+from orbax_flax.core._location import Location
+from orbax_flax.format._records import Array, Item, Manifest, Record, Value
 from orbax_flax.formats import _checks
 
 FORMAT = "orbax-checkpoint"

@@ -37,9 +37,9 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from orbax_flax import _multihost
-from orbax_flax import _selecting
-from orbax_flax import _tree
+from orbax_flax.core import _multihost
+from orbax_flax.engine import _selecting
+from orbax_flax.core import _tree
 from orbax_flax.formats import safetensors_export
 
 _HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"

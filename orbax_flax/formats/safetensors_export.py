@@ -21,10 +21,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_flax import _layout
-from orbax_flax import _multihost
-from orbax_flax import _selecting
-from orbax_flax import _tree
+from orbax_flax.format import _layout
+from orbax_flax.core import _multihost
+from orbax_flax.engine import _selecting
+from orbax_flax.core import _tree
 from orbax_flax.formats import _cbytes
 from orbax_flax.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, dtype_name
 

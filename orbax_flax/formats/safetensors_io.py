@@ -30,9 +30,9 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from orbax_flax import _tree
+from orbax_flax.core import _tree
 from orbax_flax import errors
-from orbax_flax._records import Array, Item, Manifest
+from orbax_flax.format._records import Array, Item, Manifest
 from orbax_flax.formats import _cbytes
 from orbax_flax.formats import _checks
 

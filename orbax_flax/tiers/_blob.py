@@ -14,11 +14,11 @@ Every byte is covered: the header by its bounds, the index by its SHA-256, the
 shard bytes by their CRCs, so a damaged blob is refused, never read wrong.
 
 The index holds, per item, the tree structure and per leaf the engine's own
-record (:func:`orbax_flax._planning.array_record`, ``value_record``) plus the
+record (:func:`orbax_flax.engine._planning.array_record`, ``value_record``) plus the
 shards this process held (``boxes``), decoded by the manifest's own checking
-decoder into the same records (:mod:`orbax_flax._records`). A restore checks the target with the
-engine's :func:`orbax_flax._matching.match_target` and places the arrays with
-its :func:`~orbax_flax.restoring.assemble`: the same target gives the same
+decoder into the same records (:mod:`orbax_flax.format._records`). A restore checks the target with the
+engine's :func:`orbax_flax.engine._matching.match_target` and places the arrays with
+its :func:`~orbax_flax.engine.restoring.assemble`: the same target gives the same
 result, or the same error, as the persistent tier.
 """
 
@@ -35,17 +35,17 @@ from typing import Any
 import jax
 import numpy as np
 
-from orbax_flax import _crc
-from orbax_flax import _layout
-from orbax_flax import _manifest
-from orbax_flax import _matching
-from orbax_flax import _planning
-from orbax_flax import _records_decode
-from orbax_flax import _staging
-from orbax_flax import _tree
+from orbax_flax.core import _crc
+from orbax_flax.format import _layout
+from orbax_flax.format import _manifest
+from orbax_flax.engine import _matching
+from orbax_flax.engine import _planning
+from orbax_flax.format import _records_decode
+from orbax_flax.core import _staging
+from orbax_flax.core import _tree
 from orbax_flax import errors
-from orbax_flax import restoring
-from orbax_flax._records import Array, Item, Manifest
+from orbax_flax.engine import restoring
+from orbax_flax.format._records import Array, Item, Manifest
 from orbax_flax.formats import _cbytes
 
 MAGIC = b"OFXLOCL1"
@@ -332,7 +332,7 @@ def parallel(fn, tasks: list) -> None:
 def match(index: Manifest, target: Mapping[str, Any], *, partial: bool = False,
           allow_lossy_casts: bool = False, casts: list | None = None,
           source: str = "the local checkpoint") -> _matching.Match:
-  """The engine's target check of a blob's index (:func:`orbax_flax._matching.match_target`).
+  """The engine's target check of a blob's index (:func:`orbax_flax.engine._matching.match_target`).
 
   Raises:
     TreeMismatchError, ValueError: as the persistent tier would for this target.

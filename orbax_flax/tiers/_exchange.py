@@ -15,7 +15,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from orbax_flax import _multihost
+from orbax_flax.core import _multihost
 
 
 def _ring_mesh(order: tuple[int, ...]) -> jax.sharding.Mesh:

@@ -19,8 +19,8 @@ import shutil
 
 import numpy as np
 
-from orbax_flax import _manifest
-from orbax_flax import _progress
+from orbax_flax.format import _manifest
+from orbax_flax.core import _progress
 from orbax_flax import errors
 from orbax_flax.tiers import _blob
 from orbax_flax.tiers.placement import Holdings

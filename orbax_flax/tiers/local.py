@@ -43,8 +43,8 @@ from typing import Any
 
 import jax
 
-from orbax_flax import _multihost
-from orbax_flax import _progress
+from orbax_flax.core import _multihost
+from orbax_flax.core import _progress
 from orbax_flax import errors
 from orbax_flax.tiers import _blob
 from orbax_flax.tiers import _exchange

@@ -2,7 +2,7 @@
 
 :class:`LocalSaves` pairs the tier (:class:`~orbax_flax.tiers.local.LocalTier`:
 where the bytes go, who holds copies) with its schedule
-(:class:`~orbax_flax.schedule.Schedule`: when). A save that fails
+(:class:`~orbax_flax.manager.schedule.Schedule`: when). A save that fails
 is logged and handed back, not raised, so that the persistent save of the same
 step still runs; the callback then treats it as it treats any failed save
 (``on_save_error``).
@@ -14,9 +14,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from orbax_flax import _progress
+from orbax_flax.core import _progress
 from orbax_flax import errors
-from orbax_flax import schedule
+from orbax_flax.manager import schedule
 from orbax_flax.tiers import local
 
 log = logging.getLogger("orbax_flax")

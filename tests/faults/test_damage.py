@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import orbax_flax as ofx
-from orbax_flax import _manifest
+from orbax_flax.format import _manifest
 
 LONG = os.environ.get("ORBAX_FLAX_FAULTS") == "long"
 
@@ -162,7 +162,7 @@ def test_nothing_from_a_checkpoint_is_executed():
           assert word not in text, (f, word)
         # bare eval/exec (ast.literal_eval only parses literals: allowed)
         assert not re.search(r"(?<![\w.])(eval|exec)\(", text), f
-  from orbax_flax import _tree  # pylint: disable=g-import-not-at-top
+  from orbax_flax.core import _tree  # pylint: disable=g-import-not-at-top
   tree = _tree.decode_structure({"t": "node", "type": "os.system", "k": ["a"], "c": [{"t": "leaf", "i": 0}]},
                                 ["rm -rf /"])
   assert tree == {"a": "rm -rf /"}  # a node type is a name, never looked up

@@ -21,8 +21,8 @@ import pytest
 
 import jobs
 import orbax_flax as ofx
-from orbax_flax import step_dir
-from orbax_flax._location import Location
+from orbax_flax.format import step_dir
+from orbax_flax.core._location import Location
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -1,0 +1,6 @@
+"""core: what every layer stands on. Locations and storage calls (``_location``), pytrees as
+data (``_tree``), coordination between processes (``_multihost``), host memory for
+snapshots (``_staging``), progress and watchdogs (``_progress``), CRC-32C (``_crc``).
+
+May import: ``orbax_flax.errors`` and third-party libraries only.
+"""

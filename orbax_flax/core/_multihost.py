@@ -1,0 +1,326 @@
+"""Agreement between the processes of a job through JAX's coordination service.
+
+A single-process job needs none of this: every function short-circuits. In a
+job started with ``jax.distributed.initialize`` the key-value store of the
+coordination service carries small messages (sub-millisecond on loopback,
+no compilation), so the background thread of an async save can use it.
+
+Every call into the service has a deadline, ``timeout_s``, which every caller
+passes (the policy's ``coordination_timeout_seconds``): there is no default
+here. The service is hosted by process 0, so a call that gets no answer in time
+raises :class:`CoordinationTimeoutError` naming process 0 (stopped, hung or
+overloaded); a wait for other processes that times out names the processes
+that did not arrive. The client's own calls have no deadline (only its
+blocking get has one), so each of the others runs on a short-lived helper
+thread that the caller stops waiting for: a call that timed out may still
+reach the service once it answers again (callers that decide something from a
+call account for that, see :mod:`orbax_flax.engine._save_run`).
+
+The number of round trips of each helper is constant: it does not grow with
+the number of processes (the cost of a 1,000-host job is the cost of a 2-host
+job plus the service's own fan-in).
+
+Names in the key space: the coordination service is one per job, so every
+prefix handed out in it (:func:`namespace`) derives from the directory its
+object works on, plus a count of the prefixes of that kind already handed
+out for that directory, kept in the service itself. Only the objects and
+saves on one directory must come in the same order on every process (as any
+collective does); nothing depends on what else a process created first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Sequence
+
+import jax
+
+# The default of the public constructors that take a coordination_timeout_seconds (the
+# policy's default too). The functions here take no default: every caller passes its own.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class CoordinationTimeoutError(TimeoutError):
+  """A process waited longer than the coordination timeout for others.
+
+  Attributes:
+    missing: the processes that had not arrived (or not answered), when known.
+  """
+
+  def __init__(self, message: str, missing: Sequence[int] = ()):
+    super().__init__(message)
+    self.missing = list(missing)
+
+
+def _within(timeout_s: float, what: str, call, *args):
+  """``call(*args)`` (a call into the coordination service), or an error after ``timeout_s``.
+
+  The call runs on a daemon thread (the client releases the GIL while it
+  waits); if it has not answered in time, the caller stops waiting and raises
+  :class:`CoordinationTimeoutError` naming process 0, which hosts the service.
+  """
+  answer: list = []
+  asked = threading.Thread(target=_call_into, args=(answer, call, *args),
+                           name="orbax_flax-coordination", daemon=True)
+  asked.start()
+  asked.join(timeout_s)
+  if not answer:
+    raise CoordinationTimeoutError(
+        f"process {process_index()} waited {timeout_s:g} s for the coordination service, hosted"
+        f" by process 0, to {what}; process 0 did not answer (stopped, hung or overloaded)."
+        " Raise coordination_timeout_seconds if it is only slow.", [0])
+  if isinstance(answer[0], BaseException):
+    raise answer[0]
+  return answer[0]
+
+
+def _call_into(answer: list, call, *args) -> None:
+  """Appends ``call(*args)``, or the exception it raised, to ``answer``."""
+  try:
+    answer.append(call(*args))
+  except BaseException as e:  # pylint: disable=broad-except  # re-raised by the caller
+    answer.append(e)
+
+
+def namespace(kind: str, where: str, timeout_s: float) -> str:
+  """A key prefix for the next object (or save) of ``kind`` on ``where``, the same on every process.
+
+  ``orbax_flax/<kind>/<digest of where>/<n>``: the ``n``-th prefix of this
+  kind for this directory that this process asked for, counted by a key of
+  the coordination service (one counter per process and directory, so the
+  count survives no object and needs no module state). Every process that
+  makes the same objects on ``where`` in the same order gets the same
+  prefix. A single-process job shares nothing: its prefix has no count.
+
+  The count waits at most ``timeout_s`` for the service's answer.
+
+  Raises:
+    CoordinationTimeoutError: the service (process 0) did not answer in time.
+
+  Example:
+    >>> namespace("doc-example", "/tmp/run", timeout_s=5)  # one process
+    'orbax_flax/doc-example/52865a8aedce'
+  """
+  base = f"orbax_flax/{kind}/{hashlib.sha1(str(where).encode()).hexdigest()[:12]}"
+  c = client()
+  if c is None:
+    return base
+  counter = f"{base}/count/{process_index()}"
+  n = _within(timeout_s, f"count {counter!r}", c.key_value_increment, counter, 1)
+  return f"{base}/{n}"
+
+
+def leave(key: str, *, timeout_s: float) -> None:
+  """Reports that this process is done with every key under ``key``; the last one deletes them.
+
+  For keys unique to one operation (a save): once every process has left,
+  nobody reads them any more. Two calls, each within ``timeout_s``.
+  """
+  c = client()
+  if c is not None and _within(timeout_s, f"count who left {key!r}", c.key_value_increment,
+                               f"{key}/left", 1) == process_count():
+    _within(timeout_s, f"delete {key!r}", c.key_value_delete, key)
+
+
+def check_distributed() -> None:
+  """Refuses to run alone when the environment says the job has several processes.
+
+  Under ``orbax_flax.launch`` (or a cluster launcher setting JAX_NUM_PROCESSES)
+  a process that forgot ``jax.distributed.initialize`` would train alone and
+  write over the others' checkpoints.
+
+  Raises:
+    RuntimeError: JAX_NUM_PROCESSES > 1 but jax.distributed is not initialised.
+  """
+  wanted = os.environ.get("JAX_NUM_PROCESSES", "1")
+  if wanted.isdigit() and int(wanted) > 1 and jax.process_count() == 1:
+    raise RuntimeError(
+        f"JAX_NUM_PROCESSES={wanted} is set (this process was started by orbax_flax.launch or a"
+        " cluster launcher), but jax.distributed is not initialised, so this process would train"
+        " alone and write over the others' checkpoints. Call"
+        " orbax_flax.launch.initialize_from_env() (or jax.distributed.initialize()) at the top of"
+        " the script, before touching any device.")
+
+
+def process_index() -> int:
+  return jax.process_index()
+
+
+def process_count() -> int:
+  return jax.process_count()
+
+
+def client():
+  """The coordination service client, or None outside a distributed job."""
+  if jax.process_count() == 1:
+    return None
+  from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
+  return global_state.client
+
+
+def publish(key: str, value: str, *, timeout_s: float) -> None:
+  """Sets ``key`` for every process to read (waits at most ``timeout_s`` for the service)."""
+  c = client()
+  if c is not None:
+    _within(timeout_s, f"set {key!r}", c.key_value_set, key, value, True)
+
+
+def claim(key: str, value: str, *, timeout_s: float) -> str:
+  """Sets ``key`` to ``value`` unless it is set already; returns the value that won.
+
+  The coordination service decides who was first, so every process that
+  claims (or later reads) ``key`` sees the same value. Two calls at most,
+  each within ``timeout_s``.
+  """
+  c = client()
+  if c is None:
+    return value
+  try:
+    _within(timeout_s, f"set {key!r}", c.key_value_set, key, value, False)
+    return value
+  except CoordinationTimeoutError:
+    raise
+  except Exception as e:  # The client raises XlaRuntimeError subclasses.  pylint: disable=broad-except
+    if "ALREADY_EXISTS" not in str(e):
+      raise
+    return _within(timeout_s, f"read {key!r}", c.key_value_try_get, key)
+
+
+def post_claim(key: str, value: str) -> None:
+  """Sends a :func:`claim` of ``key`` without waiting for the answer.
+
+  For a process that gives up because the service does not answer: the claim
+  reaches the service when it answers again, so the others find this
+  process's verdict there unless a decision was taken first (then the claim
+  fails, unseen). The call's thread ends with the call.
+  """
+  c = client()
+  if c is not None:
+    threading.Thread(target=_call_into, args=([], c.key_value_set, key, value, False),
+                     name="orbax_flax-coordination", daemon=True).start()
+
+
+def fetch(key: str, timeout_s: float, *, waiting_for: str = "the other processes",
+          missing: Sequence[int] = ()) -> str:
+  """Waits for ``key`` to be published and returns its value.
+
+  Raises:
+    CoordinationTimeoutError: after ``timeout_s``, naming what was awaited.
+  """
+  c = client()
+  try:
+    return c.blocking_key_value_get(key, max(1, int(timeout_s * 1000)))
+  except Exception as e:  # pylint: disable=broad-except
+    if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
+      raise
+    who = f": process(es) {list(missing)} did not answer" if missing else ""
+    raise CoordinationTimeoutError(
+        f"process {process_index()} waited {timeout_s:g} s for {waiting_for} ({key!r}){who};"
+        " raise coordination_timeout_seconds if they are only slow.", missing) from e
+
+
+def try_fetch(key: str, *, timeout_s: float) -> str | None:
+  """``key``'s value if published, else None, without waiting for anyone but the service."""
+  c = client()
+  try:
+    return _within(timeout_s, f"read {key!r}", c.key_value_try_get, key)
+  except CoordinationTimeoutError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    if "NOT_FOUND" in str(e):
+      return None
+    raise
+
+
+def dir_get(prefix: str, *, timeout_s: float) -> dict[str, str]:
+  """Every key under ``prefix/`` (relative names) with its value, in one round trip."""
+  c = client()
+  prefix = prefix.rstrip("/") + "/"
+  return {k[len(prefix):] if k.startswith(prefix) else k: v
+          for k, v in _within(timeout_s, f"list {prefix!r}", c.key_value_dir_get, prefix)}
+
+
+def delete(prefix: str, *, timeout_s: float) -> None:
+  """Deletes a key (and the keys under it, as a directory). Missing is fine."""
+  c = client()
+  if c is not None:
+    _within(timeout_s, f"delete {prefix!r}", c.key_value_delete, prefix)
+
+
+def broadcast(key: str, value: str | None, timeout_s: float) -> str:
+  """Process 0's ``value`` on every process (others pass anything)."""
+  if client() is None:
+    return value
+  if process_index() == 0:
+    publish(key, value, timeout_s=timeout_s)
+    return value
+  return fetch(key, timeout_s, waiting_for="process 0", missing=[0])
+
+
+def decide_per_step(prefix: str, step: int, decide, *, timeout_s: float) -> str:
+  """Process 0's ``decide()`` for ``step``, on every process (a clock-based decision).
+
+  Others do not call ``decide``. One key per step under ``prefix``, in buckets
+  of 1024 steps; process 0 deletes the bucket two behind, so the key space
+  stays bounded over a long run.
+  """
+  if client() is None:
+    return decide()
+  value = None
+  if process_index() == 0:
+    value = decide()
+    if step % 1024 == 0 and step >= 2048:
+      delete(f"{prefix}/{step // 1024 - 2}", timeout_s=timeout_s)
+  return broadcast(f"{prefix}/{step // 1024}/{step}", value, timeout_s)
+
+
+def arrive(key: str, value: str = "", *, timeout_s: float) -> None:
+  """Reports this process at the rendezvous ``key`` (see :func:`gather`); three calls at most,
+  each within ``timeout_s``."""
+  c = client()
+  if c is None:
+    return
+  _within(timeout_s, f"record this process's report at {key!r}", c.key_value_set,
+          f"{key}/v/{process_index()}", value, True)
+  if _within(timeout_s, f"count the reports at {key!r}", c.key_value_increment,
+             f"{key}/n", 1) == process_count():
+    _within(timeout_s, f"mark {key!r} complete", c.key_value_set, f"{key}/all", "1", True)
+
+
+def gather(key: str, timeout_s: float, *, what: str = "report") -> list[str]:
+  """Waits until every process :func:`arrive`-d at ``key``; their values in process order.
+
+  A fixed number of calls whatever the number of processes, each within
+  ``timeout_s``. On timeout the error names the processes that have not
+  arrived (or process 0, if the service itself does not answer).
+  """
+  c = client()
+  if c is None:
+    raise RuntimeError("gather() needs a multi-process job")
+  try:
+    fetch(f"{key}/all", timeout_s)
+  except CoordinationTimeoutError as e:
+    missing = absent(key, timeout_s=timeout_s)
+    raise CoordinationTimeoutError(
+        f"process {process_index()} waited {timeout_s:g} s for every process to {what};"
+        f" process(es) {missing} did not (slow, hung or dead). Raise"
+        " coordination_timeout_seconds if they are only slow.", missing) from e
+  values = dir_get(f"{key}/v", timeout_s=timeout_s)
+  return [values[str(p)] for p in range(process_count())]
+
+
+def absent(key: str, *, timeout_s: float) -> list[int]:
+  """The processes that have not arrived at ``key`` yet."""
+  present = dir_get(f"{key}/v", timeout_s=timeout_s)
+  return [p for p in range(process_count()) if str(p) not in present]
+
+
+def all_gather(key: str, value: str, timeout_s: float,
+               *, what: str = "report") -> list[str]:
+  """Every process publishes ``value``; returns all values in process order."""
+  if client() is None:
+    return [value]
+  arrive(key, value, timeout_s=timeout_s)
+  return gather(key, timeout_s, what=what)

@@ -1,0 +1,9 @@
+"""engine: one checkpoint, saved and restored. Planning (``_planning``, ``_planner``), the save
+(``saving``: the blocking phase; ``_save_run``: the background phase; ``_committing``: the
+atomic commit), the restore (``restoring``, ``_reading``, ``_read_buffers``, ``_read_once``),
+target matching and transforms (``_matching``, ``transforms``, ``targets``), the
+``Checkpointer`` object, ``describe``/``verifying``, selectors and ``converting``.
+
+May import: ``core``, ``format``, ``formats`` (foreign formats), ``errors``; and, until the
+engine owns the interfaces differential saves plug into, ``differential`` (a known debt).
+"""

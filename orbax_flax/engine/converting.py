@@ -1,0 +1,174 @@
+"""Converting a checkpoint of any format into ours, safetensors or orbax-checkpoint's.
+
+``python -m orbax_flax convert SRC[:SELECTOR] DST [--format orbax_flax|safetensors|orbax]
+[--dtype bfloat16] [--max_shard_bytes N]``, or :func:`convert`. A selector
+(``:params``, ``:state/params``, ``:params,train_state/batch_stats``, as
+``init_from`` takes it) writes only that part: a model without its optimizer
+moments, dropout key, data position and config.
+
+To safetensors the conversion streams: each array is read, converted and
+written before the next is read, so host memory peaks at about the largest
+array (plus its converted copy). Tensor names are the key paths joined by
+``.``, prefixed by the item name when the source has several items; strings
+go into the header's ``__metadata__``, numeric scalars become 0-d tensors.
+
+To orbax-checkpoint (:func:`orbax_flax.export_orbax`) the conversion streams
+the same way: each array is read and written as one zarr3 chunk.
+
+To orbax_flax the source is read whole into host memory and saved with one
+blocking save (peak: about the state's size), because a save commits every
+item at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_flax.core import _progress
+from orbax_flax.engine import _selecting
+from orbax_flax.core import _tree
+from orbax_flax.engine import checkpointer
+from orbax_flax import errors
+from orbax_flax.engine import restoring
+from orbax_flax.format._records import Array
+from orbax_flax.formats import _read
+from orbax_flax.formats import orbax_export
+from orbax_flax.formats import safetensors_export
+
+FORMATS = ("orbax_flax", "safetensors", "orbax")
+
+
+class LazyArray:
+  """An array of a checkpoint, read when (and each time) :meth:`read` is called."""
+
+  def __init__(self, reader: Any, item: str, rec: Array, progress: Any = None):
+    self._reader, self._item, self._rec, self._progress = reader, item, rec, progress
+    self.shape = rec.shape
+    self.dtype = rec.np_dtype
+
+  def read(self) -> np.ndarray:
+    out = _read.read_whole(self._reader, self._item, self._rec)
+    if self._progress is not None:
+      self._progress.add(out.nbytes)
+    return out
+
+
+def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None,  # pylint: disable=redefined-builtin
+            max_shard_bytes: int = 5 << 30, overwrite: bool = False) -> str:
+  """Writes the checkpoint at ``src`` (any format), or the part a selector names, to ``dst``.
+
+  Args:
+    src: a checkpoint of any format ``restore`` reads; ``"<ckpt>:<selector>"``
+      takes a part of it, as ``init_from`` does: ``"<ckpt>:params"``, an item's
+      subtree ``"<ckpt>:state/params"``, several joined by ``,``
+      (``"<ckpt>:params,train_state/batch_stats"``).
+    dst: where to write it.
+    format: "orbax_flax", "safetensors" or "orbax" (an orbax-checkpoint item
+      that ``StandardCheckpointer`` restores; see :func:`export_orbax`).
+    dtype: convert floating arrays to this dtype (e.g. "bfloat16"), or None.
+    max_shard_bytes: for safetensors, the most bytes per file.
+    overwrite: replace ``dst`` if it exists.
+
+  Returns:
+    A one-line summary of what was written.
+
+  Raises:
+    ValueError: an unknown format, or a selector that names nothing (the
+      message lists the keys there); raised before anything is written.
+  """
+  if format not in FORMATS:
+    raise ValueError(f"format={format!r}; use one of {', '.join(map(repr, FORMATS))}")
+  path, selector = _selecting.split(str(src))
+  loc, manifest = restoring.open_manifest(path)
+  several = len(manifest.items) > 1
+  if format == "orbax_flax":
+    items = checkpointer.restore(path)  # shows progress on a terminal, as every restore does
+    if selector:
+      items = _selecting.pick(items, selector, keep_paths=True)
+    checkpointer.save(dst, items, overwrite=overwrite, dtype=dtype)
+    return f"wrote {dst} (orbax_flax, {len(items)} item(s)) from {manifest.format}"
+  progress = _progress.Progress(f"convert {loc}", sum(
+      r.nbytes for i in manifest.items.values() for r in i.leaves))
+  progress.phase = "converting array by array"
+  reader = restoring.reader_for(loc, manifest)
+  trees = {}
+  for item, saved in manifest.items.items():
+    leaves = [LazyArray(reader, item, rec, progress) if isinstance(rec, Array) else rec.decoded()
+              for rec in saved.leaves]
+    trees[item] = _tree.decode_structure(saved.structure, leaves)
+  where = ""  # the item a lone item's paths are named under in messages
+  if selector:
+    tree = _selecting.pick(trees, selector)
+  elif several:
+    tree = trees
+  else:
+    (where, tree), = trees.items()
+    where = f"{where}/"
+  if format == "orbax":
+    tree = tree if isinstance(tree, dict) else {"value": tree}
+    if dtype is not None:
+      tree = _cast_lazy(tree, dtype)
+    with _progress.Monitor(progress):
+      written = orbax_export.export_orbax(dst, tree, overwrite=overwrite)
+    return f"wrote {written} (orbax-checkpoint, zarr3) from {manifest.format}"
+  flat: dict[str, Any] = {}
+  meta: dict[str, str] = {}
+  source: dict[str, str] = {}  # tensor name -> the leaf it is made from
+  clashes: list[str] = []
+  for p, value in _tree.flatten(tree):
+    name = ".".join(p)
+    if not isinstance(value, LazyArray):
+      if isinstance(value, (str, bytes)):
+        meta[name] = value if isinstance(value, str) else value.decode(errors="replace")
+        continue
+      value = np.asarray(value)
+    leaf = where + _tree.path_str(p)
+    if name in source:
+      clashes.append(f"{source[name]} and {leaf} are both named {name!r}")
+    source[name] = leaf
+    flat[name] = value
+  _check_names(source, clashes, dst)
+  with _progress.Monitor(progress):  # bytes, GB/s and ETA on a terminal; quiet in logs and CI
+    names = safetensors_export.export_safetensors(
+        dst, flat, dtype=dtype, max_shard_bytes=max_shard_bytes, name_fn=lambda p: p[0],
+        metadata=meta, overwrite=overwrite)
+  return f"wrote {dst} (safetensors, {len(flat)} tensors in {len(names)} file(s))"
+
+
+class _Cast:
+  """A lazy array read and converted to ``dtype`` (floating arrays only)."""
+
+  def __init__(self, lazy: LazyArray, dtype: np.dtype):
+    self._lazy, self.shape, self.dtype = lazy, lazy.shape, dtype
+
+  def read(self) -> np.ndarray:
+    return self._lazy.read().astype(self.dtype)
+
+
+def _cast_lazy(tree: Any, dtype: Any) -> Any:
+  to = _tree.dtype_from_name(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+
+  def one(x):
+    if isinstance(x, LazyArray) and jax.numpy.issubdtype(x.dtype, jax.numpy.floating):
+      return _Cast(x, to)
+    return x
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, LazyArray))
+
+
+def _check_names(source: dict[str, str], clashes: list[str], dst: str) -> None:
+  """ValueError, before anything is written, when two leaves would share a tensor name, or
+  when one name is also a prefix of another (``a`` and ``a.b``: the file would not read
+  back as a tree)."""
+  if not clashes:
+    try:
+      _tree.structure_from_paths([tuple(n.split(".")) for n in source])
+    except errors.TreeMismatchError as e:
+      clashes.append(f"{e} (tensor names split at '.')")
+  if clashes:
+    raise ValueError(
+        f"cannot convert to safetensors at {dst}: tensor names are key paths joined by '.', and"
+        " here they collide:\n  " + "\n  ".join(clashes) + "\nRestore the checkpoint and write"
+        " it with ofx.export_safetensors(..., name_fn=...) to choose other names.")

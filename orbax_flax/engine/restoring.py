@@ -1,0 +1,402 @@
+"""Restoring a checkpoint onto whatever mesh the caller's target describes.
+
+The target is a dict of items, each a pytree whose leaves say what to build:
+
+* ``jax.ShapeDtypeStruct`` with ``.sharding``, or a ``jax.Array`` (its shape,
+  dtype and sharding are used): a ``jax.Array`` with that sharding. Each
+  process reads only the chunks its own devices need, so any mesh, device
+  count or process count works.
+* ``np.ndarray``: a host numpy array of that dtype.
+* a Python or numpy scalar, str or bytes: the saved value. A Python scalar
+  (e.g. a ``TrainState``'s int ``step``) stays a Python scalar even when the
+  checkpoint holds a 0-d array (a step saved after a jitted update).
+
+A target dtype that differs from the saved one is converted with numpy's
+``astype`` when that is exact (int8 -> float32); a conversion that loses
+information (float32 -> bfloat16 or int8) needs ``allow_lossy_casts=True``.
+Everything is checked before any array data is read: missing or extra keys,
+shapes, dtypes, and shardings that do not divide the array.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_flax.format import _layout
+from orbax_flax.core import _location
+from orbax_flax.format import _manifest
+from orbax_flax.engine import _matching
+from orbax_flax.engine import _read_once
+from orbax_flax.engine import _reading
+from orbax_flax.core import _staging
+from orbax_flax.core import _tree
+from orbax_flax import errors
+from orbax_flax import formats
+from orbax_flax.format import step_dir
+from orbax_flax.engine import transforms as transforms_lib
+from orbax_flax.core._location import Location
+from orbax_flax.engine._planning import TMP_MARKER
+from orbax_flax.format._records import Array, Manifest, Summary
+from orbax_flax.formats import _read
+from orbax_flax.formats import orbax_checkpoint
+
+
+def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
+  """No checkpoint at ``loc``: say what is there instead, and what to pass."""
+  if TMP_MARKER in loc.name:
+    return errors.CheckpointNotFoundError(
+        f"{loc} is the directory of a save that has not committed (in progress, or"
+        " interrupted), not a checkpoint.")
+  if loc.is_local and not os.path.exists(loc.local_path):
+    return errors.CheckpointNotFoundError(
+        f"no orbax_flax checkpoint at {loc}: the path does not exist.")
+  return errors.CheckpointNotFoundError(f"no orbax_flax checkpoint at {loc}: {_what_is_there(loc)}")
+
+
+def _what_is_there(loc: Location) -> str:
+  ocp_steps = orbax_checkpoint.steps(loc)
+  if ocp_steps:
+    return (f"it is an orbax-checkpoint run directory holding {_steps_text(ocp_steps)}; pass one"
+            f" step, e.g. {loc.join(str(ocp_steps[-1]))} (or one item of it, e.g."
+            f" {loc.join(str(ocp_steps[-1])).join('default')})")
+  try:
+    steps, leftovers = step_dir.list_steps(loc)
+  except NotADirectoryError:
+    return "it is not a directory."
+  except errors.StorageError as e:  # e.g. a bucket that does not exist
+    return f"it cannot be listed: {e}"
+  if steps:
+    return (f"it is a directory of steps, holding {_steps_text(steps)}; pass one of them, e.g."
+            f" {loc.join(str(steps[-1]))}")
+  try:
+    inner, _ = step_dir.list_steps(loc.join("checkpoints"))
+  except (NotADirectoryError, errors.StorageError):
+    inner = []
+  if inner:
+    return (f"it looks like a run's workdir: its checkpoints are in {loc.join('checkpoints')},"
+            f" holding {_steps_text(inner)}; pass e.g. {loc.join('checkpoints').join(str(inner[-1]))}")
+  names = set(os.listdir(loc.local_path)) if loc.is_local else set()
+  if names & {"_sharding", "manifest.ocdbt", "commit_success.txt"}:
+    return ("it looks like an orbax-checkpoint checkpoint without its _METADATA (an unfinished"
+            " save?); nothing here can be read.")
+  if leftovers:
+    return ("it holds only uncommitted saves (in progress or interrupted): "
+            + ", ".join(l.name for l in leftovers[:3]))
+  if not loc.is_local and not _location.list_keys(loc):
+    return "nothing is stored under this prefix: check the bucket name and the path."
+  return "the path exists but holds no committed checkpoint (a save in progress or interrupted?)."
+
+
+def _steps_text(steps: list[int]) -> str:
+  shown = ", ".join(map(str, steps)) if len(steps) <= 6 else (
+      f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-2:]))}")
+  return f"step(s) [{shown}]"
+
+
+def _manifest_bytes(loc: Location) -> bytes | None:
+  """The manifest file's bytes (None: none), refused beyond ``MAX_MANIFEST_BYTES`` or as a link.
+
+  Raises:
+    CheckpointFormatError: a manifest larger than the cap (read no further than the cap), or
+      a symbolic link (a checkpoint reads only its own files).
+  """
+  where = f"{loc}/{_manifest.MANIFEST_KEY}"
+  if loc.is_local and os.path.islink(os.path.join(loc.local_path, _manifest.MANIFEST_KEY)):
+    raise errors.CheckpointFormatError(
+        f"{where} is a symbolic link (to"
+        f" {os.readlink(os.path.join(loc.local_path, _manifest.MANIFEST_KEY))}): a checkpoint"
+        " reads only its own files, never through a link; copy the real file in its place.")
+  data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.MAX_MANIFEST_BYTES + 1)
+  if data is not None and len(data) > _manifest.MAX_MANIFEST_BYTES:
+    raise errors.CheckpointFormatError(
+        f"{where} is larger than {_manifest.MAX_MANIFEST_BYTES >> 20} MiB, the most a manifest"
+        " may hold (orbax_flax writes none larger); damaged or crafted, it is not read.")
+  return data
+
+
+def read_manifest(loc: Location) -> Manifest:
+  """The committed manifest at ``loc``; CheckpointNotFoundError if none."""
+  data = None if TMP_MARKER in loc.name else _manifest_bytes(loc)
+  if data is None:
+    raise _not_found(loc)
+  return _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
+
+
+def open_manifest(path: Any) -> tuple[Location, Manifest]:
+  """The manifest of the checkpoint at ``path``, in any format ``restore`` reads.
+
+  Ours is read and verified; an orbax-checkpoint or safetensors checkpoint is
+  described by an in-memory manifest of the same shape (see
+  :mod:`orbax_flax.formats`).
+  """
+  loc = Location.parse(path)
+  if TMP_MARKER not in loc.name:
+    data = _manifest_bytes(loc)
+    if data is not None:
+      return loc, _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
+    foreign = formats.open_foreign(loc)
+    if foreign is not None:
+      return loc, foreign
+  raise _not_found(loc)
+
+
+def reader_for(loc: Location, manifest: Manifest, max_host_bytes: int = 0,
+               progress: Any = None) -> _reading.Reader | None:
+  """The engine's reader for our own format; None for a foreign one (its leaves read themselves)."""
+  if manifest.format != _manifest.FORMAT:
+    return None
+  return _reading.Reader(loc, manifest, max_host_bytes, progress)
+
+
+def read_summary(loc: Location) -> Summary:
+  """The manifest's summary (time, sizes, custom metadata), reading a few KB."""
+  where = f"{loc}/{_manifest.MANIFEST_KEY}"
+  if TMP_MARKER in loc.name:
+    raise _not_found(loc)
+  data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
+  if data is None:
+    raise _not_found(loc)
+  summary = _manifest.decode_summary(data, where)
+  extent = _manifest.summary_extent(data) if summary is None else None
+  if extent is not None and len(data) < extent <= _manifest.MAX_MANIFEST_BYTES:  # a long summary
+    data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=extent)
+    summary = None if data is None else _manifest.decode_summary(data, where)
+  if summary is None:  # a long summary of a manifest that does not say its length: read it all
+    summary = read_manifest(loc).summary()
+  return summary
+
+
+def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
+            allow_lossy_casts: bool = False, transforms: Any = None, read_once: bool = False,
+            max_host_bytes: int | None = None, progress: Any = None,
+            casts: list | None = None) -> dict[str, Any]:
+  """Restores a checkpoint of any format, resharded onto the target's shardings.
+
+  Reads our own checkpoints, orbax-checkpoint ones (an item, a step of its
+  ``CheckpointManager``) and safetensors files or directories; the format is
+  detected from the files (``metadata(path).format``). A checkpoint with one
+  unnamed item (safetensors, one orbax pytree item) is read by a target of one
+  item, whatever its name.
+
+  Args:
+    path: the checkpoint (local path, URL or kvstore spec dict).
+    target: item name -> pytree of ``jax.ShapeDtypeStruct`` (with sharding),
+      ``jax.Array``, ``np.ndarray`` or scalars, or None to restore that item
+      whole as host values in its saved structure. Items not named are not read.
+      None restores every item as host numpy arrays in the saved structure
+      (namedtuples come back as namedtuples, other custom nodes as dicts, PRNG
+      keys as single-device key arrays).
+    partial: restore only the leaves the target names. Otherwise a leaf in the
+      checkpoint that the target lacks is an error.
+    max_host_bytes: a budget for host memory beyond the restored arrays
+      (0 or None: none): arrays are read and placed in rounds of at most this many
+      bytes, and temporary buffers stay within it (plus one chunk).
+    allow_lossy_casts: allow dtype conversions that lose information (float to
+      int or bool, a wider type into a narrower one such as float32 to
+      bfloat16). Without it they are reported, by key path, before any data is
+      read; exact ones (int8 to float32, bfloat16 to float32) always happen.
+    progress: an ``orbax_flax.core._progress.Progress`` updated with the bytes read.
+    casts: a list that receives ``(key path, saved dtype, target dtype, exact)``
+      for every conversion made.
+    transforms: a list of :mod:`orbax_flax.engine.transforms` (rename, drop, take
+      from the target, stack, unstack, cast), applied in order to what the
+      checkpoint holds before the target is checked.
+    read_once: read each array once across its replicas, then broadcast:
+      an array the target replicates over some mesh axes (data-parallel
+      copies, often on other hosts) is read split over those axes as well, so
+      each byte comes from storage once, and a resharding jit gathers it with
+      collectives (gloo on CPU, NCCL on GPU). Saves storage bandwidth when many
+      replicas read one checkpoint; costs a collective.
+
+  Returns:
+    item name -> restored pytree, with the target's structure.
+
+  Raises:
+    CheckpointNotFoundError: no committed checkpoint at ``path``.
+    TreeMismatchError: target and checkpoint disagree; lists every difference.
+    CheckpointCorruptedError: a chunk fails its checksum.
+
+  Example:
+    >>> import jax, numpy as np, orbax_flax as ofx, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> ofx.save(path, {"state": {"w": np.arange(4, dtype=np.float32), "b": np.zeros(2)}})
+    >>> sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    >>> target = {"state": {"w": jax.ShapeDtypeStruct((4,), np.float32, sharding=sharding)}}
+    >>> ofx.restore(path, target, partial=True)["state"]["w"]
+    Array([0., 1., 2., 3.], dtype=float32)
+  """
+  max_host_bytes = max_host_bytes or 0
+  if read_once and target is not None:
+    read_target = _read_once.target(dict(target), None if transforms else open_manifest(path)[1])
+    out = restore(path, read_target, partial=partial, allow_lossy_casts=allow_lossy_casts,
+                  transforms=transforms, max_host_bytes=max_host_bytes, progress=progress,
+                  casts=casts)
+    return _read_once.reshard_like(out, {k: target[k] for k in out})
+  loc, manifest = open_manifest(path)
+  if target is not None and not isinstance(target, Mapping):
+    raise TypeError(f"target must be a dict of item name -> pytree (e.g. {{'state':"
+                    f" abstract_state}}) or None; got {type(target).__name__}")
+  if target is not None:
+    manifest = formats.match_items(manifest, list(target))
+  manifest = transforms_lib.apply(manifest, transforms or ())
+  from_target = transforms_lib.from_target(transforms)
+  if target is None:
+    return _restore_all(loc, manifest, max_host_bytes=max_host_bytes, progress=progress)
+
+  match = _matching.match_target(manifest, target, partial=partial,
+                                 allow_lossy_casts=allow_lossy_casts, casts=casts,
+                                 from_target=from_target, source=str(loc))
+  wants, whole = match.wants, match.whole
+  if progress is not None:
+    progress.total = sum(w.rec.nbytes for w, _, _ in wants) + sum(
+        r.nbytes for i in whole for r in manifest.items[i].leaves)
+    progress.phase = "reading"
+  arrays = read_arrays(loc, manifest, [w for w, _, _ in wants], max_host_bytes, progress)
+  out = _restore_all(loc, manifest, whole, max_host_bytes, progress) if whole else {}
+  out.update(match.trees(arrays))
+  return {item: out[item] for item in target if item in out}
+
+
+def _restore_all(loc: Location, manifest: Manifest, items: list[str] | None = None,
+                 max_host_bytes: int = 0, progress: Any = None) -> dict[str, Any]:
+  """Items (default: all) as host numpy arrays, in the saved structure."""
+  wants, slots = [], []
+  values: dict[str, list[Any]] = {}
+  chosen = {k: v for k, v in manifest.items.items() if items is None or k in items}
+  for item, saved_item in chosen.items():
+    leaves = saved_item.leaves
+    values[item] = [None] * len(leaves)
+    for i, rec in enumerate(leaves):
+      if not isinstance(rec, Array):
+        values[item][i] = rec.decoded()
+        continue
+      shape = rec.shape
+      wants.append(_matching.Want(item, rec, rec.np_dtype, None, shape, rec.key_impl,
+                         {tuple((0, s) for s in shape): []}))
+      slots.append((item, i))
+  if progress is not None and not progress.total:
+    progress.total, progress.phase = sum(w.rec.nbytes for w in wants), "reading"
+  for (item, i), value in zip(slots, read_arrays(loc, manifest, wants, max_host_bytes, progress)):
+    values[item][i] = value
+  return {item: _tree.decode_structure(saved_item.structure, values[item])
+          for item, saved_item in chosen.items()}
+
+
+def _windows(wants: list[_matching.Want], budget: int) -> list[list[int]]:
+  """Indices of ``wants`` in rounds of at most ``budget`` bytes of host data (0: one round)."""
+  if not budget:
+    return [list(range(len(wants)))]
+  return _layout.split_by_size(
+      [sum(math.prod(_layout.box_shape(b)) for b in w.boxes) * np.dtype(w.dtype).itemsize
+       for w in wants], budget)
+
+
+def _box_buffers(want: _matching.Want, dtype: np.dtype) -> list[np.ndarray]:
+  """The array's boxes, 64-byte aligned in one mapping of its own.
+
+  JAX's CPU client adopts aligned buffers without a copy, and each restored
+  array frees its memory on its own.
+  """
+  return _staging.fresh_arrays([(_layout.box_shape(b), dtype) for b in want.boxes])
+
+
+def read_arrays(loc: Location, manifest: Manifest, wants: list[_matching.Want],
+                max_host_bytes: int = 0, progress: Any = None) -> list[Any]:
+  """Reads the wanted arrays into fresh buffers, then builds host or device arrays.
+
+  Every box is read straight into the memory that becomes the result (one
+  mapping per array, so that each array frees its memory on its own), small
+  packed arrays included. With a budget, arrays are read and placed in rounds.
+  """
+  reader = reader_for(loc, manifest, max_host_bytes, progress)
+  if reader is not None:  # sizes checked against the stored chunks before any allocation
+    problems = reader.stored_problems([(w.item, w.rec) for w in wants if isinstance(w.rec, Array)
+                                       and not _read.needs_generic(w.rec)])
+    if problems:
+      raise errors.CheckpointCorruptedError("\n  ".join(problems.values()))
+  out: list[Any] = [None] * len(wants)
+  for window in _windows(wants, max_host_bytes):
+    fills, packed, requests = [], [], []
+    datas: dict[int, list[np.ndarray]] = {}
+    for i in window:
+      w = wants[i]
+      rec = w.rec
+      saved = rec.np_dtype
+      if _read.needs_generic(rec):
+        # A foreign format's array, or one a transform made: read box by box.
+        bufs = _box_buffers(w, saved)
+        requests += [(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
+        datas[id(w)] = bufs
+      elif rec.is_packed:
+        # A small array: each box it is needed in gets a buffer of its own.
+        bufs = _box_buffers(w, saved)
+        lo = rec.packed_offset
+        dests = [(_layout.box_to_slices(b), buf) for b, buf in zip(w.boxes, bufs)]
+        packed.append(_reading.PackedFill(w.item, rec.owners[0], lo, lo + rec.nbytes,
+                                          saved, w.shape, dests, rec.path_text))
+        datas[id(w)] = bufs
+      elif not rec.owners:
+        datas[id(w)] = [np.zeros(_layout.box_shape(b), saved) for b in w.boxes]
+      else:
+        bufs = _box_buffers(w, rec.np_stored_dtype)
+        fills += [_reading.Fill(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
+        datas[id(w)] = [buf if buf.dtype == saved else buf.view(saved) for buf in bufs]
+    if fills or packed:
+      reader.read(fills, packed)
+    if requests:
+      _read.read_requests(reader, requests)
+      if progress is not None:
+        progress.add(sum(buf.nbytes for _, _, _, buf in requests))
+    for i in window:
+      w = wants[i]
+      datas[id(w)] = [b if b.dtype == w.dtype else b.astype(w.dtype) for b in datas[id(w)]]
+    for i, value in zip(window, assemble([wants[i] for i in window], datas)):
+      out[i] = value
+  return out
+
+
+def assemble(wants: list[_matching.Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:
+  """Host arrays as they are; device arrays placed with one batched device_put.
+
+  The placement of every tier (the local tier's too), PRNG keys wrapped back.
+
+  ``datas`` holds, per want, one array per box of ``want.boxes``. An
+  uncommitted want (its target was an uncommitted single-device array) is put
+  on the default device without committing it, so that a jitted step may use
+  it beside arrays on any mesh, as it could before the save.
+  """
+  out: list[Any] = [None] * len(wants)
+  sharded: list[tuple[int, int]] = []  # (want index, number of shards)
+  values, devices_, alias = [], [], []
+  for i, w in enumerate(wants):
+    boxes = datas[id(w)]
+    if w.sharding is None:
+      out[i] = boxes[0]
+    else:
+      n = 0
+      for devices, data in zip(w.boxes.values(), boxes):
+        for j, device in enumerate(devices):
+          # The first device may use the buffer in place (zero-copy on CPU when
+          # aligned); the others get copies, so donating one cannot change another.
+          values.append(data)
+          devices_.append(device if w.committed else None)
+          alias.append(j == 0)
+          n += 1
+      sharded.append((i, n))
+  placed = jax.device_put(values, devices_, may_alias=alias) if values else []
+  k = 0
+  for i, n in sharded:
+    w = wants[i]
+    out[i] = (jax.make_array_from_single_device_arrays(w.shape, w.sharding, placed[k:k + n])
+              if w.committed else placed[k])
+    k += n
+  for i, w in enumerate(wants):
+    if w.key_impl:
+      out[i] = jax.random.wrap_key_data(out[i], impl=w.key_impl)
+  return out

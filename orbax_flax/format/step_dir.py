@@ -1,0 +1,159 @@
+"""A directory of steps: which are committed, what is debris, how a step is deleted.
+
+``<directory>/<step>/`` is a committed checkpoint (on a file system the name
+appears only by the atomic rename of a finished save; on an object store the
+step's ``_CHECKPOINT`` manifest exists). Anything else carrying a step number is
+a leftover of an interrupted save or delete.
+
+On an object store a listing names every key of every step (tensorstore lists
+without a delimiter: thousands of data files a step on a large job), so the
+steps are also indexed: an empty key ``<directory>/_steps/<step>``, written by
+the manager after the step commits (:func:`index`) and deleted before the step
+is uncommitted (:func:`delete_step`). :func:`list_steps` lists the index and
+checks that each entry's manifest exists (one small read a step: an entry
+whose step has no ``_CHECKPOINT`` is not a step); it falls back to the whole
+listing where the index is empty (a directory written before the index, or by
+hand). A crash between the commit and the index write leaves a committed step
+out of the index until the directory's writer next starts (:func:`reindex`,
+run only under the writer lease, from a listing taken under it), like a
+hand-made step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import uuid
+from collections.abc import Iterable
+
+from orbax_flax.core import _location
+from orbax_flax.format import _manifest
+from orbax_flax.core._location import Location
+
+
+@dataclasses.dataclass(frozen=True)
+class Leftover:
+  """Debris of an interrupted save or delete: safe to remove when nothing writes it."""
+  name: str
+  step: int | None
+
+
+TMP_MARKER = ".ofx-tmp-"  # <step>.ofx-tmp-<...>: an uncommitted save or a step being deleted
+INDEX = "_steps"  # on object stores: one empty key per committed step
+
+
+def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Leftover]]:
+  """Committed steps and leftovers under ``loc``, from one listing.
+
+  On an object store the step index is listed when it has entries, and then
+  no leftovers are reported; ``full=True`` lists every key (to find leftovers).
+  """
+  steps, leftovers = [], []
+  if loc.is_local:
+    try:
+      names = os.listdir(loc.local_path)
+    except FileNotFoundError:
+      return [], []
+    except NotADirectoryError as e:
+      if not os.path.isfile(loc.local_path):  # a parent is a file
+        raise _location.storage_error(loc, "listing the steps", e) from e
+      raise NotADirectoryError(f"{loc} is a file; checkpoint steps live in a directory: pass"
+                               " the directory that holds (or will hold) the steps.") from None
+    except OSError as e:
+      raise _location.storage_error(loc, "listing the steps", e) from e
+    for name in names:
+      if _is_step(name) and not os.path.exists(os.path.join(loc.local_path, name, "_RETIRED")):
+        steps.append(int(name))  # (_RETIRED: a step retention retired, whose data others use)
+      elif TMP_MARKER in name:
+        head = name.split(".", 1)[0]
+        leftovers.append(Leftover(name, int(head) if _is_step(head) else None))
+    return sorted(steps), sorted(leftovers, key=lambda l: l.name)
+  if not full:
+    indexed = sorted(int(k) for k in _location.list_keys(loc.join(INDEX)) if _is_step(k))
+    if indexed:  # an entry is a step only while its manifest exists (one small read each)
+      return [s for s in indexed if _location.read_key(
+          loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None], []
+  keys = _location.list_keys(loc)
+  committed, prefixes = set(), set()
+  for k in keys:
+    head, _, rest = k.partition("/")
+    if _is_step(head):
+      prefixes.add(head)
+      if rest == _manifest.MANIFEST_KEY:
+        committed.add(head)
+  steps = sorted(int(h) for h in committed)
+  leftovers = [Leftover(h + "/", int(h)) for h in sorted(prefixes - committed, key=int)]
+  return steps, leftovers
+
+
+def index(loc: Location, step: int) -> None:
+  """Enters the committed ``step`` in the step index (object stores; nothing on a file system)."""
+  if not loc.is_local:
+    _location.write_key(loc.join(INDEX), str(step), b"")
+
+
+def reindex(loc: Location, committed: Iterable[int]) -> None:
+  """Makes the step index name exactly the ``committed`` steps (object stores).
+
+  ``committed`` comes from a full listing (``list_steps(loc, full=True)``).
+  For the steps a crash left out (committed, not yet indexed) or in (index
+  entry of a step deleted by hand). Run by the process that deletes, when
+  nothing else of its job writes.
+  """
+  if loc.is_local:
+    return
+  committed = set(committed)
+  marks = _location.list_keys(loc.join(INDEX))
+  for step in sorted(committed - {int(m) for m in marks if _is_step(m)}):
+    index(loc, step)
+  for mark in marks:
+    if not (_is_step(mark) and int(mark) in committed):
+      _location.delete_key(loc.join(INDEX), mark)
+
+
+def _is_step(name: str) -> bool:
+  return name.isascii() and name.isdigit()
+
+
+def remove(loc: Location, name: str) -> None:
+  """Removes a leftover (a directory or a key prefix) entirely.
+
+  On an object store a prefix whose manifest exists by now (its save committed
+  since the listing) is left alone.
+  """
+  if loc.is_local:
+    remove_local(os.path.join(loc.local_path, name))
+  elif _location.read_key(loc.join(name.rstrip("/")), _manifest.MANIFEST_KEY,
+                          max_bytes=1) is None:
+    _location.delete_prefix(loc, name)
+
+
+def remove_local(path: str) -> None:
+  """Removes a local directory, or only the link if ``path`` is a symlink: nothing is ever
+  deleted through a link (it may lead out of the directory of steps)."""
+  if os.path.islink(path):
+    try:
+      os.unlink(path)
+    except FileNotFoundError:
+      pass
+    return
+  shutil.rmtree(path, ignore_errors=True)
+
+
+def delete_step(loc: Location, step: int) -> None:
+  """Uncommits ``step`` atomically first, then removes its data (a linked step: the link)."""
+  name = str(step)
+  if loc.is_local:
+    doomed = f"{name}{TMP_MARKER}delete-{uuid.uuid4().hex[:8]}"
+    try:
+      os.rename(os.path.join(loc.local_path, name), os.path.join(loc.local_path, doomed))
+    except FileNotFoundError:
+      return
+    except OSError as e:
+      raise _location.storage_error(loc, f"deleting step {step}", e) from e
+    remove_local(os.path.join(loc.local_path, doomed))
+    return
+  _location.delete_key(loc.join(INDEX), name)  # out of the index first: listed means committed
+  _location.delete_key(loc.join(name), _manifest.MANIFEST_KEY)
+  _location.delete_prefix(loc, name + "/")

@@ -1,0 +1,133 @@
+"""An evaluator beside a training job: each newly committed step, once, kept readable.
+
+:func:`checkpoints_iterator` polls a directory of steps and yields each step
+committed since the last one it yielded. While the caller holds a yielded step
+(until it asks for the next one), the iterator keeps a *reader lease* on it: a
+small file ``<directory>/.readers/<step>-<token>``. A training job's
+:class:`~orbax_flax.CheckpointManager` does not delete a leased step; it
+deletes it at a later save once the lease is gone. A lease not refreshed for
+an hour (``leases.LEASE_SECONDS``) is ignored (an evaluator that died holding
+one); the iterator refreshes its lease from a background thread while the
+caller works, so a long evaluation keeps its step. The protocol between the
+lease and a manager's deletions, and why it is safe, is in
+:mod:`orbax_flax.manager.leases`: this module is its reader's side.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from orbax_flax import errors
+from orbax_flax.manager import leases
+from orbax_flax.engine import restoring
+from orbax_flax.format import step_dir
+from orbax_flax.core._location import Location
+
+log = logging.getLogger("orbax_flax")
+
+
+def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
+                         min_interval: float = 0.0, poll_interval: float = 1.0,
+                         start_after: int | None = None,
+                         timeout_fn: Callable[[], bool] | None = None,
+                         clock: Callable[[], float] = time.monotonic,
+                         sleep: Callable[[float], None] = time.sleep) -> Iterator[int]:
+  """Yields each step committed in ``directory``, once, oldest first.
+
+  A step the training job's retention deleted (or is deleting) before the
+  iterator reached it is skipped with a log line. A directory that does not
+  exist yet is waited for like an empty one, with a WARNING that says so (once,
+  and again if the timeout ends the wait). The yielded step stays readable
+  until the caller asks for the next one: restore it with
+  ``orbax_flax.restore(f"{directory}/{step}", ...)`` or a manager's
+  ``restore(step)``.
+
+  Args:
+    directory: the directory of steps (a manager's directory, e.g.
+      ``<workdir>/checkpoints``).
+    timeout: stop after this many seconds without a new step (None: never).
+    min_interval: at least this many seconds between two yields.
+    poll_interval: seconds between listings.
+    start_after: yield only steps newer than this one.
+    timeout_fn: called at a timeout; return True to keep waiting (e.g. while
+      the training job is alive), False to stop.
+    clock, sleep: injectable for tests.
+
+  Yields:
+    Step numbers.
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile, os
+    >>> d = tempfile.mkdtemp()
+    >>> ofx.save(os.path.join(d, "5"), {"s": {"w": np.ones(2)}})
+    >>> [step for step in ofx.checkpoints_iterator(d, timeout=0)]
+    [5]
+  """
+  loc = Location.parse(directory)
+  last = start_after
+  last_yield = None
+  warned_absent = False
+  while True:
+    waited_since = clock()
+    step = None
+    while step is None:
+      steps, leftovers = step_dir.list_steps(loc)
+      newer = [s for s in steps if last is None or s > last]
+      if newer:
+        step = newer[0]
+        break
+      absent = _absent(loc, steps, leftovers)
+      if absent and not warned_absent:
+        warned_absent = True
+        log.warning("checkpoints_iterator: %s %s; waiting for a training job to save its first"
+                    " step there (%s). Pass the directory the manager saves to, e.g."
+                    " <workdir>/checkpoints.", loc, absent,
+                    "no timeout" if timeout is None else f"timeout {timeout:g} s")
+      if timeout is not None and clock() - waited_since >= timeout:
+        if timeout_fn is not None and timeout_fn():
+          waited_since = clock()
+          continue
+        if absent:
+          log.warning("checkpoints_iterator: stopping after waiting %g s: %s still %s (nothing"
+                      " was ever saved there; is it the manager's directory, e.g."
+                      " <workdir>/checkpoints?)", timeout, loc, absent)
+        else:
+          log.info("checkpoints_iterator: stopping: no new step in %s for %g s (the timeout)",
+                   loc, timeout)
+        return
+      sleep(poll_interval)
+    if last_yield is not None and min_interval:
+      pause = min_interval - (clock() - last_yield)
+      if pause > 0:
+        sleep(pause)
+    # The reader's side of the protocol (orbax_flax.manager.leases): lease first, then
+    # look for a deletion notice, then check that the step is still committed.
+    lease = leases.Lease(loc, step)
+    try:
+      if leases.deletion_announced(loc, step):
+        log.info("checkpoints_iterator: step %d is being deleted by the training job's retention"
+                 " (faster than this evaluator); skipping it", step)
+        last = step
+        continue
+      try:
+        restoring.read_summary(loc.join(str(step)))
+      except errors.CheckpointNotFoundError:
+        log.info("checkpoints_iterator: step %d was deleted before it could be read (the"
+                 " training job's retention is faster than this evaluator); skipping it", step)
+        last = step
+        continue
+      last, last_yield = step, clock()
+      yield step
+    finally:
+      lease.release()
+
+
+def _absent(loc: Location, steps: list[int], leftovers: list[Any]) -> str | None:
+  """How ``loc`` is missing ("does not exist yet"), or None if it is there."""
+  if loc.is_local:
+    return None if os.path.isdir(loc.local_path) else "does not exist yet"
+  return None if steps or leftovers else "holds no checkpoint yet"

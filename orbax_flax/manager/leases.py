@@ -1,0 +1,416 @@
+"""Leases on a directory of steps: its one writer, and the readers that keep a step.
+
+The writer lease (:class:`WriterLease`, the manager's side): a directory of
+steps has one writer, the job whose manager saves there. Every decision that
+creates, moves, retires or deletes a step is taken by that manager's
+:class:`~orbax_flax.manager.registry.StepRegistry` while it holds
+``<directory>/.writer``, a small file naming the holder (host, process id,
+when it was last refreshed). A second writer is refused with
+:class:`~orbax_flax.errors.WriterConflictError` naming the first. The lease
+survives kills: a holder whose process is gone (same host, pid not running) or
+that has not refreshed it for ``WRITER_SECONDS`` is taken over. Readers
+(``ofx.restore``, :func:`orbax_flax.checkpoints_iterator`, a manager that
+only restores and lists) need no lease and change nothing.
+
+Reader leases (the evaluator's side, :func:`orbax_flax.checkpoints_iterator`):
+while a reader holds a step it keeps a small file
+``<directory>/.readers/<step>-<token>`` fresh. A lease not refreshed for
+``LEASE_SECONDS`` is ignored (a reader that died holding one).
+
+The protocol between a deleting manager and a leasing reader. Each side
+announces its intent before it reads the other's, so that whatever the
+interleaving, at least one of them sees the other (single-key writes and reads
+are linearizable on a local file system, on S3 and on GCS):
+
+* The manager (:func:`announce_deletion`, then :func:`leased_steps`): for the
+  steps it wants to delete it first writes a *deletion notice*
+  ``.readers/deleting-<step>``, then lists the leases. A leased step is kept (its
+  notice removed, :func:`withdraw_deletion`) and retried at a later save. An
+  unleased step is uncommitted (``step_dir.delete_step``) and only then is its
+  notice removed.
+* The reader (:func:`orbax_flax.checkpoints_iterator`): it writes its lease
+  first (:class:`Lease`), then checks that no deletion notice names the step
+  (:func:`deletion_announced`), and only then that the step is still
+  committed. A step with a notice, or no longer committed, is skipped with a
+  log line (its lease released); otherwise it is yielded.
+
+Why it is safe: if the manager's listing missed the lease, that listing came
+before the lease was written, so the notice was written before the reader looks
+for it. The reader either sees the notice (and skips), or the notice is gone
+already, which happens only after the step was uncommitted (and the reader's
+next check, that the step is committed, fails). Both sides seeing each other
+is safe too: the step stays, the reader skips it, and the manager deletes it at
+a later save.
+
+Notices, like leases, are ignored once older than ``LEASE_SECONDS``: a manager
+killed after announcing leaves one behind, and readers skip that step (which
+its retention had chosen to delete) until the next deletion of it removes the
+notice, or for an hour at most. So that an old notice is never mistaken for a
+live one, a manager whose lease listing took longer than a quarter of that
+deletes nothing and tries again at a later save. No start-up sweep removes
+notices: a second manager on the same directory (an evaluator's) could remove
+a live one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+
+from orbax_flax.core import _location
+from orbax_flax import errors
+from orbax_flax.core._location import Location
+
+log = logging.getLogger("orbax_flax")
+
+READERS = ".readers"
+DELETING = "deleting-"  # a deletion notice: .readers/deleting-<step>
+LEASE_SECONDS = 3600.0  # leases and notices older than this are ignored
+
+
+def _lease_dir(loc: Location) -> Location:
+  return loc.join(READERS)
+
+
+def _notice(step: int) -> str:
+  return f"{DELETING}{step}"
+
+
+def _write(loc: Location, key: str) -> None:
+  """Writes (or rewrites) a small key under ``<loc>/.readers``, holding the time."""
+  data = str(time.time()).encode()
+  d = _lease_dir(loc)
+  if not loc.is_local:
+    _location.write_key(d, key, data)
+    return
+  # A manager removes an empty .readers directory after its deletions: make it again.
+  for attempt in range(5):
+    try:
+      with open(os.path.join(d.local_path, key), "wb") as f:
+        f.write(data)
+      return
+    except FileNotFoundError as e:
+      if attempt == 4:
+        raise _location.storage_error(d, f"writing {key!r}", e) from e
+      try:
+        os.makedirs(d.local_path, exist_ok=True)
+      except OSError as e2:
+        raise _location.storage_error(d, f"creating {d}", e2) from e2
+    except OSError as e:
+      raise _location.storage_error(d, f"writing {key!r}", e) from e
+
+
+def _fresh(loc: Location, key: str, now: float) -> bool:
+  """Whether ``<loc>/.readers/<key>`` exists and was written less than LEASE_SECONDS ago."""
+  d = _lease_dir(loc)
+  if loc.is_local:
+    try:
+      return now - os.path.getmtime(os.path.join(d.local_path, key)) < LEASE_SECONDS
+    except (FileNotFoundError, NotADirectoryError):
+      return False
+  data = _location.read_key(d, key)
+  try:
+    return data is not None and now - float(data.decode()) < LEASE_SECONDS
+  except (ValueError, UnicodeDecodeError):
+    return False
+
+
+def leased_steps(loc: Location, now: float | None = None) -> set[int]:
+  """Steps under ``loc`` that a live reader lease protects from deletion."""
+  now = time.time() if now is None else now
+  out: set[int] = set()
+  if loc.is_local:
+    try:
+      names = os.listdir(os.path.join(loc.local_path, READERS))
+    except (FileNotFoundError, NotADirectoryError):
+      return out
+  else:
+    names = _location.list_keys(_lease_dir(loc))
+  for name in names:
+    head, _, rest = name.partition("-")
+    if head.isdigit() and rest and _fresh(loc, name, now):
+      out.add(int(head))
+  return out
+
+
+def announce_deletion(loc: Location, steps: Iterable[int]) -> None:
+  """The manager's first move: a deletion notice for each step, before it reads the leases."""
+  for step in steps:
+    _write(loc, _notice(step))
+
+
+def withdraw_deletion(loc: Location, steps: Iterable[int]) -> None:
+  """Removes the notices of ``steps`` (deleted by now, or kept for a reader).
+
+  On a local file system the ``.readers`` directory goes too once it is
+  empty, so that a directory no evaluator ever read looks as before.
+  """
+  d = _lease_dir(loc)
+  for step in steps:
+    _location.delete_key(d, _notice(step))
+  if loc.is_local:
+    try:
+      os.rmdir(d.local_path)  # only if empty: a lease written meanwhile stays
+    except OSError:
+      pass
+
+
+def deletion_announced(loc: Location, step: int, now: float | None = None) -> bool:
+  """Whether a manager has announced that it deletes ``step`` (a live notice)."""
+  return _fresh(loc, _notice(step), time.time() if now is None else now)
+
+
+class Lease:
+  """One reader lease on ``step`` under ``loc``: taken now, kept fresh from a thread, released."""
+
+  def __init__(self, loc: Location, step: int):
+    self._loc = loc
+    self._dir = _lease_dir(loc)
+    self.key = f"{step}-{uuid.uuid4().hex[:12]}"
+    self.refresh()
+    self._done = threading.Event()
+    self._thread = threading.Thread(target=self._keep_fresh, daemon=True,
+                                    name="orbax_flax-reader-lease")
+    self._thread.start()
+
+  def refresh(self) -> None:
+    _write(self._loc, self.key)
+
+  def _keep_fresh(self) -> None:
+    while not self._done.wait(LEASE_SECONDS / 4):
+      try:
+        self.refresh()
+      except errors.StorageError as e:
+        log.warning("could not refresh reader lease %s: %s", self.key, e)
+
+  def release(self) -> None:
+    self._done.set()
+    try:
+      _location.delete_key(self._dir, self.key)
+    except errors.StorageError as e:  # a stale lease only delays a deletion by LEASE_SECONDS
+      log.warning("could not remove reader lease %s: %s", self.key, e)
+
+
+# ---------------------------------------------------------------------- the writer lease
+
+WRITER = ".writer"        # <directory>/.writer: the one writer's lease
+WRITER_SECONDS = 60.0     # a writer lease not refreshed for this long is a dead writer's
+
+
+@dataclasses.dataclass(frozen=True)
+class Holder:
+  """Who holds a writer lease, as recorded in ``.writer``."""
+  owner: str           # a token unique to the lease (one manager)
+  host: str
+  pid: int
+  time: float          # last refreshed (the holder's clock)
+  purpose: str         # "writer" (a saving manager) or "sweep" (a start-up sweep, seconds)
+
+  def describe(self, now: float) -> str:
+    return (f"{'a training job' if self.purpose == 'writer' else 'a manager starting up'} on"
+            f" host {self.host!r}, process id {self.pid}, lease refreshed {now - self.time:.0f} s"
+            " ago")
+
+  def alive(self, now: float) -> bool:
+    """Whether the holder may still be writing: refreshed lately, and on this host its
+    process runs."""
+    if now - self.time > WRITER_SECONDS:
+      return False
+    if self.host == socket.gethostname():
+      try:
+        os.kill(self.pid, 0)
+      except ProcessLookupError:
+        return False
+      except PermissionError:
+        pass
+    return True
+
+
+def _decode(data: bytes | None) -> Holder | None:
+  if not data:
+    return None
+  try:
+    d = json.loads(data.decode())
+    return Holder(str(d["owner"]), str(d["host"]), int(d["pid"]), float(d["time"]),
+                  str(d.get("purpose", "writer")))
+  except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+    return None  # a torn or foreign file: nobody's lease
+
+
+class WriterLease:
+  """The lease that makes this process the one writer of ``loc`` (see the module docstring).
+
+  :meth:`acquire` takes it (or raises :class:`~orbax_flax.errors.WriterConflictError`);
+  while held, a daemon thread refreshes it every ``WRITER_SECONDS / 6`` s;
+  :meth:`release` removes it. A lease lost meanwhile (another job took it over
+  because this one stopped refreshing, e.g. while the process was stopped)
+  makes :meth:`check` raise before this process changes anything more.
+
+  Example:
+    >>> import tempfile, orbax_flax as ofx
+    >>> from orbax_flax.core._location import Location
+    >>> loc = Location.parse(tempfile.mkdtemp())
+    >>> lease = WriterLease(loc)
+    >>> lease.acquire()
+    >>> WriterLease(loc).acquire(wait_s=0)
+    Traceback (most recent call last):
+    ...
+    orbax_flax.errors.WriterConflictError: ...
+    >>> lease.release()
+  """
+
+  def __init__(self, loc: Location, *, purpose: str = "writer",
+               clock=time.time):
+    self._loc, self._purpose, self._clock = loc, purpose, clock
+    self.owner = uuid.uuid4().hex
+    self._held = False
+    self._lost: str | None = None
+    self._done = threading.Event()
+    self._thread: threading.Thread | None = None
+
+  @property
+  def held(self) -> bool:
+    return self._held
+
+  def _record(self) -> bytes:
+    return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
+                       "time": self._clock(), "purpose": self._purpose}).encode()
+
+  def _swap(self, take: bool) -> Holder | None:
+    """One atomic look-and-write: writes our record if the lease is free, stale or ours
+    (``take``), or removes it if ours (not ``take``). Returns the live other holder, if any."""
+    now = self._clock()
+    if self._loc.is_local:
+      root = self._loc.local_path
+      try:
+        if take:
+          os.makedirs(root, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+      except FileNotFoundError:
+        if take:
+          raise _location.storage_error(self._loc, "creating the directory of steps",
+                                        FileNotFoundError(root)) from None
+        return None
+      except OSError as e:
+        raise _location.storage_error(self._loc, "creating the directory of steps", e) from e
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released with the fd, and by the kernel at a kill
+        path = os.path.join(root, WRITER)
+        try:
+          with open(path, "rb") as f:
+            current = _decode(f.read())
+        except FileNotFoundError:
+          current = None
+        if current is not None and current.owner != self.owner and current.alive(now):
+          return current
+        if take:
+          tmp = f"{path}.{self.owner}"
+          with open(tmp, "wb") as f:
+            f.write(self._record())
+            f.flush()
+            os.fsync(f.fileno())
+          os.replace(tmp, path)
+        elif current is not None and current.owner == self.owner:
+          os.remove(path)
+        return None
+      except OSError as e:
+        raise _location.storage_error(self._loc, "taking the writer lease", e) from e
+      finally:
+        os.close(fd)
+    try:
+      store = _location.open_kvstore(self._loc)
+      got = store.read(WRITER).result()
+      current = _decode(got.value if got.state == "value" else None)
+      if current is not None and current.owner != self.owner and current.alive(now):
+        return current
+      if take or (current is not None and current.owner == self.owner):
+        written = store.write(WRITER, self._record() if take else None,
+                              if_equal=got.stamp.generation).result()
+        if not written.generation and take:  # someone wrote it since we read: look again
+          again = store.read(WRITER).result()
+          other = _decode(again.value if again.state == "value" else None)
+          if other is not None and other.owner != self.owner:
+            return other
+      return None
+    except ValueError as e:
+      raise _location.storage_error(self._loc, "taking the writer lease", e) from e
+
+  def acquire(self, wait_s: float = WRITER_SECONDS + 5) -> None:
+    """Takes the lease, waiting up to ``wait_s`` s for a holder that may be gone.
+
+    A holder on this host whose process runs and that is a saving manager is
+    alive for sure: refused at once. A start-up sweep (seconds) and a holder on
+    another host (alive or not: a crashed job's lease expires after
+    ``WRITER_SECONDS``) are waited for.
+
+    Raises:
+      WriterConflictError: another live writer holds the directory.
+    """
+    deadline = time.monotonic() + wait_s
+    warned = False
+    while True:
+      other = self._swap(take=True)
+      if other is None:
+        break
+      now = self._clock()
+      certain = other.purpose == "writer" and other.host == socket.gethostname()
+      if certain or time.monotonic() >= deadline:
+        raise errors.WriterConflictError(
+            f"{self._loc} has a writer already: {other.describe(now)}. A directory of steps has"
+            " one writer. Stop that job (or close its CheckpointManager) before saving here, or"
+            " give this job another directory; to only read the steps, restore and list"
+            " without saving (or use orbax_flax.checkpoints_iterator). A writer that died"
+            f" leaves a lease that expires {WRITER_SECONDS:.0f} s after its last refresh.")
+      if not warned and other.purpose == "writer":
+        log.warning("%s: waiting up to %.0f s for the writer lease of %s (a job that died"
+                    " leaves one behind until it expires)", self._loc, wait_s, other.describe(now))
+        warned = True
+      time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
+    self._held = True
+    if self._purpose == "writer":
+      self._done.clear()
+      self._thread = threading.Thread(target=self._keep_fresh, daemon=True,
+                                      name="orbax_flax-writer-lease")
+      self._thread.start()
+
+  def _keep_fresh(self) -> None:
+    while not self._done.wait(WRITER_SECONDS / 6):
+      try:
+        other = self._swap(take=True)
+      except errors.StorageError as e:
+        log.warning("could not refresh the writer lease of %s: %s", self._loc, e)
+        continue
+      if other is not None:
+        self._lost = other.describe(self._clock())
+        log.error("%s: the writer lease was taken over by %s; this manager changes nothing"
+                  " more there", self._loc, self._lost)
+        return
+
+  def check(self) -> None:
+    """Raises if the lease was lost (another writer took over)."""
+    if self._lost is not None:
+      raise errors.WriterConflictError(
+          f"{self._loc}: this job's writer lease was taken over by {self._lost} (this process"
+          f" did not refresh it for {WRITER_SECONDS:.0f} s: stopped or cut off). Two jobs now"
+          " write the directory: stop one of them.")
+
+  def release(self) -> None:
+    """Gives the lease up (nothing if not held)."""
+    self._done.set()
+    if self._thread is not None:
+      self._thread.join(5)
+      self._thread = None
+    if self._held and self._lost is None:
+      try:
+        self._swap(take=False)
+      except errors.StorageError as e:  # an unreleased lease only delays the next writer
+        log.warning("could not release the writer lease of %s: %s", self._loc, e)
+    self._held = False

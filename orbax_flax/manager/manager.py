@@ -1,0 +1,410 @@
+"""A series of checkpoints, one per step, under one directory: save, restore, roll back.
+
+:class:`CheckpointManager` is the thin stateful shell around the pure
+policies of :mod:`orbax_flax.manager.policy`. What a policy describes is built in one
+place (:mod:`orbax_flax.manager.components`): the :class:`~orbax_flax.manager.schedule.Schedule`
+says whether a step is due, the :class:`~orbax_flax.manager.registry.StepRegistry`
+knows the committed steps and carries out deletions, the
+:class:`~orbax_flax.Checkpointer` writes. The manager saves with them, records
+a commit when the save's :class:`~orbax_flax.AsyncSave` reports it done (no
+thread of its own), hands the registry what the keep rules no longer keep once
+a newer step has committed, and handles a rollback (:mod:`orbax_flax.manager.rollback`).
+
+Layout: ``<directory>/<step>/`` is a checkpoint (see :func:`orbax_flax.save`).
+A step exists if and only if it is committed, so listing the directory is
+discovery; nothing else is read until step metadata is needed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from orbax_flax.core import _multihost
+from orbax_flax.engine import checkpointer as checkpointer_lib
+from orbax_flax.manager import components as components_lib
+from orbax_flax.engine import describe as metadata_lib
+from orbax_flax import errors
+from orbax_flax.manager import events as events_lib
+from orbax_flax.manager import inflight as inflight_lib
+from orbax_flax.manager import policy as policy_lib
+from orbax_flax.manager import registry as registry_lib
+from orbax_flax.manager import rollback as rollback_lib
+from orbax_flax.engine import saving
+from orbax_flax.core._location import Location
+from orbax_flax.manager.config import CheckpointPolicy
+from orbax_flax.differential import retention
+
+log = logging.getLogger("orbax_flax")
+
+SaveEvent = events_lib.SaveEvent
+
+
+class CheckpointManager:
+  """Saves steps on a policy, keeps what the policy keeps, restores the latest.
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile
+    >>> policy = ofx.CheckpointPolicy(save_interval_steps=2, max_to_keep=2)
+    >>> with ofx.CheckpointManager(tempfile.mkdtemp(), policy) as mngr:
+    ...   for step in range(1, 8):
+    ...     _ = mngr.save(step, {"state": {"w": np.full(3, step)}}, metrics={"loss": 1 / step})
+    ...   mngr.wait()
+    ...   print(mngr.all_steps(), mngr.latest_step())
+    ...   print(mngr.restore()["state"]["w"])
+    [4, 6] 6
+    [6 6 6]
+
+  Args:
+    directory: local path, ``s3://``/``gs://`` URL or kvstore spec dict.
+    policy: when to save, what to keep and how (default: save when asked, keep all).
+    trigger: a save trigger composed by hand (``ofx.any_of(ofx.EveryNSteps(100), ...)``),
+      replacing the policy's.
+    keep: keep rules composed by hand (``[ofx.KeepLast(3), ...]``), replacing the policy's.
+    clock: wall-time source, ``time.time`` by default; tests pass a fake.
+
+  A directory has one writer: the first save takes its writer lease
+  (:mod:`orbax_flax.manager.leases`), and a save while another live job or manager
+  holds it raises :class:`~orbax_flax.errors.WriterConflictError` naming it. A
+  manager that only restores and lists (an evaluator's) changes nothing on
+  storage.
+  """
+
+  def __init__(self, directory: Any, policy: CheckpointPolicy | None = None, *,
+               trigger: policy_lib.Trigger | None = None, keep: Any = None,
+               clock: Callable[[], float] = time.time):
+    self._dir = Location.parse(directory)
+    self.policy = policy if policy is not None else CheckpointPolicy()
+    if not isinstance(self.policy, CheckpointPolicy):
+      raise TypeError(f"policy must be a CheckpointPolicy (use CheckpointPolicy.from_config("
+                      f"config.checkpoint)); got {type(self.policy).__name__}")
+    self.components = components_lib.build(self.policy, self._dir, clock=clock, trigger=trigger,
+                                           keep=keep)
+    self._key, self._schedule = self.components.key, self.components.schedule
+    self._prepared = False  # staging memory prepared (or a save made): see prepare()
+    self._inflight = inflight_lib.InFlight()  # the save in flight, and the error it left
+    self._events = events_lib.EventLog()
+    self._closed = False
+    self._ckptr = checkpointer_lib.Checkpointer(**self.components.checkpointer)
+    self.registry = registry_lib.StepRegistry(self._dir,
+                                              deletes=_multihost.process_index() == 0,
+                                              pins=self._ckptr.differential.pins)
+    self._commits = 0       # commits recorded: each one's keep decision has its own key
+    self._writer_tries = 0  # attempts to become the directory's writer (their keys)
+    self._rollback = rollback_lib.Rollback(self._dir, self.registry, self._key,
+                                           self.policy.coordination_timeout_seconds)
+    if _multihost.process_count() > 1:  # every process of this job is here: none is writing
+      _multihost.all_gather(f"{self._key}/start", "ready", self.policy.coordination_timeout_seconds)
+    self.registry.start()
+
+  @property
+  def directory(self) -> str:
+    return str(self._dir)
+
+  @property
+  def coordination_key(self) -> str:
+    """A key prefix in the coordination service unique to this manager, same on every process."""
+    return self._key
+
+  @property
+  def timeline(self) -> str:
+    """The id of the run's timeline, recorded with every save (see :class:`~orbax_flax.manager.rollback.Rollback`)."""
+    return self._rollback.timeline(self.latest_step)
+
+  def step_path(self, step: int) -> str:
+    """Where ``step`` is (or would be) stored."""
+    return str(self._dir.join(str(step)))
+
+  def reload(self) -> None:
+    """Re-lists the directory (other jobs may have changed it)."""
+    self.registry.reload()
+
+  def all_steps(self) -> list[int]:
+    """Committed steps, ascending. Reads no checkpoint data."""
+    self._inflight.raise_error()
+    return self.registry.committed()
+
+  def has_step(self, step: int) -> bool:
+    """True if ``step`` is committed or its save is in flight (so saving it again is moot)."""
+    committed, abandoned = self._rollback.knows(step)
+    return self._inflight.saving(step) or (committed and not abandoned)
+
+  def latest_step(self) -> int | None:
+    """The newest committed step, or None."""
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def leftovers(self) -> list[Any]:
+    """Debris of interrupted saves still on storage (``step_dir.Leftover``)."""
+    return self.registry.leftovers()
+
+  def step_info(self, step: int) -> policy_lib.StepInfo:
+    """Time, metrics and reason recorded with ``step`` (reads a few KB once)."""
+    return self.registry.info(step)
+
+  def best_step(self) -> int | None:
+    """The committed step with the best ``policy.best_metric``; None if none has it."""
+    if not self.policy.best_metric:
+      raise ValueError("best_step() needs a metric: set best_metric in the checkpoint policy"
+                       " (e.g. CheckpointPolicy(best_metric='loss', best_mode='min')).")
+    return policy_lib.best_step(self.registry.infos(), self.policy.best_metric,
+                                self.policy.best_mode)
+
+  def metadata(self, step: int | None = None) -> metadata_lib.CheckpointMetadata:
+    """The engine metadata of ``step`` (default: latest)."""
+    return metadata_lib.metadata(self._dir.join(str(self._resolve(step))))
+
+  # -------------------------------------------------------------------- saving
+
+  def should_save(self, step: int) -> str | None:
+    """The reason the policy saves ``step``, or None. Call it on every process: a time-based
+    decision is process 0's, shared (see :class:`~orbax_flax.manager.schedule.Schedule`)."""
+    return self._schedule.due(step)
+
+  def save(self, step: int, items: Mapping[str, Any], *, force: bool = False,
+           custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None,
+           metrics: Mapping[str, Any] | None = None, reason: str | None = None,
+           blocking_before: Mapping[str, float] | None = None) -> bool:
+    """Saves ``step`` if the policy says so (or ``force``); returns whether it started.
+
+    With ``async_save`` the call returns once the state is on the host; the
+    commit, and deletion of steps the policy no longer keeps, continue in the
+    background. Errors of a background save are raised by the next call.
+
+    Args:
+      step: the training step (a non-negative int).
+      items: item name -> pytree, as for :func:`orbax_flax.save`.
+      force: save even if the policy would not.
+      custom_metadata: JSON-serialisable data recorded with the step.
+      dtype: convert arrays before writing, as for :func:`orbax_flax.save`.
+      metrics: scalar metrics to record (jax scalars are fetched only when a save happens).
+      reason: the reason to record ("final", "preemption", ...); implies force.
+      blocking_before: seconds the caller's thread already spent on this save, counted in
+        the reported blocking time (:class:`SaveEvent`): ``"items"`` (building them),
+        ``"data"`` (the data iterator's state), ``"total"`` (default: their sum).
+    """
+    entered = time.perf_counter()
+    self._inflight.raise_error()
+    before = events_lib.blocking_before(blocking_before)
+    step = _as_step(step)
+    if reason is not None and reason not in policy_lib.REASONS:
+      raise ValueError(f"reason must be one of {policy_lib.REASONS}, got {reason!r}")
+    decided = reason or ("forced" if force else None) or self.should_save(step)
+    if decided is None:
+      if not self._prepared:  # the first call that does not save: the memory of the first that will
+        self.prepare(items)
+      return False
+    self._prepared = True
+    self._become_writer()  # before anything is written: a second writer is refused here
+    if self._inflight.saving(step):
+      if not self._rollback.abandons(step):
+        log.warning("step %d is being saved already in %s; not saving it again", step, self._dir)
+        return False
+      self._inflight.finish()  # the abandoned run's save of this step: replaced once it ends
+    overwrite = self._rollback.replaces(step, forced=decided in policy_lib.FORCED
+                                        and reason != "final")
+    if overwrite is None or self._schedule.skips(step, decided, self.inflight_step() is not None):
+      return False
+    self._inflight.finish()
+    wait_s = time.perf_counter() - entered
+    ready_s = events_lib.wait_ready(items, metrics)  # the train step's computation, not ours
+    now = self._schedule.now()
+    custom = events_lib.step_metadata(step, decided, now, metrics, items, custom_metadata,
+                                      self.timeline)
+    start, handle = time.perf_counter(), None
+    path, options = self._dir.join(str(step)), dict(custom_metadata=custom, overwrite=overwrite,
+                                                    dtype=dtype)
+    with self.registry.saving(step):  # a write in progress until _record ends it
+      with self.registry.lock:  # one order with deletions: claim the step, then make room
+        overwrite = self.registry.claim(step) or overwrite  # a pending deletion is called off
+        options["overwrite"] = retention.before_save(  # differential: the base, and room
+            self._ckptr.differential, self._dir, step, self.registry.committed(), overwrite)
+      if self.policy.async_save:
+        cancellable = decided == "exception" or (  # a second Ctrl-C, a grace period ran out
+            decided == "preemption" and self.policy.preemption_grace_seconds > 0)
+        handle = self._ckptr.save_async(path, items, cancellable=cancellable, **options)
+      else:
+        self._ckptr.save(path, items, **options)
+    returned = time.perf_counter()
+    blocked = events_lib.blocked(step, decided, before, entered, wait_s, ready_s,
+                                 handle.blocking_s if handle is not None else returned - start)
+    info = policy_lib.StepInfo(step, now, custom["metrics"], decided)
+    new_run = self._rollback.active()
+    record = lambda h: self._record(info, h, entered - before["total"], new_run, blocked)  # noqa: E731
+    self._schedule.saved(step, now)
+    self._inflight.start(step, handle, record)  # run in the save's thread once it has ended
+    return True
+
+  def _record(self, info: policy_lib.StepInfo, handle: saving.AsyncSave | None, start: float,
+              new_run: bool, blocked: SaveEvent) -> None:
+    """Records a commit, the save's done-callback: rollback, event (``blocked``: the blocking
+    times; ``start``: when the caller's wait began), then retention."""
+    try:
+      if handle is not None:
+        handle.wait()  # in the save's own thread: returns, or raises its error, at once
+      gone = self._rollback.committed(info, new_run)
+      self._events.committed(blocked, time.perf_counter() - start,
+                             handle.nbytes if handle is not None else 0,
+                             self.step_path(info.step), self._schedule, self._stored(info.step))
+      doomed = self._agree_on_retention()
+      self.registry.doom(doomed)
+      self.registry.delete(set(doomed) | gone)
+    finally:
+      self.registry.writes.end(info.step)
+
+  def _stored(self, step: int) -> dict[str, int] | None:
+    """The bytes written and reused by ``step``'s save, read back from its manifest; None
+    (logged) if that read fails: the step committed all the same."""
+    try:
+      return retention.stored_bytes(self._dir.join(str(step)))
+    except (errors.CheckpointError, OSError) as e:
+      log.warning("step %d committed; reading back its stored bytes failed (%s), so its event"
+                  " reports none", step, e)
+      return None
+
+  def _agree_on_retention(self) -> list[int]:
+    """What the keep rules drop after a commit: process 0 decides, every process applies the
+    same decision (rules may read what differs between processes: metrics, clocks)."""
+    n, self._commits = self._commits, self._commits + 1
+    rules = self.components.keep
+    decide = lambda: json.dumps([] if self._rollback.active() else  # noqa: E731
+                                self.registry.retain(rules))
+    if not rules:
+      return []
+    return json.loads(_multihost.decide_per_step(
+        f"{self._key}/retain", n, decide, timeout_s=self.policy.coordination_timeout_seconds))
+
+  def _become_writer(self) -> None:
+    """Makes this job the directory's one writer (process 0 takes the lease; every process
+    learns the outcome), or raises :class:`~orbax_flax.errors.WriterConflictError`."""
+    if self.registry.is_writer:
+      self.registry.become_writer()  # raises if the lease was lost meanwhile
+      return
+    problem = ""
+    if _multihost.process_index() == 0:
+      try:
+        self.registry.become_writer()
+      except errors.WriterConflictError as e:
+        problem = str(e)
+    if _multihost.process_count() > 1:
+      self._writer_tries += 1
+      problem = _multihost.broadcast(f"{self._key}/writer/{self._writer_tries}", problem,
+                                     self.policy.coordination_timeout_seconds)
+      if not problem and _multihost.process_index() != 0:
+        self.registry.become_writer()  # (no lease of its own: process 0 holds the job's)
+    if problem:
+      raise errors.WriterConflictError(problem)
+
+  def prepare(self, items: Mapping[str, Any]) -> int:
+    """Prepares in the background the staging memory of the first async save of ``items`` (see
+    :meth:`Checkpointer.prepare`); returns its bytes. :meth:`save` does it by itself."""
+    self._prepared = True
+    return self._ckptr.prepare(items) if self.policy.async_save else 0
+
+  @property
+  def staging_bytes(self) -> int:
+    """Host memory held now for the snapshots of async saves (prepared or kept)."""
+    return self._ckptr.staging_bytes
+
+  def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``items`` on the host as an async save would copy them, to share (two tiers, one step)."""
+    return self._ckptr.host_snapshot(items)
+
+  def save_cost(self) -> float | None:
+    """The median cost of recent saves (``save_interval="auto"``'s): blocking less ``blocking_ready_s``."""
+    return self._schedule.cost()
+
+  def pop_events(self) -> list[SaveEvent]:
+    """Saves committed since the last call (for metric writers)."""
+    return self._events.pop()
+
+  def inflight_step(self) -> int | None:
+    """The step whose save is still being written, if any."""
+    return self._inflight.step()
+
+  def wait_for_save(self, timeout: float | None = None) -> bool:
+    """Waits up to ``timeout`` s for the save in flight; True if none is left. Never raises."""
+    return self._inflight.join(timeout)
+
+  def abandon_inflight(self, wait_s: float = 0.0) -> None:
+    """Cancels the save in flight (it never commits); waits ``wait_s`` s for it. See InFlight."""
+    self._inflight.abandon(wait_s, started=self._ckptr.inflight)
+
+  def wait(self) -> None:
+    """Blocks until the save in flight and pending deletions are done; raises their errors."""
+    self._inflight.finish()
+    self.registry.wait()
+
+  def close(self) -> None:
+    """Waits for everything in flight, then releases the manager's threads."""
+    if self._closed:
+      return
+    try:
+      self.wait()
+    finally:
+      self._closed = True
+      self.registry.close()
+      self._ckptr.close()
+
+  def __enter__(self) -> CheckpointManager:
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except
+      if exc is None:
+        raise
+      log.exception("while closing the checkpoint manager after an error")
+
+  # -------------------------------------------------------------------- restoring
+
+  def _resolve(self, step: int | None) -> int:
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise errors.CheckpointNotFoundError(f"no committed checkpoint in {self._dir}")
+    return step
+
+  def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None, *,
+              partial: bool = False, allow_lossy_casts: bool = False, transforms: Any = None,
+              read_once: bool | None = None, max_host_bytes: int | None = None,
+              progress: Any = None, casts: list | None = None) -> dict[str, Any]:
+    """Restores ``step`` (default: the latest committed), resharded onto ``target``.
+
+    With ``step=None`` a save in flight is waited for first, so that the
+    latest step includes it. A given ``step`` is read as it is committed now,
+    without waiting for a save of another step, and no keep rule deletes it
+    while it is read (so ``restore(latest_step())`` always works).
+    Restoring an older step is a rollback (:class:`~orbax_flax.manager.rollback.Rollback`).
+    Arguments as for :func:`orbax_flax.restore`; ``read_once=None`` and
+    ``max_host_bytes=None`` are the policy's.
+
+    Raises:
+      CheckpointNotFoundError: there is no such step (or no step at all).
+    """
+    self._inflight.raise_error()
+    if step is None or self._inflight.saving(step):
+      self._inflight.finish()
+    step = self._resolve(step if step is None else _as_step(step))
+    options = dict(partial=partial, allow_lossy_casts=allow_lossy_casts, transforms=transforms,
+                   max_host_bytes=max_host_bytes, progress=progress, casts=casts,
+                   read_once=self.policy.read_once_restore if read_once is None else read_once)
+    with self.registry.reading(step):
+      out = self._ckptr.restore(self._dir.join(str(step)), target, **options)
+    self._schedule.saved(step)
+    # The save started last counts as newer even if its commit is not recorded yet.
+    self._rollback.restored(step, self._inflight.started_step())
+    return out
+
+
+def _as_step(step: Any) -> int:
+  """A step number: a non-negative int (numpy integers welcome)."""
+  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+    raise ValueError(f"step must be a non-negative int, got {step!r} ({type(step).__name__})")
+  return int(step)

@@ -1,0 +1,436 @@
+"""The one owner of a directory's steps in a process: what exists, and every change to it.
+
+:class:`StepRegistry` holds what :class:`~orbax_flax.CheckpointManager` knows
+about its directory's steps and is the only code that changes them: commits
+are recorded here, and every decision that moves, retires or deletes a step
+(keep rules, a rollback's abandoned steps, differential references, leftover
+sweeps, the object-store step index) is applied here, in one order, under one
+lock (:attr:`lock`, shared with the checkpointer's differential pins, so that
+choosing a base and deleting it never interleave). The invariant:
+
+  A decision taken earlier (a step doomed by a keep rule or a rollback) is
+  re-checked under the lock when it is carried out: a step that a new save
+  claimed meanwhile (:meth:`claim`) is not deleted, whatever the deleter
+  thread decided before.
+
+The registry changes storage only while its process is the directory's one
+writer (:class:`~orbax_flax.manager.leases.WriterLease`): from the first save on, or
+for the few seconds of a start-up sweep when no writer is there. A manager
+that only restores and lists (an evaluator's) changes nothing. Where steps are
+(committed, deleted, their state on disk) is recorded on storage itself by
+atomic renames (``<step>`` -> ``<step>.ofx-tmp-delete-...``, ``_CHECKPOINT``
+-> ``_RETIRED``): every change is one such step, so a kill at any point leaves
+a state the next writer reads back (see :mod:`orbax_flax.format.step_dir`).
+
+A step an evaluator holds a reader lease on is not deleted either: the
+deletion follows the protocol of :mod:`orbax_flax.manager.leases`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+from orbax_flax import errors
+from orbax_flax.manager import leases
+from orbax_flax.manager import policy as policy_lib
+from orbax_flax.engine import restoring
+from orbax_flax.format import step_dir
+from orbax_flax.core._location import Location
+from orbax_flax.differential import differ
+from orbax_flax.differential import retention
+
+log = logging.getLogger("orbax_flax")
+
+class Writes:
+  """The steps whose save has started and not yet ended, under one directory.
+
+  Leftover sweeps never touch them (a save below the latest step, after a
+  rollback, looks like debris until it commits). Saves of other jobs are never
+  swept: only the directory's one writer sweeps (:mod:`orbax_flax.manager.leases`).
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._steps: set[int] = set()
+
+  def start(self, step: int) -> None:
+    with self._lock:
+      self._steps.add(step)
+
+  def end(self, step: int) -> None:
+    with self._lock:
+      self._steps.discard(step)
+
+  def steps(self) -> set[int]:
+    with self._lock:
+      return set(self._steps)
+
+
+class StepRegistry:
+  """The committed steps of ``directory`` and what may happen to them.
+
+  Args:
+    directory: the manager's directory.
+    deletes: whether this process deletes (process 0 of a job, which holds the
+      writer lease); the others only keep their view of the steps.
+    pins: the generations differential saves in flight reference (the
+      checkpointer's :class:`~orbax_flax.differential.differ.Pins`; default none).
+  """
+
+  def __init__(self, directory: Location, *, deletes: bool = True,
+               pins: differ.Pins | None = None):
+    self._dir = directory
+    self._pins = pins if pins is not None else differ.Pins()
+    self.lock = self._pins.lock  # every change to the steps, and the choice of a base
+    self.writes = Writes()
+    self._deletes = deletes
+    self._lease = leases.WriterLease(directory) if deletes else None
+    self._writer = False  # this process writes (process 0: holds the lease)
+    self._lock = threading.Lock()
+    self._steps: set[int] = set()
+    self._deleting: set[int] = set()  # doomed here, deletion pending (re-checked when done)
+    self._reading: dict[int, int] = {}  # steps a restore is reading: never deleted meanwhile
+    self._deferred: set[int] = set()    # doomed while being read: deleted once read
+    self._leased: set[int] = set()      # doomed, but an evaluator's lease holds them
+    self._infos: dict[int, policy_lib.StepInfo] = {}
+    self._leftovers: list[step_dir.Leftover] = []
+    self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-delete")
+    self._deletions: list[concurrent.futures.Future] = []
+    self.reload(full=True)  # a step committed but not yet indexed is this job's newest
+
+  def start(self) -> None:
+    """At a manager's start, every process of its job there (none writing): reports the
+    leftovers and, where this process deletes and no other writer holds the directory,
+    sweeps them and repairs the step index (holding the writer lease for that long)."""
+    if self._leftovers:
+      log.warning("%s holds %d uncommitted step(s), saves in progress (of another job) or"
+                  " interrupted: %s. A save in progress becomes <step> when it commits; a training"
+                  " job here removes the interrupted ones (at or below its latest step) itself.",
+                  self._dir, len(self._leftovers), ", ".join(l.name for l in self._leftovers[:5]))
+    if not self._deletes or self._writer:
+      return
+    lease = leases.WriterLease(self._dir, purpose="sweep")
+    try:
+      lease.acquire(wait_s=0)
+    except errors.WriterConflictError:
+      log.info("%s: another job writes here; this manager reads and sweeps nothing until it"
+               " saves", self._dir)
+      return
+    try:
+      self._tidy()
+    finally:
+      lease.release()
+
+  def become_writer(self) -> None:
+    """Makes this process the directory's writer (process 0 takes the writer lease), then
+    sweeps leftovers and repairs the step index from a full listing taken under the lease.
+
+    Raises:
+      WriterConflictError: another live job (or manager) writes the directory.
+    """
+    if self._writer:
+      if self._lease is not None:
+        self._lease.check()
+      return
+    if self._lease is not None:
+      self._lease.acquire()
+      try:
+        self._tidy()
+      except BaseException:
+        self._lease.release()
+        raise
+    self._writer = True
+
+  @property
+  def is_writer(self) -> bool:
+    return self._writer
+
+  def _tidy(self) -> None:
+    """Under a writer lease: the full listing, the sweep, the index made to match."""
+    with self.lock:
+      self.reload(full=True)
+      self.sweep()
+      step_dir.reindex(self._dir, self.committed())
+
+  # ------------------------------------------------------------------ what there is
+
+  def reload(self, *, full: bool = False) -> None:
+    """Re-lists the directory (other jobs may have changed it); ``full``: every key of an
+    object store, not its step index (see :mod:`orbax_flax.format.step_dir`)."""
+    steps, leftovers = step_dir.list_steps(self._dir, full=full)
+    with self._lock:
+      self._steps = set(steps) - self._deleting
+      self._infos = {s: i for s, i in self._infos.items() if s in self._steps}
+      self._leftovers = leftovers
+      self._leased &= self._steps | self._deleting
+
+  def committed(self) -> list[int]:
+    """Committed steps, ascending."""
+    with self._lock:
+      return sorted(self._steps)
+
+  def __contains__(self, step: int) -> bool:
+    with self._lock:
+      return step in self._steps
+
+  def leftovers(self) -> list[step_dir.Leftover]:
+    """Debris of interrupted saves still on storage, as last listed."""
+    return list(self._leftovers)
+
+  def cached_infos(self) -> dict[int, policy_lib.StepInfo]:
+    """The step metadata read so far (nothing is read to answer)."""
+    with self._lock:
+      return dict(self._infos)
+
+  def info(self, step: int) -> policy_lib.StepInfo:
+    """Time, metrics and reason recorded with ``step`` (reads a few KB once)."""
+    with self._lock:
+      info, known = self._infos.get(step), step in self._steps
+    if info is not None:
+      return info
+    if not known:
+      raise self.not_found(step)
+    info = info_from_summary(step, restoring.read_summary(self._dir.join(str(step))))
+    with self._lock:
+      self._infos[step] = info
+    return info
+
+  def infos(self) -> list[policy_lib.StepInfo]:
+    """The metadata of every committed step (a damaged manifest counts as no metrics)."""
+    steps = self.committed()
+    missing = [s for s in steps if s not in self._infos]
+    if missing:
+      with concurrent.futures.ThreadPoolExecutor(8 if not self._dir.is_local else 1) as ex:
+        list(ex.map(self._info_or_unknown, missing))
+    with self._lock:
+      return [self._infos[s] for s in steps if s in self._infos]
+
+  def _info_or_unknown(self, step: int) -> None:
+    try:
+      self.info(step)
+    except errors.CheckpointNotFoundError:
+      pass  # deleted meanwhile
+    except (errors.CheckpointCorruptedError, ValueError) as e:
+      log.warning("step %d: cannot read its metadata (%s); keep rules treat it as having no"
+                  " metrics. `python -m orbax_flax verify %s` checks it.", step, e,
+                  self._dir.join(str(step)))
+      with self._lock:
+        self._infos[step] = policy_lib.StepInfo(step, 0.0, {}, "unknown")
+
+  def not_found(self, step: int) -> errors.CheckpointNotFoundError:
+    """The error for a step that is not committed here, naming those that are."""
+    return errors.CheckpointNotFoundError(
+        f"step {step} is not a committed checkpoint in {self._dir}; committed steps:"
+        f" {short(self.committed())}")
+
+  # ------------------------------------------------------------------ changes
+
+  def add(self, info: policy_lib.StepInfo, *, dropping: Iterable[int] = ()) -> None:
+    """``info.step`` committed; the steps ``dropping`` are uncommitted at the same moment."""
+    dropping = set(dropping) - {info.step}
+    with self._lock:
+      self._steps.add(info.step)
+      self._deleting.discard(info.step)
+      self._infos[info.step] = info
+      self._steps -= dropping
+      self._deleting |= dropping
+      for step in dropping:
+        self._infos.pop(step, None)
+    if self._deletes and not self._dir.is_local:
+      try:
+        step_dir.index(self._dir, info.step)
+      except errors.StorageError as e:  # committed all the same: the next start-up indexes it
+        log.warning("step %d committed, but entering it in the step index of %s failed: %s."
+                    " Listings of other processes miss it until this directory's next manager"
+                    " starts.", info.step, self._dir, e)
+
+  @contextlib.contextmanager
+  def reading(self, step: int) -> Iterator[None]:
+    """Keeps ``step`` from being deleted while the block reads it.
+
+    Raises:
+      CheckpointNotFoundError: ``step`` is not committed.
+    """
+    with self._lock:
+      known = step in self._steps
+      if known:
+        self._reading[step] = self._reading.get(step, 0) + 1
+    if not known:
+      raise self.not_found(step)
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._reading[step] -= 1
+        late = step in self._deferred and not self._reading[step]
+        if late:
+          self._deferred.discard(step)
+      if late:
+        self.delete([step])
+
+  def retain(self, rules: Sequence[policy_lib.KeepRule]) -> list[int]:
+    """The committed steps no rule keeps (see :func:`orbax_flax.manager.policy.to_delete`): a
+    decision, carried out by :meth:`doom` and :meth:`delete` once the job agrees on it."""
+    if not rules:
+      return []
+    if any(getattr(r, "reads_metadata", True) for r in rules):
+      steps = self.infos()
+    else:
+      steps = [policy_lib.StepInfo(s, 0.0) for s in self.committed()]
+    return policy_lib.to_delete(steps, rules)
+
+  def doom(self, steps: Iterable[int]) -> None:
+    """Uncommits ``steps`` (the job's decision: the same on every process); deleted by
+    :meth:`delete`. A step a save claims meanwhile (:meth:`claim`) is spared."""
+    steps = set(steps)
+    with self._lock:
+      self._steps -= steps
+      self._deleting |= steps
+      for step in steps:
+        self._infos.pop(step, None)
+
+  def claim(self, step: int) -> bool:
+    """A save of ``step`` starts: a pending deletion of it is called off (the save replaces
+    it). Returns whether storage may hold a checkpoint of ``step`` that the save replaces
+    (committed, or doomed and not yet deleted)."""
+    with self.lock, self._lock:
+      doomed = step in self._deleting
+      self._deleting.discard(step)
+      self._deferred.discard(step)
+      self._leased.discard(step)
+      return doomed
+
+  def delete(self, steps: Iterable[int]) -> None:
+    """Deletes ``steps`` (doomed already) in the background, with the leased ones left
+    from earlier, and sweeps leftovers; only where this process deletes.
+
+    Finished deletions are forgotten here (their errors kept for :meth:`wait`), so
+    that a long run holds no record per save.
+    """
+    steps = sorted(steps)
+    self._deletions = [f for f in self._deletions if not f.done() or f.exception() is not None]
+    if self._deletes and self._writer and (steps or self._leftovers or self._leased):
+      self._deletions.append(self._deleter.submit(self._delete, steps))
+
+  def _delete(self, steps: list[int]) -> None:
+    """Deletes ``steps`` unless a restore here or an evaluator's lease still reads them.
+
+    The manager's side of the reader-lease protocol (:mod:`orbax_flax.manager.leases`):
+    announce, then read the leases, then uncommit, then withdraw the notice.
+    """
+    steps = sorted(set(steps) | self._leased)
+    if not steps:
+      self.sweep()
+      return
+    announced = time.monotonic()
+    leases.announce_deletion(self._dir, steps)
+    try:
+      leased = leases.leased_steps(self._dir)
+      if time.monotonic() - announced > leases.LEASE_SECONDS / 4:
+        # So slow that a reader could take the notices for stale ones: try again later.
+        log.warning("reading the reader leases of %s took %.0f s; deleting steps %s at a later"
+                    " save", self._dir, time.monotonic() - announced, steps)
+        with self._lock:
+          self._leased |= set(steps)
+        return
+      for step in steps:
+        with self.lock:  # the decision is re-checked where it is carried out
+          with self._lock:
+            if step not in self._deleting:
+              continue  # a save of this step claimed it since: it replaces the old one
+            if self._reading.get(step):
+              self._deferred.add(step)  # a restore is reading it: deleted when it is done
+              continue
+            if step in leased:  # an evaluator (checkpoints_iterator) is reading it
+              if step not in self._leased:
+                log.info("step %d: not deleted yet, an evaluator holds a reader lease on it; it"
+                         " is deleted at a later save", step)
+              self._leased.add(step)
+              continue
+            self._leased.discard(step)
+          if self._lease is not None:
+            self._lease.check()
+          log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
+          retention.delete_step(self._dir, step, self._pins)  # keeps what is referenced
+          with self._lock:
+            self._deleting.discard(step)
+    finally:
+      # Deleted (uncommitted) or kept: either way readers may look at it again.
+      leases.withdraw_deletion(self._dir, steps)
+    self.sweep()
+
+  # ------------------------------------------------------------------ leftovers
+
+  def sweep(self) -> None:
+    """Removes leftovers of steps at or below the latest committed step.
+
+    No job saves those any more: a save in flight is newer than the latest
+    committed step, including another job's (an evaluator reading this
+    directory must not remove what the trainer is writing). Steps in
+    :attr:`writes` are never touched (a save below the latest step, after
+    restoring an older one).
+    """
+    with self.lock:
+      committed = self.committed()  # before listing: a step committing meanwhile is not debris
+      latest = committed[-1] if committed else None
+      _, leftovers = step_dir.list_steps(self._dir, full=True)
+      writing = self.writes.steps()
+      for l in leftovers:
+        if l.step is None or l.step in writing or latest is None or l.step > latest:
+          continue
+        log.info("removing leftover %s of an interrupted save or delete", l.name)
+        step_dir.remove(self._dir, l.name)
+      retention.sweep(self._dir, self._pins)  # retired bases nothing references
+      _, self._leftovers = step_dir.list_steps(self._dir, full=True)
+
+  @contextlib.contextmanager
+  def saving(self, step: int) -> Iterator[None]:
+    """Around the start of a save of ``step``: from here on it is in :attr:`writes` (sweeps
+    spare it) until ``writes.end(step)``, or until the block raises.
+
+    On an object store, where this process deletes, the leftovers of an
+    interrupted save of this very step go first: they lie under its prefix and
+    would stay there, unreferenced, inside the new checkpoint.
+    """
+    self.writes.start(step)
+    try:
+      if not self._dir.is_local and self._deletes:
+        for l in [l for l in self._leftovers if l.step == step]:
+          log.info("removing leftover %s of an interrupted save of step %d", l.name, step)
+          step_dir.remove(self._dir, l.name)
+      yield
+    except BaseException:
+      self.writes.end(step)
+      raise
+
+  def wait(self) -> None:
+    """Blocks until the deletions asked for so far are done; raises their errors."""
+    deletions, self._deletions = self._deletions, []
+    for f in deletions:
+      f.result()
+
+  def close(self) -> None:
+    """Releases the deleting thread (after the deletions in progress) and the writer lease."""
+    self._deleter.shutdown(wait=True)
+    if self._lease is not None:
+      self._lease.release()
+    self._writer = False
+
+
+def info_from_summary(step: int, summary: restoring.Summary) -> policy_lib.StepInfo:
+  """A step's :class:`~orbax_flax.manager.policy.StepInfo` from its manifest summary."""
+  custom = summary.custom
+  # "time" is the manager's clock (injectable); "created" the engine's wall time.
+  return policy_lib.StepInfo(step=step, time=float(custom.get("time", summary.created)),
+                             metrics=dict(custom.get("metrics", {})),
+                             reason=str(custom.get("reason", "unknown")))
+
+
+def short(steps: list[int]) -> str:
+  """A list of steps for a message: whole up to ten, else its ends and length."""
+  return str(steps) if len(steps) <= 10 else f"[{steps[0]}, ..., {steps[-1]}] ({len(steps)} steps)"

@@ -1,0 +1,163 @@
+"""When a tier saves: the one trigger shell of the persistent tier and the local tier.
+
+The decision is a pure trigger of :mod:`orbax_flax.manager.policy` applied to a
+:class:`~orbax_flax.manager.policy.SaveState`; :class:`Schedule` is the thin stateful
+shell around it: the clock, the last save, the recent save costs (for the
+Young/Daly interval of ``save_interval="auto"``), and, in a multi-process job,
+process 0's decision for what depends on the clock, shared through the
+coordination service so that every process saves the same step.
+
+It is handed its triggers already apart (``CheckpointPolicy.schedule_triggers``
+names which are which): ``steps`` depend on the step alone and are decided on
+every process alike (no round trip); ``time`` and ``auto`` read the clock and
+are decided by process 0. A trigger composed by hand is given whole to
+:meth:`Schedule.of`, which decides it on process 0 if it reads the clock
+(``reads_clock``; a trigger that does not say is taken as reading it).
+
+Example:
+  >>> from orbax_flax import policy
+  >>> clock = iter([0.0, 10.0, 50.0, 60.0]).__next__
+  >>> s = Schedule(auto=policy.YoungDaly(400.0), key="doc/schedule", clock=clock)
+  >>> s.interval()             # sqrt(2 x 1 s assumed x 400 s)
+  28.28...
+  >>> s.due(1), s.due(2)       # 10 s, then 50 s since the start
+  (None, 'auto')
+  >>> s.record(2, 0.5)         # the save took 0.5 s: sqrt(2 x 0.5 x 400) = 20 s
+  >>> s.interval(), s.cost()
+  (20.0, 0.5)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from orbax_flax.core import _multihost
+from orbax_flax.manager import policy as policy_lib
+
+log = logging.getLogger("orbax_flax")
+
+class Schedule:
+  """Which steps a tier saves, and why; the same answer on every process.
+
+  Args:
+    steps: triggers of the step alone (every N steps, explicit steps, the
+      first step), decided on every process alike; None: none.
+    time: triggers of the clock (every N seconds), decided by process 0.
+    auto: the Young/Daly trigger (``save_interval="auto"``), decided by
+      process 0 and given the median of the last 5 save costs; its interval
+      is what :meth:`interval` reports.
+    key: a coordination-service prefix for the decisions, the same on every
+      process and unique to this schedule.
+    clock: wall-time source (tests pass a fake).
+    if_busy: a save due while the previous one still writes: "wait" for it,
+      or "skip" it (see :meth:`skips`).
+    timeout_s: how long a process waits for process 0's decision and for the
+      coordination service (the policy's ``coordination_timeout_seconds``).
+  """
+
+  def __init__(self, steps: policy_lib.Trigger | None = None,
+               time: policy_lib.Trigger | None = None,  # pylint: disable=redefined-outer-name
+               auto: policy_lib.YoungDaly | None = None, *, key: str,
+               clock: Callable[[], float] = time.time, if_busy: str = "wait",
+               timeout_s: float = _multihost.DEFAULT_TIMEOUT_S):
+    self._steps = steps
+    self._timeout_s = timeout_s
+    self._if_busy = if_busy
+    self._time = time
+    self._auto = auto
+    self._key = key
+    self._clock = clock
+    self._costs = policy_lib.CostWindow()
+    self._last_step: int | None = None
+    self._last_time = clock()
+    self._last_commit: float | None = None
+    self._first = True
+
+  @classmethod
+  def of(cls, trigger: policy_lib.Trigger, *, key: str, clock: Callable[[], float] = time.time,
+         if_busy: str = "wait", timeout_s: float = _multihost.DEFAULT_TIMEOUT_S) -> Schedule:
+    """A schedule of one trigger composed by hand (e.g. ``any_of(EveryNSteps(100), ...)``).
+
+    Decided on every process alike if it does not read the clock, else by
+    process 0.
+    """
+    if getattr(trigger, "reads_clock", True):
+      return cls(time=trigger, key=key, clock=clock, if_busy=if_busy, timeout_s=timeout_s)
+    return cls(trigger, key=key, clock=clock, if_busy=if_busy, timeout_s=timeout_s)
+
+  @property
+  def auto(self) -> policy_lib.YoungDaly | None:
+    """The Young/Daly trigger, if the interval follows the save cost."""
+    return self._auto
+
+  def now(self) -> float:
+    """The schedule's clock."""
+    return self._clock()
+
+  def cost(self) -> float | None:
+    """The median of the last few save costs, seconds (None before the first)."""
+    return self._costs.median()
+
+  def cost_count(self) -> int:
+    """How many save costs :meth:`cost` is the median of."""
+    return len(self._costs)
+
+  def interval(self) -> float | None:
+    """The auto interval now, in seconds (None without an ``auto`` trigger)."""
+    return None if self._auto is None else self._auto.interval(self.cost())
+
+  def due(self, step: int) -> str | None:
+    """The reason ``step`` is saved, or None. Call it on every process, every step."""
+    first, self._first = self._first, False
+    state = policy_lib.SaveState(step, self._clock(), self._last_step, self._last_time, first,
+                                 self.cost())
+    reason = self._steps(state) if self._steps is not None else None
+    if reason is not None or (self._time is None and self._auto is None):
+      return reason
+    return _multihost.decide_per_step(f"{self._key}/time", step,
+                                      lambda: self._timed(state) or "",
+                                      timeout_s=self._timeout_s) or None
+
+  def _timed(self, state: policy_lib.SaveState) -> str | None:
+    reason = self._time(state) if self._time is not None else None
+    if reason is None and self._auto is not None:
+      reason = self._auto(state)
+    return reason
+
+  def skips(self, step: int, reason: str, busy: bool) -> bool:
+    """Whether a save of ``step`` due for ``reason`` is skipped because the previous one is
+    still writing (``busy`` here; with ``if_busy="skip"``, on any process)."""
+    if self._if_busy != "skip" or reason in policy_lib.FORCED:
+      return False
+    if _multihost.process_count() > 1:  # every process must skip the same steps
+      busy = "1" in _multihost.all_gather(f"{self._key}/busy/{step}", "1" if busy else "0",
+                                          self._timeout_s)
+    if busy:
+      log.info("skipping the %s save of step %d: the previous save is still being written",
+               reason, step)
+    return busy
+
+  def saved(self, step: int, now: float | None = None) -> None:
+    """A save (or a restore) of ``step`` at ``now`` (default: the clock now): intervals restart."""
+    self._last_step, self._last_time = step, self._clock() if now is None else now
+
+  def record(self, step: int, seconds: float) -> None:
+    """A save of ``step`` committed after ``seconds``, the whole save blocking (the local tier)."""
+    self._costs.add(seconds)
+    self.saved(step)
+
+  def committed(self, blocking_s: float) -> float | None:
+    """A save committed that blocked for ``blocking_s``; returns the interval between saves.
+
+    The auto interval with this cost counted, or else the time since the
+    previous commit (None for the first one).
+    """
+    self._costs.add(blocking_s)
+    now = self._clock()
+    interval = self.interval()
+    if interval is None and self._last_commit is not None:
+      interval = now - self._last_commit
+    self._last_commit = now
+    return interval

@@ -1,0 +1,413 @@
+"""The callback that checkpoints a training loop: policy saves, preemption, resume.
+
+One object works in :class:`orbax_flax.Trainer` and in a hand-written loop::
+
+    with ofx.CheckpointCallback(workdir, config.checkpoint) as ckpt:
+      state = ckpt.restore_or_init(state, data_iterator=it)  # resumes if it can
+      for step in range(int(state.step), config.num_steps):
+        state, metrics = train_step(state, next(it))
+        if ckpt.on_step_end(step + 1, state, metrics):      # True: preempted, saved
+          break
+
+The per-step cost when nothing is saved is a few microseconds and no
+device-to-host transfer (a multi-process job with a time-based policy adds one
+coordination-service round trip per step). Leaving the ``with`` block (or
+``on_train_end``) saves the last step if the policy wants the final step, and
+waits for every save to commit.
+
+This module is the hooks and the saves they make; where a run resumes from
+(and the data iterator's position) is :mod:`orbax_flax.training.resume`, the local
+tier's saves :mod:`orbax_flax.tiers.saves`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from orbax_flax.core import _progress
+from orbax_flax.training import callbacks
+from orbax_flax import errors
+from orbax_flax.training import interruptions
+from orbax_flax.manager import policy as policy_lib
+from orbax_flax.training import preemption
+from orbax_flax.training import restart
+from orbax_flax.training import resume
+from orbax_flax.training import state_items
+from orbax_flax.manager.config import CheckpointPolicy
+from orbax_flax.manager.manager import CheckpointManager
+from orbax_flax.tiers import saves
+
+log = logging.getLogger("orbax_flax")
+
+META_ITEM = "meta"  # the item that holds the callback's metadata
+_CURRENT = object()  # _items: take the data iterator's state now
+
+
+class CheckpointCallback(callbacks.Callback):
+  """Saves on the checkpoint policy, on preemption and on errors; resumes on start.
+
+  Args:
+    workdir: the run's directory; checkpoints go to ``<workdir>/checkpoints``
+      unless the policy's ``directory`` says otherwise.
+    config: a :class:`CheckpointPolicy`, or a config block (ConfigDict,
+      dataclass, dict) for :meth:`CheckpointPolicy.from_config`.
+    metadata: JSON-serialisable data recorded with every step (e.g. the
+      config), also saved as the item ``meta``.
+    writer: an optional clu ``MetricWriter`` that receives checkpoint timings
+      (``checkpoint/blocking_s``: the whole time ``on_step_end`` waited for
+      the save, and its parts ``checkpoint/blocking_items_s``,
+      ``checkpoint/blocking_data_s`` (the data iterator's ``get_state()``),
+      ``checkpoint/blocking_wait_s`` (the previous save still committing),
+      ``checkpoint/blocking_ready_s`` (the train step, dispatched
+      asynchronously, still computing the state and metrics being saved) and
+      ``checkpoint/blocking_copy_s`` (the snapshot); ``checkpoint/total_s``,
+      ``checkpoint/bytes``); and at the first step after ``restore_or_init``
+      the restart's parts (``restart/startup_s``, ``restart/restore_s``,
+      ``restart/first_step_s``, ``restart/total_s``), also logged in one line.
+    clock: wall-time source for time-based policies (tests pass a fake).
+  """
+
+  def __init__(self, workdir: str, config: Any, *, metadata: Mapping[str, Any] | None = None,
+               writer: Any = None, clock=time.time):
+    self.policy = config if isinstance(config, CheckpointPolicy) else CheckpointPolicy.from_config(config)
+    # The restart's clock (its line at the first step), and JAX's compile cache in the workdir
+    # if the policy asks (first: an object-store workdir is refused before anything is built).
+    self._restart = restart.RestartClock.start(workdir, self.policy.compilation_cache)
+    self._pending: restart.PendingRestore | None = None
+    directory = self.policy.directory or os.path.join(workdir, "checkpoints")
+    self.manager = CheckpointManager(directory, self.policy, clock=clock)
+    parts = self.manager.components  # what the policy describes, built once (orbax_flax.manager.components)
+    self._local = None if parts.local is None else saves.LocalSaves(
+        parts.local, parts.local_schedule, self.policy.local_directory)
+    self._resume = resume.Resume(self.manager, self.policy, local=parts.local, workdir=workdir)
+    self.metadata = dict(metadata or {})
+    self.writer = writer
+    # Installed by the run's first call (restore_or_init or on_step_end), not here: a
+    # process that builds the callback and never trains must still die of SIGTERM.
+    self._watcher: preemption.PreemptionWatcher | None = None
+    self._data: resume.DataPosition | None = None
+    self._last: tuple[int, Any] | None = None
+    self.preempted = False
+    self.restored_step: int | None = None
+    self._last_metrics: Any = None   # of the last step seen: recorded by final and exception saves
+    self._preempted_at: int | None = None
+    self._closed = False
+    self._built: tuple[float, float, float] | None = None  # _items: (start, items_s, data_s)
+    self._state_checked = False     # the state's leaves, checked once (restore_or_init or step 1)
+    self._metric_names: frozenset | None = None  # the metric names last checked for best_metric
+
+  def restore_or_init(self, state: Any, *, data_iterator: Any = None) -> Any:
+    """Resumes from the latest committed step, resharded onto ``state``'s shardings.
+
+    ``state`` is the freshly initialised state of this job (its shardings
+    define the mesh to restore onto). With nothing to resume, returns it
+    unchanged, or with params from ``init_from`` if the policy sets one.
+    ``data_iterator`` (anything with ``get_state()``/``set_state()``) is moved
+    to where the restored run stopped, and saved with every checkpoint.
+
+    Every part of ``state`` is checked first (each member of a tuple such as
+    ``(model, optimizer, rngs)`` is saved: see :mod:`orbax_flax.training.state_items`);
+    a leaf that cannot be saved raises here, before anything is written. The
+    preemption signal handlers are installed here (or by the first
+    :meth:`on_step_end`), not when the callback is built.
+
+    Raises:
+      UnsupportedLeafError: a leaf of the state cannot be saved.
+      TypeError: NNX objects nested inside a plain pytree.
+    """
+    self._begin_restore(state, data_iterator)
+    return self._restored(self._resume.restore(state, self._data))
+
+  def restore_or_init_async(self, state: Any, *, data_iterator: Any = None) -> restart.PendingRestore:
+    """:meth:`restore_or_init` on a thread, so that a restart costs about max(restore, compile).
+
+    Returns at once: compile the train step against ``state`` (the restored state has its
+    shapes and shardings), then ``state = pending.join()`` (docs/training.md). Until then
+    ``state`` and ``data_iterator`` belong to the restore: do not run, donate or advance them.
+    The checks and signal handlers run here; the restore's errors are raised by ``join()``.
+    """
+    self._begin_restore(state, data_iterator, background=True)
+    self._pending = restart.PendingRestore(lambda: self._resume.restore(state, self._data),
+                                           self._restored, clock=self._restart)
+    return self._pending
+
+  def _begin_restore(self, state: Any, data_iterator: Any, background: bool = False) -> None:
+    if self._pending is not None and not self._pending.done():  # a failed one may be retried
+      raise RuntimeError("a restore_or_init_async restore is still pending: join() it first")
+    self._check_open()
+    state_items.check(state)  # every part of the state can be saved, before anything runs
+    self._state_checked = True
+    self._watch()
+    self._data = resume.DataPosition.of(data_iterator, self.manager.coordination_key,
+                                        self.policy.coordination_timeout_seconds)
+    self._restart.restore_began(background)
+
+  def _restored(self, got: tuple[Any, int | None]) -> Any:
+    state, self.restored_step = got
+    self._pending = None
+    self._restart.joined(self.restored_step)
+    # The first save's staging memory, prepared in the background from now on.
+    self.manager.prepare(state_items.to_items(state))
+    return state
+
+  def on_train_start(self, state: Any, data: Any) -> Any:
+    return self.restore_or_init(state, data_iterator=data)
+
+  def _items(self, step: int, state: Any, data_state: Any = _CURRENT,
+             data_s: float = 0.0) -> dict[str, Any]:
+    """The items of a save (``data_state``: the data position, taken ``data_s`` seconds ago)."""
+    start = time.perf_counter()
+    items = state_items.to_items(state)
+    data_start = time.perf_counter()
+    if data_state is _CURRENT and self._data is not None:
+      data_state = self._data.get()
+    if data_state is not _CURRENT and data_state is not None:
+      items[resume.DATA_ITEM] = self._data.item(step, data_state)  # every process's
+    gathered_s = time.perf_counter() - data_start
+    if self.metadata:
+      items[META_ITEM] = {"json": json.dumps(self.metadata, sort_keys=True)}
+    self._built = (start, time.perf_counter() - start - gathered_s, gathered_s + data_s)
+    return items
+
+  def _save(self, step: int, state: Any, metrics: Any, reason: str | None,
+            data_state: Any = _CURRENT, items: dict[str, Any] | None = None,
+            since: float | None = None) -> bool:
+    items = self._items(step, state, data_state) if items is None else items
+    built, self._built = self._built, None
+    start, items_s, data_s = built or (time.perf_counter(), 0.0, 0.0)
+    # What the training thread waited for before the manager's part: since
+    # on_step_end began (or since the items were built).
+    before = {"items": items_s, "data": data_s,
+              "total": time.perf_counter() - (start if since is None else since)}
+    for _ in range(2):  # a failure of the previous (background) save surfaces here first
+      try:
+        return self.manager.save(step, items, metrics=metrics, reason=reason,
+                                 custom_metadata=self.metadata, blocking_before=before)
+      except errors.StorageError as e:
+        self._save_failed(e)
+    return False
+
+  def _save_failed(self, e: errors.StorageError) -> None:
+    """A save failed: raise it, or (``on_save_error="warn"``) log it and go on training."""
+    if self.policy.on_save_error != "warn":
+      raise e
+    log.error("CHECKPOINT SAVE FAILED, training goes on (on_save_error='warn'); the last"
+              " committed step is %s: %s", self.manager.latest_step(), e)
+
+  def _watch(self) -> None:
+    """Starts watching for preemption signals (once, at the run's first call)."""
+    if self._watcher is None and self.manager.components.watcher is not None:
+      self._watcher = self.manager.components.watcher()
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError("this CheckpointCallback is closed (its run ended, so its manager and"
+                         " signal handlers are gone); create a new CheckpointCallback for"
+                         " another run")
+
+  def on_step_end(self, step: int, state: Any, metrics: Any = None) -> bool:
+    """Saves if due; returns True when preempted (saved, committed: stop now)."""
+    entered = time.perf_counter()
+    if self._closed:
+      self._check_open()
+    step = _loop_step(step)
+    if self._pending is not None:
+      raise RuntimeError("on_step_end before the restore_or_init_async restore was joined: train"
+                         " on the state that its join() returns")
+    if self._restart.timing_first_step:  # once: its line and scalars, the step computed
+      self._restart.first_step_done(step, (state_items.to_items(state), metrics), self.writer)
+    if self.preempted:
+      log.warning("on_step_end(%d) called after this job was preempted at step %d (its checkpoint"
+                  " is committed): training should have stopped when on_step_end returned True."
+                  " Not saving again; stop the loop.", step, self._preempted_at)
+      return True
+    self._check_step(state, metrics)
+    self._last = (step, state)
+    self._last_metrics = metrics
+    data_state, data_s = _CURRENT, 0.0
+    if self._data is not None and self.policy.save_on_exception:
+      marking = time.perf_counter()
+      self._data.mark(step)  # where the data stood after this step, for an exception save
+      data_state, data_s = self._data.after(step), time.perf_counter() - marking
+    self._flush_events()
+    self._watch()  # at the run's first call
+    if self._watcher is not None and self._watcher.reached(step):
+      self._save_preemption(step, state, metrics, data_state, data_s)
+      return True
+    local_due = self._local is not None and self._local.due(step)
+    reason = self.manager.should_save(step)
+    if local_due or reason is not None:
+      # One get_state() (the mark's) and one gather of the data positions for both tiers.
+      items = self._items(step, state, data_state, data_s)
+      if local_due and reason is not None:  # one copy to host memory for both tiers
+        items = self.manager.host_snapshot(items)
+      failed = self._local.save(step, items, timeline=self.manager.timeline,
+                                writer=self.writer) if local_due else None
+      if reason is not None:
+        self._save(step, state, metrics, reason, items=items, since=entered)
+      if failed is not None:  # a failing local tier never costs the persistent save
+        self._save_failed(failed)
+    return False
+
+  def _check_step(self, state: Any, metrics: Any) -> None:
+    """What a save would refuse, refused at the step it is first seen, not at the first save:
+    the state's leaves once (unless :meth:`restore_or_init` did), the metrics at every step
+    that passes them (see :func:`orbax_flax.manager.policy.check_step_metrics`)."""
+    if not self._state_checked:
+      state_items.check(state)
+      self._state_checked = True
+    if metrics is not None:
+      self._metric_names, warning = policy_lib.check_step_metrics(
+          metrics, self.policy.best_metric, self._metric_names)
+      if warning:
+        log.warning("%s", warning)
+
+  def _save_preemption(self, step: int, state: Any, metrics: Any, data_state: Any,
+                       data_s: float) -> None:
+    self.preempted = True
+    self._preempted_at = step
+    start = time.monotonic()
+    # The grace period counts from the signal (on every process: see PreemptionWatcher), not
+    # from this step, which the processes agreed on maybe many seconds later.
+    signalled = start - (self._watcher.signal_time or start)  # seconds before start
+    grace = self.policy.preemption_grace_seconds
+    log.warning("preempted: saving step %d, %.2f s after the signal%s", step, signalled,
+                f" ({max(0.0, grace - signalled):.2f} s of the {grace:g} s grace period left)"
+                if grace else "")
+    items = self._items(step, state, data_state, data_s)  # the mark's get_state(), if any
+    if self._local is not None:  # seconds: done first, whatever the grace period
+      items = self.manager.host_snapshot(items)
+      # A failure is logged: the persistent save still runs.
+      self._local.save(step, items, timeline=self.manager.timeline, writer=self.writer)
+    self._save(step, state, metrics, "preemption", items=items)
+    if interruptions.committed_in_grace(self.manager, step, grace,
+                                        time.monotonic() - start + signalled):
+      self._flush_events()
+      _progress.say("preempted: step %d is committed; stopping", step)
+
+  def on_exception(self, step: int, state: Any, error: BaseException) -> None:
+    """Saves the last good state (if the policy says so) and closes; never raises.
+
+    ``step`` is the last step handed to :meth:`on_step_end` and ``state`` the
+    state after it. A Linen ``TrainState`` or a pytree is immutable, so that
+    state is exactly step ``step``'s and is saved (reason ``exception``). NNX
+    objects are updated in place: the failing step may already have changed
+    them, so they could hold step ``step + 1`` (or half of it) under the label
+    ``step``. Their exception save is therefore refused, with a WARNING that
+    says so, and a resume continues from the last committed (periodic,
+    preemption) step. A KeyboardInterrupt (Ctrl-C) is reported as an interrupt;
+    add ``"SIGINT"`` to the policy's ``preemption_signals`` to make Ctrl-C save
+    the next step and stop as a preemption does.
+
+    The training error is what the loop raises: a failure of this save, or of
+    a background save, is logged and attached to it as a note.
+    """
+    try:
+      try:
+        if self.preempted:
+          pass
+        elif self.policy.save_on_exception:
+          self._save_exception(step, state, error)
+        elif isinstance(error, KeyboardInterrupt):
+          log.warning("%s; nothing saved (save_on_exception is off). %s%s",
+                      interruptions.failure(step, error), interruptions.resume_point(self.manager),
+                      interruptions.sigint_hint(self.policy))
+      except Exception as e:  # pylint: disable=broad-except  # the training error comes first
+        log.error("the exception save of step %d failed too: %s: %s", step, type(e).__name__, e)
+        error.add_note(f"orbax_flax: saving step {step} after this error failed too:"
+                       f" {type(e).__name__}: {e}")
+      try:
+        self._close(save_final=False)
+      except Exception as e:  # pylint: disable=broad-except
+        log.error("closing the checkpoint callback after the error failed: %s: %s",
+                  type(e).__name__, e)
+        error.add_note(f"orbax_flax: closing the checkpoint callback failed too:"
+                       f" {type(e).__name__}: {e}")
+    except KeyboardInterrupt:
+      # Ctrl-C again while saving after an error (or a first Ctrl-C): stop now, in one line,
+      # instead of a traceback chained from inside a thread join.
+      if self._watcher is not None:
+        self._watcher.close()
+      self._closed = True
+      interruptions.stop_saving(self.manager, step)
+
+  def _save_exception(self, step: int, state: Any, error: BaseException) -> None:
+    interrupted = isinstance(error, KeyboardInterrupt)
+    latest = interruptions.resume_point(self.manager)
+    hint = interruptions.sigint_hint(self.policy) if interrupted else ""
+    if interruptions.unsaveable(step, state, error, latest + hint):
+      return
+    if self.manager.has_step(step) or not interruptions.every_process_failed(self.manager, step):
+      return
+    (log.warning if interrupted else log.error)("%s; saving that step.%s",
+                                                interruptions.failure(step, error), hint)
+    data_state = None if self._data is None else self._data.after(step)  # None: saved without
+    self._save(step, state, self._last_metrics, "exception", data_state)
+
+  def on_train_end(self, step: int, state: Any) -> None:
+    self._last = (step, state)
+    self._close(save_final=True)
+
+  def _close(self, save_final: bool) -> None:
+    if self._closed:
+      return
+    self._closed = True
+    try:
+      try:
+        if save_final and self._last is not None and self.policy.save_final_step and not self.preempted:
+          step, state = self._last
+          if not self.manager.has_step(step):
+            self._save(step, state, self._last_metrics, "final")
+      finally:
+        try:
+          self.manager.close()  # always: its threads and staging memory go
+        except errors.StorageError as e:
+          self._save_failed(e)
+      self._flush_events()
+    finally:
+      self._restart.close()
+      if self._watcher is not None:
+        self._watcher.close()
+
+  def close(self) -> None:
+    """Saves the final step (if the policy wants it) and waits for every save."""
+    self._close(save_final=True)
+
+  def __enter__(self) -> CheckpointCallback:
+    return self
+
+  def __exit__(self, exc_type, exc, tb) -> None:
+    if exc is None:
+      self.close()
+    elif self._last is not None:  # never raises: the training error propagates (plus notes)
+      self.on_exception(self._last[0], self._last[1], exc)
+    else:
+      try:
+        self._close(save_final=False)
+      except Exception as e:  # pylint: disable=broad-except
+        log.error("closing the checkpoint callback failed: %s: %s", type(e).__name__, e)
+        exc.add_note(f"orbax_flax: closing the checkpoint callback failed too: {e}")
+
+  def _flush_events(self) -> None:
+    events = self.manager.pop_events()
+    if self.writer is None or not events:
+      return
+    for e in events:
+      self.writer.write_scalars(e.step, e.scalars())
+    self.writer.flush()
+
+
+def _loop_step(step: Any) -> int:
+  """``on_step_end``'s step as an int; TypeError for anything but an integer."""
+  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
+    raise TypeError(f"on_step_end needs the step as a Python int (your loop counter), got"
+                    f" {type(step).__name__}; reading a jax.Array step would force a"
+                    " device-to-host sync every step")
+  return int(step)

@@ -1,0 +1,160 @@
+"""Noticing preemption and agreeing, across processes, on the step to save.
+
+Two mechanisms, chosen automatically:
+
+* In a job started with ``jax.distributed.initialize`` JAX's own preemption
+  sync manager catches SIGTERM in C++ and tells every process;
+  ``reached_preemption_sync_point(step)`` then returns True on every process at
+  the same step (a sub-microsecond call otherwise). A Python SIGTERM handler
+  would replace JAX's, so we never install one there. Other configured signals
+  (e.g. SIGUSR1) get a Python handler that re-sends SIGTERM to this process,
+  which JAX then handles. Only one process needs to receive the signal.
+* Without ``jax.distributed`` (a plain single-process run) a Python handler
+  sets a flag, and the next step is the one to save.
+
+A handler the user had installed for the signal is chained: it runs after
+ours, on the first signal (if it exits the process, no checkpoint is saved).
+Python's default SIGINT handler is not chained: with ``"SIGINT"`` among the
+signals, Ctrl-C saves and stops like a preemption instead of raising
+KeyboardInterrupt (a second Ctrl-C still ends the process at once).
+A second signal while the first is being handled restores the default action
+and re-sends the signal: the process dies at once. That is safe: a checkpoint
+is committed atomically, so a kill leaves no half-written step marked
+committed.
+
+:attr:`PreemptionWatcher.signal_time` is when the signal came, on every
+process (a grace period counts from it, not from the step the processes agree
+on, which may come many seconds later): the time of this process's own
+handler, or else the time JAX's notifier recorded in the coordination service
+when it caught SIGTERM on whichever process got it (it looks once a second, so
+up to about a second after the signal).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from datetime import datetime
+
+from orbax_flax.core import _multihost
+
+log = logging.getLogger("orbax_flax")
+
+# The key under which JAX's preemption sync manager (XLA's preemption_sync_manager.cc) records
+# the time its notifier caught SIGTERM, as RFC 3339 text, for every process to read.
+_JAX_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+
+
+def _jax_sync_manager_active() -> bool:
+  try:
+    from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False
+  return getattr(global_state, "preemption_sync_manager", None) is not None
+
+
+class PreemptionWatcher:
+  """Watches for preemption signals; ``reached(step)`` says when to save and stop.
+
+  Call :meth:`reached` on every process at every step with the same step
+  numbering. Use as a context manager (or call :meth:`close`) to put the
+  previous signal handlers back.
+
+  Args:
+    signals: the signal names that mean preemption.
+    timeout_s: how long reading the signal's time from the coordination
+      service may wait (a multi-process job; the policy's
+      ``coordination_timeout_seconds``).
+
+  Example:
+    >>> w = PreemptionWatcher(("SIGUSR1",))
+    >>> w.reached(1)
+    False
+    >>> w.close()
+  """
+
+  def __init__(self, signals: Sequence[str] = ("SIGTERM",),
+               timeout_s: float = _multihost.DEFAULT_TIMEOUT_S):
+    self.signal_time: float | None = None  # time.monotonic() of the signal, once known
+    self._timeout_s = timeout_s
+    self._signals = [signal.Signals[s] for s in signals]
+    self._use_jax = _jax_sync_manager_active()
+    self._flag = threading.Event()
+    self._previous: dict[signal.Signals, object] = {}
+    self._received = 0
+    if threading.current_thread() is not threading.main_thread():
+      raise RuntimeError("PreemptionWatcher must be created in the main thread (Python only"
+                         " delivers signals there).")
+    for sig in self._signals:
+      if self._use_jax and sig == signal.SIGTERM:
+        continue  # JAX's C++ notifier owns SIGTERM.
+      self._previous[sig] = signal.signal(sig, self._handle)
+
+  @property
+  def mechanism(self) -> str:
+    return "jax preemption sync point" if self._use_jax else "signal handler"
+
+  def _handle(self, signum, frame) -> None:  # pylint: disable=unused-argument
+    self._received += 1
+    if self._received > 1:
+      log.warning("second signal %s: exiting now; no half-written checkpoint is ever committed",
+                  signal.Signals(signum).name)
+      signal.signal(signum, signal.SIG_DFL)
+      os.kill(os.getpid(), signum)
+      return
+    self.signal_time = time.monotonic()
+    log.warning("received %s: will save a checkpoint at the next step and stop",
+                signal.Signals(signum).name)
+    if self._use_jax:
+      os.kill(os.getpid(), signal.SIGTERM)  # JAX's notifier tells every process.
+    else:
+      self._flag.set()
+    previous = self._previous.get(signal.Signals(signum))
+    # A handler the user installed before runs too (chained); Python's own SIGINT handler
+    # (raise KeyboardInterrupt) does not: SIGINT named as a preemption signal saves and stops.
+    if callable(previous) and previous is not signal.default_int_handler:
+      previous(signum, frame)
+
+  def reached(self, step: int) -> bool:
+    """True at the step every process saves after a preemption signal."""
+    if self._use_jax:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      hit = multihost_utils.reached_preemption_sync_point(step)
+      if hit:
+        self._note_signal_time()
+      return hit
+    return self._flag.is_set()
+
+  def _note_signal_time(self) -> None:
+    """Sets :attr:`signal_time` from JAX's notice (or our handler's time, if earlier).
+
+    Without a readable notice, the sync point is the time (late: a grace period
+    then counts from here, as it did before the notice was read).
+    """
+    now_wall, now = time.time(), time.monotonic()
+    at = now
+    try:
+      notice = None if _multihost.client() is None else _multihost.try_fetch(
+          _JAX_NOTICE_KEY, timeout_s=self._timeout_s)
+      if notice is not None:
+        at = now - max(0.0, now_wall - datetime.fromisoformat(notice).timestamp())
+    except (ValueError, TimeoutError) as e:
+      log.warning("preemption: cannot read when the signal came (%s); the grace period counts"
+                  " from the step the processes agreed on", e)
+    self.signal_time = at if self.signal_time is None else min(self.signal_time, at)
+
+  def close(self) -> None:
+    """Restores the signal handlers that were there before."""
+    for sig, previous in self._previous.items():
+      signal.signal(sig, previous)
+    self._previous = {}
+
+  def __enter__(self) -> PreemptionWatcher:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -1,0 +1,515 @@
+"""Resuming a run: which step it continues from, and putting that step back.
+
+:class:`Resume` is what :meth:`orbax_flax.CheckpointCallback.restore_or_init`
+runs at the start of every run, in this order:
+
+1. the local tier (if the policy has one), when it holds a step at least as
+   new as the persistent tier's latest: the fast path after a preemption;
+2. the persistent tier's newest committed step that restores on every
+   process: each process votes, and a step damaged on any of them is reported
+   loudly; with ``on_unreadable_checkpoint="fallback"`` the next older step is
+   tried. Committed steps none of which restores raise: a run never starts
+   from scratch over them;
+3. nothing committed: a run of another library found in the workdir (an
+   orbax-checkpoint ``CheckpointManager`` directory, or flax's legacy
+   ``checkpoint_<N>`` checkpoints) is continued, the whole state restored from
+   its newest step (see :mod:`orbax_flax.training.workdir`); else the policy's ``init_from``
+   (fine-tuning: see :mod:`orbax_flax.training.init_from`), else the fresh state as it
+   is. A run never starts fresh silently beside checkpoints it could have
+   continued: a workdir that is itself a run's checkpoints directory, or an
+   orbax-checkpoint run in the very directory orbax_flax would write to,
+   raises with the line to write.
+
+Every restore goes through the run's :class:`CheckpointManager` (its steps) or
+a :class:`Checkpointer` with the run's options (``init_from``), so each has the
+watchdog, progress output and host-memory budget of any restore.
+
+:class:`DataPosition` is the data-position protocol: a data iterator with
+``get_state()``/``set_state()`` is saved as the item ``data``, one state per
+process, and moved back to where the restored step stopped.
+"""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+from orbax_flax.engine import _matching
+from orbax_flax.core import _multihost
+from orbax_flax.core import _progress
+from orbax_flax.engine import _selecting
+from orbax_flax.core import _tree
+from orbax_flax.engine import checkpointer
+from orbax_flax import errors
+from orbax_flax.training import init_from
+from orbax_flax.engine import restoring
+from orbax_flax.training import state_items
+from orbax_flax.engine import targets
+from orbax_flax.training import workdir as workdir_lib
+from orbax_flax.core._location import Location
+from orbax_flax.manager.config import CheckpointPolicy
+from orbax_flax.manager.manager import CheckpointManager
+from orbax_flax.tiers.local import LocalTier
+
+log = logging.getLogger("orbax_flax")
+
+DATA_ITEM = "data"  # the item that holds the data iterator's position
+# Iterators whose state is a position in the global order, the same on every process (module and
+# class name, so that grain is not imported here): grain's ElasticIterator and its iterator.
+_GLOBAL_STATE_TYPES = frozenset({
+    ("grain._src.python.dataset.elastic_iterator", "ElasticIterator"),
+    ("grain._src.python.dataset.elastic_iterator", "_ElasticMapDatasetIterator"),
+})
+
+
+class DataPosition:
+  """A data iterator's position, saved with every step and restored on resume.
+
+  The item :data:`DATA_ITEM` holds ``{"processes": [the state of process 0,
+  ...], "global": bool}``: every process saves every process's state (one
+  small all-gather per save). At a resume:
+
+  * an iterator that sets ``checkpoint_state_is_elastic = True`` (an
+    attribute or a property) gets the saved states of *all* old processes, in
+    process order, through ``set_state_from_shards(states)``, on any process
+    count (same count included): it decides where this process continues
+    (:class:`orbax_flax.data.ElasticIterator` does so exactly);
+  * an iterator whose ``get_state()`` is the same on every process and means
+    a position in the global data order sets ``checkpoint_state_is_global =
+    True``; grain's ``grain.experimental.ElasticIterator`` is recognised as
+    one. Its state resumes on any process count;
+  * any other iterator (a per-process position, e.g. grain's
+    ``ShardByJaxProcess``) resumes only on the same process count, and gets
+    its own state through ``set_state(state)``.
+
+  Args:
+    iterator: anything with ``get_state()`` and ``set_state(state)``; the
+      state is made of dicts, lists, str, bytes and numbers.
+    coordination_key: the run's coordination-service prefix (the manager's).
+    timeout_s: how long a save's gathering of every process's state waits
+      (the policy's ``coordination_timeout_seconds``).
+
+  Example:
+    >>> class It:
+    ...   pos = 3
+    ...   def get_state(self): return {"pos": self.pos}
+    ...   def set_state(self, s): self.pos = s["pos"]
+    >>> data = DataPosition(It(), "doc")
+    >>> saved = data.item(7, data.get())
+    >>> saved
+    {'processes': [{'pos': 3}], 'global': False}
+    >>> data.iterator.pos = 0
+    >>> data.set(7, saved)
+    >>> data.iterator.pos
+    3
+  """
+
+  def __init__(self, iterator: Any, coordination_key: str,
+               timeout_s: float = _multihost.DEFAULT_TIMEOUT_S):
+    self.iterator = iterator
+    self._key, self._timeout_s = coordination_key, timeout_s
+    self._after: tuple[int, Any] | None = None  # see mark()
+
+  @classmethod
+  def of(cls, iterator: Any, coordination_key: str,
+         timeout_s: float = _multihost.DEFAULT_TIMEOUT_S) -> DataPosition | None:
+    """The position of ``iterator``; None (with a warning) if it cannot say where it is."""
+    if hasattr(iterator, "get_state"):
+      return cls(iterator, coordination_key, timeout_s)
+    if iterator is not None:
+      log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
+                  " checkpointed, so a resumed run restarts it (grain iterators have both)",
+                  type(iterator).__name__)
+    return None
+
+  @property
+  def is_global(self) -> bool:
+    """True if the iterator's state is a global position (see the class docstring)."""
+    return (getattr(self.iterator, "checkpoint_state_is_global", False) is True
+            or any((c.__module__, c.__name__) in _GLOBAL_STATE_TYPES
+                   for c in type(self.iterator).__mro__))
+
+  @property
+  def is_elastic(self) -> bool:
+    """True if the iterator takes every old process's state (``set_state_from_shards``)."""
+    return getattr(self.iterator, "checkpoint_state_is_elastic", False) is True
+
+  def get(self) -> Any:
+    """The iterator's state now (the position after the last batch it gave)."""
+    return self.iterator.get_state()
+
+  def mark(self, step: int) -> None:
+    """Records the position now as where step ``step`` left the data (see :meth:`after`)."""
+    self._after = (step, self.get())
+
+  def after(self, step: int) -> Any:
+    """The position :meth:`mark` recorded for ``step``, or None.
+
+    A save after a training error takes it, not :meth:`get`: the failing step
+    had already taken its batch, and a resume must not skip that batch.
+    """
+    return self._after[1] if self._after is not None and self._after[0] == step else None
+
+  def item(self, step: int, state: Any) -> dict[str, Any]:
+    """The item that saves ``state`` (this process's) at ``step``, gathered from every process.
+
+    Raises:
+      TypeError: the state holds something other than dicts, lists, str,
+        bytes and numbers.
+    """
+    states = _multihost.all_gather(f"{self._key}/data/{step}", _encode(state),
+                                   timeout_s=self._timeout_s, what="gather the data positions")
+    return {"processes": [_decode(s) for s in states], "global": self.is_global}
+
+  def set(self, step: int, data: dict[str, Any]) -> None:
+    """Moves the iterator to this process's position in ``data`` (step ``step``'s item).
+
+    An elastic iterator gets every process's state (``set_state_from_shards``).
+
+    Raises:
+      ValueError: per-process positions saved by another process count.
+      TypeError: an elastic iterator without ``set_state_from_shards``.
+    """
+    states = data.get("processes", [])
+    me, n = jax.process_index(), jax.process_count()
+    if self.is_elastic:
+      if not callable(getattr(self.iterator, "set_state_from_shards", None)):
+        raise TypeError(f"the data iterator ({type(self.iterator).__name__}) sets"
+                        " checkpoint_state_is_elastic = True but has no"
+                        " set_state_from_shards(states) method to take every process's state")
+      self.iterator.set_state_from_shards(list(states))
+      log.info("data iterator restored to where step %d stopped (%d saved process state(s) handed"
+               " to it on %d process(es))", step, len(states), n)
+      return
+    is_global = bool(data.get("global")) or self.is_global
+    if len(states) == n:
+      mine = states[me]
+    elif is_global and states and all(s == states[0] for s in states):
+      mine = states[0]  # a global position: valid for any process count
+    else:
+      what = ("differ" if is_global else "are per-process positions (the iterator did not say its"
+              " state is global)")
+      raise ValueError(
+          f"step {step} holds {len(states)} data iterator states that {what}, and this job has {n}"
+          f" process(es): a position within one process's shard of the data (e.g. grain's"
+          f" ShardByJaxProcess) cannot be moved onto another process count. Resume with"
+          f" {len(states)} processes; or restart the data pipeline (pass data_iterator=None) and"
+          " accept a new data order; or, if get_state() is a position in the global data order"
+          " that is the same on every process, set `checkpoint_state_is_global = True` on the"
+          " iterator; or read the data through orbax_flax.data.ElasticIterator, which resumes"
+          " exactly on any process count (see docs/training.md).")
+    self.iterator.set_state(mine)
+    log.info("data iterator restored to where step %d stopped", step)
+
+
+class Resume:
+  """Finds the step a run continues from and restores it onto the live state.
+
+  Args:
+    manager: the run's :class:`CheckpointManager`: its committed steps, the
+      restores of them and its coordination key.
+    policy: the :class:`CheckpointPolicy` (``allow_lossy_casts``,
+      ``on_unreadable_checkpoint``, ``init_from``, ``local_directory``,
+      ``coordination_timeout_seconds``).
+    local: the run's local tier, or None.
+    workdir: the run's workdir, where a run of another library (or the slip
+      of a workdir that is a checkpoints directory) is looked for; None: only
+      the manager's directory is looked at.
+  """
+
+  def __init__(self, manager: CheckpointManager, policy: CheckpointPolicy, *,
+               local: LocalTier | None = None, workdir: str | None = None):
+    self._manager, self._policy, self._local = manager, policy, local
+    self._workdir = workdir
+
+  def restore(self, state: Any, data: DataPosition | None = None) -> tuple[Any, int | None]:
+    """``(state, step)``: ``state`` restored from the step the run continues from.
+
+    ``state`` is this job's freshly initialised state: its shardings are the
+    mesh the step is restored onto. With nothing to resume the step is None
+    and the state is returned as it is (or with ``init_from``'s params).
+    ``data`` is moved to where the restored step stopped.
+
+    Raises:
+      CheckpointCorruptedError: committed steps exist and none restores (or,
+        with ``on_unreadable_checkpoint="raise"``, the newest does not).
+      TreeMismatchError: the state does not match the checkpoint.
+    """
+    steps = self._manager.all_steps()
+    workdir_lib.refuse_foreign_steps(self._manager.directory, steps)
+    if self._local is not None:
+      resumed = self._restore_local(state, data, steps[-1] if steps else None)
+      if resumed[1] is not None:
+        return resumed
+    if not steps:
+      previous = None if self._workdir is None else workdir_lib.PreviousRun.find(
+          self._workdir, self._manager.directory)
+      if self._policy.init_from:
+        if previous is not None:
+          log.warning("%s; init_from=%r is set, so this run starts from that instead",
+                      previous.description(), self._policy.init_from)
+        return self._init_from(state), None
+      if previous is not None:
+        return self._continue(previous, state, data)
+      _progress.say("no checkpoint in %s: starting from scratch", self._manager.directory)
+      return state, None
+    items = state_items.to_items(state)
+    step, summary, restored = self._restore_newest(steps, _targets(items))
+    state = state_items.from_items(state, restored)
+    if data is not None:
+      self._restore_data(step, data)
+    saved_mesh = summary.custom.get("mesh")
+    _progress.say("restored step %d (%s) from %s: saved on %s by %d process(es), restored onto %s"
+                  " with %d process(es)", step, summary.custom.get("reason"),
+                  self._manager.step_path(step), _saved_mesh_text(saved_mesh),
+                  summary.process_count, _mesh_text(items), jax.process_count())
+    return state, step
+
+  def _restore_local(self, state: Any, data: DataPosition | None,
+                     persistent_latest: int | None) -> tuple[Any, int | None]:
+    """Resumes from the local tier when it holds a step at least as new as the persistent one."""
+    target = _targets(state_items.to_items(state))
+    if data is not None:
+      target[DATA_ITEM] = None
+    newer_than = None if persistent_latest is None else persistent_latest - 1
+    # The target is checked as the persistent tier checks it: a TreeMismatchError is raised.
+    options = dict(newer_than=newer_than, timeline=self._manager.timeline,
+                   allow_lossy_casts=self._policy.allow_lossy_casts)
+    casts: list = []
+    try:  # a step saved without a data position restores without one
+      got = self._local.restore(target, casts=casts, optional=(DATA_ITEM,), **options)
+    except errors.TreeMismatchError as e:
+      raise _resume_mismatch(e, self._policy.local_directory) from None
+    except (errors.StorageError, TimeoutError) as e:  # the local tier never stops a start
+      log.error("local tier: cannot resume from %s (%s); reading the persistent tier",
+                self._policy.local_directory, e)
+      got = None
+    if got is None:
+      return state, None
+    _log_casts(casts)
+    step, restored, where = got
+    saved_data = restored.pop(DATA_ITEM, None)
+    state = state_items.from_items(state, restored)
+    if data is not None and saved_data is not None:
+      data.set(step, saved_data)
+    _progress.say("restored step %d from the local tier (%s; process %d read %s; the persistent"
+                  " tier's latest is %s)", step, self._policy.local_directory,
+                  jax.process_index(), where, persistent_latest)
+    return state, step
+
+  def _restore_newest(self, steps: list[int], target: dict[str, Any]):
+    """(step, summary, items) of the newest step that restores; never silently starts fresh.
+
+    A step whose bytes are damaged or missing is reported loudly; with
+    ``on_unreadable_checkpoint="fallback"`` the next older step is tried. If
+    committed steps exist but none restores, this raises.
+    """
+    manager, failures = self._manager, []
+    for step in reversed(steps):
+      try:
+        summary = restoring.read_summary(Location.parse(manager.step_path(step)))
+        casts: list = []
+        try:
+          restored = manager.restore(step, target,
+                                     allow_lossy_casts=self._policy.allow_lossy_casts, casts=casts)
+        except errors.TreeMismatchError as e:
+          raise _resume_mismatch(e, manager.directory) from None
+        _log_casts(casts)
+        error = None
+      except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
+        error = e
+      except BaseException as e:  # pylint: disable=broad-except  # every process learns it first
+        if jax.process_count() > 1:
+          self._tell_the_others(step, e)
+        raise
+      if jax.process_count() > 1:  # every process resumes from the same step, or none does
+        votes = _multihost.all_gather(f"{manager.coordination_key}/resume/{step}",
+                                      "ok" if error is None else f"{type(error).__name__}: {error}",
+                                      timeout_s=self._policy.coordination_timeout_seconds,
+                                      what=f"restore step {step}")
+        stopped = [(p, v[len(_STOPPED):]) for p, v in enumerate(votes) if v.startswith(_STOPPED)]
+        if stopped:
+          raise _failed_elsewhere(step, manager.directory, stopped)
+        bad = [f"process {p}: {v}" for p, v in enumerate(votes) if v != "ok"]
+        if bad and error is None:
+          error = errors.CheckpointCorruptedError("; ".join(bad))
+      if error is None:
+        return step, summary, restored
+      failures.append(f"step {step}: {error}")
+      log.error("CANNOT RESUME FROM STEP %d of %s: %s", step, manager.directory, error)
+      if self._policy.on_unreadable_checkpoint == "raise":
+        raise error
+      older = [s for s in steps if s < step]
+      if older:
+        log.error("falling back to the next older committed step, %d; `python -m orbax_flax"
+                  " verify %s` tells what is damaged", older[-1], manager.step_path(step))
+    raise errors.CheckpointCorruptedError(
+        f"{len(steps)} committed step(s) in {manager.directory}, and none of them restores;"
+        " refusing to start from scratch over them. Move the directory away to start fresh, or"
+        " repair it:\n  " + "\n  ".join(failures))
+
+  def _tell_the_others(self, step: int, error: BaseException) -> None:
+    """Votes ``error`` (not damage: it stops the resume) without waiting for the others' votes.
+
+    Every other process finds it at the vote and raises the same kind of error
+    (:func:`_failed_elsewhere`), rather than wait there for this process until
+    the coordination timeout.
+    """
+    try:
+      _multihost.arrive(f"{self._manager.coordination_key}/resume/{step}",
+                        f"{_STOPPED}{type(error).__name__}: {error}",
+                        timeout_s=self._policy.coordination_timeout_seconds)
+    except _multihost.CoordinationTimeoutError as e:
+      error.add_note(f"orbax_flax: the other processes could not be told: {e}")
+
+  def _init_from(self, state: Any) -> Any:
+    items = state_items.to_items(state)
+    if init_from.several(self._policy.init_from):
+      return self._init_parts(state, items)
+    name = "params" if "params" in items else "state"
+    target = _targets({name: items[name]})[name]
+    p = self._policy  # a restore like any other: the run's watchdog, progress and memory budget
+    with checkpointer.Checkpointer(max_host_bytes=p.max_host_bytes,
+                                   coordination_timeout_seconds=p.coordination_timeout_seconds,
+                                   coordination_key=f"{self._manager.coordination_key}/init_from",
+                                   watchdog_seconds=p.watchdog_seconds) as ckptr:
+      items[name], source = init_from.load(p.init_from, name, target, ckptr)
+    _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)", name, source,
+                  self._manager.directory)
+    return state_items.from_items(state, items)
+
+  def _init_parts(self, state: Any, items: dict[str, Any]) -> Any:
+    """``init_from`` naming several parts (params and batch_stats): each into its place."""
+    p = self._policy
+    with checkpointer.Checkpointer(max_host_bytes=p.max_host_bytes,
+                                   coordination_timeout_seconds=p.coordination_timeout_seconds,
+                                   coordination_key=f"{self._manager.coordination_key}/init_from",
+                                   watchdog_seconds=p.watchdog_seconds) as ckptr:
+      parts, source = init_from.load_parts(p.init_from, _targets(items), ckptr)
+    for dst, value in parts.items():
+      items[dst[0]] = _selecting.put(items[dst[0]], dst[1:], value)
+    _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)",
+                  ", ".join("/".join(d) for d in parts), source, self._manager.directory)
+    return state_items.from_items(state, items)
+
+  def _continue(self, previous: workdir_lib.PreviousRun, state: Any,
+                data: DataPosition | None) -> tuple[Any, int]:
+    """Continues another library's run: its newest step, the whole state, onto this mesh."""
+    if state_items.kind(state) == "nnx":
+      raise previous.refusal("this job's state is made of NNX objects, which orbax_flax does"
+                             " not map onto another library's layout")
+    target = jax.tree.map(lambda x: targets.of_array(x) if isinstance(x, jax.Array) else x, state)
+    p = self._policy
+    with checkpointer.Checkpointer(max_host_bytes=p.max_host_bytes,
+                                   coordination_timeout_seconds=p.coordination_timeout_seconds,
+                                   coordination_key=f"{self._manager.coordination_key}/previous",
+                                   watchdog_seconds=p.watchdog_seconds) as ckptr:
+      try:
+        item = previous.item()
+        casts: list = []
+        restored = ckptr.restore(previous.path, {item: target}, casts=casts,
+                                 allow_lossy_casts=p.allow_lossy_casts)[item]
+      except errors.TreeMismatchError as e:
+        raise previous.refusal("its state does not match this job's:\n  " + "\n  ".join(
+            e.differences[:8]) + ("\n  ..." if len(e.differences) > 8 else "")) from None
+    _log_casts(casts)
+    log.warning("%s: continuing it from step %d (the whole state: params, optimizer state and step"
+                " alike), restored onto %s; this run's checkpoints go to %s%s",
+                previous.description(), previous.step, _mesh_text(target), self._manager.directory,
+                "" if data is None else "; the data iterator starts where it is (that run saved"
+                " no position orbax_flax reads)")
+    return restored, previous.step
+
+  def _restore_data(self, step: int, data: DataPosition) -> None:
+    try:
+      saved = self._manager.restore(step, {DATA_ITEM: None})[DATA_ITEM]
+    except errors.TreeMismatchError:
+      log.warning("step %d holds no data iterator position (it was saved without one); the"
+                  " iterator starts where it is", step)
+      return
+    data.set(step, saved)
+
+
+_STOPPED = "stopped: "  # a resume vote: this process raised (not damage that falls back)
+
+
+def _failed_elsewhere(step: int, directory: Any, stopped: list[tuple[int, str]]) -> Exception:
+  """What a process raises when others raised while restoring ``step``: the kind of the first
+  one's error (an orbax_flax error or a builtin; else RuntimeError), naming each process."""
+  text = (f"resuming from step {step} of {directory} failed on another process, so every process"
+          " stops here: " + "; ".join(f"process {p}: {v}" for p, v in stopped))
+  kind = stopped[0][1].split(":", 1)[0]
+  cls = getattr(errors, kind, None) or getattr(builtins, kind, None)
+  if cls is errors.TreeMismatchError:
+    return errors.TreeMismatchError(text, [])
+  if isinstance(cls, type) and issubclass(cls, Exception):
+    try:
+      return cls(text)
+    except Exception:  # pylint: disable=broad-except  # a constructor that wants more
+      pass
+  return RuntimeError(text)
+
+
+def _targets(items: dict[str, Any]) -> dict[str, Any]:
+  """Restore targets: the shapes, dtypes and shardings of the live state."""
+  def abstract(x):
+    return targets.of_array(x) if isinstance(x, jax.Array) else x
+  return {k: jax.tree.map(abstract, v) for k, v in items.items()}
+
+
+def _log_casts(casts: list) -> None:
+  for line in _matching.cast_lines(casts):  # one line per kind of change, not one per leaf
+    log.warning("resume: %s", line)
+
+
+def _resume_mismatch(e: errors.TreeMismatchError, directory: Any) -> errors.TreeMismatchError:
+  """The mismatch, with the advice a resume can follow (the callback has no ``partial``)."""
+  kinds = " ".join(e.differences)
+  advice = []
+  if "loses information" in kinds:
+    advice.append("to convert anyway, set CheckpointPolicy(allow_lossy_casts=True)"
+                  " (--config.checkpoint.allow_lossy_casts=True); or keep the saved dtypes")
+  if "not in target" in kinds or "not in checkpoint" in kinds or "shape" in kinds:
+    advice.append(f"if {directory} belongs to another run or model, give this run its own"
+                  " --workdir; to start a changed model from this run's weights, use a new"
+                  " workdir with CheckpointPolicy(init_from='<step dir>:<item>/params')")
+  text = "Fix: " + "; ".join(advice) if advice else ""
+  return errors.TreeMismatchError(f"{e.summary}\n{text}".rstrip(), e.differences, summary=e.summary)
+
+
+def _mesh_text(tree: Any) -> str:
+  """Where the arrays of ``tree`` live, in words."""
+  kinds = set()
+  for leaf in jax.tree.leaves(tree):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      return f"mesh {dict(sharding.mesh.shape)}"
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+      kinds.add("a single device")
+    elif isinstance(leaf, np.ndarray):
+      kinds.add("the host (numpy)")
+  return " and ".join(sorted(kinds)) or "the host"
+
+
+def _saved_mesh_text(mesh: Any) -> str:
+  return f"mesh {mesh}" if mesh else "a single device or the host"
+
+
+def _encode(value: Any) -> str:
+  """A data iterator state (dicts, lists, str, bytes, numbers) as one JSON string."""
+  structure, leaves = _tree.encode_structure(value)
+  for path, leaf in leaves:
+    if _tree.leaf_kind(leaf) != "value":
+      raise TypeError(f"data iterator state leaf {_tree.path_str(path)} is a {type(leaf).__name__};"
+                      " get_state() must return dicts, lists, str, bytes and numbers")
+  return json.dumps({"s": structure, "v": [_tree.encode_value(l) for _, l in leaves]})
+
+
+def _decode(text: str) -> Any:
+  d = json.loads(text)
+  return _tree.decode_structure(d["s"], [_tree.decode_value(v) for v in d["v"]])
