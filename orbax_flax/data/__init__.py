@@ -6,10 +6,10 @@ frontier on) when the shard count changes. :mod:`.elastic` is
 :class:`ElasticIterator`, a grain pipeline (its datasets, batching, read
 options and prefetch threads) reading one shard of that order, with the
 elastic checkpoint protocol (``checkpoint_state_is_elastic`` and
-``set_state_from_shards``) that :class:`orbax_flax.resume.DataPosition` calls.
+``set_state_from_shards``) that :class:`orbax_flax.training.resume.DataPosition` calls.
 
-Modules here import grain, JAX, numpy and each other, never the rest of
-orbax_flax: the checkpoint side knows them only through that protocol.
+May import: grain, JAX, numpy and each other, never the rest of orbax_flax: the
+checkpoint side knows them only through that protocol.
 """
 
 from orbax_flax.data.elastic import ElasticIterator

@@ -19,6 +19,7 @@ Inside:
 * :mod:`.retention`: deleting a step keeps what other steps reference; the
   sweep of retired data that nothing references any more.
 
-These modules import the engine's low layers (``_location``, ``_manifest``,
-``_planning``, ``_multihost``); the engine imports only :mod:`.refs`.
+May import: ``core``, ``format``, ``engine`` (its low layers: ``_planning``,
+``restoring``), ``errors``. The engine imports :mod:`.refs` and :mod:`.differ` back
+(one level with the engine, until the engine owns the interfaces they plug into).
 """

@@ -7,7 +7,7 @@
 * a safetensors file or directory (:mod:`.safetensors`).
 
 The format is detected from the files. A foreign checkpoint is described by a
-manifest of the same records as ours (:mod:`orbax_flax._records`), in memory
+manifest of the same records as ours (:mod:`orbax_flax.format._records`), in memory
 only, whose array records carry a ``source`` that reads a box of the array into
 a buffer; everything above that (target checks, dtype rules, transforms,
 resharding) is shared.
@@ -16,8 +16,10 @@ This package sits below the engine: its modules read bytes and describe
 checkpoints, and import only the engine's primitives (``_reading``,
 ``_layout``, ``_tree``, ``errors``, ...), never ``restoring``, the
 ``Checkpointer`` or the manager. What is built on the engine lives beside it:
-:mod:`orbax_flax.transforms` (restore-time renames, stacking, casts) and
-:mod:`orbax_flax.converting` (``convert``).
+:mod:`orbax_flax.engine.transforms` (restore-time renames, stacking, casts) and
+:mod:`orbax_flax.engine.converting` (``convert``).
+
+May import: ``core``, ``format``, the engine's primitives, ``errors``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ from __future__ import annotations
 import dataclasses
 
 from orbax_flax import errors
-from orbax_flax._location import Location
-from orbax_flax._records import Manifest
+from orbax_flax.core._location import Location
+from orbax_flax.format._records import Manifest
 from orbax_flax.formats import orbax_checkpoint
 from orbax_flax.formats import safetensors_io as safetensors
 

@@ -9,6 +9,7 @@ engine's leaf records, target check and placement, in one file per process),
 :mod:`.placement` the pure choice of where copies go and which to read,
 :mod:`._exchange` the collective that moves bytes, :mod:`.saves` the training
 loop's side (is a step due, one local save); when the tier saves is
-:class:`orbax_flax.schedule.Schedule`, the persistent tier's shell too. Modules
-here import the engine; the engine never imports them.
+:class:`orbax_flax.manager.schedule.Schedule`, the persistent tier's shell too. May import:
+``core``, ``format``, ``engine``, ``formats``, ``manager`` (its schedule), ``errors``; the
+engine never imports them.
 """
