@@ -1,6 +1,6 @@
 """engine: one checkpoint, saved and restored. Planning (``_planning``, ``_planner``), the save
-(``saving``: the blocking phase; ``_save_run``: the background phase; ``_committing``: the
-atomic commit), the restore (``restoring``, ``_reading``, ``_read_buffers``, ``_read_once``),
+(``saving``: the blocking phase; ``_save_run``: the background phase and the atomic
+commit), the restore (``restoring``, ``_reading`` with its buffers, ``_read_once``),
 target matching and transforms (``_matching``, ``transforms``, ``targets``), the
 ``Checkpointer`` object, ``describe``/``verifying``, selectors and ``converting``.
 

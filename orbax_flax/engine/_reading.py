@@ -15,7 +15,8 @@ bytes must end up in (:class:`Fill`). This module brings them there:
   reads the chunks and checks them, copying into the destinations.
 
 Where chunks lie comes from :mod:`orbax_flax.format._chunk_index`; the shared
-temporary buffers and files from :mod:`orbax_flax.engine._read_buffers`.
+temporary buffers and open files (:class:`TempPool` and its kin) are at the end of
+this module.
 
 Either way the format is tensorstore's own (zarr3 chunks with the ``crc32c``
 codec inside OCDBT), so tensorstore reads these checkpoints too. Temporary
@@ -43,7 +44,6 @@ from orbax_flax.core import _crc
 from orbax_flax.format import _layout
 from orbax_flax.core import _location
 from orbax_flax.engine import _planning
-from orbax_flax.engine import _read_buffers
 from orbax_flax.format import _tsio
 from orbax_flax import errors
 from orbax_flax.core._location import Location
@@ -129,7 +129,7 @@ class Reader:
     self.progress = progress  # an orbax_flax.core._progress.Progress, or None
     self.homes = refs.Homes(loc, manifest.generation, manifest.bases)
     self.index = _chunk_index.ChunkIndex(loc, self.homes) if loc.is_local else None
-    self.temps = _read_buffers.TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
+    self.temps = TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
     self.bytes_read = 0
     self._lock = threading.Lock()
     self._identified: set[tuple[str, int]] = set()
@@ -288,7 +288,7 @@ class Reader:
       chunk_box = chunking.chunk_box(c)
       order = (located.file or "", located.offset, located.length)
       if (len(dests) == 1 and dests[0][1] == chunk_box and located.file is not None
-          and _read_buffers.contiguous(chunk_box, dests[0][0].box)):
+          and contiguous(chunk_box, dests[0][0].box)):
         f, inner = dests[0]
         jobs.append((order, (self._read_into, (f, inner, located, owner))))
       else:
@@ -320,10 +320,10 @@ class Reader:
       file_jobs.sort(key=lambda j: j[0])
       tasks += [file_jobs[i:i + per_task] for i in range(0, len(file_jobs), per_task)]
     tasks.sort(key=len, reverse=True)
-    fds = _read_buffers.Files()
+    fds = Files()
     stop = threading.Event()
     try:
-      self._run([(_read_buffers.run_in_order, ([(fn, args + (fds,)) for _, (fn, args) in t],
+      self._run([(run_in_order, ([(fn, args + (fds,)) for _, (fn, args) in t],
                                   t[0][0][0], t[0][0][1], t[-1][0][1] + t[-1][0][2] - t[0][0][1], fds,
                                   stop))
                  for t in tasks], stop)
@@ -358,13 +358,13 @@ class Reader:
       ex.shutdown(wait=True, cancel_futures=True)
       self.temps.reset()
     errs = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
-    real = [e for e in errs if not isinstance(e, _read_buffers.Aborted)]
+    real = [e for e in errs if not isinstance(e, Aborted)]
     if errs:
       raise (real or errs)[0]
 
   # ------------------------------------------------------------------ direct reads
 
-  def _pread(self, fds: _read_buffers.Files, item: str, what: str, owner: int, located: _chunk_index.Located,
+  def _pread(self, fds: Files, item: str, what: str, owner: int, located: _chunk_index.Located,
              into: np.ndarray | None) -> tuple[np.ndarray, int]:
     """Reads a chunk value into ``into`` (its data part) or a temp; returns (data, stored crc)."""
     n = located.length - 4
@@ -410,15 +410,15 @@ class Reader:
                             f" {n} are expected")
 
   def _read_into(self, f: Fill, inner: _layout.Box, located: _chunk_index.Located, owner: int,
-                 fds: _read_buffers.Files) -> None:
+                 fds: Files) -> None:
     what = f.rec.path_text
-    view = _read_buffers.flat_view(f.out, inner, f.box)
+    view = flat_view(f.out, inner, f.box)
     self._expect(f.item, what, owner, located, view.nbytes)
     data, crc = self._pread(fds, f.item, what, owner, located, view)
     self._check(data, crc, f.item, what, owner, located)
 
   def _read_scatter(self, dests: list[tuple[Fill, _layout.Box]], chunk_box: _layout.Box,
-                    located: _chunk_index.Located, owner: int, fds: _read_buffers.Files) -> None:
+                    located: _chunk_index.Located, owner: int, fds: Files) -> None:
     f0 = dests[0][0]
     what = f0.rec.path_text
     shape = _layout.box_shape(chunk_box)
@@ -435,7 +435,7 @@ class Reader:
         self.temps.put(data.base if data.base is not None else data, n)
 
   def _read_packed(self, pfs: list[PackedFill], lo: int, hi: int, stored: int,
-                   located: _chunk_index.Located, owner: int, fds: _read_buffers.Files) -> None:
+                   located: _chunk_index.Located, owner: int, fds: Files) -> None:
     """One chunk of a packed buffer (``stored`` bytes; ``[lo, hi)`` of the buffer are real)."""
     item = pfs[0].item
     what = _packed_names(pfs)
@@ -499,7 +499,7 @@ class Reader:
       raise _read_error(self.loc, item, what, self.db(item, owner), e) from e
 
   def _read_packed_ts(self, pfs: list[PackedFill], lo: int, hi: int, owner: int,
-                      fds: _read_buffers.Files) -> None:
+                      fds: Files) -> None:
     del fds
     item = pfs[0].item
     size = self.manifest.items[item].packed[owner]
@@ -618,3 +618,121 @@ def _read_error(loc: Location, item: str, path: str, db: str, e: Exception) -> E
   if _tsio.is_corruption(e):
     return _tsio.corrupted(item, path, loc, db, e)
   return _location.storage_error(loc, f"reading {item}/{path}", e)
+
+
+class TempPool:
+  """Reused temporary buffers, at most ``limit`` bytes out at once (one larger alone).
+
+  Every :meth:`get` is paired with a :meth:`put` on every path, errors
+  included, so a wait in :meth:`get` lasts only as long as the reads holding
+  buffers (each bounded: a local ``preadv``). Once a read of the restore has
+  failed, :meth:`abort` wakes every waiting thread, which then raises instead
+  of waiting for memory the restore no longer needs.
+  """
+
+  def __init__(self, limit: int):
+    self.limit = limit
+    self._free: list[np.ndarray] = []
+    self._out = 0
+    self._cond = threading.Condition()
+    self._aborted: BaseException | None = None
+
+  def get(self, n: int) -> np.ndarray:
+    with self._cond:
+      while self._out and self._out + n > self.limit and self._aborted is None:
+        self._cond.wait()
+      if self._aborted is not None:
+        raise Aborted() from self._aborted
+      self._out += n
+      fits = [i for i, b in enumerate(self._free) if b.nbytes >= n]
+      if fits:
+        return self._free.pop(min(fits, key=lambda i: self._free[i].nbytes))
+    try:
+      return np.empty(n, np.uint8)
+    except BaseException:
+      self.put(None, n)
+      raise
+
+  def put(self, buf: np.ndarray | None, n: int) -> None:
+    with self._cond:
+      self._out -= n
+      if buf is not None:
+        self._free.append(buf)
+      while sum(b.nbytes for b in self._free) > self.limit and self._free:
+        self._free.pop(0)
+      self._cond.notify_all()
+
+  def abort(self, error: BaseException) -> None:
+    """Wakes every waiting :meth:`get` (which raises :class:`Aborted`); later gets raise too."""
+    with self._cond:
+      if self._aborted is None:
+        self._aborted = error
+      self._cond.notify_all()
+
+  def reset(self) -> None:
+    """Ready for the next read of the same reader (after an abort)."""
+    with self._cond:
+      self._aborted = None
+
+  @property
+  def out(self) -> int:
+    """Bytes handed out and not yet returned (0 between reads)."""
+    with self._cond:
+      return self._out
+
+
+class Aborted(Exception):
+  """Raised in a reading thread that stops because another read of the restore failed."""
+
+
+def contiguous(inner: _layout.Box, outer: _layout.Box) -> bool:
+  """True if ``inner`` is one contiguous run of ``outer``'s C-order buffer."""
+  sizes = _layout.box_shape(inner)
+  full = _layout.box_shape(outer)
+  d = next((i for i, s in enumerate(sizes) if s > 1), len(sizes))
+  return all(sizes[j] == full[j] for j in range(d + 1, len(sizes)))
+
+
+def flat_view(out: np.ndarray, inner: _layout.Box, outer: _layout.Box) -> np.ndarray:
+  """The bytes of ``inner`` inside ``out`` (which holds ``outer``), as a flat uint8 view."""
+  view = out[_layout.relative(inner, outer)]
+  return view.reshape(-1).view(np.uint8)
+
+
+def run_in_order(calls: list[tuple[Any, tuple]], file: str, start: int, length: int,
+                  fds: Files, stop: threading.Event | None = None) -> None:
+  """Runs the reads of one contiguous span of one data file, in file order.
+
+  The kernel is told first that the whole span will be read (so that cold
+  reads stream at the disk's speed rather than chunk by chunk). Once ``stop``
+  is set (another read failed), the remaining reads are skipped.
+  """
+  if file and length > 0 and hasattr(os, "posix_fadvise"):
+    try:
+      os.posix_fadvise(fds.get(file), start, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+      pass  # a missing file is reported by the read itself
+  for fn, args in calls:
+    if stop is not None and stop.is_set():
+      return  # another read failed: the restore is over
+    fn(*args)
+
+
+class Files:
+  """Open read-only file descriptors, shared by the reading threads."""
+
+  def __init__(self):
+    self._fds: dict[str, int] = {}
+    self._lock = threading.Lock()
+
+  def get(self, path: str) -> int:
+    with self._lock:
+      if path not in self._fds:
+        self._fds[path] = os.open(path, os.O_RDONLY)
+      return self._fds[path]
+
+  def close(self) -> None:
+    with self._lock:
+      for fd in self._fds.values():
+        os.close(fd)
+      self._fds = {}

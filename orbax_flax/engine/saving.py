@@ -14,7 +14,7 @@ owns the staging memory they use).
    (:func:`split_rounds`): all but the last are written while the caller waits.
 2. Background, in the thread of the :class:`AsyncSave`: the last round is
    written, then the processes agree on the verdict and process 0 commits
-   (:class:`orbax_flax.engine._save_run.SaveRun`, :mod:`orbax_flax.engine._committing`).
+   (:class:`orbax_flax.engine._save_run.SaveRun`, its commit :func:`orbax_flax.engine._save_run.commit`).
 
 A blocking save (:func:`save`) writes straight from views of the device
 buffers and holds no staging copy.
