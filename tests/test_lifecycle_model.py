@@ -147,6 +147,9 @@ class ManagerModel(RuleBasedStateMachine):
   def rollback(self, data, then_save):
     step = data.draw(st.sampled_from(sorted(self.saved)[:-1]))
     tag, changed = self.saved[step]
+    # A restore of an older step is a rollback once a newer step has committed (a save still
+    # in flight alone does not make one: restoring the latest committed step is no rollback).
+    self.mngr.wait_for_save()
     assert _equal(self.mngr.restore(step), _items(tag, changed))
     self.rolled_to = step
     if then_save:  # the run goes on from there: the step after it, right away
@@ -173,6 +176,7 @@ class ManagerModel(RuleBasedStateMachine):
         self._save(step, 0.0, force=True)
       elif op == "rollback" and len(self.saved) >= 2:
         step = sorted(self.saved)[-2]
+        self.mngr.wait_for_save()  # (see rollback)
         self.mngr.restore(step)
         self.rolled_to = step
         self._save(step + 1, 0.25, force=True)

@@ -108,7 +108,7 @@ class Rollback:
     commit perhaps not recorded yet): a rollback if newer steps exist."""
     with self._lock:
       newer = {s for s in self._registry.committed() if s > step}
-      if inflight is not None and inflight > step:
+      if newer and inflight is not None and inflight > step:
         newer.add(inflight)  # a save of the abandoned run still in flight belongs to it too
       cancelled = not newer and self.to is not None
       # The last restore decides: a restore of the latest step calls off an earlier rollback
