@@ -290,7 +290,10 @@ class CheckpointCallback(callbacks.Callback):
     if interruptions.committed_in_grace(self.manager, step, grace,
                                         time.monotonic() - start + signalled):
       self._flush_events()
-      _progress.say("preempted: step %d is committed; stopping", step)
+      if _progress.once_per_job_level() == logging.INFO:  # process 0 says it for the job
+        _progress.say("preempted: step %d is committed; stopping", step)
+      else:
+        log.debug("preempted: step %d is committed; stopping", step)
 
   def on_exception(self, step: int, state: Any, error: BaseException) -> None:
     """Saves the last good state (if the policy says so) and closes; never raises.
