@@ -410,6 +410,7 @@ def test_after_a_rollback_a_resume_never_takes_the_abandoned_timeline_local_step
     state = {"w": jnp.full(2, -float(step)), "step": step}
     cb.on_step_end(step, state)
   cb.manager.wait()
+  cb.manager.close()  # (the job dies: its writer lease goes with it)
   # The job dies before this run's first persistent commit: the abandoned run's steps (12,
   # local and persistent) are the latest durable state; the new run's local step 6 is not
   # of the persistent latest step's timeline, so it is not taken either.
