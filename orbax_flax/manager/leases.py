@@ -311,13 +311,11 @@ class WriterLease:
           current = None
         if current is not None and current.owner != self.owner and current.alive(now):
           return current
-        if take:
-          tmp = f"{path}.{self.owner}"
-          with open(tmp, "wb") as f:
+        if take:  # in place, under the lock: a kill mid-write leaves a torn file, nobody's lease
+          with open(path, "wb") as f:
             f.write(self._record())
             f.flush()
             os.fsync(f.fileno())
-          os.replace(tmp, path)
         elif current is not None and current.owner == self.owner:
           os.remove(path)
         return None
