@@ -15,7 +15,7 @@ are decided by process 0. A trigger composed by hand is given whole to
 (``reads_clock``; a trigger that does not say is taken as reading it).
 
 Example:
-  >>> from orbax_flax import policy
+  >>> from orbax_flax.manager import policy
   >>> clock = iter([0.0, 10.0, 50.0, 60.0]).__next__
   >>> s = Schedule(auto=policy.YoungDaly(400.0), key="doc/schedule", clock=clock)
   >>> s.interval()             # sqrt(2 x 1 s assumed x 400 s)
