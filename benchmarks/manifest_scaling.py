@@ -128,7 +128,7 @@ def state(hosts: int) -> dict:
 
 def plan_items(tree: dict, nproc: int, me: int = 0) -> tuple[dict, int]:
   """The manifest items of ``{"state": tree}`` and this process's piece count, as
-  ``_planner._Template.build`` makes them (for leaves that are all jax arrays)."""
+  ``_planning._Template.build`` makes them (for leaves that are all jax arrays)."""
   load = [0] * nproc
   structure, leaves = _tree.encode_structure(tree)
   records, pieces, packed = [], [], []

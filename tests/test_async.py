@@ -45,12 +45,12 @@ def test_arrays_can_be_donated_and_deleted_once_save_async_returns(ckpt_dir):
 
 
 def test_snapshot_does_not_alias_device_buffers(ckpt_dir):
-  from orbax_flax.engine import _planner  # pylint: disable=g-import-not-at-top
+  from orbax_flax.engine import _planning  # pylint: disable=g-import-not-at-top
   from orbax_flax.core import _staging
   from orbax_flax.engine import saving
   from orbax_flax.core._location import Location  # pylint: disable=g-import-not-at-top
   state = _state(8)
-  plan = _planner.Planner().plan(Location.parse(ckpt_dir), {"state": state})
+  plan = _planning.Planner().plan(Location.parse(ckpt_dir), {"state": state})
   saving.snapshot(plan.pieces, _staging.Staging())
   views = [np.asarray(s.data) for s in state["w"].addressable_shards]
   assert plan.pieces
