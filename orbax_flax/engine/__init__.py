@@ -1,4 +1,4 @@
-"""engine: one checkpoint, saved and restored. Planning (``_planning``, ``_planner``), the save
+"""engine: one checkpoint, saved and restored. Planning (``_planning``), the save
 (``saving``: the blocking phase; ``_save_run``: the background phase and the atomic
 commit), the restore (``restoring``, ``_reading`` with its buffers, ``_read_once``),
 target matching and transforms (``_matching``, ``transforms``, ``targets``), the
