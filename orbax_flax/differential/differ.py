@@ -9,7 +9,10 @@ The save's :class:`orbax_flax.engine._save_run.SaveRun` calls, in its background
 2. :meth:`Differ.select` for every batch about to be written: hashes each
    block (:mod:`.hashing`, on threads, the GIL released) and drops the blocks
    whose hash equals the base's for the same chunk, array, layout and process;
-   each process decides for the blocks it writes.
+   each process decides for the blocks it writes. A borrowed block is only
+   trusted as far as its stored bytes: every :data:`SCRUB_SAVES` saves each one
+   is read back once (a rolling quarter each save) and, when its stored bytes
+   fail their checks, written again from the live state (see :meth:`Differ.select`).
 3. :meth:`Differ.publish` (every process but 0, before reporting its status)
    and :meth:`Differ.complete` (process 0, before the manifest is written):
    the decisions of every process go into the manifest (:mod:`.refs`).
@@ -29,16 +32,21 @@ import zlib
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from orbax_flax.core import _multihost
 from orbax_flax.engine import _planning
 from orbax_flax import errors
+from orbax_flax.engine import _reading
 from orbax_flax.engine import restoring
+from orbax_flax.format import _layout
 from orbax_flax.core._location import Location
 from orbax_flax.differential import hashing
 from orbax_flax.differential import refs
 
 log = logging.getLogger("orbax_flax")
 _SAME = ("path", "shape", "dtype", "stored_dtype", "chunk_shape", "key_impl", "key_shape")
+SCRUB_SAVES = 4  # every borrowed block is read back and checked once in this many saves
 
 
 class Pins:
@@ -79,11 +87,16 @@ class Differ:
     base: the step to compare with (None: a full save that records hashes).
     pins: the checkpointer's :class:`Pins`.
     alive: True while the save runs (its pin lasts that long).
+    turn: which rolling part of the borrowed blocks this save checks (the
+      checkpointer's count of its differential saves; see :meth:`select`).
   """
 
   def __init__(self, plan_manifest: dict[str, Any], loc: Location, base: Location | None,
-               pins: Pins, alive: Any):
+               pins: Pins, alive: Any, turn: int = 0):
     self.loc, self.base, self.pins, self.alive = loc, base, pins, alive
+    self.turn = turn % SCRUB_SAVES
+    self.healed: list[str] = []  # blocks whose borrowed bytes failed their check: written
+    self._packed_owner: dict[tuple[str, int, int], int] = {}  # a borrowed segment's reader owner
     self.me, self.nproc = _multihost.process_index(), _multihost.process_count()
     self.recs = {(item, r["name"]): r for item, meta in plan_manifest["items"].items()
                  for r in meta["leaves"] if r.get("kind") != "value"}
@@ -139,7 +152,7 @@ class Differ:
       return None
     if manifest.generation != gen:
       return None
-    return {"items": manifest.items,
+    return {"items": manifest.items, "at": at, "manifest": manifest, "reader": None,
             "homes": [(name, gen)] + [(b.dir, b.generation) for b in manifest.bases],
             "recs": {(item, r.name): r for item, meta in manifest.items.items()
                      for r in meta.leaves if r.kind != "value"}}
@@ -152,6 +165,16 @@ class Differ:
     A chunked array's piece is one chunk. A packed piece is decided per segment (whole
     small arrays, about one packed chunk each, :func:`segments`): the segments to write
     go out as pieces of their own, views of the piece's data.
+
+    Borrowing trusts the base's record, not its bytes: one flipped bit in a block
+    every later save borrows would make all of them unrestorable. So a rolling
+    part of the borrowable blocks, one in :data:`SCRUB_SAVES` (chosen by array,
+    chunk or segment, and ``turn``), is read back each save from where it is
+    stored (CRC-32C, then its recorded content hash). A block that fails is
+    written again from the live state, whose hash is the recorded one: the damage
+    reaches at most the saves before its turn, and the next save borrows good
+    bytes. Reading costs a quarter of the borrowed bytes per save, in the
+    background phase; nothing more is written while the bytes are sound.
     """
     if self._base is None:
       self._base = self._load_base() or {}
@@ -159,22 +182,36 @@ class Differ:
     for p in pieces:
       if p.packed:
         size = self.packed_sizes[p.array.item]
-        blocks += [(p, lo, hi) for lo, hi in segments(p, _planning.pack_chunk_bytes(size))]
+        blocks += [(p, lo, hi, k) for k, (lo, hi) in
+                   enumerate(segments(p, _planning.pack_chunk_bytes(size)))]
       else:
-        blocks.append((p, None, None))
+        blocks.append((p, None, None, 0))
     hashes = hashing.hash_all([p.data if lo is None else p.data[lo - p.slices[0].start:
                                                                 hi - p.slices[0].start]
-                               for p, lo, hi in blocks])
-    out, split = [], {}
-    for (p, lo, hi), h in zip(blocks, hashes):
+                               for p, lo, hi, _ in blocks])
+    sources = []
+    for (p, lo, hi, k), h in zip(blocks, hashes):
       a = p.array
       if lo is not None:
         src = self._packed_source(a.item, lo, hi, h)
-        self.packed.append([a.item, lo, hi, h, self._home(src)])
-        split.setdefault(id(p), (p, []))[1].append((lo, hi, src is None))
+        key = (a.item, "", k, lo, hi)
       else:
         c = _chunk_index(p.slices, a.chunk_shape, a.shape)
         src = self._chunk_source(a.item, a.name, c, h)
+        key = (a.item, a.name, c, None, None)
+      sources.append((src, key))
+    bad = self._scrub([(key, h) for (src, key), h in zip(sources, hashes)
+                       if src is not None and self._due(*key[:3])])
+    out, split = [], {}
+    for (p, lo, hi, _), h, (src, key) in zip(blocks, hashes, sources):
+      a = p.array
+      c = key[2]
+      if key in bad:
+        src = None
+      if lo is not None:
+        self.packed.append([a.item, lo, hi, h, self._home(src)])
+        split.setdefault(id(p), (p, []))[1].append((lo, hi, src is None))
+      else:
         self.chunks.append([a.item, a.name, c, h, self._home(src)])
       n = p.nbytes if lo is None else hi - lo
       if src is None:
@@ -195,6 +232,67 @@ class Differ:
       if all(q is not p for q in out):
         p.data = None  # reused whole: no longer needed
     return out
+
+  def _due(self, item: str, name: str, index: int) -> bool:
+    """Whether this save checks the block (one in :data:`SCRUB_SAVES`, rolling with ``turn``)."""
+    return (zlib.crc32(f"{item}/{name}".encode()) + index) % SCRUB_SAVES == self.turn
+
+  def _scrub(self, due: list[tuple[tuple[Any, ...], str]]) -> set[tuple[Any, ...]]:
+    """The blocks of ``due`` (``(key, hash)``) whose stored bytes fail their checks.
+
+    A key is ``(item, array name, chunk, None, None)`` for a chunk and ``(item, "",
+    segment, lo, hi)`` for bytes ``[lo, hi)`` of this process's packed buffer.
+    """
+    if not due:
+      return set()
+    if self._base["reader"] is None:
+      self._base["reader"] = _reading.Reader(self._base["at"], self._base["manifest"])
+    reader, fills = self._base["reader"], []
+    for key, h in due:
+      item, name, c, lo, hi = key
+      if lo is None:
+        rec = self._base["recs"][(item, name)]
+        box = _layout.Chunking(rec.shape, rec.chunk_shape).chunk_box(c)
+        fill = _reading.Fill(item, rec, box, np.empty(_layout.box_shape(box), rec.np_stored_dtype))
+      else:
+        out = np.empty(hi - lo, np.uint8)
+        fill = _reading.PackedFill(item, self._packed_owner[(item, lo, hi)], lo, hi,
+                                   np.dtype(np.uint8), (hi - lo,),
+                                   [((), out)], f"the packed small arrays [{lo}, {hi})")
+      fills.append((key, h, fill))
+
+    def read(batch):
+      reader.read([f for _, _, f in batch if isinstance(f, _reading.Fill)],
+                  [f for _, _, f in batch if isinstance(f, _reading.PackedFill)])
+
+    def content(f):
+      return f.out if isinstance(f, _reading.Fill) else f.dests[0][1]
+
+    problems = {}
+    try:
+      read(fills)
+      suspects = []
+    except (errors.CheckpointError, errors.StorageError, OSError):
+      suspects = fills  # which ones: one by one
+    for key, h, f in suspects:
+      try:
+        read([(key, h, f)])
+      except (errors.CheckpointError, errors.StorageError, OSError) as e:
+        problems[key] = str(e)
+    for key, h, f in fills:
+      if key not in problems and hashing.block_hash(content(f)) != h:
+        problems[key] = "its bytes are not the recorded ones"
+    for key in sorted(problems, key=str):
+      item, name, c, lo, _ = key
+      what = (f"item {item!r}, array {self._base['recs'][(item, name)].path_text}, chunk {c}"
+              if lo is None else f"item {item!r}, the packed small arrays from byte {lo}")
+      self.healed.append(what)
+      log.warning("differential save to %s: the stored bytes of %s, borrowed from %s, fail their"
+                  " check (%s); written again from the live state, so this save and the next"
+                  " ones do not borrow them. Older steps that borrow them stay damaged: verify"
+                  " them (ofx.verify) and delete those that fail.", self.loc, what,
+                  self._base["at"], problems[key])
+    return set(problems)
 
   def _home(self, src: tuple[str, str] | None) -> int:
     if src is None:
@@ -221,6 +319,7 @@ class Differ:
       return None
     for plo, phi, b, ph in meta.packed_pieces.get(self.me, ()):
       if (plo, phi, ph) == (lo, hi, h):
+        self._packed_owner[(item, lo, hi)] = (b + 1) * refs.OWNER_STRIDE + self.me
         return self._base["homes"][b + 1]
     return None
 
@@ -343,6 +442,7 @@ class Differential:
     self.pins = Pins()
     self._base: Location | None = None
     self._last: Location | None = None
+    self._saves = 0  # differential saves so far: whose turn it is to be checked (Differ.turn)
 
   def set_base(self, path: Any) -> None:
     """Names the step the next save compares with (None: the previous save of this checkpointer)."""
@@ -357,4 +457,5 @@ class Differential:
                        " saves (and the retention that keeps their bases) need one for now. Pass"
                        " differential=False for object stores.")
     base, self._base, self._last = self._base or self._last, None, plan.loc
-    return Differ(plan.manifest, plan.loc, base, self.pins, alive)
+    self._saves += 1
+    return Differ(plan.manifest, plan.loc, base, self.pins, alive, turn=self._saves)
