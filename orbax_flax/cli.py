@@ -69,6 +69,14 @@ def cmd_list(directory: str, out) -> int:
       state = "CORRUPTED" if isinstance(e, errors.CheckpointCorruptedError) else "NO MANIFEST"
       rows.append([str(step), "?", state, "?", "?", "?", str(e)[:80]])
       continue
+    try:  # a differential step whose borrowed data is gone (a base removed by hand)
+      for b in s.bases:
+        refs.locate_step(loc.join(str(step)), b.dir, b.generation)
+    except errors.CheckpointFormatError:
+      damaged += 1
+      rows.append([str(step), _when(s.created), "BASE GONE", "?", "?", "?",
+                   f"borrows from step {b.dir}, which is gone"])
+      continue
     custom = s.custom
     metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in sorted(custom.get("metrics", {}).items()))
