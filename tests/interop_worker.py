@@ -64,7 +64,6 @@ def main():
     return
   if a.mode == "read_once":  # each replicated array read once across processes, then gathered
     from orbax_flax.core import _progress  # pylint: disable=g-import-not-at-top
-    from orbax_flax.engine import _read_once
     from orbax_flax.engine import restoring
     rng = np.random.default_rng(0)
     extra = {"big_rep": (rng.standard_normal((1024, 512)).astype(np.float32), P()),
@@ -78,7 +77,7 @@ def main():
     # The split follows the stored chunks: only where each process's part is whole chunks.
     rep = NamedSharding(mesh, P())
     for chunk in ((512, 512), (1024, 256), (1024, 512)):
-      print(f"SPLIT {chunk} {_read_once.read_once_spec(rep, (1024, 512), chunk)}", flush=True)
+      print(f"SPLIT {chunk} {restoring.read_once_spec(rep, (1024, 512), chunk)}", flush=True)
     for once in (False, True):
       progress = _progress.Progress("restore")
       out = restoring.restore(a.path, target, progress=progress, read_once=once)["state"]

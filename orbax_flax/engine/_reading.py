@@ -565,6 +565,92 @@ class Reader:
         f" {self.loc.join(self.db(item, owner))}: {problem}. Restore from another checkpoint.")
 
 
+# ---------------------------------------------------------------- a record's box, read
+
+def read_requests(reader: Reader | None, requests: Sequence[tuple], progress: Any = None) -> None:
+  """Fills every request's buffer: the one place a manifest record becomes a read.
+
+  A request is ``(item, record, box, out)``: fill ``out`` (the box's shape, the
+  record's dtype) with that box of the array. A transform's record expands
+  into requests on the records it was made from (``derived``); a foreign
+  record reads itself (``source``); our own records become the reader's
+  :class:`Fill`s and :class:`PackedFill`s (one per packed array, however many
+  boxes want it), read together. ``progress`` counts the bytes of requests
+  the reader does not count itself (foreign and derived records).
+  """
+  todo = list(requests)
+  finals = []
+  base = []
+  while todo:
+    item, rec, box, out = todo.pop()
+    derived = rec.derived if isinstance(rec, Array) else None
+    if derived is not None:
+      subs, finish = derived.expand(tuple(box), out)
+      todo.extend(subs)
+      if finish is not None:
+        finals.append(finish)
+    else:
+      base.append((item, rec, tuple(box), out))
+  fills, sourced = [], []
+  packed: dict[tuple[str, int], PackedFill] = {}
+  for item, rec, box, out in base:
+    if not isinstance(rec, Array):
+      out[...] = rec.decoded()
+    elif rec.source is not None:
+      sourced.append((rec, box, out))
+    elif rec.is_packed:
+      dest = (_layout.box_to_slices(box), out)
+      got = packed.get((item, id(rec)))
+      if got is None:
+        lo = rec.packed_offset
+        packed[(item, id(rec))] = PackedFill(item, rec.owners[0], lo, lo + rec.nbytes,
+                                             rec.np_dtype, rec.shape, [dest], rec.path_text)
+      else:
+        got.dests.append(dest)
+    elif not rec.owners:
+      out[...] = 0
+    else:
+      stored = rec.np_stored_dtype
+      fills.append(Fill(item, rec, box, out if out.dtype == stored else out.view(stored)))
+  if fills or packed:
+    reader.read(fills, list(packed.values()))
+  _read_sourced(sourced)
+  for finish in reversed(finals):
+    finish()
+  if progress is not None:
+    progress.add(sum(out.nbytes for _, rec, _, out in requests
+                     if isinstance(rec, Array) and rec.reads_itself))
+
+
+def _read_sourced(sourced: list[tuple]) -> None:
+  """Foreign records' boxes, on a few threads with an even share of the bytes each (reads
+  release the GIL)."""
+  if len(sourced) <= 1:
+    for rec, box, out in sourced:
+      rec.source.read(box, out)
+    return
+  shares: list[list[tuple]] = [[] for _ in range(min(_THREADS, len(sourced)))]
+  loads = [0] * len(shares)
+  for req in sorted(sourced, key=lambda r: -r[2].nbytes):
+    k = loads.index(min(loads))
+    shares[k].append(req)
+    loads[k] += req[2].nbytes
+
+  def run(share):
+    for rec, box, out in share:
+      rec.source.read(box, out)
+  with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
+    for f in [pool.submit(run, share) for share in shares]:
+      f.result()
+
+
+def read_whole(reader: Reader | None, item: str, rec: Array) -> np.ndarray:
+  """One array, whole, as a host numpy array."""
+  out = np.empty(rec.shape, rec.np_dtype)
+  read_requests(reader, [(item, rec, tuple((0, int(s)) for s in rec.shape), out)])
+  return out
+
+
 def _array_stats(stored: dict[bytes, int]) -> dict[bytes, tuple[int, set[int]]]:
   """Per array name in a database (``stored``: key -> length): (chunks, their stored lengths)."""
   out: dict[bytes, tuple[int, set[int]]] = {}

@@ -28,13 +28,13 @@ import jax
 import numpy as np
 
 from orbax_flax.core import _progress
+from orbax_flax.engine import _reading
 from orbax_flax.engine import _selecting
 from orbax_flax.core import _tree
 from orbax_flax.engine import checkpointer
 from orbax_flax import errors
 from orbax_flax.engine import restoring
 from orbax_flax.format._records import Array
-from orbax_flax.formats import _read
 from orbax_flax.formats import orbax_export
 from orbax_flax.formats import safetensors_export
 
@@ -50,7 +50,7 @@ class LazyArray:
     self.dtype = rec.np_dtype
 
   def read(self) -> np.ndarray:
-    out = _read.read_whole(self._reader, self._item, self._rec)
+    out = _reading.read_whole(self._reader, self._item, self._rec)
     if self._progress is not None:
       self._progress.add(out.nbytes)
     return out

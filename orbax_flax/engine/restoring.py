@@ -16,10 +16,16 @@ A target dtype that differs from the saved one is converted with numpy's
 information (float32 -> bfloat16 or int8) needs ``allow_lossy_casts=True``.
 Everything is checked before any array data is read: missing or extra keys,
 shapes, dtypes, and shardings that do not divide the array.
+
+The manifest is read and decoded once per restore (:func:`open_manifest`); the
+records it holds become reads in :func:`orbax_flax.engine._reading.read_requests`.
+With ``read_once`` (at the end of this module) an array the target replicates
+across processes is read split over them, then gathered with collectives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
@@ -32,7 +38,6 @@ from orbax_flax.format import _layout
 from orbax_flax.core import _location
 from orbax_flax.format import _manifest
 from orbax_flax.engine import _matching
-from orbax_flax.engine import _read_once
 from orbax_flax.engine import _reading
 from orbax_flax.core import _staging
 from orbax_flax.core import _tree
@@ -41,10 +46,10 @@ from orbax_flax import formats
 from orbax_flax.format import step_dir
 from orbax_flax.engine import transforms as transforms_lib
 from orbax_flax.core._location import Location
-from orbax_flax.engine._planning import TMP_MARKER
 from orbax_flax.format._records import Array, Manifest, Summary
-from orbax_flax.formats import _read
 from orbax_flax.formats import orbax_checkpoint
+
+TMP_MARKER = step_dir.TMP_MARKER
 
 
 def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
@@ -231,19 +236,26 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
     >>> ofx.restore(path, target, partial=True)["state"]["w"]
     Array([0., 1., 2., 3.], dtype=float32)
   """
-  max_host_bytes = max_host_bytes or 0
-  if read_once and target is not None:
-    read_target = _read_once.target(dict(target), None if transforms else open_manifest(path)[1])
-    out = restore(path, read_target, partial=partial, allow_lossy_casts=allow_lossy_casts,
-                  transforms=transforms, max_host_bytes=max_host_bytes, progress=progress,
-                  casts=casts)
-    return _read_once.reshard_like(out, {k: target[k] for k in out})
   loc, manifest = open_manifest(path)
   if target is not None and not isinstance(target, Mapping):
     raise TypeError(f"target must be a dict of item name -> pytree (e.g. {{'state':"
                     f" abstract_state}}) or None; got {type(target).__name__}")
+  options = dict(partial=partial, allow_lossy_casts=allow_lossy_casts, transforms=transforms,
+                 max_host_bytes=max_host_bytes or 0, progress=progress, casts=casts)
+  if read_once and target is not None:
+    read_target = _read_once_target(dict(target), None if transforms else manifest)
+    out = _restore_opened(loc, manifest, read_target, **options)
+    return _reshard_like(out, {k: target[k] for k in out})
+  return _restore_opened(loc, manifest, target, **options)
+
+
+def _restore_opened(loc: Location, manifest: Manifest, target: Mapping[str, Any] | None, *,
+                   partial: bool = False, allow_lossy_casts: bool = False, transforms: Any = None,
+                   max_host_bytes: int = 0, progress: Any = None,
+                   casts: list | None = None) -> dict[str, Any]:
+  """:func:`restore` of the checkpoint at ``loc`` whose manifest is decoded already."""
   if target is not None:
-    manifest = formats.match_items(manifest, list(target))
+    manifest = _match_items(manifest, list(target))
   manifest = transforms_lib.apply(manifest, transforms or ())
   from_target = transforms_lib.from_target(transforms)
   if target is None:
@@ -263,6 +275,18 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
   return {item: out[item] for item in target if item in out}
 
 
+def _match_items(manifest: Manifest, wanted: list[str]) -> Manifest:
+  """``manifest`` with its one item renamed to the one the target names, where allowed.
+
+  A safetensors checkpoint or a single orbax pytree item has one unnamed item:
+  a target ``{"params": ...}`` (any name) reads it.
+  """
+  if not manifest.any_item or len(manifest.items) != 1 or len(wanted) != 1:
+    return manifest
+  (only,) = manifest.items.values()
+  return dataclasses.replace(manifest, items={wanted[0]: only})
+
+
 def _restore_all(loc: Location, manifest: Manifest, items: list[str] | None = None,
                  max_host_bytes: int = 0, progress: Any = None) -> dict[str, Any]:
   """Items (default: all) as host numpy arrays, in the saved structure."""
@@ -278,7 +302,7 @@ def _restore_all(loc: Location, manifest: Manifest, items: list[str] | None = No
         continue
       shape = rec.shape
       wants.append(_matching.Want(item, rec, rec.np_dtype, None, shape, rec.key_impl,
-                         {tuple((0, s) for s in shape): []}))
+                         {tuple((0, s) for s in shape): ()}))
       slots.append((item, i))
   if progress is not None and not progress.total:
     progress.total, progress.phase = sum(w.rec.nbytes for w in wants), "reading"
@@ -290,8 +314,6 @@ def _restore_all(loc: Location, manifest: Manifest, items: list[str] | None = No
 
 def _windows(wants: list[_matching.Want], budget: int) -> list[list[int]]:
   """Indices of ``wants`` in rounds of at most ``budget`` bytes of host data (0: one round)."""
-  if not budget:
-    return [list(range(len(wants)))]
   return _layout.split_by_size(
       [sum(math.prod(_layout.box_shape(b)) for b in w.boxes) * np.dtype(w.dtype).itemsize
        for w in wants], budget)
@@ -317,42 +339,18 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[_matching.Want],
   reader = reader_for(loc, manifest, max_host_bytes, progress)
   if reader is not None:  # sizes checked against the stored chunks before any allocation
     problems = reader.stored_problems([(w.item, w.rec) for w in wants if isinstance(w.rec, Array)
-                                       and not _read.needs_generic(w.rec)])
+                                       and not w.rec.reads_itself])
     if problems:
       raise errors.CheckpointCorruptedError("\n  ".join(problems.values()))
   out: list[Any] = [None] * len(wants)
   for window in _windows(wants, max_host_bytes):
-    fills, packed, requests = [], [], []
     datas: dict[int, list[np.ndarray]] = {}
+    requests = []
     for i in window:
       w = wants[i]
-      rec = w.rec
-      saved = rec.np_dtype
-      if _read.needs_generic(rec):
-        # A foreign format's array, or one a transform made: read box by box.
-        bufs = _box_buffers(w, saved)
-        requests += [(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
-        datas[id(w)] = bufs
-      elif rec.is_packed:
-        # A small array: each box it is needed in gets a buffer of its own.
-        bufs = _box_buffers(w, saved)
-        lo = rec.packed_offset
-        dests = [(_layout.box_to_slices(b), buf) for b, buf in zip(w.boxes, bufs)]
-        packed.append(_reading.PackedFill(w.item, rec.owners[0], lo, lo + rec.nbytes,
-                                          saved, w.shape, dests, rec.path_text))
-        datas[id(w)] = bufs
-      elif not rec.owners:
-        datas[id(w)] = [np.zeros(_layout.box_shape(b), saved) for b in w.boxes]
-      else:
-        bufs = _box_buffers(w, rec.np_stored_dtype)
-        fills += [_reading.Fill(w.item, rec, b, buf) for b, buf in zip(w.boxes, bufs)]
-        datas[id(w)] = [buf if buf.dtype == saved else buf.view(saved) for buf in bufs]
-    if fills or packed:
-      reader.read(fills, packed)
-    if requests:
-      _read.read_requests(reader, requests)
-      if progress is not None:
-        progress.add(sum(buf.nbytes for _, _, _, buf in requests))
+      datas[id(w)] = _box_buffers(w, w.rec.np_dtype)
+      requests += [(w.item, w.rec, b, buf) for b, buf in zip(w.boxes, datas[id(w)])]
+    _reading.read_requests(reader, requests, progress)
     for i in window:
       w = wants[i]
       datas[id(w)] = [b if b.dtype == w.dtype else b.astype(w.dtype) for b in datas[id(w)]]
@@ -400,3 +398,100 @@ def assemble(wants: list[_matching.Want], datas: dict[int, list[np.ndarray]]) ->
     if w.key_impl:
       out[i] = jax.random.wrap_key_data(out[i], impl=w.key_impl)
   return out
+
+
+# ------------------------------------------------ read_once: each replicated byte read once
+
+def read_once_spec(sharding: jax.sharding.NamedSharding, shape: tuple[int, ...],
+                   chunk_shape: tuple[int, ...] | None = None) -> jax.sharding.PartitionSpec:
+  """``sharding``'s spec with the mesh axes it replicates over across processes added where
+  they divide (so that each process reads a distinct part).
+
+  With the stored ``chunk_shape``, an axis is added only along a dimension
+  where each process's part is made of whole chunks: storage is read in whole
+  chunks, so any other split would read the same bytes and add a collective.
+
+  Example:
+    >>> import numpy as np
+    >>> n = len(jax.devices())
+    >>> mesh = jax.make_mesh((2, n // 2), ("data", "model")) if n % 2 == 0 else None
+    >>> P = jax.sharding.PartitionSpec
+    >>> # One process: its replicas are read once already, so nothing changes.
+    >>> mesh is None or read_once_spec(jax.sharding.NamedSharding(mesh, P(None, "model")),
+    ...                                (8, 4 * n)) == P(None, "model")
+    True
+  """
+  spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+  used = {a for p in spec if p is not None for a in ((p,) if isinstance(p, str) else p)}
+  sizes = dict(zip(sharding.mesh.axis_names, sharding.mesh.devices.shape))
+  procs = np.vectorize(lambda d: d.process_index)(sharding.mesh.devices)
+  for k, axis in enumerate(sharding.mesh.axis_names):
+    # Replicas within one process are read once already (one read, copies to its devices):
+    # only axes along which the processes change are worth a collective.
+    crosses = bool((procs != np.take(procs, [0], axis=k)).any())
+    if axis in used or sizes[axis] == 1 or not crosses:
+      continue
+    for d, n in enumerate(shape):
+      parts = () if spec[d] is None else ((spec[d],) if isinstance(spec[d], str) else tuple(spec[d]))
+      split = math.prod(sizes[a] for a in parts) * sizes[axis]
+      whole_chunks = chunk_shape is None or (n % split == 0 and (n // split) % chunk_shape[d] == 0)
+      if n % split == 0 and whole_chunks:
+        spec[d] = parts + (axis,) if parts else axis
+        used.add(axis)
+        break
+  return jax.sharding.PartitionSpec(*spec)
+
+
+def _read_once_target(target: dict[str, Any], manifest: Manifest | None) -> dict[str, Any]:
+  """The target to read with for ``read_once``: leaves split further where that saves bytes.
+
+  ``manifest`` (None: unknown, e.g. under transforms) gives each array's stored
+  chunk shape; a packed array (small, stored inside a shared buffer) is read
+  as it is.
+  """
+  out = {}
+  for item, tree in target.items():
+    if manifest is None:
+      out[item] = jax.tree.map(lambda x: _read_once_leaf(x, None), tree)
+      continue
+    saved_item = manifest.items.get(item)
+    saved = saved_item.by_path() if saved_item is not None else {}
+
+    def leaf_for(path, x, saved=saved):
+      rec = saved.get(path, saved.get(path + ("value",)))  # a Linen box: saved at its own path
+      if not isinstance(rec, Array) or rec.is_packed or not rec.chunk_shape:
+        return x
+      return _read_once_leaf(x, rec.chunk_shape)
+    out[item] = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree),
+                                             [leaf_for(p, x) for p, x in _tree.flatten(tree)])
+  return out
+
+
+def _read_once_leaf(leaf: Any, chunk_shape: tuple[int, ...] | None) -> Any:
+  sharding = getattr(leaf, "sharding", None)
+  if not isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)) or not isinstance(
+      sharding, jax.sharding.NamedSharding) or _matching.is_key_dtype(leaf.dtype):
+    return leaf
+  if chunk_shape is not None and len(chunk_shape) != len(leaf.shape):
+    chunk_shape = None
+  spec = read_once_spec(sharding, tuple(leaf.shape), chunk_shape)
+  full = lambda sp: tuple(sp) + (None,) * (len(leaf.shape) - len(sp))  # noqa: E731
+  if full(spec) == full(sharding.spec):  # P(None, None) is P(): nothing to split, no collective
+    return leaf
+  return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                              sharding=jax.sharding.NamedSharding(sharding.mesh, spec))
+
+
+def _reshard_like(out: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:
+  """Arrays of ``out`` moved onto the target's shardings with one jit (collectives)."""
+  flat_out, treedef = jax.tree_util.tree_flatten(out)
+  flat_target = treedef.flatten_up_to(target)
+  idx = [i for i, (x, t) in enumerate(zip(flat_out, flat_target))
+         if isinstance(x, jax.Array) and getattr(t, "sharding", None) is not None
+         and x.sharding != t.sharding]
+  if idx:
+    shardings = tuple(flat_target[i].sharding for i in idx)
+    moved = jax.jit(lambda *xs: xs, out_shardings=shardings)(*(flat_out[i] for i in idx))
+    for i, x in zip(idx, moved):
+      flat_out[i] = x
+  return jax.tree_util.tree_unflatten(treedef, flat_out)

@@ -21,7 +21,6 @@ from orbax_flax.engine import restoring
 from orbax_flax.core._location import Location
 from orbax_flax.format._records import Array, Manifest
 from orbax_flax.differential import hashing
-from orbax_flax.formats import _read
 
 _BATCH_BYTES = 256 << 20
 
@@ -160,7 +159,7 @@ def _verify_foreign(loc: Location, manifest: Manifest) -> int:
         for lo in range(0, shape[0] if shape else 1, step):
           box = (((lo, min(shape[0], lo + step)),) + tuple((0, s) for s in shape[1:])) if shape else ()
           out = np.empty(_layout.box_shape(box), dtype)
-          _read.read_requests(None, [(item, rec, box, out)])
+          _reading.read_requests(None, [(item, rec, box, out)])
           verified += out.nbytes
       except Exception as e:  # pylint: disable=broad-except  # reported, every one
         problems.append(f"{item}/{rec.path_text}: {type(e).__name__}: {e}")

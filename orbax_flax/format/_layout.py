@@ -1,9 +1,9 @@
 """Where each byte of an array goes: chunk grid and write ownership.
 
-Pure functions, no I/O. An array is stored as a regular grid of chunks. The
-chunk shape divides the shard shape of the array's sharding, so every chunk
-lies inside one shard and can be written by any process that holds that
-shard. Each chunk is written exactly once, by one owner; owners are chosen
+No I/O and no state (the owner choosers update the load list they are
+given). An array is stored as a regular grid of chunks. The chunk shape
+divides the shard shape of the array's sharding, so every chunk lies inside
+one shard and can be written by any process that holds that shard. Each chunk is written exactly once, by one owner; owners are chosen
 greedily by bytes so that the processes write equal amounts.
 
 Every process computes the same layout from the same sharding, so ownership
@@ -238,12 +238,18 @@ def _smallest_slots(loads: np.ndarray, c: int, m: int) -> np.ndarray:
 
 
 def split_by_size(sizes: Sequence[int], limit: int) -> list[list[int]]:
-  """Indices of ``sizes`` in order, in groups of at most ``limit`` (a larger item alone).
+  """Indices of ``sizes`` in order, in groups of at most ``limit`` (a larger item alone; a
+  ``limit`` of 0: one group). The one grouping by size: a save's staging rounds, a
+  restore's read rounds, a tier's and an export's windows.
 
   Example:
     >>> split_by_size([3, 3, 3, 9, 1], 6)
     [[0, 1], [2], [3], [4]]
+    >>> split_by_size([3, 3], 0)
+    [[0, 1]]
   """
+  if not limit:
+    return [list(range(len(sizes)))]
   groups: list[list[int]] = [[]]
   used = 0
   for i, n in enumerate(sizes):

@@ -24,8 +24,6 @@ May import: ``core``, ``format``, the engine's primitives, ``errors``.
 
 from __future__ import annotations
 
-import dataclasses
-
 from orbax_flax import errors
 from orbax_flax.core._location import Location
 from orbax_flax.format._records import Manifest
@@ -47,19 +45,3 @@ def open_foreign(loc: Location) -> Manifest | None:
   if found:
     return orbax_checkpoint.open_checkpoint(loc)
   return None
-
-
-def is_foreign(manifest: Manifest) -> bool:
-  return manifest.format != OURS
-
-
-def match_items(manifest: Manifest, wanted: list[str]) -> Manifest:
-  """``manifest`` with its one item renamed to the one the target names, where allowed.
-
-  A safetensors checkpoint or a single orbax pytree item has one unnamed item:
-  a target ``{"params": ...}`` (any name) reads it.
-  """
-  if not manifest.any_item or len(manifest.items) != 1 or len(wanted) != 1:
-    return manifest
-  (only,) = manifest.items.values()
-  return dataclasses.replace(manifest, items={wanted[0]: only})

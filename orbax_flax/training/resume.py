@@ -259,10 +259,15 @@ class Resume:
       _progress.say("no checkpoint in %s: starting from scratch", self._manager.directory)
       return state, None
     items = state_items.to_items(state)
-    step, summary, restored = self._restore_newest(steps, _targets(items))
+    step, summary, restored = self._restore_newest(steps, _targets(items), data is not None)
+    saved_data = restored.pop(DATA_ITEM, None)
     state = state_items.from_items(state, restored)
     if data is not None:
-      self._restore_data(step, data)
+      if saved_data is None:
+        log.warning("step %d holds no data iterator position (it was saved without one); the"
+                    " iterator starts where it is", step)
+      else:
+        data.set(step, saved_data)
     saved_mesh = summary.custom.get("mesh")
     _progress.say("restored step %d (%s) from %s: saved on %s by %d process(es), restored onto %s"
                   " with %d process(es)", step, summary.custom.get("reason"),
@@ -302,20 +307,27 @@ class Resume:
                   jax.process_index(), where, persistent_latest)
     return state, step
 
-  def _restore_newest(self, steps: list[int], target: dict[str, Any]):
+  def _restore_newest(self, steps: list[int], target: dict[str, Any], with_data: bool):
     """(step, summary, items) of the newest step that restores; never silently starts fresh.
 
-    A step whose bytes are damaged or missing is reported loudly; with
-    ``on_unreadable_checkpoint="fallback"`` the next older step is tried. If
-    committed steps exist but none restores, this raises.
+    With ``with_data`` the step's :data:`DATA_ITEM` (when it has one) is
+    restored in the same restore, as saved. A step whose bytes are damaged or
+    missing is reported loudly; with ``on_unreadable_checkpoint="fallback"``
+    the next older step is tried. If committed steps exist but none restores,
+    this raises.
     """
     manager, failures = self._manager, []
     for step in reversed(steps):
       try:
+        # The summary (a few KB at the manifest's start) says which items the step holds;
+        # the restore then reads and decodes the whole manifest once.
         summary = restoring.read_summary(Location.parse(manager.step_path(step)))
+        wanted = target
+        if with_data and DATA_ITEM in summary.item_bytes:
+          wanted = {**target, DATA_ITEM: None}
         casts: list = []
         try:
-          restored = manager.restore(step, target,
+          restored = manager.restore(step, wanted,
                                      allow_lossy_casts=self._policy.allow_lossy_casts, casts=casts)
         except errors.TreeMismatchError as e:
           raise _resume_mismatch(e, manager.directory) from None
@@ -424,15 +436,6 @@ class Resume:
                 "" if data is None else "; the data iterator starts where it is (that run saved"
                 " no position orbax_flax reads)")
     return restored, previous.step
-
-  def _restore_data(self, step: int, data: DataPosition) -> None:
-    try:
-      saved = self._manager.restore(step, {DATA_ITEM: None})[DATA_ITEM]
-    except errors.TreeMismatchError:
-      log.warning("step %d holds no data iterator position (it was saved without one); the"
-                  " iterator starts where it is", step)
-      return
-    data.set(step, saved)
 
 
 _STOPPED = "stopped: "  # a resume vote: this process raised (not damage that falls back)
