@@ -20,10 +20,8 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "orbax_flax")
 # Module-level state still to be given an owner object: name -> the variable.
-# _location's shared tensorstore Context (the object-store connection pools and retry
-# settings every small key read uses) is still a process-wide lazy global.
-_STATE_DEBT: dict[str, set[str]] = {"orbax_flax.core._location": {"_default_context"}}
-# Imports of our own modules inside functions (issue 17): the CLI imports its subcommand's
+_STATE_DEBT: dict[str, set[str]] = {}
+# Imports of our own modules inside functions: the CLI imports its subcommand's
 # modules when it runs (so that ``--help`` does not import JAX).
 _LATE_IMPORTS = {"orbax_flax.cli": None}  # any
 _MUTATORS = {"append", "extend", "insert", "pop", "popitem", "remove", "clear", "add",
@@ -285,3 +283,44 @@ def test_imports_go_down_the_layers():
         if LAYERS[dst] > LAYERS[src] and name not in _LAYER_DEBT.get((src, dst), ()):
           against.append(f"{name} ({src}) imports {t} ({dst})")
   assert not against, "imports against the layers (see LAYERS):\n  " + "\n  ".join(against)
+
+
+# The private JAX APIs orbax_flax uses, as they appear in source; every one of them is used in
+# orbax_flax/core/_multihost.py only (its section "the private JAX APIs orbax_flax uses").
+_JAX_PRIVATE = ("jax._src", "._addressable_device_assignment", "._device_assignment")
+_JAX_PRIVATE_HOME = "orbax_flax.core._multihost"
+
+
+def test_private_jax_apis_are_used_in_one_module():
+  found = []
+  for name, path in MODULES.items():
+    if name == _JAX_PRIVATE_HOME:
+      continue
+    with open(path) as f:
+      text = f.read()
+    found += [f"{name}: {api}" for api in _JAX_PRIVATE if api in text]
+  assert not found, ("private JAX APIs used outside " + _JAX_PRIVATE_HOME + " (add an accessor"
+                     " there and call it):\n  " + "\n  ".join(found))
+
+
+def test_the_private_jax_apis_we_use_still_exist():
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from orbax_flax.core import _multihost  # pylint: disable=g-import-not-at-top
+  where = f"JAX {jax.__version__} changed a private API that {_JAX_PRIVATE_HOME} uses"
+  try:
+    state = _multihost.distributed_state()
+  except ImportError as e:
+    pytest.fail(f"{where}: jax._src.distributed.global_state cannot be imported ({e})")
+  for attr in ("client", "preemption_sync_manager"):
+    assert hasattr(state, attr), f"{where}: jax._src.distributed.global_state has no .{attr}"
+  mesh = jax.make_mesh((len(jax.devices()),), ("x",))
+  for sharding in (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")),
+                   jax.sharding.SingleDeviceSharding(jax.devices()[-1])):
+    try:
+      got = list(_multihost.addressable_device_assignment(sharding))
+    except AttributeError as e:
+      pytest.fail(f"{where}: {type(sharding).__name__}._addressable_device_assignment ({e})")
+    array = jax.device_put(np.zeros(2 * len(jax.devices())), sharding)
+    assert got == [s.device for s in array.addressable_shards], (
+        f"{where}: _addressable_device_assignment is no longer the order of addressable_shards")

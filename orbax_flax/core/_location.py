@@ -144,14 +144,10 @@ def context_spec() -> dict[str, Any]:
   return {"s3_request_retries": _RETRIES, "gcs_request_retries": _RETRIES}
 
 
-_default_context: ts.Context | None = None
-
-
-def default_context() -> ts.Context:
-  global _default_context
-  if _default_context is None:
-    _default_context = ts.Context(context_spec())
-  return _default_context
+def context() -> ts.Context:
+  """A fresh tensorstore context with the object-store retries (no state kept between calls:
+  tensorstore's HTTP connections are its own, shared by every context)."""
+  return ts.Context(context_spec())
 
 
 # File systems the kernel provides that cannot hold a checkpoint's files.
@@ -253,7 +249,7 @@ def storage_error(loc: Location, what: str, e: BaseException) -> errors.StorageE
 
 def open_kvstore(loc: Location, sub: str = "", context: ts.Context | None = None) -> ts.KvStore:
   try:
-    return ts.KvStore.open(loc.spec(sub), context=context or default_context()).result()
+    return ts.KvStore.open(loc.spec(sub), context=context or ts.Context(context_spec())).result()
   except ValueError as e:
     raise storage_error(loc, "opening the store", e) from e
 

@@ -34,6 +34,7 @@ import hashlib
 import os
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 
@@ -156,8 +157,27 @@ def client():
   """The coordination service client, or None outside a distributed job."""
   if jax.process_count() == 1:
     return None
-  from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
-  return global_state.client
+  return distributed_state().client
+
+
+# ------------------------------------------------ the private JAX APIs orbax_flax uses
+# Every use of a JAX API that is not public is in this section, and
+# tests/test_structure.py checks that none is used anywhere else;
+# tests/test_structure.py::test_the_private_jax_apis_we_use_still_exist names each one, so
+# that a JAX release that changes them fails there, by name.
+
+
+def distributed_state() -> Any:
+  """``jax._src.distributed.global_state``: JAX's coordination client (``.client``) and its
+  preemption sync manager (``.preemption_sync_manager``), which JAX makes public nowhere."""
+  from jax._src import distributed  # pylint: disable=g-import-not-at-top
+  return distributed.global_state
+
+
+def addressable_device_assignment(sharding: jax.sharding.Sharding) -> Sequence[Any]:
+  """This process's devices of ``sharding``, in the order of its device assignment: the order
+  of an array's ``addressable_shards`` (``sharding.addressable_devices`` is a set)."""
+  return sharding._addressable_device_assignment  # pylint: disable=protected-access
 
 
 def publish(key: str, value: str, *, timeout_s: float) -> None:

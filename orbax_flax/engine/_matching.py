@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,7 +35,7 @@ class Want:
   sharding: Any               # jax Sharding of the data, or None for host numpy
   shape: tuple[int, ...]      # shape of the data (key data for PRNG keys)
   key_impl: str | None
-  boxes: dict[_layout.Box, list[Any]]  # distinct boxes to read -> devices that get them
+  boxes: Mapping[_layout.Box, tuple[Any, ...]]  # distinct boxes to read -> devices that get them
   committed: bool = True      # False: placed uncommitted on the default device (as the target was)
 
 
@@ -338,7 +339,7 @@ def _want(item: str, rec: Record, leaf: Any, where: str, diffs: list[str],
       return None
     if saved_key:
       sharding = _key_data_sharding(sharding, where)
-  boxes = {tuple((0, s) for s in data_shape): []} if sharding is None else _boxes(sharding, data_shape)
+  boxes = {tuple((0, s) for s in data_shape): ()} if sharding is None else _boxes(sharding, data_shape)
   committed = not (isinstance(sharding, jax.sharding.SingleDeviceSharding)
                    and targets.is_uncommitted(leaf))
   return Want(item, rec, data_dtype, sharding, data_shape, saved_key, boxes, committed)
@@ -383,9 +384,11 @@ def _cast_ok(saved: np.dtype, target: np.dtype, where: str, allow_lossy: bool, d
 
 
 @functools.lru_cache(maxsize=1024)
-def _boxes(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> dict[_layout.Box, list[Any]]:
-  """The distinct boxes this process's devices hold, and which devices hold each."""
+def _boxes(sharding: jax.sharding.Sharding,
+           shape: tuple[int, ...]) -> Mapping[_layout.Box, tuple[Any, ...]]:
+  """The distinct boxes this process's devices hold, and which devices hold each (read-only:
+  every target of this sharding and shape shares it)."""
   boxes: dict[_layout.Box, list[Any]] = {}
   for device, index in sharding.addressable_devices_indices_map(shape).items():
     boxes.setdefault(_layout.slices_to_box(index, shape), []).append(device)
-  return boxes
+  return types.MappingProxyType({box: tuple(devices) for box, devices in boxes.items()})

@@ -36,6 +36,7 @@ import json
 import math
 import os
 import time
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -125,7 +126,7 @@ class Plan:
 @dataclasses.dataclass(frozen=True)
 class _ShardLayout:
   shard_shape: tuple[int, ...]
-  holders: dict[tuple[int, ...], frozenset[int]]  # shard start -> processes holding it
+  holders: Mapping[tuple[int, ...], frozenset[int]]  # shard start -> processes holding it
   full_holders: frozenset[int]                    # processes holding every shard
   holder_sets: tuple[frozenset[int], ...]         # the distinct values of holders
   holder_table: np.ndarray                        # over the grid of shards: index in holder_sets
@@ -138,7 +139,7 @@ def _shard_layout(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> _S
   for device, index in sharding.devices_indices_map(shape).items():
     start = tuple(s.start or 0 for s in index)
     holders.setdefault(start, set()).add(device.process_index)
-  frozen = {k: frozenset(v) for k, v in holders.items()}
+  frozen = types.MappingProxyType({k: frozenset(v) for k, v in holders.items()})
   shard_shape = tuple(sharding.shard_shape(shape))
   sets: dict[frozenset[int], int] = {}
   group = np.array([sets.setdefault(h, len(sets)) for h in frozen.values()], dtype=np.int64)
@@ -359,7 +360,7 @@ def _distinct_shards(sharding: jax.sharding.Sharding,
   assignment, so the positions hold for every array of that sharding.
   """
   indices = sharding.addressable_devices_indices_map(shape)
-  devices = sharding._addressable_device_assignment  # pylint: disable=protected-access
+  devices = _multihost.addressable_device_assignment(sharding)
   out, seen = [], set()
   for k, device in enumerate(devices):
     index = indices[device]

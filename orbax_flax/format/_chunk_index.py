@@ -82,7 +82,7 @@ class ChunkIndex:
   def _read_index(self, db: str, base: str) -> dict[bytes, Located] | None:
     try:
       store = ts.KvStore.open({"driver": "file", "path": base + "/"},
-                              context=_location.default_context()).result()
+                              context=_location.context()).result()
       dump = ts.ocdbt.dump(store).result()
       out: dict[bytes, Located] = {}
       root = dump["versions"][-1]["root"].get("location")

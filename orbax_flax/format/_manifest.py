@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import hashlib
 import json
 import math
@@ -259,9 +258,8 @@ def _expand_owners(items: Any, where: str) -> None:
       rec["owners"] = np.frombuffer(raw, "<u4").tolist()
 
 
-@functools.lru_cache(maxsize=1024)
 def describe_sharding(sharding: Any) -> dict[str, Any]:
-  """A JSON description of a sharding, for humans and for metadata() (shared: do not modify)."""
+  """A JSON description of a sharding, for humans and for metadata() (a new dict each call)."""
   if sharding is None:
     return {"type": "host", "text": "numpy (host)"}
   if isinstance(sharding, jax.sharding.NamedSharding):

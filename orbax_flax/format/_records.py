@@ -87,7 +87,7 @@ class Array:
   boxes: tuple[Held, ...] = ()
   source: Any = None       # a foreign format's reader: ``source.read(box, out)``
   derived: Any = None      # a transform's: ``derived.expand(box, out) -> (requests, finish)``
-  # Differential saves (issue 19, orbax_flax.differential.refs): per chunk its xxh3-128 and
+  # Differential saves (orbax_flax.differential.refs): per chunk its xxh3-128 and
   # the step holding it (-1: this checkpoint, else an index into the summary's bases); the
   # decoder folds chunk_base into ``owners`` (home * OWNER_STRIDE + process).
   chunk_hash: tuple[str, ...] | None = None

@@ -97,7 +97,7 @@ class _Checker:
 
   def __init__(self, where: str, local: bool = False):
     self.where, self.local = where, local
-    self.nbases = 0  # the summary's differential bases (issue 19)
+    self.nbases = 0  # the summary's differential bases
 
   def bad(self, problem: str) -> NoReturn:
     what = "index" if self.local else "manifest"
@@ -375,7 +375,7 @@ class _Checker:
 
 
 def _differential(c: _Checker, s: Mapping[str, Any], gen: str) -> tuple[tuple[Base, ...], Any]:
-  """A differential save's (issue 19) ``bases`` and ``stored_bytes`` (see differential.refs)."""
+  """A differential save's ``bases`` and ``stored_bytes`` (see differential.refs)."""
   out = []
   for k, b in enumerate(s.get("bases", [])):  # (a list: checked with the summary's fields)
     if (not isinstance(b, dict) or not isinstance(b.get("dir"), str)

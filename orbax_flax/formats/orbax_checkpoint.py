@@ -342,7 +342,7 @@ def open_item(loc: Location) -> tuple[Item, str | None]:
   except errors.TreeMismatchError as e:
     raise errors.CheckpointFormatError(f"{where}: {e}") from None
   strings = None
-  context = _location.default_context()
+  context = _location.context()
   aggregate = None
   opening = []
   recs: list[Record | None] = [None] * len(entries)

@@ -51,10 +51,10 @@ _JAX_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
 
 def _jax_sync_manager_active() -> bool:
   try:
-    from jax._src.distributed import global_state  # pylint: disable=g-import-not-at-top
+    state = _multihost.distributed_state()
   except ImportError:
     return False
-  return getattr(global_state, "preemption_sync_manager", None) is not None
+  return getattr(state, "preemption_sync_manager", None) is not None
 
 
 class PreemptionWatcher:
