@@ -307,7 +307,7 @@ def test_clu_periodic_actions_and_metric_writer(tmp_path):
 def test_misuse_is_reported(tmp_path):
   ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2})
   state = ckpt.restore_or_init(linen_state())
-  with pytest.raises(TypeError, match="step as a Python int"):
+  with pytest.raises(ValueError, match="non-negative int .the loop counter"):
     ckpt.on_step_end(jnp.asarray(1), state)
   ckpt.close()
   with pytest.raises(RuntimeError, match="CheckpointCallback is closed"):

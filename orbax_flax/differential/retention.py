@@ -111,13 +111,51 @@ def _retire(root: Location, step: int) -> None:
     raise _location.storage_error(root, f"retiring step {step}", e) from e
 
 
-def before_save(setting: differ.Differential, root: Location, step: int, committed: list[int],
-                overwrite: bool) -> bool:
-  """A manager's save of ``step``: names the base (the latest other committed step) and makes
-  room (:func:`make_room`). Returns whether the save still overwrites a committed step."""
-  base = max((s for s in committed if s != step), default=None)
-  setting.set_base(None if base is None else root.join(str(base)))
-  return not make_room(root, step, setting.pins) and overwrite
+class Referenced:
+  """The registry's retention where steps may reference each other's bytes.
+
+  The same methods as the plain :class:`orbax_flax.manager.registry.Retention`:
+  a referenced step is retired, not deleted (:func:`delete_step`), room is made
+  before a save of a step number others reference (:func:`make_room`), and
+  :meth:`sweep` removes retired data nothing references any more.
+
+  Args:
+    setting: the checkpointer's differential setting (its pins, and the base it
+      names before each save); None for a manager whose saves are plain, over a
+      directory that holds differential steps (:func:`in_use`).
+  """
+
+  def __init__(self, setting: differ.Differential | None):
+    self._setting = setting
+    self._pins = setting.pins if setting is not None else differ.Pins()
+    self.lock = self._pins.lock  # with the pins: choosing a base and deleting never interleave
+
+  def before_save(self, root: Location, step: int, committed: list[int], overwrite: bool) -> bool:
+    """Names the base (the latest other committed step) and makes room (:func:`make_room`).
+    Returns whether the save still overwrites a committed step."""
+    if self._setting is not None:
+      base = max((s for s in committed if s != step), default=None)
+      self._setting.set_base(None if base is None else root.join(str(base)))
+    return not make_room(root, step, self._pins) and overwrite
+
+  def delete_step(self, root: Location, step: int) -> None:
+    delete_step(root, step, self._pins)
+
+  def sweep(self, root: Location) -> None:
+    sweep(root, self._pins)
+
+
+def in_use(root: Location) -> bool:
+  """Whether the local directory of steps ``root`` holds differential data: retired data,
+  or a committed step that references another (or one whose summary cannot be read, so
+  that what it references is unknown). Object stores hold none (differential saves are
+  refused there)."""
+  if not root.is_local:
+    return False
+  if refs.retired_dirs(root.local_path):
+    return True
+  gens = referenced(root)
+  return gens is None or bool(gens)
 
 
 def make_room(root: Location, step: int, pins: differ.Pins) -> bool:
@@ -191,11 +229,3 @@ def sweep(root: Location, pins: differ.Pins) -> list[str]:
   return removed
 
 
-def stored_bytes(step: Location) -> dict[str, int]:
-  """``bytes_written`` (held by the step itself) and ``bytes_reused`` (referenced) of a step.
-
-  From its summary; a full save holds all its bytes (``item_bytes``).
-  """
-  summary = restoring.read_summary(step)
-  stored = summary.stored_bytes or {"own": sum(summary.item_bytes.values())}
-  return {"bytes_written": stored["own"], "bytes_reused": stored.get("borrowed", 0)}

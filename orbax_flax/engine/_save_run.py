@@ -36,7 +36,6 @@ from orbax_flax.format import _tsio
 from orbax_flax import errors
 from orbax_flax.core._location import Location
 from orbax_flax.engine._planning import Piece
-from orbax_flax.differential import differ as differ_lib
 import errno
 import shutil
 from typing import Any
@@ -52,6 +51,36 @@ _FIRST_BATCH_BYTES = 128 << 20
 _MIN_BATCH_BYTES = 64 << 20
 _MAX_BATCH_BYTES = 4 << 30
 _BATCH_SECONDS = 0.5
+
+
+class SaveHooks:
+  """What a save asks, at four points of its background phase, of a plug-in that changes
+  what is written; this class is the plain save's answer (write everything, add nothing).
+
+  A differential save plugs in :class:`orbax_flax.differential.differ.Differ`, which has
+  the same four methods; :class:`orbax_flax.Checkpointer` chooses, per save.
+
+  * :meth:`agree`: once the generation is agreed (every process);
+  * :meth:`select`: per batch about to be written, the pieces to write;
+  * :meth:`publish`: every process before it reports its status (several processes);
+  * :meth:`complete`: process 0, the manifest before it is written.
+  """
+
+  def agree(self, key: str, timeout_s: float) -> None:
+    del key, timeout_s
+
+  def select(self, pieces: Sequence[Piece]) -> Sequence[Piece]:
+    return pieces
+
+  def publish(self, key: str, error: BaseException | None, timeout_s: float) -> None:
+    del key, error, timeout_s
+
+  def complete(self, manifest: dict[str, Any], key: str, timeout_s: float) -> dict[str, Any]:
+    del key, timeout_s
+    return manifest
+
+
+PLAIN = SaveHooks()  # the hooks of a plain save (it has no state)
 
 
 class SaveRun:
@@ -82,7 +111,7 @@ class SaveRun:
     self._ctx = None
     self.bytes_written = 0
     self.progress = _progress.Progress(f"save to {plan.loc}", plan.nbytes)
-    self.differ = differ_lib.FULL  # what a differential save reuses (a Differ), or nothing
+    self.hooks: SaveHooks = PLAIN  # a differential save's Differ, or the plain hooks
 
   # ---------------------------------------------------------------- writing
 
@@ -113,7 +142,7 @@ class SaveRun:
         raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
     self.gen, self.target = gen, target(final, gen)
     self._ctx = _tsio.context()
-    self.differ.agree(self.key, self.timeout_s)
+    self.hooks.agree(self.key, self.timeout_s)
 
   def _writer(self, item: str) -> _tsio.DatabaseWriter:
     db = f"{item}/p{self.me}-{self.gen}"
@@ -148,7 +177,7 @@ class SaveRun:
           i += 1
         if materialize is not None:
           materialize(batch)
-        for p in self.differ.select(batch):
+        for p in self.hooks.select(batch):
           a = p.array
           self._writer(a.item).add(a.name, a.shape, a.dtype, a.chunk_shape, p.slices, p.data)
         # Two batches in flight: the next one is issued while this one commits.
@@ -227,7 +256,7 @@ class SaveRun:
     self.progress.phase = "waiting for every process to finish writing"
     answered = True
     try:
-      self.differ.publish(self.key, error, self.timeout_s)
+      self.hooks.publish(self.key, error, self.timeout_s)
       _multihost.arrive(f"{self.key}/status", status, timeout_s=self.timeout_s)
       if self.me != 0:
         self._follow(error)
@@ -364,7 +393,7 @@ class SaveRun:
     if self.gen is None:  # nothing to write at all, e.g. only scalars: still a checkpoint
       self.begin()
     commit(self.plan, self.gen, self.nproc,
-                       lambda m: self.differ.complete(m, self.key, self.timeout_s))
+                       lambda m: self.hooks.complete(m, self.key, self.timeout_s))
 
 
 _CANCELLED = "cancelled: "  # a status or decision: some process cancelled the save

@@ -30,7 +30,7 @@ from typing import Any
 import jax
 
 from orbax_flax.core import _multihost
-from orbax_flax.engine import _planner
+from orbax_flax.engine import _planning
 from orbax_flax.core import _progress
 from orbax_flax.core import _staging
 from orbax_flax.engine import restoring
@@ -72,7 +72,7 @@ class Checkpointer:
       done, RSS and (once) every thread's Python stack (0: off).
     differential: write only the chunks that changed since the base step,
       referencing the rest (``self.differential``: a
-      :class:`orbax_flax.differential.differ.Differential`).
+      :class:`orbax_flax.differential.differ.Differential`; None when off).
 
   Example:
     >>> import numpy as np, orbax_flax as ofx, tempfile, os
@@ -103,14 +103,18 @@ class Checkpointer:
     self.coordination_timeout_seconds = float(coordination_timeout_seconds)
     self.host_transfer = host_transfer
     self.watchdog_seconds = watchdog_seconds
-    self.differential = differ_lib.Differential(differential)
+    if not isinstance(differential, bool):
+      raise TypeError(f"differential={differential!r}: must be True or False.")
+    # Differential saves plug their hooks into each save; None: plain saves, which never
+    # enter orbax_flax.differential.
+    self.differential = differ_lib.Differential(True) if differential else None
     # Taken now (a timed count), not per save: a save's first coordination is then its own
     # agreement, so a frozen process 0 gives every process the same verdict, never a count
     # that one process took and another did not.
     self._key = coordination_key or _multihost.namespace("checkpointer", "",
                                                          coordination_timeout_seconds)
     self._seq = 0
-    self._planner = _planner.Planner()
+    self._planner = _planning.Planner()
     self._staging = _staging.Staging(limit=max_host_bytes)
     self._own_snapshots: dict[int, Any] = {}  # buffer address -> weakref (host_snapshot)
     self._inflight: saving.AsyncSave | None = None
@@ -278,7 +282,12 @@ class Checkpointer:
       self._seq += 1
       key = f"{self._key}/{self._seq}"
     run, handle = saving.start(plan, key, self.coordination_timeout_seconds, started)
-    run.differ = self.differential.differ(plan, lambda: handle.total_s is None)
+    if self.differential is not None:
+      run.hooks = self.differential.differ(plan, lambda: handle.total_s is None)
+    else:  # every planned byte is written: known now, on every process
+      handle.stored_bytes = {"bytes_written": sum(r.get("nbytes", 0) for item in
+                                                  plan.manifest["items"].values()
+                                                  for r in item["leaves"]), "bytes_reused": 0}
     return plan, run, handle
 
   def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -326,8 +335,9 @@ class Checkpointer:
     """Restores a checkpoint (see :func:`orbax_flax.restore`).
 
     A save of this checkpointer to the same path still in flight is waited
-    for first. ``max_host_bytes`` defaults to the checkpointer's budget;
-    ``progress`` to a new one the watchdog watches.
+    for first. ``max_host_bytes=None``: the budget of what is called, this
+    checkpointer's ``max_host_bytes`` (0: no budget). ``progress`` defaults to
+    a new one the watchdog watches.
     """
     loc = Location.parse(path)
     self.wait_for(loc)
@@ -422,8 +432,9 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
             casts: list | None = None) -> dict[str, Any]:
   """Restores a checkpoint, resharded onto the target's shardings.
 
-  See :func:`orbax_flax.engine.restoring.restore` for the arguments
-  (``max_host_bytes`` None: no budget). A save still in flight is not waited
+  See :func:`orbax_flax.engine.restoring.restore` for the arguments.
+  ``max_host_bytes=None``: the budget of what is called, and a module function
+  has none: no budget (0 says the same). A save still in flight is not waited
   for: ``wait()`` on its handle first (a :class:`Checkpointer` waits for its
   own).
 

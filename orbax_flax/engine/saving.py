@@ -4,7 +4,7 @@ A save runs in two phases (:class:`orbax_flax.Checkpointer` starts them and
 owns the staging memory they use).
 
 1. Blocking, in the caller's thread (this module): the items are planned
-   (:class:`orbax_flax.engine._planner.Planner`), then, for an async save, a snapshot
+   (:class:`orbax_flax.engine._planning.Planner`), then, for an async save, a snapshot
    is taken that the caller cannot change any more. The transfer is chosen
    per platform (:func:`transfer`): on CPU a copy into the checkpointer's
    reused staging memory (:func:`snapshot`); on GPU/TPU a device-to-host
@@ -38,6 +38,7 @@ import numpy as np
 from orbax_flax.engine import _planning
 from orbax_flax.core import _progress
 from orbax_flax.core import _staging
+from orbax_flax.format import _layout
 from orbax_flax import errors
 from orbax_flax.core._location import Location
 from orbax_flax.engine._planning import Piece
@@ -63,6 +64,9 @@ class AsyncSave:
     total_s: seconds from the call to the commit, once done; else None.
     nbytes: bytes of array data this process writes.
     started: ``time.perf_counter()`` when the save was called.
+    stored_bytes: ``{"bytes_written": n, "bytes_reused": m}``, array bytes of every
+      process, when known before the commit (a plain save writes all it plans);
+      None when only the manifest knows (a differential save's).
   """
 
   def __init__(self, path: Location, nbytes: int, started: float):
@@ -72,6 +76,7 @@ class AsyncSave:
     self.blocking_s = 0.0
     self.total_s: float | None = None
     self.started = started
+    self.stored_bytes: dict[str, int] | None = None
     self._error: BaseException | None = None
     self._reported = False
     self._thread: threading.Thread | None = None
@@ -434,12 +439,5 @@ def split_rounds(pieces: Sequence[Piece], budget: int) -> list[list[Piece]]:
   """
   if not budget:
     return [list(pieces)]
-  rounds: list[list[Piece]] = [[]]
-  used = 0
-  for p in pieces:
-    if rounds[-1] and used + p.nbytes > budget:
-      rounds.append([])
-      used = 0
-    rounds[-1].append(p)
-    used += p.nbytes
-  return rounds
+  return [[pieces[i] for i in r]
+          for r in _layout.split_by_size([p.nbytes for p in pieces], budget)]

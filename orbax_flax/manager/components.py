@@ -97,6 +97,7 @@ def build(policy: CheckpointPolicy, directory: Any, *, clock: Callable[[], float
         policy.preemption_signals, policy.coordination_timeout_seconds)
   options = dict(max_host_bytes=policy.max_host_bytes,
                  keep_staging_memory=policy.keep_staging_memory,
+                 host_transfer=policy.host_transfer,
                  coordination_timeout_seconds=policy.coordination_timeout_seconds,
                  coordination_key=f"{key}/save", watchdog_seconds=policy.watchdog_seconds,
                  differential=policy.differential)

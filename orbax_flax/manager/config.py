@@ -27,7 +27,9 @@ import signal
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from orbax_flax.engine.saving import HOST_TRANSFERS
 from orbax_flax.manager import policy as policy_lib
+from orbax_flax.manager.schedule import Schedule
 
 
 class Triggers(NamedTuple):
@@ -116,10 +118,15 @@ class CheckpointPolicy:
       e.g. ``"/runs/gemma/checkpoints:model"``.
     max_host_bytes: budget for the host memory of one save or restore, in bytes (0: none); a
       larger async save stages in rounds (the caller waits for all but the last), a restore
-      reads in rounds.
+      reads in rounds. The manager's checkpointer has this budget; a
+      ``restore(max_host_bytes=None)`` of the manager uses it.
     keep_staging_memory: keep the host staging copy between async saves, so that the blocking
       phase copies into memory already touched (False: release it after every save, for
       memory-tight hosts; saves then block longer).
+    host_transfer: how an async save snapshots device arrays: "memcpy" (a copy into the
+      staging memory; the choice on CPU, where device buffers are host memory), "pinned_host"
+      (a device-to-host transfer into pinned host memory, ordered by XLA before any later
+      donation; the choice on GPU/TPU), or "auto" (the platform's choice).
     differential: a save writes only the chunks that changed since the latest step (xxh3-128
       of every chunk) and references the rest; retention keeps what kept steps reference.
     coordination_timeout_seconds: the deadline of every call to the coordination service in a
@@ -184,6 +191,7 @@ class CheckpointPolicy:
   init_from: str = ""
   max_host_bytes: int = 0
   keep_staging_memory: bool = True
+  host_transfer: str = "auto"
   differential: bool = False
   coordination_timeout_seconds: float = 600.0
   on_unreadable_checkpoint: str = "fallback"
@@ -294,7 +302,7 @@ class CheckpointPolicy:
     rules = self.keep_rules()
     saved: list[tuple[int, str]] = []
     infos: list[policy_lib.StepInfo] = []
-    for step, now, reason in _dry_run(self.trigger(), num_steps, seconds_per_step, start_step,
+    for step, now, reason in _dry_run(self.triggers(), num_steps, seconds_per_step, start_step,
                                       save_cost_seconds, final=self.save_final_step):
       saved.append((step, reason))
       infos.append(policy_lib.StepInfo(step, now, dict(metrics(step)) if metrics else {}, reason))
@@ -314,8 +322,9 @@ class CheckpointPolicy:
     """
     if not self.local_tier:
       return []
-    return [step for step, _, _ in _dry_run(self.trigger(local=True), num_steps, seconds_per_step,
-                                            start_step, local_save_cost_seconds, final=False)]
+    return [step for step, _, _ in _dry_run(self.triggers(local=True), num_steps,
+                                            seconds_per_step, start_step,
+                                            local_save_cost_seconds, final=False)]
 
 
 def _check(p: CheckpointPolicy) -> None:
@@ -366,6 +375,7 @@ def _check(p: CheckpointPolicy) -> None:
   _check_choice("if_busy", p.if_busy, ("wait", "skip"))
   _check_choice("on_unreadable_checkpoint", p.on_unreadable_checkpoint, ("fallback", "raise"))
   _check_choice("on_save_error", p.on_save_error, ("raise", "warn"))
+  _check_choice("host_transfer", p.host_transfer, HOST_TRANSFERS)
   if p.keep_best and not p.best_metric:
     _fail("keep_best", p.keep_best, "needs best_metric; set checkpoint.best_metric to the"
           " metric name (e.g. 'loss') or set keep_best=0")
@@ -380,19 +390,24 @@ def _check(p: CheckpointPolicy) -> None:
       _fail("preemption_signals", p.preemption_signals, f"{name} cannot be caught")
 
 
-def _dry_run(trigger: policy_lib.Trigger, num_steps: int, seconds_per_step: float,
+def _dry_run(triggers: Triggers, num_steps: int, seconds_per_step: float,
              start_step: int, save_cost: float | None, *, final: bool):
-  """(step, simulated time, reason) of every step ``trigger`` saves; ``final``: the last too."""
-  last_step, last_time = None, 0.0
+  """(step, simulated time, reason) of every step ``triggers`` save; ``final``: the last too.
+
+  The run's own :class:`~orbax_flax.manager.schedule.Schedule` decides, on a simulated
+  clock and on this process alone.
+  """
+  now = [0.0]
+  schedule = Schedule(*triggers, key="dry-run", clock=lambda: now[0], shared=False,
+                      save_cost=save_cost)
   for step in range(start_step + 1, num_steps + 1):
-    now = (step - start_step) * seconds_per_step
-    reason = trigger(policy_lib.SaveState(step, now, last_step, last_time,
-                                          first=step == start_step + 1, save_cost=save_cost))
+    now[0] = (step - start_step) * seconds_per_step
+    reason = schedule.due(step)
     if reason is None and step == num_steps and final:
       reason = "final"
     if reason is not None:
-      last_step, last_time = step, now
-      yield step, now, reason
+      schedule.saved(step)
+      yield step, now[0], reason
 
 
 def _fail(name: str, value: Any, problem: str):

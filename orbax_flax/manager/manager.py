@@ -1,7 +1,7 @@
 """A series of checkpoints, one per step, under one directory: save, restore, roll back.
 
-:class:`CheckpointManager` is the thin stateful shell around the pure
-policies of :mod:`orbax_flax.manager.policy`. What a policy describes is built in one
+:class:`CheckpointManager` is the stateful shell around the pure triggers
+and keep rules of :mod:`orbax_flax.manager.policy`. What a policy describes is built in one
 place (:mod:`orbax_flax.manager.components`): the :class:`~orbax_flax.manager.schedule.Schedule`
 says whether a step is due, the :class:`~orbax_flax.manager.registry.StepRegistry`
 knows the committed steps and carries out deletions, the
@@ -19,14 +19,15 @@ discovery; nothing else is read until step metadata is needed.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 from orbax_flax.core import _multihost
 from orbax_flax.engine import checkpointer as checkpointer_lib
@@ -37,10 +38,11 @@ from orbax_flax.manager import events as events_lib
 from orbax_flax.manager import policy as policy_lib
 from orbax_flax.manager import registry as registry_lib
 from orbax_flax.manager import rollback as rollback_lib
+from orbax_flax.engine import restoring
 from orbax_flax.engine import saving
 from orbax_flax.core._location import Location
 from orbax_flax.manager.config import CheckpointPolicy
-from orbax_flax.differential import retention
+from orbax_flax.differential import retention as referenced
 
 log = logging.getLogger("orbax_flax")
 
@@ -90,12 +92,13 @@ class CheckpointManager:
     self._key, self._schedule = self.components.key, self.components.schedule
     self._prepared = False  # staging memory prepared (or a save made): see prepare()
     self._inflight = InFlight()  # the save in flight, and the error it left
+    self._completing = threading.Lock()  # held by _completed: one completion at a time
     self._events = events_lib.EventLog()
     self._closed = False
     self._ckptr = checkpointer_lib.Checkpointer(**self.components.checkpointer)
     self.registry = registry_lib.StepRegistry(self._dir,
                                               deletes=_multihost.process_index() == 0,
-                                              pins=self._ckptr.differential.pins)
+                                              retention=self._retention())
     self._commits = 0       # commits recorded: each one's keep decision has its own key
     self._writer_tries = 0  # attempts to become the directory's writer (their keys)
     self._rollback = rollback_lib.Rollback(self._dir, self.registry, self._key,
@@ -103,6 +106,14 @@ class CheckpointManager:
     if _multihost.process_count() > 1:  # every process of this job is here: none is writing
       _multihost.all_gather(f"{self._key}/start", "ready", self.policy.coordination_timeout_seconds)
     self.registry.start()
+
+  def _retention(self) -> Any:
+    """How the registry removes steps: the plain delete, unless steps here may reference each
+    other's bytes (differential saves on, or a directory that holds differential data
+    already: then a referenced step is retired, never deleted)."""
+    if self._ckptr.differential is not None or referenced.in_use(self._dir):
+      return referenced.Referenced(self._ckptr.differential)
+    return registry_lib.Retention()
 
   @property
   def directory(self) -> str:
@@ -193,7 +204,7 @@ class CheckpointManager:
     entered = time.perf_counter()
     self._inflight.raise_error()
     before = events_lib.blocking_before(blocking_before)
-    step = _as_step(step)
+    step = policy_lib.as_step(step)
     if reason is not None and reason not in policy_lib.REASONS:
       raise ValueError(f"reason must be one of {policy_lib.REASONS}, got {reason!r}")
     decided = reason or ("forced" if force else None) or self.should_save(step)
@@ -224,8 +235,8 @@ class CheckpointManager:
     with self.registry.saving(step):  # a write in progress until _record ends it
       with self.registry.lock:  # one order with deletions: claim the step, then make room
         overwrite = self.registry.claim(step) or overwrite  # a pending deletion is called off
-        options["overwrite"] = retention.before_save(  # differential: the base, and room
-            self._ckptr.differential, self._dir, step, self.registry.committed(), overwrite)
+        options["overwrite"] = self.registry.retention.before_save(
+            self._dir, step, self.registry.committed(), overwrite)
       if self.policy.async_save:
         cancellable = decided == "exception" or (  # a second Ctrl-C, a grace period ran out
             decided == "preemption" and self.policy.preemption_grace_seconds > 0)
@@ -235,35 +246,57 @@ class CheckpointManager:
     returned = time.perf_counter()
     blocked = events_lib.blocked(step, decided, before, entered, wait_s, ready_s,
                                  handle.blocking_s if handle is not None else returned - start)
-    info = policy_lib.StepInfo(step, now, custom["metrics"], decided)
-    new_run = self._rollback.active()
-    record = lambda h: self._record(info, h, entered - before["total"], new_run, blocked)  # noqa: E731
+    save = _Save(policy_lib.StepInfo(step, now, custom["metrics"], decided), handle,
+                 entered - before["total"], self._rollback.active(), blocked)
     self._schedule.saved(step, now)
-    self._inflight.start(step, handle, record)  # run in the save's thread once it has ended
+    self._inflight.start(save)
+    if handle is None:  # a blocking save: committed already
+      self._completed(save)
+      self._inflight.raise_error()
+    else:
+      handle.add_done_callback(functools.partial(self._completed, save))
     return True
 
-  def _record(self, info: policy_lib.StepInfo, handle: saving.AsyncSave | None, start: float,
-              new_run: bool, blocked: SaveEvent) -> None:
-    """Records a commit, the save's done-callback: rollback, event (``blocked``: the blocking
-    times; ``start``: when the caller's wait began), then retention."""
-    try:
-      if handle is not None:
-        handle.wait()  # in the save's own thread: returns, or raises its error, at once
-      gone = self._rollback.committed(info, new_run)
-      self._events.committed(blocked, time.perf_counter() - start,
-                             handle.nbytes if handle is not None else 0,
-                             self.step_path(info.step), self._schedule, self._stored(info.step))
-      doomed = self._agree_on_retention()
-      self.registry.doom(doomed)
-      self.registry.delete(set(doomed) | gone)
-    finally:
-      self.registry.writes.end(info.step)
+  def _completed(self, save: _Save, handle: saving.AsyncSave | None = None) -> None:
+    """The one path by which the end of a save comes back to the manager, once per save.
 
-  def _stored(self, step: int) -> dict[str, int] | None:
-    """The bytes written and reused by ``step``'s save, read back from its manifest; None
-    (logged) if that read fails: the step committed all the same."""
+    Where it runs: for an async save on the save's own thread, as the done-callback
+    :meth:`save` gave its handle (before the handle's ``wait()`` and ``join()`` return); for
+    a blocking save in :meth:`save`. What it changes is each guarded by its owner's lock,
+    never by the thread: the commit goes to the rollback and the registry (under the
+    rollback's lock), the event to the :class:`~orbax_flax.manager.events.EventLog` and the
+    save's cost to the :class:`~orbax_flax.manager.schedule.Schedule` (each under its own
+    lock), then the keep rules' decision (process 0's, shared) to the registry (under its
+    lock). Completions run one at a time (``self._completing``). An error is kept by
+    :class:`InFlight` and raised by the manager's next call.
+    """
+    step = save.info.step
+    with self._completing:
+      try:
+        if handle is not None:
+          handle.wait()  # in the save's own thread: returns, or raises its error, at once
+        gone = self._rollback.committed(save.info, save.new_run)
+        self._events.committed(save.blocked, time.perf_counter() - save.start,
+                               handle.nbytes if handle is not None else 0,
+                               self.step_path(step), self._schedule, self._stored(step, handle))
+        doomed = self._agree_on_retention()
+        self.registry.doom(doomed)
+        self.registry.delete(set(doomed) | gone)
+      except BaseException as e:  # pylint: disable=broad-except  # raised by the next call
+        self._inflight.failed(save, e)
+      finally:
+        self.registry.writes.end(step)
+
+  def _stored(self, step: int, handle: saving.AsyncSave | None) -> dict[str, int] | None:
+    """The bytes written and reused by ``step``'s save: known to a plain async save's handle,
+    else read back from its manifest; None (logged) if that read fails: the step committed
+    all the same."""
+    if handle is not None and handle.stored_bytes is not None:
+      return handle.stored_bytes
     try:
-      return retention.stored_bytes(self._dir.join(str(step)))
+      summary = restoring.read_summary(self._dir.join(str(step)))
+      stored = summary.stored_bytes or {"own": sum(summary.item_bytes.values())}
+      return {"bytes_written": stored["own"], "bytes_reused": stored.get("borrowed", 0)}
     except (errors.CheckpointError, OSError) as e:
       log.warning("step %d committed; reading back its stored bytes failed (%s), so its event"
                   " reports none", step, e)
@@ -383,8 +416,10 @@ class CheckpointManager:
     without waiting for a save of another step, and no keep rule deletes it
     while it is read (so ``restore(latest_step())`` always works).
     Restoring an older step is a rollback (:class:`~orbax_flax.manager.rollback.Rollback`).
-    Arguments as for :func:`orbax_flax.restore`; ``read_once=None`` and
-    ``max_host_bytes=None`` are the policy's.
+    Arguments as for :func:`orbax_flax.restore`, and ``None`` is the setting of
+    what is called: ``max_host_bytes=None``: the budget of what is called, the
+    manager's checkpointer's, which is the policy's ``max_host_bytes`` (0: no
+    budget); ``read_once=None``: the policy's ``read_once_restore``.
 
     Raises:
       CheckpointNotFoundError: there is no such step (or no step at all).
@@ -392,7 +427,7 @@ class CheckpointManager:
     self._inflight.raise_error()
     if step is None or self._inflight.saving(step):
       self._inflight.finish()
-    step = self._resolve(step if step is None else _as_step(step))
+    step = self._resolve(step if step is None else policy_lib.as_step(step))
     options = dict(partial=partial, allow_lossy_casts=allow_lossy_casts, transforms=transforms,
                    max_host_bytes=max_host_bytes, progress=progress, casts=casts,
                    read_once=self.policy.read_once_restore if read_once is None else read_once)
@@ -404,62 +439,58 @@ class CheckpointManager:
     return out
 
 
-def _as_step(step: Any) -> int:
-  """A step number: a non-negative int (numpy integers welcome)."""
-  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
-    raise ValueError(f"step must be a non-negative int, got {step!r} ({type(step).__name__})")
-  return int(step)
+@dataclasses.dataclass(frozen=True)
+class _Save:
+  """A save the manager started, and what its commit records (see ``_completed``)."""
+  info: policy_lib.StepInfo
+  handle: saving.AsyncSave | None  # None: a blocking save, committed when save() returns
+  start: float                     # perf_counter() when the caller's wait for it began
+  new_run: bool                    # started after a rollback: its commit ends the old run
+  blocked: SaveEvent               # its blocking times
+
+  @property
+  def step(self) -> int:
+    return self.info.step
 
 
 class InFlight:
-  """The save in flight (at most one) and the error a finished one left."""
+  """The async save in flight (at most one) and the error a finished one left."""
 
   def __init__(self):
-    self._current: tuple[int, saving.AsyncSave] | None = None
+    self._current: _Save | None = None
     self._error: BaseException | None = None
 
-  def start(self, step: int, handle: saving.AsyncSave | None,
-            record: Callable[[saving.AsyncSave | None], None]) -> None:
-    """``handle`` saves ``step``; ``record(handle)`` runs once it has committed or failed.
+  def start(self, save: _Save) -> None:
+    """``save`` started (a blocking one has ended already: none is in flight)."""
+    self._current = save if save.handle is not None else None
 
-    ``handle=None``: a blocking save, committed already; ``record(None)`` runs
-    now and its error is raised here.
-    """
-    if handle is None:
-      self._run(record, None, step)
-      self.raise_error()
-      return
-    self._current = (step, handle)
-    handle.add_done_callback(lambda h: self._run(record, h, step))
-
-  def _run(self, record: Callable, handle: saving.AsyncSave | None, step: int) -> None:
-    try:
-      record(handle)
-    except BaseException as e:  # pylint: disable=broad-except  # raised by the next call
-      if handle is not None and handle.cancelled.is_set():
-        log.warning("abandoned save of step %d ended without committing: %s", step, e)
-      else:
-        self._error = e
+  def failed(self, save: _Save, error: BaseException) -> None:
+    """``save`` (or the record of its commit) failed: raised by the next call, or logged if
+    the save was abandoned (cancelled on purpose)."""
+    if save.handle is not None and save.handle.cancelled.is_set():
+      log.warning("abandoned save of step %d ended without committing: %s", save.step, error)
+    else:
+      self._error = error
 
   def step(self) -> int | None:
     """The step whose save is still being written, if any."""
     current = self._current
-    return current[0] if current is not None and not current[1].done() else None
+    return current.step if current is not None and not current.handle.done() else None
 
   def started_step(self) -> int | None:
     """The step of the save started last and not abandoned, whether or not it has ended."""
     current = self._current
-    return current[0] if current is not None and not current[1].cancelled.is_set() else None
+    return current.step if current is not None and not current.handle.cancelled.is_set() else None
 
   def saving(self, step: int) -> bool:
     """Whether a save of ``step`` was started and not abandoned (it may have ended)."""
     current = self._current
-    return current is not None and current[0] == step and not current[1].cancelled.is_set()
+    return current is not None and current.step == step and not current.handle.cancelled.is_set()
 
   def join(self, timeout: float | None = None) -> bool:
     """Waits up to ``timeout`` s for the save; True if none is left running. Raises nothing."""
     current = self._current
-    return current is None or current[1].join(timeout)
+    return current is None or current.handle.join(timeout)
 
   def abandon(self, wait_s: float = 0.0, started: saving.AsyncSave | None = None) -> None:
     """Cancels the save so that it never commits; waits up to ``wait_s`` s for it to stop.
@@ -470,7 +501,7 @@ class InFlight:
       started: the checkpointer's save in flight, cancelled too: a save whose caller was
         interrupted (Ctrl-C) before it reached :meth:`start`.
     """
-    current = self._current[1] if self._current is not None else None
+    current = self._current.handle if self._current is not None else None
     for handle in {current, started} - {None}:  # the same save once
       if not handle.done():
         handle.cancel()
@@ -479,8 +510,8 @@ class InFlight:
   def finish(self) -> None:
     """Waits for the save (not an abandoned one), then raises the error left, if any."""
     current = self._current
-    if current is not None and not current[1].cancelled.is_set():
-      current[1].join()
+    if current is not None and not current.handle.cancelled.is_set():
+      current.handle.join()
     self._current = None  # only once it has ended: a Ctrl-C in the join can still abandon it
     self.raise_error()
 

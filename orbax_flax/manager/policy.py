@@ -3,7 +3,10 @@
 A *trigger* looks at a :class:`SaveState` (the step, the time now, the last
 save) and returns the reason to save, or None. A *keep rule* looks at the
 committed steps and returns the ones it keeps. Both are frozen dataclasses;
-combine triggers with :func:`any_of` and rules with :func:`to_delete`.
+combine triggers with :func:`any_of` and rules with :func:`to_delete`. The checks
+of what a save is given (:func:`as_step`, :func:`check_metrics`) are pure too.
+What has state (the last save, recent save costs, the clock) is the
+:class:`~orbax_flax.manager.schedule.Schedule` around the triggers.
 
 Example:
   >>> trigger = any_of(EveryNSteps(100), OnSteps(frozenset({42})))
@@ -18,20 +21,41 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import difflib
 import math
-import statistics
 from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple, Protocol
+
+import numpy as np
 
 # Why a save happened, as recorded in each step's metadata.
 REASONS = ("interval", "time", "auto", "scheduled", "first", "final", "forced", "preemption",
            "exception")
 # The reasons of saves made whatever the triggers say (they never skip, and replace a committed step).
 FORCED = ("forced", "final", "preemption", "exception")
+
+
+def as_step(step: object) -> int:
+  """A step number as every entry point takes it: a non-negative int (numpy integers too).
+
+  A jax.Array is refused like any other non-integer: reading it would force a
+  device-to-host sync at every step. One validator for the manager and the callback.
+
+  Raises:
+    ValueError: naming the value and the fix.
+
+  Example:
+    >>> as_step(7), as_step(np.int64(8))
+    (7, 8)
+  """
+  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)) or step < 0:
+    raise ValueError(f"step must be a non-negative int (the loop counter, a Python int), got"
+                     f" {step!r} ({type(step).__name__}); for a step held in a jax.Array pass"
+                     " the loop's own counter: reading the array would force a device-to-host"
+                     " sync every step")
+  return int(step)
 
 
 class SaveState(NamedTuple):
@@ -100,32 +124,6 @@ def young_daly_interval(save_cost_seconds: float, mtbf_seconds: float) -> float:
     120.0
   """
   return math.sqrt(2.0 * max(save_cost_seconds, 0.0) * mtbf_seconds)
-
-
-class CostWindow:
-  """The median of the last few save costs: what a :class:`YoungDaly` trigger is given.
-
-  Example:
-    >>> w = CostWindow()
-    >>> w.median() is None
-    True
-    >>> for c in (1.0, 3.0, 2.0):
-    ...   w.add(c)
-    >>> w.median(), len(w)
-    (2.0, 3)
-  """
-
-  def __init__(self, size: int = 5):
-    self._costs: collections.deque[float] = collections.deque(maxlen=size)
-
-  def add(self, seconds: float) -> None:
-    self._costs.append(seconds)
-
-  def median(self) -> float | None:
-    return statistics.median(self._costs) if self._costs else None
-
-  def __len__(self) -> int:
-    return len(self._costs)
 
 
 @dataclasses.dataclass(frozen=True)

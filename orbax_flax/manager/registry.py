@@ -3,10 +3,10 @@
 :class:`StepRegistry` holds what :class:`~orbax_flax.CheckpointManager` knows
 about its directory's steps and is the only code that changes them: commits
 are recorded here, and every decision that moves, retires or deletes a step
-(keep rules, a rollback's abandoned steps, differential references, leftover
-sweeps, the object-store step index) is applied here, in one order, under one
-lock (:attr:`lock`, shared with the checkpointer's differential pins, so that
-choosing a base and deleting it never interleave). The invariant:
+(keep rules, a rollback's abandoned steps, leftover sweeps, the object-store
+step index) is applied here, in one order, under one lock (:attr:`lock`, its
+:class:`Retention`'s: with differential saves, shared with the checkpointer's
+pins, so that choosing a base and deleting it never interleave). The invariant:
 
   A decision taken earlier (a step doomed by a keep rule or a rollback) is
   re-checked under the lock when it is carried out: a step that a new save
@@ -41,10 +41,35 @@ from orbax_flax.manager import policy as policy_lib
 from orbax_flax.engine import restoring
 from orbax_flax.format import step_dir
 from orbax_flax.core._location import Location
-from orbax_flax.differential import differ
-from orbax_flax.differential import retention
 
 log = logging.getLogger("orbax_flax")
+
+
+class Retention:
+  """How the registry removes steps; this class is the plain way: a step is deleted whole.
+
+  A strategy has a :attr:`lock` (the registry takes it around every change to the
+  steps) and three methods. Where steps may reference each other's bytes (differential
+  saves), the manager plugs in :class:`orbax_flax.differential.retention.Referenced`
+  instead, which retires a referenced step rather than deleting it.
+  """
+
+  def __init__(self):
+    self.lock = threading.RLock()
+
+  def before_save(self, root: Location, step: int, committed: list[int], overwrite: bool) -> bool:
+    """A manager's save of ``step`` begins (``committed``: the steps now); returns whether it
+    still overwrites a committed step."""
+    del root, step, committed
+    return overwrite
+
+  def delete_step(self, root: Location, step: int) -> None:
+    """Removes ``step`` (doomed, no longer read)."""
+    step_dir.delete_step(root, step)
+
+  def sweep(self, root: Location) -> None:
+    """Removes what earlier deletions left on purpose (nothing, here)."""
+    del root
 
 class Writes:
   """The steps whose save has started and not yet ended, under one directory.
@@ -78,15 +103,14 @@ class StepRegistry:
     directory: the manager's directory.
     deletes: whether this process deletes (process 0 of a job, which holds the
       writer lease); the others only keep their view of the steps.
-    pins: the generations differential saves in flight reference (the
-      checkpointer's :class:`~orbax_flax.differential.differ.Pins`; default none).
+    retention: how a step is removed (default: :class:`Retention`, the plain delete).
   """
 
   def __init__(self, directory: Location, *, deletes: bool = True,
-               pins: differ.Pins | None = None):
+               retention: Retention | None = None):
     self._dir = directory
-    self._pins = pins if pins is not None else differ.Pins()
-    self.lock = self._pins.lock  # every change to the steps, and the choice of a base
+    self.retention = retention if retention is not None else Retention()
+    self.lock = self.retention.lock  # every change to the steps (and a differential base's choice)
     self.writes = Writes()
     self._deletes = deletes
     self._lease = leases.WriterLease(directory) if deletes else None
@@ -356,7 +380,7 @@ class StepRegistry:
           if self._lease is not None:
             self._lease.check()
           log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
-          retention.delete_step(self._dir, step, self._pins)  # keeps what is referenced
+          self.retention.delete_step(self._dir, step)
           with self._lock:
             self._deleting.discard(step)
     finally:
@@ -385,7 +409,7 @@ class StepRegistry:
           continue
         log.info("removing leftover %s of an interrupted save or delete", l.name)
         step_dir.remove(self._dir, l.name)
-      retention.sweep(self._dir, self._pins)  # retired bases nothing references
+      self.retention.sweep(self._dir)
       _, self._leftovers = step_dir.list_steps(self._dir, full=True)
 
   @contextlib.contextmanager

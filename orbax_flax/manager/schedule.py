@@ -29,7 +29,10 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import logging
+import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -55,21 +58,32 @@ class Schedule:
       or "skip" it (see :meth:`skips`).
     timeout_s: how long a process waits for process 0's decision and for the
       coordination service (the policy's ``coordination_timeout_seconds``).
+    shared: decide the clock's triggers on process 0 and share the decision (False:
+      on this process alone, as a dry run does, :meth:`CheckpointPolicy.plan`).
+    save_cost: the save cost assumed until one is measured (None: the triggers' own).
   """
 
   def __init__(self, steps: policy_lib.Trigger | None = None,
                time: policy_lib.Trigger | None = None,  # pylint: disable=redefined-outer-name
                auto: policy_lib.YoungDaly | None = None, *, key: str,
                clock: Callable[[], float] = time.time, if_busy: str = "wait",
-               timeout_s: float = _multihost.DEFAULT_TIMEOUT_S):
+               timeout_s: float = _multihost.DEFAULT_TIMEOUT_S, shared: bool = True,
+               save_cost: float | None = None):
     self._steps = steps
+    self._shared = shared
     self._timeout_s = timeout_s
     self._if_busy = if_busy
     self._time = time
     self._auto = auto
     self._key = key
     self._clock = clock
-    self._costs = policy_lib.CostWindow()
+    # The caller's thread asks (due, saved) while a save's completion, on the save's thread,
+    # adds its cost (committed): every field below is read and changed under _lock, which
+    # is never held across a call to the coordination service.
+    self._lock = threading.Lock()
+    self._costs = CostWindow()
+    if save_cost is not None:
+      self._costs.add(save_cost)
     self._last_step: int | None = None
     self._last_time = clock()
     self._last_commit: float | None = None
@@ -98,11 +112,13 @@ class Schedule:
 
   def cost(self) -> float | None:
     """The median of the last few save costs, seconds (None before the first)."""
-    return self._costs.median()
+    with self._lock:
+      return self._costs.median()
 
   def cost_count(self) -> int:
     """How many save costs :meth:`cost` is the median of."""
-    return len(self._costs)
+    with self._lock:
+      return len(self._costs)
 
   def interval(self) -> float | None:
     """The auto interval now, in seconds (None without an ``auto`` trigger)."""
@@ -110,12 +126,16 @@ class Schedule:
 
   def due(self, step: int) -> str | None:
     """The reason ``step`` is saved, or None. Call it on every process, every step."""
-    first, self._first = self._first, False
-    state = policy_lib.SaveState(step, self._clock(), self._last_step, self._last_time, first,
-                                 self.cost())
+    now = self._clock()
+    with self._lock:
+      first, self._first = self._first, False
+      state = policy_lib.SaveState(step, now, self._last_step, self._last_time, first,
+                                   self._costs.median())
     reason = self._steps(state) if self._steps is not None else None
     if reason is not None or (self._time is None and self._auto is None):
       return reason
+    if not self._shared:
+      return self._timed(state)
     return _multihost.decide_per_step(f"{self._key}/time", step,
                                       lambda: self._timed(state) or "",
                                       timeout_s=self._timeout_s) or None
@@ -141,11 +161,14 @@ class Schedule:
 
   def saved(self, step: int, now: float | None = None) -> None:
     """A save (or a restore) of ``step`` at ``now`` (default: the clock now): intervals restart."""
-    self._last_step, self._last_time = step, self._clock() if now is None else now
+    now = self._clock() if now is None else now
+    with self._lock:
+      self._last_step, self._last_time = step, now
 
   def record(self, step: int, seconds: float) -> None:
     """A save of ``step`` committed after ``seconds``, the whole save blocking (the local tier)."""
-    self._costs.add(seconds)
+    with self._lock:
+      self._costs.add(seconds)
     self.saved(step)
 
   def committed(self, blocking_s: float) -> float | None:
@@ -154,10 +177,37 @@ class Schedule:
     The auto interval with this cost counted, or else the time since the
     previous commit (None for the first one).
     """
-    self._costs.add(blocking_s)
     now = self._clock()
-    interval = self.interval()
-    if interval is None and self._last_commit is not None:
-      interval = now - self._last_commit
-    self._last_commit = now
+    with self._lock:
+      self._costs.add(blocking_s)
+      cost, last, self._last_commit = self._costs.median(), self._last_commit, now
+    interval = None if self._auto is None else self._auto.interval(cost)
+    if interval is None and last is not None:
+      interval = now - last
     return interval
+
+
+class CostWindow:
+  """The median of the last few save costs: what a :class:`YoungDaly` trigger is given.
+
+  Example:
+    >>> w = CostWindow()
+    >>> w.median() is None
+    True
+    >>> for c in (1.0, 3.0, 2.0):
+    ...   w.add(c)
+    >>> w.median(), len(w)
+    (2.0, 3)
+  """
+
+  def __init__(self, size: int = 5):
+    self._costs: collections.deque[float] = collections.deque(maxlen=size)
+
+  def add(self, seconds: float) -> None:
+    self._costs.append(seconds)
+
+  def median(self) -> float | None:
+    return statistics.median(self._costs) if self._costs else None
+
+  def __len__(self) -> int:
+    return len(self._costs)

@@ -9,9 +9,11 @@ One object works in :class:`orbax_flax.Trainer` and in a hand-written loop::
         if ckpt.on_step_end(step + 1, state, metrics):      # True: preempted, saved
           break
 
-The per-step cost when nothing is saved is a few microseconds and no
-device-to-host transfer (a multi-process job with a time-based policy adds one
-coordination-service round trip per step). Leaving the ``with`` block (or
+When nothing is saved, a step costs the policy's decision and no
+device-to-host transfer, plus: with a data iterator and ``save_on_exception``
+(the default), the iterator's ``get_state()`` at every step (the position an
+exception save records; its cost is the iterator's); in a multi-process job
+with a time-based policy, one coordination-service round trip. Leaving the ``with`` block (or
 ``on_train_end``) saves the last step if the policy wants the final step, and
 waits for every save to commit.
 
@@ -29,7 +31,6 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 
 from orbax_flax.core import _progress
 from orbax_flax.training import callbacks
@@ -217,7 +218,7 @@ class CheckpointCallback(callbacks.Callback):
     entered = time.perf_counter()
     if self._closed:
       self._check_open()
-    step = _loop_step(step)
+    step = policy_lib.as_step(step)
     if self._pending is not None:
       raise RuntimeError("on_step_end before the restore_or_init_async restore was joined: train"
                          " on the state that its join() returns")
@@ -406,11 +407,3 @@ class CheckpointCallback(callbacks.Callback):
       self.writer.write_scalars(e.step, e.scalars())
     self.writer.flush()
 
-
-def _loop_step(step: Any) -> int:
-  """``on_step_end``'s step as an int; TypeError for anything but an integer."""
-  if isinstance(step, (bool, np.bool_)) or not isinstance(step, (int, np.integer)):
-    raise TypeError(f"on_step_end needs the step as a Python int (your loop counter), got"
-                    f" {type(step).__name__}; reading a jax.Array step would force a"
-                    " device-to-host sync every step")
-  return int(step)

@@ -1,9 +1,11 @@
 """Training that ends early (an error, Ctrl-C, a preemption): what the callback checks and says.
 
-The pure parts of :class:`~orbax_flax.CheckpointCallback`'s exception and
-preemption saves: whether the state at an error is still the last step's, the
-words for the log, the agreement that every process failed, the wait for a
-preemption save within its grace period, and a second Ctrl-C while saving.
+What :class:`~orbax_flax.CheckpointCallback`'s exception and preemption saves
+do beside saving: decide whether the state at an error is still the last
+step's, put the ending into words for the log, agree through the coordination
+service that every process failed, wait for a preemption save within its grace
+period (cancelling a late one), and abandon the save in flight on a second
+Ctrl-C (closing the manager, printing what is committed).
 """
 
 from __future__ import annotations
