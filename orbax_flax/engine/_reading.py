@@ -14,9 +14,9 @@ bytes must end up in (:class:`Fill`). This module brings them there:
 * **Object stores** (or anything the index cannot describe): tensorstore
   reads the chunks and checks them, copying into the destinations.
 
-Where chunks lie comes from :mod:`orbax_flax.format._chunk_index`; the shared
-temporary buffers and open files (:class:`TempPool` and its kin) are at the end of
-this module.
+Where chunks lie comes from the databases' indexes
+(:class:`orbax_flax.format._tsio.ChunkIndex`); the shared temporary buffers and
+open files (:class:`TempPool` and its kin) are at the end of this module.
 
 Either way the format is tensorstore's own (zarr3 chunks with the ``crc32c``
 codec inside OCDBT), so tensorstore reads these checkpoints too. Temporary
@@ -39,7 +39,6 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
-from orbax_flax.format import _chunk_index
 from orbax_flax.core import _crc
 from orbax_flax.format import _layout
 from orbax_flax.core import _location
@@ -128,7 +127,7 @@ class Reader:
     self.loc, self.manifest = loc, manifest
     self.progress = progress  # an orbax_flax.core._progress.Progress, or None
     self.homes = refs.Homes(loc, manifest.generation, manifest.bases)
-    self.index = _chunk_index.ChunkIndex(loc, self.homes) if loc.is_local else None
+    self.index = _tsio.ChunkIndex(loc, self.homes) if loc.is_local else None
     self.temps = TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
     self.bytes_read = 0
     self._lock = threading.Lock()
@@ -172,7 +171,7 @@ class Reader:
     if self.index is not None:
       index = self.index.get(item, owner)
       return None if index is None else {k: at.length for k, at in index.items()}
-    return _chunk_index.stored_lengths(*self.homes.home(item, owner))
+    return _tsio.stored_lengths(*self.homes.home(item, owner))
 
   def _identity_value(self, item: str, owner: int, loc: Location, db: str) -> bytes | None:
     index = self.index.get(item, owner) if self.index is not None else None
@@ -205,7 +204,7 @@ class Reader:
     array the manifest makes larger than its stored bytes, by its shape, its
     chunk shape or its list of owners, is refused before a byte is allocated
     for it. The indexes place every value inside its data file
-    (:mod:`orbax_flax.format._chunk_index`), so the stored bytes are bounded by the
+    (:class:`orbax_flax.format._tsio.ChunkIndex`), so the stored bytes are bounded by the
     files. Linear in the number of chunks. On an object store the lengths come
     from each database's OCDBT index (a few small reads, no chunk read).
     """
@@ -279,12 +278,12 @@ class Reader:
       f0 = dests[0][0]
       chunking = _layout.Chunking(f0.rec.shape, f0.rec.chunk_shape)
       coords = chunking.chunk_coords(c)
-      located = self.index.get(item, owner).get(_chunk_index.chunk_key(name, coords).encode())
+      located = self.index.get(item, owner).get(_tsio.chunk_key(name, coords).encode())
       if located is None:
         if not self.manifest.all_chunks_stored:
           continue  # written before every chunk was stored: an absent chunk is all zeros
         raise self._corrupted(item, f0.rec.path_text, owner,
-                              f"chunk {_chunk_index.chunk_key(name, coords)} is missing from the database")
+                              f"chunk {_tsio.chunk_key(name, coords)} is missing from the database")
       chunk_box = chunking.chunk_box(c)
       order = (located.file or "", located.offset, located.length)
       if (len(dests) == 1 and dests[0][1] == chunk_box and located.file is not None
@@ -364,7 +363,7 @@ class Reader:
 
   # ------------------------------------------------------------------ direct reads
 
-  def _pread(self, fds: Files, item: str, what: str, owner: int, located: _chunk_index.Located,
+  def _pread(self, fds: Files, item: str, what: str, owner: int, located: _tsio.Located,
              into: np.ndarray | None) -> tuple[np.ndarray, int]:
     """Reads a chunk value into ``into`` (its data part) or a temp; returns (data, stored crc)."""
     n = located.length - 4
@@ -397,19 +396,19 @@ class Reader:
     return dst, int.from_bytes(crc, "little")
 
   def _check(self, data: np.ndarray, stored: int, item: str, what: str, owner: int,
-             located: _chunk_index.Located) -> None:
+             located: _tsio.Located) -> None:
     if _crc.value(data) != stored:
       where = "inline in the index" if located.file is None else (
           f"{located.file}, bytes {located.offset}+{located.length}")
       raise self._corrupted(item, what, owner, f"the stored CRC-32C does not match the bytes"
                             f" read ({where})")
 
-  def _expect(self, item: str, what: str, owner: int, located: _chunk_index.Located, n: int) -> None:
+  def _expect(self, item: str, what: str, owner: int, located: _tsio.Located, n: int) -> None:
     if located.length != n + 4:
       raise self._corrupted(item, what, owner, f"a chunk holds {located.length - 4} bytes where"
                             f" {n} are expected")
 
-  def _read_into(self, f: Fill, inner: _layout.Box, located: _chunk_index.Located, owner: int,
+  def _read_into(self, f: Fill, inner: _layout.Box, located: _tsio.Located, owner: int,
                  fds: Files) -> None:
     what = f.rec.path_text
     view = flat_view(f.out, inner, f.box)
@@ -418,7 +417,7 @@ class Reader:
     self._check(data, crc, f.item, what, owner, located)
 
   def _read_scatter(self, dests: list[tuple[Fill, _layout.Box]], chunk_box: _layout.Box,
-                    located: _chunk_index.Located, owner: int, fds: Files) -> None:
+                    located: _tsio.Located, owner: int, fds: Files) -> None:
     f0 = dests[0][0]
     what = f0.rec.path_text
     shape = _layout.box_shape(chunk_box)
@@ -435,7 +434,7 @@ class Reader:
         self.temps.put(data.base if data.base is not None else data, n)
 
   def _read_packed(self, pfs: list[PackedFill], lo: int, hi: int, stored: int,
-                   located: _chunk_index.Located, owner: int, fds: Files) -> None:
+                   located: _tsio.Located, owner: int, fds: Files) -> None:
     """One chunk of a packed buffer (``stored`` bytes; ``[lo, hi)`` of the buffer are real)."""
     item = pfs[0].item
     what = _packed_names(pfs)

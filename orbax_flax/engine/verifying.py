@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from orbax_flax.format import _chunk_index
 from orbax_flax.format import _layout
+from orbax_flax.format import _tsio
 from orbax_flax.engine import _planning
 from orbax_flax.core import _progress
 from orbax_flax.engine import _reading
@@ -128,7 +128,7 @@ def _content_problems(loc: Location, batch: list[Any]) -> list[str]:
     (c,) = chunking.chunks_in_box(f.box)
     if hashing.block_hash(f.out) != f.rec.chunk_hash[c]:
       out.append(f"checkpoint data is corrupted: item {f.item!r}, array {f.rec.path_text}, chunk"
-                 f" {_chunk_index.chunk_key(f.rec.name, chunking.chunk_coords(c))} in {loc}: its"
+                 f" {_tsio.chunk_key(f.rec.name, chunking.chunk_coords(c))} in {loc}: its"
                  " bytes pass their CRC-32C but are not the bytes the manifest recorded (its"
                  " chunk_hash): another chunk's bytes were put in its place.")
   return out

@@ -1,7 +1,7 @@
 """format: what a checkpoint is on storage. The manifest and its records with their one
 validating decoder (``_manifest``, ``_records``, ``_records_decode``), OCDBT/zarr3 I/O
-through tensorstore (``_tsio``), the chunk layout and ownership (``_layout``), where chunk
-bytes lie (``_chunk_index``), and a directory of steps (``step_dir``).
+through tensorstore, with where chunk bytes lie in a database (``_tsio``), the chunk layout
+and ownership (``_layout``), and a directory of steps (``step_dir``).
 
 May import: ``core`` and ``errors``.
 """
