@@ -103,8 +103,8 @@ def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool
         path_ += ("value",)
         rec = saved[path_]
       seen.add(path_)
-      where = f"{item}/{_tree.path_str(path_)}"
       if rec is None:
+        where = f"{item}/{_tree.path_str(path_)}"
         if any(t.matches(_tree.path_str(path_)) for t in from_target):
           if isinstance(leaf, (jax.Array, np.ndarray)) or _tree.leaf_kind(leaf) == "value":
             out[i] = leaf
@@ -115,6 +115,7 @@ def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool
         diffs.append(f"{where}: {_IN_TARGET}")
         continue
       matched += 1
+      where = f"{item}/{rec.path_text}"  # (the record's text, kept for its reads' messages)
       want = _want(item, rec, leaf, where, diffs, bad_shardings, allow_lossy_casts, casts)
       if want is None:
         continue

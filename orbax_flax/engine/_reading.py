@@ -215,17 +215,16 @@ class Reader:
     self.identify(dbs)
     stats: dict[tuple[str, int], dict[bytes, tuple[int, set[int]]]] = {}
     problems: dict[tuple[str, str], str] = {}
+    packed: dict[tuple[str, int], tuple[int, int] | None] = {}  # per buffer, worked out once
     for item, rec in needs:
       if rec.is_packed:
-        if refs.split(rec.owners[0])[0]:
+        owner = rec.owners[0]
+        if (item, owner) not in packed:
+          packed[item, owner] = self._packed_chunks(item, owner)
+        if packed[item, owner] is None:
           continue  # in a base's packed buffer: checked as that base's chunks are read
-        size = self.manifest.items[item].packed[rec.owners[0]]
-        chunk_bytes = _planning.pack_chunk_bytes(size)
-        pieces = self.manifest.items[item].packed_pieces.get(rec.owners[0])
-        own = ({k for lo, hi, base, _ in pieces if base < 0
-                for k in range(lo // chunk_bytes, (hi - 1) // chunk_bytes + 1)} if pieces
-               else range(-(-size // chunk_bytes)))  # a differential save stores its own pieces
-        name, per = _planning.PACKED, {rec.owners[0]: len(own)}
+        chunk_bytes, n = packed[item, owner]
+        name, per = _planning.PACKED, {owner: n}
       else:
         name, per = rec.name, collections.Counter(rec.owners)
         chunk_bytes = math.prod(rec.chunk_shape) * rec.np_stored_dtype.itemsize
@@ -250,6 +249,18 @@ class Reader:
           problems.setdefault(key, str(self._corrupted(
               item, rec.path_text if not rec.is_packed else _packed_names_of(rec), owner, problem)))
     return problems
+
+  def _packed_chunks(self, item: str, owner: int) -> tuple[int, int] | None:
+    """(chunk length, number of chunks it stores) of a packed buffer; None: a base's."""
+    if refs.split(owner)[0]:
+      return None
+    size = self.manifest.items[item].packed[owner]
+    chunk_bytes = _planning.pack_chunk_bytes(size)
+    pieces = self.manifest.items[item].packed_pieces.get(owner)
+    own = ({k for lo, hi, base, _ in pieces if base < 0
+            for k in range(lo // chunk_bytes, (hi - 1) // chunk_bytes + 1)} if pieces
+           else range(-(-size // chunk_bytes)))  # a differential save stores its own pieces
+    return chunk_bytes, len(own)
 
   # ------------------------------------------------------------------ entry point
 

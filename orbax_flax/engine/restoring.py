@@ -256,8 +256,10 @@ def _restore_opened(loc: Location, manifest: Manifest, target: Mapping[str, Any]
   """:func:`restore` of the checkpoint at ``loc`` whose manifest is decoded already."""
   if target is not None:
     manifest = _match_items(manifest, list(target))
-  manifest = transforms_lib.apply(manifest, transforms or ())
-  from_target = transforms_lib.from_target(transforms)
+  from_target = []
+  if transforms:
+    manifest = transforms_lib.apply(manifest, transforms)
+    from_target = transforms_lib.from_target(transforms)
   if target is None:
     return _restore_all(loc, manifest, max_host_bytes=max_host_bytes, progress=progress)
 
@@ -314,6 +316,8 @@ def _restore_all(loc: Location, manifest: Manifest, items: list[str] | None = No
 
 def _windows(wants: list[_matching.Want], budget: int) -> list[list[int]]:
   """Indices of ``wants`` in rounds of at most ``budget`` bytes of host data (0: one round)."""
+  if not budget:
+    return [list(range(len(wants)))]
   return _layout.split_by_size(
       [sum(math.prod(_layout.box_shape(b)) for b in w.boxes) * np.dtype(w.dtype).itemsize
        for w in wants], budget)

@@ -62,6 +62,18 @@ def of_array(x: jax.Array) -> jax.ShapeDtypeStruct:
   return cls(x.shape, x.dtype, sharding=x.sharding)
 
 
+def of_arrays(tree: Any) -> Any:
+  """``tree`` with every ``jax.Array`` replaced by its :func:`of_array` target, other leaves
+  as they are: the target that restores a live state onto its own shardings.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> of_arrays({"w": jnp.ones(2), "step": 3})["w"].shape
+    (2,)
+  """
+  return jax.tree.map(lambda x: of_array(x) if isinstance(x, jax.Array) else x, tree)
+
+
 def is_uncommitted(leaf: Any) -> bool:
   """True for a target leaf that restores uncommitted: an uncommitted array or its struct.
 

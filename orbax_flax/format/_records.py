@@ -29,6 +29,7 @@ The one decoder of manifests into these records is :mod:`orbax_flax.format._reco
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar, Union
 
@@ -93,28 +94,28 @@ class Array:
   chunk_hash: tuple[str, ...] | None = None
   chunk_base: tuple[int, ...] | None = None
 
-  @property
+  @functools.cached_property
   def path_text(self) -> str:
     return _tree.path_str(self.path)
 
-  @property
+  @functools.cached_property
   def user_shape(self) -> tuple[int, ...]:
     """The shape a user sees: the key shape for PRNG keys."""
     return self.key_shape if self.key_shape is not None else self.shape
 
-  @property
+  @functools.cached_property
   def np_dtype(self) -> np.dtype:
     return _tree.dtype_from_name(self.dtype)
 
-  @property
+  @functools.cached_property
   def np_stored_dtype(self) -> np.dtype:
     return _tree.dtype_from_name(self.stored_dtype)
 
-  @property
+  @functools.cached_property
   def is_packed(self) -> bool:
     return self.packed_offset is not None
 
-  @property
+  @functools.cached_property
   def reads_itself(self) -> bool:
     """True for a foreign format's or a transform's array (not read by the engine)."""
     return self.source is not None or self.derived is not None

@@ -98,6 +98,7 @@ class _Checker:
   def __init__(self, where: str, local: bool = False):
     self.where, self.local = where, local
     self.nbases = 0  # the summary's differential bases
+    self._dtypes: dict[str, np.dtype] = {}  # the dtype names checked so far
 
   def bad(self, problem: str) -> NoReturn:
     what = "index" if self.local else "manifest"
@@ -228,12 +229,15 @@ class _Checker:
     return raw is not None and len(raw) == dtype.itemsize
 
   def dtype(self, name: Any, what: str) -> np.dtype:
+    if isinstance(name, str) and name in self._dtypes:
+      return self._dtypes[name]
     try:
       dtype = _tree.dtype_from_name(name) if isinstance(name, str) else None
     except (TypeError, AttributeError, ValueError):
       dtype = None
     if dtype is None or not _tree.is_supported_dtype(dtype) or dtype.name != name:
       self.bad(f"{what} {_short(name)} is not a numeric dtype")
+    self._dtypes[name] = dtype
     return dtype
 
   def array(self, rec: dict[str, Any], where: str, nproc: int, packed: dict[str, int],

@@ -415,7 +415,7 @@ class Resume:
     if state_items.kind(state) == "nnx":
       raise previous.refusal("this job's state is made of NNX objects, which orbax_flax does"
                              " not map onto another library's layout")
-    target = jax.tree.map(lambda x: targets.of_array(x) if isinstance(x, jax.Array) else x, state)
+    target = targets.of_arrays(state)
     p = self._policy
     with checkpointer.Checkpointer(max_host_bytes=p.max_host_bytes,
                                    coordination_timeout_seconds=p.coordination_timeout_seconds,
@@ -460,9 +460,7 @@ def _failed_elsewhere(step: int, directory: Any, stopped: list[tuple[int, str]])
 
 def _targets(items: dict[str, Any]) -> dict[str, Any]:
   """Restore targets: the shapes, dtypes and shardings of the live state."""
-  def abstract(x):
-    return targets.of_array(x) if isinstance(x, jax.Array) else x
-  return {k: jax.tree.map(abstract, v) for k, v in items.items()}
+  return {k: targets.of_arrays(v) for k, v in items.items()}
 
 
 def _log_casts(casts: list) -> None:

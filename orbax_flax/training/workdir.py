@@ -135,10 +135,11 @@ def refuse_checkpoints_dir(workdir: Location, directory: str) -> None:
 def refuse_foreign_steps(directory: str, steps: list[int]) -> None:
   """Raises if every step listed in ``directory`` is an orbax-checkpoint step, none ours."""
   loc = Location.parse(directory)
-  if not steps or not loc.is_local or set(orbax_checkpoint.steps(loc)) != set(steps):
-    return
-  if any(_location.read_key(loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None
-         for s in steps):
+  if not steps or not loc.is_local or any(
+      _location.read_key(loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None
+      for s in reversed(steps)):
+    return  # (one small read when the newest step is ours, as it is at every resume)
+  if set(orbax_checkpoint.steps(loc)) != set(steps):
     return
   elsewhere = os.path.join(os.path.dirname(directory.rstrip("/")), "checkpoints_orbax_flax")
   raise errors.CheckpointExistsError(
