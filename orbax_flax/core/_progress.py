@@ -1,4 +1,4 @@
-"""Progress of long work, shown on a terminal and watched by a watchdog.
+"""Progress of long work, shown on a terminal and watched by a watchdog, and its words.
 
 A :class:`Progress` is what a save, restore, verify or conversion updates as
 it goes (phase, bytes done of bytes total). :class:`Monitor` watches one in a
@@ -26,6 +26,19 @@ from collections.abc import Callable
 log = logging.getLogger("orbax_flax")
 
 SHOW_AFTER_S = float(os.environ.get("ORBAX_FLAX_PROGRESS_AFTER", "3"))  # shorter work: no line
+
+
+def human_bytes(n: float) -> str:
+  """Bytes for a person, as every log line and listing writes them.
+
+  >>> human_bytes(1536)
+  '1.5 KiB'
+  """
+  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    if abs(n) < 1024 or unit == "TiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n} B"
 
 
 def say(message: str, *args) -> None:

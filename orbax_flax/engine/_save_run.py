@@ -164,16 +164,17 @@ class SaveRun:
     cap = max_batch_bytes or (_MAX_BATCH_BYTES if cancellable else 1 << 62)
     limit = min(cap, _FIRST_BATCH_BYTES) if cancellable else cap
     pieces = list(pieces)
-    in_flight: list[list[Piece]] = []  # batches still being committed, oldest first
+    sizes = [p.nbytes for p in pieces]
+    in_flight: list[tuple[list[Piece], int]] = []  # batches being committed (and their bytes)
     i = 0
     start = time.perf_counter()
     try:
       while i < len(pieces):
         self.check_cancelled()
         batch, size = [], 0
-        while i < len(pieces) and (not batch or size + pieces[i].nbytes <= limit):
+        while i < len(pieces) and (not batch or size + sizes[i] <= limit):
           batch.append(pieces[i])
-          size += pieces[i].nbytes
+          size += sizes[i]
           i += 1
         if materialize is not None:
           materialize(batch)
@@ -183,12 +184,9 @@ class SaveRun:
         # Two batches in flight: the next one is issued while this one commits.
         for w in self.writers.values():
           w.flush(depth=2)
-        in_flight.append(batch)
+        in_flight.append((batch, size))
         if len(in_flight) > 1:  # the oldest batch is committed by now
-          done = in_flight.pop(0)
-          self._done(done)
-          self.bytes_written += sum(p.nbytes for p in done)
-          self.progress.add(sum(p.nbytes for p in done))
+          self._done(*in_flight.pop(0))
           if cancellable:
             rate = self.bytes_written / max(time.perf_counter() - start, 1e-3)
             limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
@@ -196,15 +194,15 @@ class SaveRun:
         w.wait()
     except ValueError as e:
       raise _location.storage_error(self.plan.loc, "writing array data", e) from e
-    for batch in in_flight:
-      self._done(batch)
-      self.bytes_written += sum(p.nbytes for p in batch)
-      self.progress.add(sum(p.nbytes for p in batch))
+    for batch, size in in_flight:
+      self._done(batch, size)
 
-  @staticmethod
-  def _done(batch: Sequence[Piece]) -> None:
+  def _done(self, batch: Sequence[Piece], size: int) -> None:
+    """``batch`` (``size`` bytes) is committed: its views or host copies are no longer needed."""
     for p in batch:
-      p.data = None  # committed: a view or host copy is no longer needed
+      p.data = None
+    self.bytes_written += size
+    self.progress.add(size)
 
   def check_cancelled(self) -> None:
     if self.cancelled.is_set():

@@ -13,16 +13,8 @@ from typing import Any
 from orbax_flax.core import _tree
 from orbax_flax.engine import restoring
 from orbax_flax.core._location import Location
+from orbax_flax.core._progress import human_bytes  # (the CLI's too)
 from orbax_flax.format._records import Array, Manifest
-
-
-def human_bytes(n: float) -> str:
-  """``1536`` -> ``'1.5 KiB'``."""
-  for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-    if abs(n) < 1024 or unit == "TiB":
-      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-    n /= 1024
-  return f"{n} B"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,16 +1,21 @@
 """A series of checkpoints, one per step, under one directory: save, restore, roll back.
 
-:class:`CheckpointManager` is the stateful shell around the pure triggers
-and keep rules of :mod:`orbax_flax.manager.policy`. What a policy describes is built in one
-place (:mod:`orbax_flax.manager.components`): the :class:`~orbax_flax.manager.schedule.Schedule`
-says whether a step is due, the :class:`~orbax_flax.manager.registry.StepRegistry`
-knows the committed steps and carries out deletions, the
-:class:`~orbax_flax.Checkpointer` writes. The manager saves with them, records
-a commit when the save's :class:`~orbax_flax.AsyncSave` reports it done (no
-thread of its own: :class:`InFlight`, at the end of this module, holds the one
-save in flight and runs the record as its done-callback), hands the registry
-what the keep rules no longer keep once a newer step has committed, and
-handles a rollback (:mod:`orbax_flax.manager.rollback`).
+:class:`CheckpointManager` is the stateful shell around the pure triggers and
+keep rules of :mod:`orbax_flax.manager.policy`. What a policy describes is
+built in one place (:mod:`orbax_flax.manager.components`): the
+:class:`~orbax_flax.manager.schedule.Schedule` says whether a step is due, the
+:class:`~orbax_flax.manager.registry.StepRegistry` knows the committed steps
+(and, with its :class:`~orbax_flax.manager.registry.Rollback`, the run's
+timeline) and carries out deletions, the :class:`~orbax_flax.Checkpointer`
+writes.
+
+Read top to bottom: :meth:`CheckpointManager.save` decides, claims the step and
+hands the items to the checkpointer; the end of the save comes back through
+one path, :meth:`CheckpointManager._completed` (the async save's done-callback,
+on its thread): the commit is recorded, the :class:`SaveEvent` logged, and
+what the keep rules drop handed to the registry. :class:`InFlight` holds the
+one save in flight and the error it left; the end of the module is what a
+save records with its step and reports once committed.
 
 Layout: ``<directory>/<step>/`` is a checkpoint (see :func:`orbax_flax.save`).
 A step exists if and only if it is committed, so listing the directory is
@@ -19,35 +24,36 @@ discovery; nothing else is read until step metadata is needed.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+
 from orbax_flax.core import _multihost
+from orbax_flax.core import _progress
 from orbax_flax.engine import checkpointer as checkpointer_lib
 from orbax_flax.manager import components as components_lib
 from orbax_flax.engine import describe as metadata_lib
 from orbax_flax import errors
-from orbax_flax.manager import events as events_lib
 from orbax_flax.manager import policy as policy_lib
 from orbax_flax.manager import registry as registry_lib
-from orbax_flax.manager import rollback as rollback_lib
 from orbax_flax.engine import restoring
 from orbax_flax.engine import saving
 from orbax_flax.core._location import Location
 from orbax_flax.manager.config import CheckpointPolicy
+from orbax_flax.manager.schedule import Schedule
 from orbax_flax.differential import retention as referenced
 
 log = logging.getLogger("orbax_flax")
-
-SaveEvent = events_lib.SaveEvent
-
 
 class CheckpointManager:
   """Saves steps on a policy, keeps what the policy keeps, restores the latest.
@@ -87,13 +93,14 @@ class CheckpointManager:
     if not isinstance(self.policy, CheckpointPolicy):
       raise TypeError(f"policy must be a CheckpointPolicy (use CheckpointPolicy.from_config("
                       f"config.checkpoint)); got {type(self.policy).__name__}")
+    self._clock = clock  # the schedule's too
     self.components = components_lib.build(self.policy, self._dir, clock=clock, trigger=trigger,
                                            keep=keep)
     self._key, self._schedule = self.components.key, self.components.schedule
     self._prepared = False  # staging memory prepared (or a save made): see prepare()
     self._inflight = InFlight()  # the save in flight, and the error it left
     self._completing = threading.Lock()  # held by _completed: one completion at a time
-    self._events = events_lib.EventLog()
+    self._events = EventLog()
     self._closed = False
     self._ckptr = checkpointer_lib.Checkpointer(**self.components.checkpointer)
     self.registry = registry_lib.StepRegistry(self._dir,
@@ -101,7 +108,7 @@ class CheckpointManager:
                                               retention=self._retention())
     self._commits = 0       # commits recorded: each one's keep decision has its own key
     self._writer_tries = 0  # attempts to become the directory's writer (their keys)
-    self._rollback = rollback_lib.Rollback(self._dir, self.registry, self._key,
+    self._rollback = registry_lib.Rollback(self._dir, self.registry, self._key,
                                            self.policy.coordination_timeout_seconds)
     if _multihost.process_count() > 1:  # every process of this job is here: none is writing
       _multihost.all_gather(f"{self._key}/start", "ready", self.policy.coordination_timeout_seconds)
@@ -126,7 +133,7 @@ class CheckpointManager:
 
   @property
   def timeline(self) -> str:
-    """The id of the run's timeline, recorded with every save (see :class:`~orbax_flax.manager.rollback.Rollback`)."""
+    """The id of the run's timeline, recorded with every save (see :class:`~orbax_flax.manager.registry.Rollback`)."""
     return self._rollback.timeline(self.latest_step)
 
   def step_path(self, step: int) -> str:
@@ -203,7 +210,7 @@ class CheckpointManager:
     """
     entered = time.perf_counter()
     self._inflight.raise_error()
-    before = events_lib.blocking_before(blocking_before)
+    before = checked_before(blocking_before)
     step = policy_lib.as_step(step)
     if reason is not None and reason not in policy_lib.REASONS:
       raise ValueError(f"reason must be one of {policy_lib.REASONS}, got {reason!r}")
@@ -225,10 +232,10 @@ class CheckpointManager:
       return False
     self._inflight.finish()
     wait_s = time.perf_counter() - entered
-    ready_s = events_lib.wait_ready(items, metrics)  # the train step's computation, not ours
-    now = self._schedule.now()
-    custom = events_lib.step_metadata(step, decided, now, metrics, items, custom_metadata,
-                                      self.timeline)
+    ready_s = wait_ready(items, metrics)  # the train step's computation, not ours
+    now = self._clock()
+    new_run = self._rollback.active()  # a save after a rollback: its commit ends the old run
+    custom = step_metadata(step, decided, now, metrics, items, custom_metadata, self.timeline)
     start, handle = time.perf_counter(), None
     path, options = self._dir.join(str(step)), dict(custom_metadata=custom, overwrite=overwrite,
                                                     dtype=dtype)
@@ -244,10 +251,10 @@ class CheckpointManager:
       else:
         self._ckptr.save(path, items, **options)
     returned = time.perf_counter()
-    blocked = events_lib.blocked(step, decided, before, entered, wait_s, ready_s,
-                                 handle.blocking_s if handle is not None else returned - start)
+    blocked = blocking_event(step, decided, before, entered, wait_s, ready_s,
+                             handle.blocking_s if handle is not None else returned - start)
     save = _Save(policy_lib.StepInfo(step, now, custom["metrics"], decided), handle,
-                 entered - before["total"], self._rollback.active(), blocked)
+                 entered - before["total"], new_run, blocked)
     self._schedule.saved(step, now)
     self._inflight.start(save)
     if handle is None:  # a blocking save: committed already
@@ -264,7 +271,7 @@ class CheckpointManager:
     :meth:`save` gave its handle (before the handle's ``wait()`` and ``join()`` return); for
     a blocking save in :meth:`save`. What it changes is each guarded by its owner's lock,
     never by the thread: the commit goes to the rollback and the registry (under the
-    rollback's lock), the event to the :class:`~orbax_flax.manager.events.EventLog` and the
+    rollback's lock), the event to the :class:`EventLog` and the
     save's cost to the :class:`~orbax_flax.manager.schedule.Schedule` (each under its own
     lock), then the keep rules' decision (process 0's, shared) to the registry (under its
     lock). Completions run one at a time (``self._completing``). An error is kept by
@@ -415,7 +422,7 @@ class CheckpointManager:
     latest step includes it. A given ``step`` is read as it is committed now,
     without waiting for a save of another step, and no keep rule deletes it
     while it is read (so ``restore(latest_step())`` always works).
-    Restoring an older step is a rollback (:class:`~orbax_flax.manager.rollback.Rollback`).
+    Restoring an older step is a rollback (:class:`~orbax_flax.manager.registry.Rollback`).
     Arguments as for :func:`orbax_flax.restore`, and ``None`` is the setting of
     what is called: ``max_host_bytes=None``: the budget of what is called, the
     manager's checkpointer's, which is the policy's ``max_host_bytes`` (0: no
@@ -520,3 +527,160 @@ class InFlight:
     if self._error is not None:
       e, self._error = self._error, None
       raise e
+
+
+# ----------------------------------------------------------------------------
+# What a save records with its step and reports once committed.
+
+
+BEFORE_KEYS = ("total", "items", "data")
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveEvent:
+  """A committed save, for logs and metric writers.
+
+  ``blocking_s`` is the whole time the caller's thread waited for the save
+  (with the training callback: inside ``on_step_end``, from its start); the
+  ``blocking_*_s`` fields are its main parts.
+  """
+  step: int
+  reason: str
+  blocking_s: float
+  total_s: float                        # from the start of blocking_s to the commit
+  nbytes: int
+  expected_loss_s: float | None = None  # work lost by a failure now, on average (interval / 2)
+  blocking_items_s: float = 0.0  # building the items from the state (the caller's, e.g. the callback's)
+  blocking_data_s: float = 0.0   # the data iterator's get_state() and the gather of positions
+  blocking_wait_s: float = 0.0   # before the save began: the previous save still committing
+  blocking_ready_s: float = 0.0  # the train step still computing what is saved (its metrics too)
+  blocking_copy_s: float = 0.0   # the engine's blocking phase: plan and snapshot (a blocking save: all)
+  bytes_written: int = 0  # array bytes the step holds itself, all processes (differential: the changed)
+  bytes_reused: int = 0   # array bytes it references in earlier steps instead (differential saves)
+
+  def scalars(self) -> dict[str, float]:
+    """The event as a metric writer's scalars: ``checkpoint/<field>``, ``nbytes`` as
+    ``checkpoint/bytes`` (``expected_loss_s`` when known).
+
+    >>> SaveEvent(7, "interval", 0.25, 1.0, 4096).scalars()["checkpoint/bytes"]
+    4096.0
+    """
+    return {"checkpoint/" + ("bytes" if f.name == "nbytes" else f.name): float(v)
+            for f in dataclasses.fields(self) if f.name not in ("step", "reason")
+            for v in [getattr(self, f.name)] if v is not None}
+
+
+KEPT_EVENTS = 32  # events kept until taken (pop_events); older ones are dropped
+
+
+class EventLog:
+  """The saves committed since they were last taken, each logged when it commits.
+
+  At most :data:`KEPT_EVENTS` are kept for a caller that never takes them
+  (:meth:`pop`): the oldest go first, so a run that saves every step for a
+  million steps holds a bounded record.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._events: collections.deque[SaveEvent] = collections.deque(maxlen=KEPT_EVENTS)
+
+  def committed(self, blocked: SaveEvent, total_s: float, nbytes: int, where: str,
+                schedule: Schedule, stored: Mapping[str, int] | None = None) -> None:
+    """A save committed: ``blocked`` holds its blocking times, ``schedule`` learns its cost,
+    ``stored`` its ``bytes_written`` and ``bytes_reused`` (differential saves)."""
+    log.log(_progress.once_per_job_level(),  # process 0's line; the others' at DEBUG
+            "checkpoint step %d (%s) committed to %s: blocking %.3f s (items %.3f, data"
+            " iterator %.3f, previous save %.3f, train step still computing %.3f, snapshot"
+            " %.3f), total %.3f s, %s written by this process", blocked.step, blocked.reason,
+            where, blocked.blocking_s, blocked.blocking_items_s, blocked.blocking_data_s,
+            blocked.blocking_wait_s, blocked.blocking_ready_s, blocked.blocking_copy_s, total_s,
+            _progress.human_bytes(nbytes))
+    # The cost of a save: what it blocked the loop beyond the train step's own computation.
+    interval = schedule.committed(blocked.blocking_s - blocked.blocking_ready_s)
+    loss = None if interval is None else interval / 2
+    with self._lock:
+      self._events.append(dataclasses.replace(blocked, total_s=total_s, nbytes=nbytes,
+                                              expected_loss_s=loss, **(stored or {})))
+
+  def pop(self) -> list[SaveEvent]:
+    """The events since the last call."""
+    if not self._events:  # the per-step path: no lock
+      return []
+    with self._lock:
+      events = list(self._events)
+      self._events.clear()
+    return events
+
+
+def blocking_event(step: int, reason: str, before: Mapping[str, float], entered: float, wait_s: float,
+            ready_s: float, copy_s: float) -> SaveEvent:
+  """The blocking times of a save that returned now (``entered``: perf_counter at the call;
+  ``before``: :func:`checked_before`'s; ``wait_s``: for the previous save; ``ready_s``: for
+  :func:`wait_ready`; ``copy_s``: the engine's blocking phase)."""
+  return SaveEvent(step, reason, before["total"] + time.perf_counter() - entered, 0.0, 0,
+                   blocking_items_s=before["items"], blocking_data_s=before["data"],
+                   blocking_wait_s=wait_s, blocking_ready_s=ready_s, blocking_copy_s=copy_s)
+
+
+def wait_ready(items: Mapping[str, Any], metrics: Any) -> float:
+  """Waits until the arrays of ``items`` and ``metrics`` are computed; returns the seconds.
+
+  JAX dispatches a train step asynchronously: the loop reaches a save while the
+  step's results are still being computed, and any save (its snapshot, the
+  metrics it records) waits for them first. That wait is the step's own
+  computation, not the checkpoint's, so it is reported as a part of its own.
+  """
+  start = time.perf_counter()
+  leaves = jax.tree.leaves((items, metrics or {}))
+  # A deleted (donated) array is left to the save, whose error names it and the fix.
+  jax.block_until_ready([x for x in leaves if not (isinstance(x, jax.Array) and x.is_deleted())])
+  return time.perf_counter() - start
+
+
+def checked_before(before: Mapping[str, float] | None) -> dict[str, float]:
+  """``save(blocking_before=...)`` checked, with every key ("total" at least the parts).
+
+  >>> checked_before({"items": 0.25, "data": 0.5})
+  {'items': 0.25, 'data': 0.5, 'total': 0.75}
+  """
+  out = {"items": 0.0, "data": 0.0}
+  for k, v in dict(before or {}).items():
+    if k not in BEFORE_KEYS or isinstance(v, bool) or not isinstance(v, (int, float)) \
+        or not math.isfinite(v) or v < 0:
+      raise ValueError(f"blocking_before[{k!r}]={v!r}: keys must be {BEFORE_KEYS} and values"
+                       " seconds >= 0, e.g. {'items': 0.01, 'data': 0.2}")
+    out[k] = float(v)
+  out["total"] = max(out.get("total", 0.0), out["items"] + out["data"])
+  return out
+
+
+def step_metadata(step: int, reason: str, now: float, metrics: Mapping[str, Any] | None,
+                  items: Mapping[str, Any], user: Mapping[str, Any] | None,
+                  timeline: str) -> dict[str, Any]:
+  """What the manager records with ``step`` (the manifest's ``custom`` block).
+
+  >>> step_metadata(7, "interval", 12.0, {"loss": 0.5}, {}, None, "")["metrics"]
+  {'loss': 0.5}
+  """
+  return {"step": step, "reason": reason, "time": now, "metrics": _scalars(metrics or {}),
+          "mesh": _mesh_of(items), "user": dict(user or {}), "timeline": timeline}
+
+
+def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
+  out = {}
+  for k, v in metrics.items():
+    try:
+      f = float(v)
+    except (TypeError, ValueError):
+      raise TypeError(f"metric {k!r} must be a scalar number, got {type(v).__name__}") from None
+    out[str(k)] = f if math.isfinite(f) else str(f)
+  return out
+
+
+def _mesh_of(items: Mapping[str, Any]) -> dict[str, int] | None:
+  for leaf in jax.tree.leaves(items):
+    sharding = getattr(leaf, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
+  return None

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 
 from orbax_flax.core import _multihost
+from orbax_flax.core import _progress
 from orbax_flax.manager import policy as policy_lib
 
 log = logging.getLogger("orbax_flax")
@@ -101,11 +102,6 @@ class Schedule:
       return cls(time=trigger, key=key, clock=clock, if_busy=if_busy, timeout_s=timeout_s)
     return cls(trigger, key=key, clock=clock, if_busy=if_busy, timeout_s=timeout_s)
 
-  @property
-  def auto(self) -> policy_lib.YoungDaly | None:
-    """The Young/Daly trigger, if the interval follows the save cost."""
-    return self._auto
-
   def now(self) -> float:
     """The schedule's clock."""
     return self._clock()
@@ -114,11 +110,6 @@ class Schedule:
     """The median of the last few save costs, seconds (None before the first)."""
     with self._lock:
       return self._costs.median()
-
-  def cost_count(self) -> int:
-    """How many save costs :meth:`cost` is the median of."""
-    with self._lock:
-      return len(self._costs)
 
   def interval(self) -> float | None:
     """The auto interval now, in seconds (None without an ``auto`` trigger)."""
@@ -174,16 +165,21 @@ class Schedule:
   def committed(self, blocking_s: float) -> float | None:
     """A save committed that blocked for ``blocking_s``; returns the interval between saves.
 
-    The auto interval with this cost counted, or else the time since the
-    previous commit (None for the first one).
+    The auto interval with this cost counted (logged, with the work a failure
+    loses on average), or else the time since the previous commit (None for the
+    first one).
     """
     now = self._clock()
     with self._lock:
       self._costs.add(blocking_s)
-      cost, last, self._last_commit = self._costs.median(), self._last_commit, now
-    interval = None if self._auto is None else self._auto.interval(cost)
-    if interval is None and last is not None:
-      interval = now - last
+      cost, count, last = self._costs.median(), len(self._costs), self._last_commit
+      self._last_commit = now
+    if self._auto is None:
+      return None if last is None else now - last
+    interval = self._auto.interval(cost)
+    log.log(_progress.once_per_job_level(), "save_interval=auto: saves cost %.3f s (median of"
+            " the last %d), mtbf %.0f s: saving every %.1f s; a failure loses %.1f s of work on"
+            " average", cost, count, self._auto.mtbf_seconds, interval, interval / 2)
     return interval
 
 

@@ -180,6 +180,9 @@ class RestartClock:
     self.background = False
     self.step: int | None = None
     self.finished_at: float | None = None
+    # Whether the next train step ends the clock (a restore returned, no step seen yet): a
+    # plain field, read at every step.
+    self.timing_first_step = False
     self.cache_dir: str | None = None
     self.counts = {"hits": 0, "requests": 0}  # misses: requests - hits
     self._listening = False
@@ -208,11 +211,7 @@ class RestartClock:
     self.joined_at, self.step = self._clock(), step
     if self.restored_at is None:
       self.restored_at = self.joined_at
-
-  @property
-  def timing_first_step(self) -> bool:
-    """Whether the next train step ends the clock (a restore returned, no step seen yet)."""
-    return self.joined_at is not None and self.finished_at is None
+    self.timing_first_step = self.finished_at is None
 
   def first_step_done(self, step: int | None = None, wait_for: Any = None,
                       writer: Any = None) -> None:
@@ -220,6 +219,7 @@ class RestartClock:
     :meth:`line` and gives ``writer`` (a clu ``MetricWriter``) the :meth:`scalars` at ``step``."""
     jax.block_until_ready(wait_for)
     self.finished_at = self._clock()
+    self.timing_first_step = False
     self._stop_listening()
     if step is None:
       return
