@@ -33,7 +33,7 @@ _EXPORTS = {
     "TreeMismatchError": "orbax_flax.errors",
     "UnsupportedLeafError": "orbax_flax.errors",
     "CheckpointManager": "orbax_flax.manager.manager",
-    "SaveEvent": "orbax_flax.manager.events",
+    "SaveEvent": "orbax_flax.manager.manager",
     # The pure policy pieces CheckpointPolicy is built from, to compose by hand.
     "EveryNSteps": "orbax_flax.manager.policy",
     "EveryNSeconds": "orbax_flax.manager.policy",
