@@ -103,8 +103,8 @@ def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool
         path_ += ("value",)
         rec = saved[path_]
       seen.add(path_)
+      where = _Where(item, path_)
       if rec is None:
-        where = f"{item}/{_tree.path_str(path_)}"
         if any(t.matches(_tree.path_str(path_)) for t in from_target):
           if isinstance(leaf, (jax.Array, np.ndarray)) or _tree.leaf_kind(leaf) == "value":
             out[i] = leaf
@@ -115,7 +115,6 @@ def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool
         diffs.append(f"{where}: {_IN_TARGET}")
         continue
       matched += 1
-      where = f"{item}/{rec.path_text}"  # (the record's text, kept for its reads' messages)
       want = _want(item, rec, leaf, where, diffs, bad_shardings, allow_lossy_casts, casts)
       if want is None:
         continue
@@ -263,7 +262,7 @@ def _key_impl_name(dtype: Any) -> str | None:
   return getattr(impl, "name", None)
 
 
-def _key_data_sharding(sharding: Any, where: str) -> Any:
+def _key_data_sharding(sharding: Any, where: _Where) -> Any:
   if isinstance(sharding, jax.sharding.NamedSharding):
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec, None))
   if isinstance(sharding, jax.sharding.SingleDeviceSharding):
@@ -272,7 +271,17 @@ def _key_data_sharding(sharding: Any, where: str) -> Any:
                    " supported; use a NamedSharding or SingleDeviceSharding.")
 
 
-def _want(item: str, rec: Record, leaf: Any, where: str, diffs: list[str],
+class _Where:
+  """A leaf's ``item/key/path`` text, worked out only when a message or a cast names it."""
+
+  def __init__(self, item: str, path: tuple[str, ...]):
+    self.item, self.path = item, path
+
+  def __str__(self) -> str:
+    return f"{self.item}/{_tree.path_str(self.path)}"
+
+
+def _want(item: str, rec: Record, leaf: Any, where: _Where, diffs: list[str],
           bad_shardings: list[str], allow_lossy: bool = False,
           casts: list | None = None) -> Want | Value | None:
   """Checks one target leaf against its record; returns what to read."""
@@ -368,7 +377,7 @@ def lossless(saved: np.dtype, target: np.dtype) -> bool:
     return False
 
 
-def _cast_ok(saved: np.dtype, target: np.dtype, where: str, allow_lossy: bool, diffs: list[str],
+def _cast_ok(saved: np.dtype, target: np.dtype, where: _Where, allow_lossy: bool, diffs: list[str],
              casts: list | None) -> bool:
   """Records a dtype change; refuses (into ``diffs``) one that loses information unless allowed."""
   if saved == target:
@@ -380,7 +389,7 @@ def _cast_ok(saved: np.dtype, target: np.dtype, where: str, allow_lossy: bool, d
                  " anyway, rounding or truncating, or restore as the saved dtype and cast yourself")
     return False
   if casts is not None:
-    casts.append((where, str(saved), str(target), exact))
+    casts.append((str(where), str(saved), str(target), exact))
   return True
 
 

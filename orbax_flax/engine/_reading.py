@@ -77,7 +77,8 @@ class PackedFill:
   dtype: np.dtype
   shape: tuple[int, ...]
   dests: list[tuple[tuple[slice, ...], np.ndarray]]
-  name: str        # key path, for errors
+  name: str        # key path, for errors ("": the path of ``rec``, worked out only for one)
+  rec: Array | None = None
   _partial: np.ndarray | None = None  # the bytes, while an array spanning two chunks is read
   _missing: int = 0
 
@@ -614,7 +615,7 @@ def read_requests(reader: Reader | None, requests: Sequence[tuple], progress: An
       if got is None:
         lo = rec.packed_offset
         packed[(item, id(rec))] = PackedFill(item, rec.owners[0], lo, lo + rec.nbytes,
-                                             rec.np_dtype, rec.shape, [dest], rec.path_text)
+                                             rec.np_dtype, rec.shape, [dest], "", rec)
       else:
         got.dests.append(dest)
     elif not rec.owners:
@@ -678,7 +679,7 @@ def _packed_names_of(rec: Array) -> str:
 
 
 def _packed_names(pfs: Sequence[PackedFill]) -> str:
-  return packed_names([p.name for p in pfs])
+  return packed_names([p.name or p.rec.path_text for p in pfs])
 
 
 def packed_names(names: Sequence[str], shown: int = 16) -> str:
