@@ -41,6 +41,7 @@ import tensorstore as ts
 
 from orbax_flax.core import _crc
 from orbax_flax.format import _layout
+from orbax_flax.format import _records_decode
 from orbax_flax.core import _location
 from orbax_flax.engine import _planning
 from orbax_flax.format import _tsio
@@ -114,6 +115,27 @@ def _direct_ok(rec: Array) -> bool:
 _SUB_BYTE = frozenset({"int2", "int4", "uint2", "uint4", "float4_e2m1fn"})
 
 
+class OwnDatabases:
+  """Where the chunks of a checkpoint that references no other step are: its own process
+  databases, ``<item>/p<process>-<generation>``. (A differential checkpoint's reader uses
+  :class:`orbax_flax.differential.refs.Homes`, which finds its bases too.)
+
+  Example:
+    >>> OwnDatabases(Location.parse("/tmp/ckpt/7"), "0123456789abcdef").db_name("params", 1)
+    'params/p1-0123456789abcdef'
+  """
+
+  def __init__(self, loc: Location, generation: str):
+    self.loc, self.generation = loc, generation
+
+  def db_name(self, item: str, owner: int) -> str:
+    return f"{item}/p{owner}-{self.generation}"
+
+  def home(self, item: str, owner: int) -> tuple[Location, str]:
+    """(checkpoint location, database name) of the chunks of ``owner``."""
+    return self.loc, self.db_name(item, owner)
+
+
 class Reader:
   """Fills destination buffers from one checkpoint's stored chunks.
 
@@ -127,7 +149,9 @@ class Reader:
                progress: Any = None):
     self.loc, self.manifest = loc, manifest
     self.progress = progress  # an orbax_flax.core._progress.Progress, or None
-    self.homes = refs.Homes(loc, manifest.generation, manifest.bases)
+    # A differential checkpoint's chunks may lie in the steps it references (its bases).
+    self.homes = (refs.Homes(loc, manifest.generation, manifest.bases) if manifest.bases
+                  else OwnDatabases(loc, manifest.generation))
     self.index = _tsio.ChunkIndex(loc, self.homes) if loc.is_local else None
     self.temps = TempPool(max_host_bytes or _DEFAULT_TEMP_BYTES)
     self.bytes_read = 0
@@ -156,7 +180,7 @@ class Reader:
         continue
       loc, db = self.homes.home(item, owner)
       found = self._identity_value(item, owner, loc, db)
-      own = not refs.split(owner)[0]
+      own = owner < _records_decode.OWNER_STRIDE  # (larger: a base's process)
       if found is None and own and self.manifest.database_identity:
         raise self._wrong_database(item, owner, f"it does not name itself (its {_tsio.IDENTITY_KEY}"
                                    " key is missing): it was not written with this checkpoint")
@@ -253,7 +277,7 @@ class Reader:
 
   def _packed_chunks(self, item: str, owner: int) -> tuple[int, int] | None:
     """(chunk length, number of chunks it stores) of a packed buffer; None: a base's."""
-    if refs.split(owner)[0]:
+    if owner >= _records_decode.OWNER_STRIDE:  # a base's process
       return None
     size = self.manifest.items[item].packed[owner]
     chunk_bytes = _planning.pack_chunk_bytes(size)

@@ -294,7 +294,7 @@ class ChunkIndex:
   """Chunk locations of the process databases of one checkpoint, loaded on first use."""
 
   def __init__(self, loc: Location, homes: Any):
-    self.loc, self.homes = loc, homes  # homes: an orbax_flax.differential.refs.Homes
+    self.loc, self.homes = loc, homes  # where each owner's database is (db_name(item, owner))
     self._dbs: dict[tuple[str, int], dict[bytes, Located] | None] = {}
     self._lock = threading.Lock()
 
