@@ -13,13 +13,15 @@ When nothing is saved, a step costs the policy's decision and no
 device-to-host transfer, plus: with a data iterator and ``save_on_exception``
 (the default), the iterator's ``get_state()`` at every step (the position an
 exception save records; its cost is the iterator's); in a multi-process job
-with a time-based policy, one coordination-service round trip. Leaving the ``with`` block (or
-``on_train_end``) saves the last step if the policy wants the final step, and
-waits for every save to commit.
+with a time-based policy, one coordination-service round trip. Leaving the
+``with`` block (or ``on_train_end``) saves the last step if the policy wants
+the final step, and waits for every save to commit.
 
-This module is the hooks and the saves they make; where a run resumes from
-(and the data iterator's position) is :mod:`orbax_flax.training.resume`, the local
-tier's saves :mod:`orbax_flax.tiers.saves`.
+This module is the hooks and the saves they make, and (at its end) what a run
+that ends early checks and says: an error, Ctrl-C, a preemption. Where a run
+resumes from (and the data iterator's position) is
+:mod:`orbax_flax.training.resume`, the local tier's saves
+:mod:`orbax_flax.tiers.saves`.
 """
 
 from __future__ import annotations
@@ -27,15 +29,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping
 from typing import Any
 
+import jax
 
+from orbax_flax.core import _multihost
 from orbax_flax.core import _progress
 from orbax_flax.training import callbacks
 from orbax_flax import errors
-from orbax_flax.training import interruptions
 from orbax_flax.manager import policy as policy_lib
 from orbax_flax.training import preemption
 from orbax_flax.training import restart
@@ -288,7 +292,7 @@ class CheckpointCallback(callbacks.Callback):
       # A failure is logged: the persistent save still runs.
       self._local.save(step, items, timeline=self.manager.timeline, writer=self.writer)
     self._save(step, state, metrics, "preemption", items=items)
-    if interruptions.committed_in_grace(self.manager, step, grace,
+    if committed_in_grace(self.manager, step, grace,
                                         time.monotonic() - start + signalled):
       self._flush_events()
       if _progress.once_per_job_level() == logging.INFO:  # process 0 says it for the job
@@ -321,8 +325,8 @@ class CheckpointCallback(callbacks.Callback):
           self._save_exception(step, state, error)
         elif isinstance(error, KeyboardInterrupt):
           log.warning("%s; nothing saved (save_on_exception is off). %s%s",
-                      interruptions.failure(step, error), interruptions.resume_point(self.manager),
-                      interruptions.sigint_hint(self.policy))
+                      failure(step, error), resume_point(self.manager),
+                      sigint_hint(self.policy))
       except Exception as e:  # pylint: disable=broad-except  # the training error comes first
         log.error("the exception save of step %d failed too: %s: %s", step, type(e).__name__, e)
         error.add_note(f"orbax_flax: saving step {step} after this error failed too:"
@@ -340,18 +344,18 @@ class CheckpointCallback(callbacks.Callback):
       if self._watcher is not None:
         self._watcher.close()
       self._closed = True
-      interruptions.stop_saving(self.manager, step)
+      stop_saving(self.manager, step)
 
   def _save_exception(self, step: int, state: Any, error: BaseException) -> None:
     interrupted = isinstance(error, KeyboardInterrupt)
-    latest = interruptions.resume_point(self.manager)
-    hint = interruptions.sigint_hint(self.policy) if interrupted else ""
-    if interruptions.unsaveable(step, state, error, latest + hint):
+    latest = resume_point(self.manager)
+    hint = sigint_hint(self.policy) if interrupted else ""
+    if unsaveable(step, state, error, latest + hint):
       return
-    if self.manager.has_step(step) or not interruptions.every_process_failed(self.manager, step):
+    if self.manager.has_step(step) or not every_process_failed(self.manager, step):
       return
     (log.warning if interrupted else log.error)("%s; saving that step.%s",
-                                                interruptions.failure(step, error), hint)
+                                                failure(step, error), hint)
     data_state = None if self._data is None else self._data.after(step)  # None: saved without
     self._save(step, state, self._last_metrics, "exception", data_state)
 
@@ -407,3 +411,120 @@ class CheckpointCallback(callbacks.Callback):
       self.writer.write_scalars(e.step, e.scalars())
     self.writer.flush()
 
+
+# ----------------------------------------------------------------------------
+# Training that ends early (an error, Ctrl-C, a preemption): what the callback checks and
+# says beside saving. Whether the state at an error is still the last step's, the ending in
+# words for the log, the agreement through the coordination service that every process
+# failed, the wait for a preemption save within its grace period (cancelling a late one),
+# and a second Ctrl-C while saving (the save abandoned, the manager closed).
+
+
+# How long an exception save waits for the other processes to fail too (a NaN
+# loss fails everywhere at once; a failure of one process alone leaves the
+# others inside a collective, and nothing can be saved without them).
+FAILED_AGREEMENT_S = 3.0
+# How long a second Ctrl-C waits for the abandoned save's writing to stop (about a second).
+ABANDON_WAIT_S = 10.0
+
+
+def stop_saving(manager: CheckpointManager, step: int) -> None:
+  """A second Ctrl-C while saving ``step``: abandons the save, closes ``manager``, says so.
+
+  The writing stops before the process exits: one that exits while tensorstore
+  writes may abort.
+  """
+  try:
+    manager.abandon_inflight(wait_s=ABANDON_WAIT_S)
+    manager.close()  # its threads too (the staging memory's preparation)
+  except KeyboardInterrupt:  # a third Ctrl-C: stop waiting
+    pass
+  except Exception as e:  # pylint: disable=broad-except  # the interruption comes first
+    log.error("closing the checkpoint manager after the second interruption failed: %s: %s",
+              type(e).__name__, e)
+  latest = manager.latest_step()
+  outcome = ("its commit was under way and is complete" if latest == step else
+             "the save is abandoned (never committed half-written)")
+  print(f"orbax_flax: interrupted again while saving step {step}: {outcome}; the last"
+        f" committed step is {latest}", file=sys.stderr, flush=True)
+
+
+def committed_in_grace(manager: CheckpointManager, step: int, grace: float,
+                       spent: float) -> bool:
+  """Waits for the preemption save of ``step`` (``grace`` seconds, 0: no limit, ``spent`` of
+  them gone); True once committed, False (logged; cancelled if late) when not."""
+  if grace and not manager.wait_for_save(max(0.0, grace - spent)):
+    manager.abandon_inflight()
+    log.error("preemption save of step %d did not commit within the %g s grace period;"
+              " cancelled: it is not committed unless its commit was already under way"
+              " (then it is complete). The last committed step is %s.", step, grace,
+              manager.latest_step())
+    return False
+  try:
+    manager.wait()
+  except errors.SaveCancelledError as e:
+    # Another process ran out of grace period and cancelled the save: the job is
+    # still preempted; stop cleanly like that process does.
+    log.error("preemption save of step %d was not committed: %s The last committed step"
+              " is %s.", step, e, manager.latest_step())
+    return False
+  return True
+
+
+def failure(step: int, error: BaseException) -> str:
+  """What ended training, in words, for the log."""
+  if isinstance(error, KeyboardInterrupt):
+    return f"interrupted after step {step} (KeyboardInterrupt: Ctrl-C or SIGINT)"
+  return f"training failed after step {step} ({type(error).__name__}: {error})"
+
+
+def unsaveable(step: int, state: Any, error: BaseException, after: str) -> bool:
+  """True (and logged, followed by ``after``) if the state at an error is not step ``step``'s."""
+  if state_items.kind(state) == "nnx":
+    log.warning("%s; not saving it: NNX objects are updated in place, so the live model and"
+                " optimizer may already be ahead of step %d, the last step handed to"
+                " on_step_end, and a save labelled %d could hold a later state. %s",
+                failure(step, error), step, step, after)
+    return True
+  if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+    (log.warning if isinstance(error, KeyboardInterrupt) else log.error)(
+        "%s; the state of step %d cannot be saved: its buffers were donated to the next"
+        " step. %s", failure(step, error), step, after)
+    return True
+  return False
+
+
+def sigint_hint(policy: CheckpointPolicy) -> str:
+  """How to make Ctrl-C save as a preemption does ("" if it already does)."""
+  if "SIGINT" in policy.preemption_signals and policy.save_on_preemption:
+    return ""
+  return (" To make Ctrl-C save at the next step end and stop cleanly, as a preemption does,"
+          " add SIGINT to the policy's preemption_signals, e.g. preemption_signals=('SIGTERM',"
+          " 'SIGINT') (on the command line:"
+          " --config.checkpoint.preemption_signals=\"('SIGTERM','SIGINT')\").")
+
+
+def resume_point(manager: CheckpointManager) -> str:
+  """Where a resume would start, as a sentence (a save in flight commits before the close)."""
+  inflight = manager.inflight_step()
+  if inflight is not None:
+    return (f"A resume continues from step {inflight}, whose save is still being written (it"
+            " commits before the callback closes).")
+  latest = manager.latest_step()
+  if latest is None:
+    return "No step is committed yet: a resume starts from scratch."
+  return f"A resume continues from step {latest}, the last committed."
+
+
+def every_process_failed(manager: CheckpointManager, step: int) -> bool:
+  """A save needs every process; one that did not fail is still training."""
+  if jax.process_count() == 1:
+    return True
+  try:
+    _multihost.all_gather(f"{manager.coordination_key}/failed/{step}", "1",
+                          timeout_s=FAILED_AGREEMENT_S)
+    return True
+  except TimeoutError:
+    log.error("training failed after step %d on this process but not on every process within"
+              " %g s; no exception save (it needs all of them)", step, FAILED_AGREEMENT_S)
+    return False
