@@ -261,11 +261,11 @@ def test_engine_table_lists_every_argument(name):
 
 
 def test_exception_save_wait_is_the_one_the_code_uses():
-  from orbax_flax.training import interruptions  # pylint: disable=g-import-not-at-top
+  from orbax_flax.training import checkpoint_callback  # pylint: disable=g-import-not-at-top
   text = open(os.path.join(ROOT, "docs", "training.md")).read()
   m = re.search(r"if the others have not failed within (\d+(?:\.\d+)?) s", text)
   assert m, "docs/training.md no longer says how long an exception save waits for the others"
-  assert float(m.group(1)) == interruptions.FAILED_AGREEMENT_S
+  assert float(m.group(1)) == checkpoint_callback.FAILED_AGREEMENT_S
 
 
 def test_the_docs_quote_no_run_fingerprint_and_the_exit_status_the_code_uses():
