@@ -1,9 +1,10 @@
-"""With ``differential`` off, no code of ``orbax_flax/differential/`` runs in a save.
+"""With ``differential`` off, no code of ``orbax_flax/differential/`` runs in a save or a restore.
 
 Differential saves plug into interfaces the engine and the manager own (the
 save's :class:`orbax_flax.engine._save_run.SaveHooks`, the registry's
 :class:`orbax_flax.manager.registry.Retention`); a plain run uses their plain
-defaults. Checked in a fresh process with a profiler that records every Python
+defaults, and a restore of a checkpoint that references no other step finds
+its databases in the engine. Checked in a fresh process with a profiler that records every Python
 call into a file of ``orbax_flax/differential/``, phase by phase: saves through
 the callback and the manager (with deletions by the keep rules), and resumes and
 restores. A manager's construction is in neither phase: it looks once whether
@@ -15,11 +16,6 @@ import os
 import subprocess
 import sys
 import textwrap
-
-# What a plain restore still enters: the reader finds every chunk's database through
-# refs.Homes (orbax_flax/engine/_reading.py), the format of references that any reader
-# of a checkpoint needs. To go once it lives beside the reader.
-RESTORE_DEBT = {"differential/refs.py"}
 
 SCRIPT = textwrap.dedent("""
     import collections, os, sys, tempfile, threading
@@ -85,7 +81,8 @@ def test_a_plain_run_enters_no_differential_module(tmp_path):
   seen = {tuple(line.split(" ")[:2]): set(line.split(" ")[2:]) - {"-"}
           for line in out.stdout.splitlines() if line.startswith(("OFF ", "ON "))}
   assert seen[("OFF", "save")] == set(), f"differential off, a save entered {seen[('OFF', 'save')]}"
-  assert seen[("OFF", "restore")] <= RESTORE_DEBT, (
-      f"differential off, a restore entered {seen[('OFF', 'restore')] - RESTORE_DEBT}")
+  assert seen[("OFF", "restore")] == set(), (
+      f"differential off, a restore entered {seen[('OFF', 'restore')]}")
   # The probe sees differential code when it runs: the same run with it on enters it.
   assert {"differential/differ.py", "differential/retention.py"} <= seen[("ON", "save")], seen
+  assert "differential/refs.py" in seen[("ON", "restore")], seen
