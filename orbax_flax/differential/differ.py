@@ -376,26 +376,6 @@ class Differ:
                             "borrowed": sum(r["reused"] for r in reports)}})
 
 
-class _Full:
-  """What a save that is not differential does with the hooks: nothing (see :data:`FULL`)."""
-
-  def agree(self, key: str, timeout_s: float) -> None:
-    del key, timeout_s
-
-  def select(self, pieces: Sequence[Any]) -> Sequence[Any]:
-    return pieces
-
-  def publish(self, key: str, error: BaseException | None, timeout_s: float) -> None:
-    del key, error, timeout_s
-
-  def complete(self, manifest: dict[str, Any], key: str, timeout_s: float) -> dict[str, Any]:
-    del key, timeout_s
-    return manifest
-
-
-FULL = _Full()  # the hooks of a full save (it has no state)
-
-
 def segments(piece: Any, chunk: int) -> list[tuple[int, int]]:
   """``[lo, hi)`` of the segments a packed piece is decided in: whole small arrays, a new
   segment at the first array that starts in a later packed chunk (``chunk`` bytes).
@@ -429,16 +409,12 @@ class Differential:
 
   The base is the step :meth:`set_base` named (a manager names its latest
   step before every save), else the previous save of this checkpointer; it
-  must be a sibling of the new checkpoint (same parent directory).
-
-  Args:
-    enabled: differential saves on (False: every save is a full one).
+  must be a sibling of the new checkpoint (same parent directory). A
+  checkpointer without differential saves has none (its saves use the engine's
+  plain hooks, :class:`orbax_flax.engine._save_run.SaveHooks`).
   """
 
-  def __init__(self, enabled: bool):
-    if not isinstance(enabled, bool):
-      raise TypeError(f"differential={enabled!r}: must be True or False.")
-    self.enabled = enabled
+  def __init__(self):
     self.pins = Pins()
     self._base: Location | None = None
     self._last: Location | None = None
@@ -449,9 +425,7 @@ class Differential:
     self._base = None if path is None else Location.parse(path)
 
   def differ(self, plan: Any, alive: Any) -> Any:
-    """The hooks of one save (:data:`FULL` when off); ValueError before anything is written."""
-    if not self.enabled:
-      return FULL
+    """The hooks of one save; ValueError before anything is written."""
     if not plan.loc.is_local:
       raise ValueError(f"differential=True: {plan.loc} is not on a local file system; differential"
                        " saves (and the retention that keeps their bases) need one for now. Pass"
