@@ -107,7 +107,7 @@ class Checkpointer:
       raise TypeError(f"differential={differential!r}: must be True or False.")
     # Differential saves plug their hooks into each save; None: plain saves, which never
     # enter orbax_flax.differential.
-    self.differential = differ_lib.Differential(True) if differential else None
+    self.differential = differ_lib.Differential() if differential else None
     # Taken now (a timed count), not per save: a save's first coordination is then its own
     # agreement, so a frozen process 0 gives every process the same verdict, never a count
     # that one process took and another did not.
