@@ -16,10 +16,21 @@ Inside:
   referenced step's data is found (used by the reader and by retention);
 * :mod:`.hashing`: the content hash, releasing the GIL, over threads;
 * :mod:`.differ`: one save's decisions, process by process, merged at the commit;
-* :mod:`.retention`: deleting a step keeps what other steps reference; the
-  sweep of retired data that nothing references any more.
+* :mod:`.retention`: the registry's retention where steps reference each other
+  (:class:`.retention.Referenced`): deleting a step keeps what other steps
+  reference; the sweep of retired data that nothing references any more.
+
+It plugs into interfaces the engine and the manager own: a
+:class:`.differ.Differ` is a save's hooks (the engine's plain default is
+:class:`orbax_flax.engine._save_run.SaveHooks`), :class:`.retention.Referenced` the
+registry's retention (its plain default is
+:class:`orbax_flax.manager.registry.Retention`). With differential saves off,
+no code here runs in a save or a restore of a plain checkpoint
+(``tests/test_differential_off.py``).
 
 May import: ``core``, ``format``, ``engine`` (its low layers: ``_planning``,
-``restoring``), ``errors``. The engine imports :mod:`.refs` and :mod:`.differ` back
-(one level with the engine, until the engine owns the interfaces they plug into).
+``restoring``), ``errors``. Still imported back by the engine, one level with it:
+the Checkpointer builds a :class:`.differ.Differential` when asked, the reader
+finds a differential checkpoint's bases through :mod:`.refs`, an overwrite of a
+step others borrow from keeps its data (``_save_run``), and verify hashes chunks.
 """
