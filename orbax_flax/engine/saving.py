@@ -320,10 +320,6 @@ def transfer(host_transfer: str, values: Any) -> str:
 # Bringing the bytes to the host.
 
 
-def _host(value: Any) -> np.ndarray:
-  return value if isinstance(value, np.ndarray) else np.asarray(value)
-
-
 def _start_transfers(pieces: Sequence[Piece]) -> None:
   """Starts every device-to-host copy at once (nothing to do on the CPU backend)."""
   for p in pieces:
@@ -335,17 +331,19 @@ def _start_transfers(pieces: Sequence[Piece]) -> None:
         v.copy_to_host_async()
 
 
-def _fill_pairs(piece: Piece, buf: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-  """(source, destination) copies that fill ``buf`` with ``piece``'s bytes."""
-  if not piece.packed:
+def _fill_pairs(piece: Piece, packed: bool,
+                buf: np.ndarray | None) -> list[tuple[np.ndarray, np.ndarray]]:
+  """(source, destination) copies that fill ``buf`` with ``piece``'s bytes (a host view of
+  each source: ``np.asarray`` of a CPU or pinned-host array copies nothing)."""
+  if not packed:
     s = piece.sources[0]
-    src = _host(s.value)
+    src = np.asarray(s.value)
     return [(src if s.within is None else src[s.within], buf)]
   pairs = []
   for s in piece.sources:
     n = math.prod(s.leaf_shape) * s.leaf_dtype.itemsize
     leaf = buf[s.offset:s.offset + n].view(s.leaf_dtype).reshape(s.leaf_shape)
-    pairs.append((_host(s.value), leaf[s.index] if s.index else leaf))
+    pairs.append((np.asarray(s.value), leaf[s.index] if s.index else leaf))
   return pairs
 
 
@@ -357,17 +355,18 @@ def host_views(pieces: Sequence[Piece], staging: _staging.Staging | None = None)
   buffers are assembled in ``staging``'s memory, or fresh memory.
   """
   _start_transfers(pieces)
-  packed = [p for p in pieces if p.packed]
+  flags = [p.packed for p in pieces]
+  packed = [p for p, f in zip(pieces, flags) if f]
   specs = [(p.shape, p.dtype) for p in packed]
   bufs = staging.arrays(specs) if staging is not None else _staging.fresh_arrays(specs)
   pairs = []
   for p, buf in zip(packed, bufs):
-    pairs += _fill_pairs(p, buf)
+    pairs += _fill_pairs(p, True, buf)
     p.data = buf
   _staging.copy_all(pairs)
-  for p in pieces:
-    if not p.packed:
-      (src, _), = _fill_pairs(p, None)
+  for p, f in zip(pieces, flags):
+    if not f:
+      (src, _), = _fill_pairs(p, False, None)
       p.data = src
 
 
@@ -375,9 +374,10 @@ def snapshot(pieces: Sequence[Piece], staging: _staging.Staging) -> None:
   """Copies every block into ``staging``'s memory (the CPU path of an async save)."""
   _start_transfers(pieces)
   bufs = staging.arrays([(p.shape, p.dtype) for p in pieces])
+  flags = [p.packed for p in pieces]
   pairs = []
-  for p, buf in zip(pieces, bufs):
-    pairs += _fill_pairs(p, buf)
+  for p, f, buf in zip(pieces, flags, bufs):
+    pairs += _fill_pairs(p, f, buf)
     p.data = buf
   staging.copy(pairs)
 
