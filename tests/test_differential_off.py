@@ -17,6 +17,10 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
+
+import orbax_flax as ofx
+
 SCRIPT = textwrap.dedent("""
     import collections, os, sys, tempfile, threading
     import numpy as np
@@ -86,3 +90,20 @@ def test_a_plain_run_enters_no_differential_module(tmp_path):
   # The probe sees differential code when it runs: the same run with it on enters it.
   assert {"differential/differ.py", "differential/retention.py"} <= seen[("ON", "save")], seen
   assert "differential/refs.py" in seen[("ON", "restore")], seen
+
+
+def test_a_plain_manager_keeps_what_earlier_differential_steps_reference(tmp_path):
+  """A run that turns differential saves off over a directory that holds differential steps:
+  its keep rules still retire, never delete, a step a kept step borrows from."""
+  root = str(tmp_path / "ckpt")
+  big = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(differential=True)) as m:
+    for step in range(3):  # steps 1 and 2 borrow the big array from step 0
+      m.save(step, {"s": {"big": big, "step": step}}, force=True)
+    m.wait()
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(max_to_keep=2)) as m:
+    m.save(3, {"s": {"big": big + 1, "step": 3}}, force=True)
+    m.wait()
+    assert m.all_steps() == [2, 3]
+    assert os.path.exists(os.path.join(root, "0", "_RETIRED"))  # step 2 borrows from it
+    assert m.restore(2)["s"]["big"].tobytes() == big.tobytes()
