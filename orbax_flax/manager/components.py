@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -93,8 +94,8 @@ def build(policy: CheckpointPolicy, directory: Any, *, clock: Callable[[], float
                               timeout_s=policy.coordination_timeout_seconds)
   watcher = None
   if policy.save_on_preemption:
-    watcher = lambda: preemption.PreemptionWatcher(  # noqa: E731
-        policy.preemption_signals, policy.coordination_timeout_seconds)
+    watcher = functools.partial(preemption.PreemptionWatcher, policy.preemption_signals,
+                                policy.coordination_timeout_seconds)
   options = dict(max_host_bytes=policy.max_host_bytes,
                  keep_staging_memory=policy.keep_staging_memory,
                  host_transfer=policy.host_transfer,
