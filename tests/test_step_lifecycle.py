@@ -217,32 +217,42 @@ def test_every_process_applies_the_same_keep_decision(tmp_path):
   assert results[0] == sorted(int(n) for n in os.listdir(tmp_path) if n.isdigit())
 
 
-def test_a_flipped_bit_in_a_borrowed_chunk_reaches_a_bounded_number_of_saves(tmp_path, caplog):
+@pytest.mark.parametrize("restarts", [False, True])
+def test_a_flipped_bit_in_a_borrowed_chunk_reaches_a_bounded_number_of_saves(tmp_path, caplog,
+                                                                             restarts):
   """diff_bitflip_amplified: one flipped bit in a frozen chunk of the first step used to damage
   every later step (each borrows it by its recorded hash, none rewrote it). Each save now reads
   back a rolling quarter of what it borrows: the save whose turn covers the damaged chunk
   writes it again from the live state. The steps saved before are damaged and ``verify``
-  of each (reading what it borrows) says so; that save and every later one restore bitwise."""
+  of each (reading what it borrows) says so; that save and every later one restore bitwise.
+  The turn is recorded in each manifest: a job that restarts before every save (a new
+  manager each time) goes on with the next turn, never back to the first."""
   from orbax_flax.differential import differ  # pylint: disable=import-outside-toplevel
   d = str(tmp_path)
   last = differ.SCRUB_SAVES + 1
-  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=True, async_save=False)) as m:
-    m.save(0, items(0, changed=0), force=True)  # the four large arrays never change: borrowed
-    data = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(d, "0"))
-            for f in fs if f"{os.sep}d{os.sep}" in os.path.join(dp, f)]
-    big = max(data, key=os.path.getsize)
-    with open(big, "r+b") as f:
-      f.seek(os.path.getsize(big) // 2)
-      b = f.read(1)
-      f.seek(-1, 1)
-      f.write(bytes([b[0] ^ 1]))
-    healed = []
-    for s in range(1, last + 1):
-      caplog.clear()
-      with caplog.at_level("WARNING", logger="orbax_flax"):
-        m.save(s, items(s, changed=0), force=True)
-      if any("fail their check" in r.getMessage() for r in caplog.records):
-        healed.append(s)
+  policy = ofx.CheckpointPolicy(differential=True, async_save=False)
+  m = ofx.CheckpointManager(d, policy)
+  m.save(0, items(0, changed=0), force=True)  # the four large arrays never change: borrowed
+  data = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(d, "0"))
+          for f in fs if f"{os.sep}d{os.sep}" in os.path.join(dp, f)]
+  big = max(data, key=os.path.getsize)
+  with open(big, "r+b") as f:
+    f.seek(os.path.getsize(big) // 2)
+    b = f.read(1)
+    f.seek(-1, 1)
+    f.write(bytes([b[0] ^ 1]))
+  healed = []
+  for s in range(1, last + 1):
+    if restarts:
+      m.close()
+      m = ofx.CheckpointManager(d, policy)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="orbax_flax"):
+      m.save(s, items(s, changed=0), force=True)
+    if any("failed their read-back" in r.getMessage() and "not the recorded ones" in r.getMessage()
+           for r in caplog.records):
+      healed.append(s)
+  m.close()
   assert len(healed) == 1 and healed[0] <= differ.SCRUB_SAVES, healed
   for s in range(0, healed[0]):
     with pytest.raises(ofx.CheckpointCorruptedError):

@@ -47,6 +47,8 @@ from orbax_flax.differential import refs
 log = logging.getLogger("orbax_flax")
 _SAME = ("path", "shape", "dtype", "stored_dtype", "chunk_shape", "key_impl", "key_shape")
 SCRUB_SAVES = 4  # every borrowed block is read back and checked once in this many saves
+SCRUB_BATCH_BYTES = 64 << 20  # the read-back's buffers, at most
+SCRUB_TURN = "scrub_turn"  # summary: the base's turn + 1 (see Differ.select)
 
 
 class Pins:
@@ -87,22 +89,19 @@ class Differ:
     base: the step to compare with (None: a full save that records hashes).
     pins: the checkpointer's :class:`Pins`.
     alive: True while the save runs (its pin lasts that long).
-    turn: which rolling part of the borrowed blocks this save checks (the
-      checkpointer's count of its differential saves; see :meth:`select`).
   """
 
   def __init__(self, plan_manifest: dict[str, Any], loc: Location, base: Location | None,
-               pins: Pins, alive: Any, turn: int = 0):
+               pins: Pins, alive: Any):
     self.loc, self.base, self.pins, self.alive = loc, base, pins, alive
-    self.turn = turn % SCRUB_SAVES
-    self.healed: list[str] = []  # blocks whose borrowed bytes failed their check: written
+    self.turn = 0  # the base's scrub_turn + 1, agreed with the base (see select)
     self._packed_owner: dict[tuple[str, int, int], int] = {}  # a borrowed segment's reader owner
     self.me, self.nproc = _multihost.process_index(), _multihost.process_count()
     self.recs = {(item, r["name"]): r for item, meta in plan_manifest["items"].items()
                  for r in meta["leaves"] if r.get("kind") != "value"}
     self.packed_sizes = {item: meta["packed"].get(str(self.me))
                          for item, meta in plan_manifest["items"].items()}
-    self.token: str | None = None     # the agreed base, "<dir>:<generation>" or ""
+    self.token: str | None = None     # the agreed base, "<dir>:<generation>:<turn>" or ""
     self.homes: list[tuple[str, str]] = []  # (dir, generation) of the steps referenced
     self.chunks: list[list[Any]] = []  # [item, name, chunk, hash, home or -1]
     self.packed: list[list[Any]] = []  # [item, lo, hi, hash, home or -1]
@@ -120,6 +119,7 @@ class Differ:
     else:
       self.token = _multihost.fetch(f"{key}/diff-base", timeout_s, missing=[0],
                                     waiting_for="process 0 to choose the differential base")
+    self.turn = int(self.token.split(":")[2]) if self.token else 0
 
   def _pick(self) -> str:
     base = self.base
@@ -136,13 +136,13 @@ class Differ:
                     self.loc, base, e)
         return ""
       self.pins.add(gens, self.alive)
-    return f"{base.name}:{summary.generation}"
+    return f"{base.name}:{summary.generation}:{summary.scrub_turn + 1}"
 
   def _load_base(self) -> dict[str, Any] | None:
     """The agreed base: its manifest (references expanded), steps and array records; or None."""
     if not self.token:
       return None
-    name, gen = self.token.split(":")
+    name, gen, _ = self.token.split(":")
     try:
       at = refs.locate_step(self.loc, name, gen)
       manifest = restoring.read_manifest(at)
@@ -169,16 +169,21 @@ class Differ:
     Borrowing trusts the base's record, not its bytes: one flipped bit in a block
     every later save borrows would make all of them unrestorable. So a rolling
     part of the borrowable blocks, one in :data:`SCRUB_SAVES` (chosen by array,
-    chunk or segment, and ``turn``), is read back each save from where it is
-    stored (CRC-32C, then its recorded content hash). A block that fails is
-    written again from the live state, whose hash is the recorded one: the damage
-    reaches at most the saves before its turn, and the next save borrows good
-    bytes. Reading costs a quarter of the borrowed bytes per save, in the
-    background phase; nothing more is written while the bytes are sound.
+    chunk or segment, and ``turn``: the base's turn + 1, recorded in each
+    manifest as ``scrub_turn``, so it rolls on across restarts and is the same
+    on every process), is read back from where it is stored (CRC-32C, then its
+    recorded content hash) before it is borrowed. A block that fails, or cannot
+    be read, is written again from the live state, whose hash is the recorded
+    one: the damage reaches at most the saves before its turn, and the next save
+    borrows good bytes. Reading costs about a quarter of the borrowed bytes per
+    save (a packed segment reads the whole packed chunks it touches), in
+    buffers of at most :data:`SCRUB_BATCH_BYTES`, wherever ``select`` runs (the
+    background phase; the caller's thread for the rounds of an async save over
+    its host budget); nothing more is written while the bytes are sound.
     """
     if self._base is None:
       self._base = self._load_base() or {}
-    blocks = []  # (piece, lo, hi) of every block decided on, lo/hi for packed segments
+    blocks = []  # (piece, lo, hi, k) of every block decided on; lo/hi/k: a packed segment
     for p in pieces:
       if p.packed:
         size = self.packed_sizes[p.array.item]
@@ -235,64 +240,86 @@ class Differ:
 
   def _due(self, item: str, name: str, index: int) -> bool:
     """Whether this save checks the block (one in :data:`SCRUB_SAVES`, rolling with ``turn``)."""
-    return (zlib.crc32(f"{item}/{name}".encode()) + index) % SCRUB_SAVES == self.turn
+    return (zlib.crc32(f"{item}/{name}".encode()) + index) % SCRUB_SAVES == self.turn % SCRUB_SAVES
 
   def _scrub(self, due: list[tuple[tuple[Any, ...], str]]) -> set[tuple[Any, ...]]:
     """The blocks of ``due`` (``(key, hash)``) whose stored bytes fail their checks.
 
     A key is ``(item, array name, chunk, None, None)`` for a chunk and ``(item, "",
-    segment, lo, hi)`` for bytes ``[lo, hi)`` of this process's packed buffer.
+    segment, lo, hi)`` for bytes ``[lo, hi)`` of this process's packed buffer. Any
+    failure to read or check a block only makes it written again: the scrub never
+    fails a save.
     """
-    if not due:
-      return set()
+    problems: dict[tuple[Any, ...], str] = {}
+    batch: list[tuple[tuple[Any, ...], str, Any]] = []
+    used = 0
+    for key, h in due:
+      try:
+        fill = self._fill(key)
+      except Exception as e:  # pylint: disable=broad-except  # written again, never fatal
+        problems[key] = f"cannot be read: {type(e).__name__}: {e}"
+        continue
+      batch.append((key, h, fill))
+      used += key[4] - key[3] if key[3] is not None else fill.out.nbytes
+      if used >= SCRUB_BATCH_BYTES:
+        self._check(batch, problems)
+        batch, used = [], 0
+    if batch:
+      self._check(batch, problems)
+    if problems:
+      shown = "\n  ".join(f"{self._what(k)}: {why}" for k, why in list(problems.items())[:5])
+      more = f"\n  and {len(problems) - 5} more" if len(problems) > 5 else ""
+      log.warning("differential save to %s: %d block(s) it would borrow from %s failed their"
+                  " read-back, so they are written again from the live state and this save and"
+                  " the next ones do not borrow them:\n  %s%s\nBytes that are not the recorded"
+                  " ones are damage on disk: older steps that borrow them are damaged too"
+                  " (ofx.verify says which). A block that could not be read may be a passing"
+                  " storage error.", self.loc, len(problems), self._base["at"], shown, more)
+    return set(problems)
+
+  def _fill(self, key: tuple[Any, ...]) -> Any:
+    """A read of the block ``key`` of the base into a new buffer (see :meth:`_scrub`)."""
+    item, name, c, lo, hi = key
+    if lo is None:
+      rec = self._base["recs"][(item, name)]
+      box = _layout.Chunking(rec.shape, rec.chunk_shape).chunk_box(c)
+      return _reading.Fill(item, rec, box, np.empty(_layout.box_shape(box), rec.np_stored_dtype))
+    out = np.empty(hi - lo, np.uint8)
+    return _reading.PackedFill(item, self._packed_owner[(item, lo, hi)], lo, hi,
+                               np.dtype(np.uint8), (hi - lo,), [((), out)],
+                               f"the packed small arrays [{lo}, {hi})")
+
+  def _check(self, batch: list[tuple[tuple[Any, ...], str, Any]], problems: dict) -> None:
+    """Reads ``batch`` and records in ``problems`` each block that fails (one by one if any)."""
     if self._base["reader"] is None:
       self._base["reader"] = _reading.Reader(self._base["at"], self._base["manifest"])
-    reader, fills = self._base["reader"], []
-    for key, h in due:
-      item, name, c, lo, hi = key
-      if lo is None:
-        rec = self._base["recs"][(item, name)]
-        box = _layout.Chunking(rec.shape, rec.chunk_shape).chunk_box(c)
-        fill = _reading.Fill(item, rec, box, np.empty(_layout.box_shape(box), rec.np_stored_dtype))
-      else:
-        out = np.empty(hi - lo, np.uint8)
-        fill = _reading.PackedFill(item, self._packed_owner[(item, lo, hi)], lo, hi,
-                                   np.dtype(np.uint8), (hi - lo,),
-                                   [((), out)], f"the packed small arrays [{lo}, {hi})")
-      fills.append((key, h, fill))
+    reader = self._base["reader"]
 
-    def read(batch):
-      reader.read([f for _, _, f in batch if isinstance(f, _reading.Fill)],
-                  [f for _, _, f in batch if isinstance(f, _reading.PackedFill)])
+    def read(fills):
+      reader.read([f for f in fills if isinstance(f, _reading.Fill)],
+                  [f for f in fills if isinstance(f, _reading.PackedFill)])
 
-    def content(f):
-      return f.out if isinstance(f, _reading.Fill) else f.dests[0][1]
-
-    problems = {}
     try:
-      read(fills)
-      suspects = []
-    except (errors.CheckpointError, errors.StorageError, OSError):
-      suspects = fills  # which ones: one by one
-    for key, h, f in suspects:
-      try:
-        read([(key, h, f)])
-      except (errors.CheckpointError, errors.StorageError, OSError) as e:
-        problems[key] = str(e)
-    for key, h, f in fills:
-      if key not in problems and hashing.block_hash(content(f)) != h:
+      read([f for _, _, f in batch])
+      failed = {}
+    except Exception:  # pylint: disable=broad-except  # which ones: one by one
+      failed = {key: None for key, _, _ in batch}
+    for key, h, f in batch:
+      if key in failed:
+        try:
+          read([f])
+        except Exception as e:  # pylint: disable=broad-except  # written again, never fatal
+          problems[key] = f"cannot be read: {type(e).__name__}: {e}"
+          continue
+      out = f.out if isinstance(f, _reading.Fill) else f.dests[0][1]
+      if hashing.block_hash(out) != h:
         problems[key] = "its bytes are not the recorded ones"
-    for key in sorted(problems, key=str):
-      item, name, c, lo, _ = key
-      what = (f"item {item!r}, array {self._base['recs'][(item, name)].path_text}, chunk {c}"
-              if lo is None else f"item {item!r}, the packed small arrays from byte {lo}")
-      self.healed.append(what)
-      log.warning("differential save to %s: the stored bytes of %s, borrowed from %s, fail their"
-                  " check (%s); written again from the live state, so this save and the next"
-                  " ones do not borrow them. Older steps that borrow them stay damaged: verify"
-                  " them (ofx.verify) and delete those that fail.", self.loc, what,
-                  self._base["at"], problems[key])
-    return set(problems)
+
+  def _what(self, key: tuple[Any, ...]) -> str:
+    item, name, c, lo, _ = key
+    if lo is None:
+      return f"item {item!r}, array {self._base['recs'][(item, name)].path_text}, chunk {c}"
+    return f"item {item!r}, the packed small arrays from byte {lo}"
 
   def _home(self, src: tuple[str, str] | None) -> int:
     if src is None:
@@ -373,7 +400,8 @@ class Differ:
     return dict(manifest, items=items, **{
         refs.BASES: [{"dir": d, "generation": g} for d, g in homes],
         refs.STORED_BYTES: {"own": sum(r["written"] for r in reports),
-                            "borrowed": sum(r["reused"] for r in reports)}})
+                            "borrowed": sum(r["reused"] for r in reports)},
+        SCRUB_TURN: self.turn})
 
 
 def segments(piece: Any, chunk: int) -> list[tuple[int, int]]:
@@ -418,7 +446,6 @@ class Differential:
     self.pins = Pins()
     self._base: Location | None = None
     self._last: Location | None = None
-    self._saves = 0  # differential saves so far: whose turn it is to be checked (Differ.turn)
 
   def set_base(self, path: Any) -> None:
     """Names the step the next save compares with (None: the previous save of this checkpointer)."""
@@ -431,5 +458,4 @@ class Differential:
                        " saves (and the retention that keeps their bases) need one for now. Pass"
                        " differential=False for object stores.")
     base, self._base, self._last = self._base or self._last, None, plan.loc
-    self._saves += 1
-    return Differ(plan.manifest, plan.loc, base, self.pins, alive, turn=self._saves)
+    return Differ(plan.manifest, plan.loc, base, self.pins, alive)

@@ -162,6 +162,7 @@ class Summary:
   database_identity: bool = False  # every database of this checkpoint holds its identity key
   bases: tuple[Base, ...] = ()                 # a differential save's referenced steps
   stored_bytes: Mapping[str, int] | None = None  # a differential save's {"own", "borrowed"}
+  scrub_turn: int = 0  # a differential save's turn in the read-back of what it borrows
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -131,6 +131,9 @@ class _Checker:
       if not isinstance(dtype, str):
         self.bad(f"casts[{leaf!r}] is {_short(dtype)}, not a dtype name")
     bases, stored = _differential(self, s, gen)
+    turn = s.get("scrub_turn", 0)
+    if type(turn) is not int or not 0 <= turn < 1 << 31:
+      self.bad(f"scrub_turn is {_short(turn)}, not a count")
     return {"format": s["format"], "version": s["version"], "created": created,
             "process_count": s["process_count"], "device_count": s["device_count"],
             "library_version": s["library_version"], "generation": gen,
@@ -138,7 +141,7 @@ class _Checker:
             "item_bytes": s.get("item_bytes", {}),
             "all_chunks_stored": s.get("all_chunks_stored", False),
             "database_identity": s.get("database_identity", False), "bases": bases,
-            "stored_bytes": stored}
+            "stored_bytes": stored, "scrub_turn": turn}
 
   def items(self, items: Any, nproc: int) -> dict[str, Item]:
     if not isinstance(items, dict):
