@@ -121,13 +121,15 @@ class SaveRun:
       return
     self.progress.phase = "agreeing on the generation" if self.nproc > 1 else "starting"
     final = self.plan.loc
+    where = None  # the target, once the generation is known
     if self.me == 0:
       try:
         gen = uuid.uuid4().hex[:16]
+        where = target(final, gen)
         if final.is_local:
           try:
             os.makedirs(os.path.dirname(final.local_path), exist_ok=True)
-            os.makedirs(target(final, gen).local_path)
+            os.makedirs(where.local_path)
           except OSError as e:
             raise _location.storage_error(final, "creating the checkpoint directory", e) from e
         _multihost.publish(f"{self.key}/gen", gen, timeout_s=self.timeout_s)
@@ -140,7 +142,7 @@ class SaveRun:
                              waiting_for=f"process 0 to start the save to {final}", missing=[0])
       if gen.startswith("error: "):
         raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
-    self.gen, self.target = gen, target(final, gen)
+    self.gen, self.target = gen, where or target(final, gen)
     self._ctx = _tsio.context()
     self.hooks.agree(self.key, self.timeout_s)
 
