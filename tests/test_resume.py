@@ -76,3 +76,29 @@ def test_a_step_saved_without_a_data_position_resumes_and_leaves_the_iterator(tm
   with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 1}) as ckpt:
     resumed = ckpt.restore_or_init(_state(1), data_iterator=data)
   assert ckpt.restored_step == 1 and int(resumed.step) == 1 and data.i == 5
+
+
+def test_a_read_once_resume_restores_the_data_position_and_trains_on(tmp_path):
+  """``read_once_restore`` with a data iterator: the read-once path resharded every item
+  like the target and raised ``ValueError: Expected dict, got None`` on the data item."""
+  config = {"save_interval_steps": 1, "read_once_restore": True}
+  data = Positions()
+  with ofx.CheckpointCallback(str(tmp_path), config) as ckpt:
+    state = ckpt.restore_or_init(_state(0), data_iterator=data)
+    next(data)
+    next(data)
+    ckpt.on_step_end(1, state.replace(step=1), {"loss": 1.0})
+  again = Positions()
+  with ofx.CheckpointCallback(str(tmp_path), config) as ckpt:
+    resumed = ckpt.restore_or_init(_state(1), data_iterator=again)
+  assert ckpt.restored_step == 1 and again.i == 2
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), resumed.params,
+                                   state.params))
+
+  @jax.jit
+  def train_step(s, x):
+    grads = jax.grad(lambda p: jnp.sum(s.apply_fn(p, x) ** 2))(s.params)
+    return s.apply_gradients(grads=grads)
+
+  trained = train_step(resumed, jnp.ones((2, 8)))
+  assert int(trained.step) == 2

@@ -487,7 +487,16 @@ def _read_once_leaf(leaf: Any, chunk_shape: tuple[int, ...] | None) -> Any:
 
 
 def _reshard_like(out: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:
-  """Arrays of ``out`` moved onto the target's shardings with one jit (collectives)."""
+  """Arrays of ``out`` moved onto the target's shardings with one jit (collectives).
+
+  An item whose target is None (restored as saved, e.g. a data iterator's position)
+  is returned as read.
+  """
+  as_read = {k: v for k, v in out.items() if target.get(k) is None}
+  if as_read:
+    moved = _reshard_like({k: v for k, v in out.items() if k not in as_read},
+                          {k: t for k, t in target.items() if k not in as_read})
+    return {k: as_read[k] if k in as_read else moved[k] for k in out}
   flat_out, treedef = jax.tree_util.tree_flatten(out)
   flat_target = treedef.flatten_up_to(target)
   idx = [i for i, (x, t) in enumerate(zip(flat_out, flat_target))
