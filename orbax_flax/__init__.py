@@ -13,6 +13,10 @@ tensorstore; ``from orbax_flax import save`` and ``ofx.save`` work as usual.
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 
 # Public name -> the module that defines it (and its name there, where it differs).
 _EXPORTS = {
@@ -82,6 +86,55 @@ __all__ = [
 ]
 
 
+# Modules of the flat layout before the layer packages, each an alias of the module that
+# holds its code now (``orbax_flax.registry`` is ``orbax_flax.manager.registry``), so that
+# code written against the old paths keeps working; importing one warns (DeprecationWarning).
+_MOVED = {
+    **{m: f"core.{m}" for m in ("_crc", "_location", "_multihost", "_progress", "_staging",
+                                "_tree")},
+    **{m: f"format.{m}" for m in ("_layout", "_manifest", "_records", "_records_decode",
+                                  "_tsio", "step_dir")},
+    "_chunk_index": "format._tsio",
+    **{m: f"engine.{m}" for m in ("_matching", "_planning", "_reading", "_save_run",
+                                  "_selecting", "checkpointer", "converting", "describe",
+                                  "restoring", "saving", "targets", "transforms", "verifying")},
+    "_planner": "engine._planning", "_committing": "engine._save_run",
+    "_read_buffers": "engine._reading", "_read_once": "engine.restoring",
+    **{m: f"manager.{m}" for m in ("components", "config", "evaluation", "leases", "policy",
+                                   "registry", "schedule")},  # (orbax_flax.manager: the package)
+    "events": "manager.manager", "inflight": "manager.manager", "rollback": "manager.registry",
+    **{m: f"training.{m}" for m in ("callbacks", "checkpoint_callback", "init_from",
+                                    "preemption", "prefetching", "restart", "resume",
+                                    "state_items", "tensorboard", "workdir")},
+    "interruptions": "training.checkpoint_callback",
+}
+
+
+class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """Finds ``orbax_flax.<old name>`` (see ``_MOVED``): the module that holds its code now."""
+
+  def find_spec(self, fullname, path=None, target=None):
+    del path, target
+    prefix, _, name = fullname.partition(".")
+    if prefix != __name__ or name not in _MOVED:
+      return None
+    return importlib.util.spec_from_loader(fullname, self)
+
+  def create_module(self, spec):
+    new = f"{__name__}.{_MOVED[spec.name.partition('.')[2]]}"
+    warnings.warn(f"{spec.name} moved to {new}; import it from there.", DeprecationWarning,
+                  stacklevel=2)
+    module = importlib.import_module(new)
+    spec.loader_state = module.__spec__  # put back once the import system set the alias's
+    return module
+
+  def exec_module(self, module):
+    module.__spec__ = module.__spec__.loader_state
+
+
+sys.meta_path.append(_OldPaths())
+
+
 def __getattr__(name: str):
   """Imports a public name (or a submodule, e.g. ``orbax_flax.errors``) on first use."""
   where = _EXPORTS.get(name)
@@ -92,6 +145,8 @@ def __getattr__(name: str):
       value = getattr(value, attr)
     globals()[name] = value
     return value
+  if name in _MOVED:
+    return importlib.import_module(f"{__name__}.{name}")
   if not name.startswith("__"):
     try:
       return importlib.import_module(f"{__name__}.{name}")

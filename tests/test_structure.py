@@ -324,3 +324,26 @@ def test_the_private_jax_apis_we_use_still_exist():
     array = jax.device_put(np.zeros(2 * len(jax.devices())), sharding)
     assert got == [s.device for s in array.addressable_shards], (
         f"{where}: _addressable_device_assignment is no longer the order of addressable_shards")
+
+
+def test_the_modules_of_the_flat_layout_are_aliases_of_where_their_code_is_now():
+  """``orbax_flax.registry`` (the layout before the layer packages) is
+  ``orbax_flax.manager.registry``, with a DeprecationWarning; every old name resolves."""
+  import importlib
+  import sys
+  import warnings
+  import orbax_flax
+  for old, new in orbax_flax._MOVED.items():  # pylint: disable=protected-access
+    sys.modules.pop(f"orbax_flax.{old}", None)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      alias = importlib.import_module(f"orbax_flax.{old}")
+    target = importlib.import_module(f"orbax_flax.{new}")
+    assert alias is target, (old, new)
+    assert target.__spec__.name == f"orbax_flax.{new}", (old, target.__spec__.name)
+    assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)
+               for w in caught), (old, [str(w.message) for w in caught])
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from orbax_flax._location import Location  # pylint: disable=import-outside-toplevel
+  assert Location is importlib.import_module("orbax_flax.core._location").Location
