@@ -7,9 +7,9 @@ defaults, and a restore of a checkpoint that references no other step finds
 its databases in the engine. Checked in a fresh process with a profiler that records every Python
 call into a file of ``orbax_flax/differential/``, phase by phase: saves through
 the callback and the manager (with deletions by the keep rules), and resumes and
-restores. A manager's construction is in neither phase: it looks once whether
-its directory holds differential data already (a run that had it on), whose
-references its deletions must then keep (``retention.in_use``).
+restores. A plain manager looks, when it becomes the writer, whether its directory
+holds differential data already (a run that had it on), whose references its
+deletions must then keep (``registry.holds_references``, no differential code).
 """
 
 import os

@@ -262,3 +262,19 @@ def test_a_flipped_bit_in_a_borrowed_chunk_reaches_a_bounded_number_of_saves(tmp
   for s in range(healed[0], last + 1):
     assert restores_as(os.path.join(d, str(s)), items(s, changed=0)), s
     assert ofx.verify(os.path.join(d, str(s))) > 0
+
+
+def test_a_plain_manager_opened_before_differential_steps_appear_keeps_what_they_borrow(tmp_path):
+  """A plain manager built over an empty directory chose the plain deletion once, at
+  construction; differential steps another job wrote before its first save were then deleted
+  whole while a kept step borrowed from them (restore raised 'references data of step 0')."""
+  d = str(tmp_path)
+  plain = ofx.CheckpointManager(d, ofx.CheckpointPolicy(max_to_keep=2, async_save=False))
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=True, async_save=False)) as m:
+    for s in range(3):
+      m.save(s, items(s), force=True)  # 1 and 2 borrow the three unchanged arrays from 0
+  with plain:
+    plain.save(3, items(3), force=True)  # the keep rules drop 0 and 1
+    assert plain.all_steps() == [2, 3]
+  assert restores_as(os.path.join(d, "2"), items(2))
+  assert restores_as(os.path.join(d, "3"), items(3))

@@ -58,6 +58,10 @@ class Pins:
   ``lock`` too, so that choosing a base and deleting it never interleave. A
   pin lasts while its save runs (``alive()``).
 
+  Args:
+    lock: the lock to share (a registry's, when its retention changes to one that keeps
+      references, :class:`orbax_flax.differential.retention.Referenced`); default a new one.
+
   Example:
     >>> pins = Pins()
     >>> pins.add({"0123456789abcdef"}, alive=lambda: True)
@@ -65,8 +69,8 @@ class Pins:
     ['0123456789abcdef']
   """
 
-  def __init__(self):
-    self.lock = threading.RLock()
+  def __init__(self, lock: Any = None):
+    self.lock = lock if lock is not None else threading.RLock()
     self._pins: list[tuple[frozenset[str], Any]] = []
 
   def add(self, generations: set[str], alive: Any) -> None:

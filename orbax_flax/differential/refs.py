@@ -34,6 +34,7 @@ from typing import Any
 
 from orbax_flax.format import _manifest
 from orbax_flax.format import _records_decode
+from orbax_flax.format import step_dir
 from orbax_flax import errors
 from orbax_flax.core._location import Location
 
@@ -42,8 +43,8 @@ CHUNK_HASH = "chunk_hash"
 CHUNK_BASE = "chunk_base"
 PACKED_PIECES = "packed_pieces"
 STORED_BYTES = "stored_bytes"
-RETIRED_KEY = "_RETIRED"  # a retired step's manifest (its _CHECKPOINT renamed): not a step
-RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
+RETIRED_KEY = step_dir.RETIRED_KEY  # a retired step's manifest (its _CHECKPOINT renamed)
+RETIRED = step_dir.RETIRED  # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
 OWNER_STRIDE = _records_decode.OWNER_STRIDE  # expanded owners: home * it + process
 _DIR = _records_decode.BASE_DIR
 _GEN = re.compile(r"^[0-9a-f]{16}$")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 from orbax_flax.core import _location
 from orbax_flax.core import _multihost
@@ -122,12 +123,15 @@ class Referenced:
   Args:
     setting: the checkpointer's differential setting (its pins, and the base it
       names before each save); None for a manager whose saves are plain, over a
-      directory that holds differential steps (:func:`in_use`).
+      directory that holds differential steps
+      (:func:`orbax_flax.manager.registry.holds_references`).
+    lock: with ``setting`` None, the lock to use (the registry's, whose plain
+      retention this one replaces).
   """
 
-  def __init__(self, setting: differ.Differential | None):
+  def __init__(self, setting: differ.Differential | None, lock: Any = None):
     self._setting = setting
-    self._pins = setting.pins if setting is not None else differ.Pins()
+    self._pins = setting.pins if setting is not None else differ.Pins(lock)
     self.lock = self._pins.lock  # with the pins: choosing a base and deleting never interleave
 
   def before_save(self, root: Location, step: int, committed: list[int], overwrite: bool) -> bool:
@@ -143,19 +147,6 @@ class Referenced:
 
   def sweep(self, root: Location) -> None:
     sweep(root, self._pins)
-
-
-def in_use(root: Location) -> bool:
-  """Whether the local directory of steps ``root`` holds differential data: retired data,
-  or a committed step that references another (or one whose summary cannot be read, so
-  that what it references is unknown). Object stores hold none (differential saves are
-  refused there)."""
-  if not root.is_local:
-    return False
-  if refs.retired_dirs(root.local_path):
-    return True
-  gens = referenced(root)
-  return gens is None or bool(gens)
 
 
 def make_room(root: Location, step: int, pins: differ.Pins) -> bool:

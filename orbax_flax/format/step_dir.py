@@ -40,6 +40,8 @@ class Leftover:
 
 
 TMP_MARKER = ".ofx-tmp-"  # <step>.ofx-tmp-<...>: an uncommitted save or a step being deleted
+RETIRED_KEY = "_RETIRED"  # a retired step's manifest (its _CHECKPOINT renamed): not a step
+RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
 INDEX = "_steps"  # on object stores: one empty key per committed step
 
 

@@ -115,10 +115,10 @@ class CheckpointManager:
     self.registry.start()
 
   def _retention(self) -> Any:
-    """How the registry removes steps: the plain delete, unless steps here may reference each
-    other's bytes (differential saves on, or a directory that holds differential data
-    already: then a referenced step is retired, never deleted)."""
-    if self._ckptr.differential is not None or referenced.in_use(self._dir):
+    """How the registry removes steps: with differential saves a referenced step is retired,
+    never deleted; else the plain delete, until this manager becomes the writer of a
+    directory that holds differential data already (:meth:`_become_writer`)."""
+    if self._ckptr.differential is not None:
       return referenced.Referenced(self._ckptr.differential)
     return registry_lib.Retention()
 
@@ -239,7 +239,7 @@ class CheckpointManager:
     start, handle = time.perf_counter(), None
     path, options = self._dir.join(str(step)), dict(custom_metadata=custom, overwrite=overwrite,
                                                     dtype=dtype)
-    with self.registry.saving(step):  # a write in progress until _record ends it
+    with self.registry.saving(step):  # a write in progress until _completed ends it
       with self.registry.lock:  # one order with deletions: claim the step, then make room
         overwrite = self.registry.claim(step) or overwrite  # a pending deletion is called off
         options["overwrite"] = self.registry.retention.before_save(
@@ -268,8 +268,9 @@ class CheckpointManager:
     """The one path by which the end of a save comes back to the manager, once per save.
 
     Where it runs: for an async save on the save's own thread, as the done-callback
-    :meth:`save` gave its handle (before the handle's ``wait()`` and ``join()`` return); for
-    a blocking save in :meth:`save`. What it changes is each guarded by its owner's lock,
+    :meth:`save` gave its handle (before the handle's ``wait()`` and ``join()`` return), or
+    on the caller's thread inside :meth:`save` if the save had ended already; for a
+    blocking save in :meth:`save`. What it changes is each guarded by its owner's lock,
     never by the thread: the commit goes to the rollback and the registry (under the
     rollback's lock), the event to the :class:`EventLog` and the
     save's cost to the :class:`~orbax_flax.manager.schedule.Schedule` (each under its own
@@ -278,8 +279,8 @@ class CheckpointManager:
     :class:`InFlight` and raised by the manager's next call.
     """
     step = save.info.step
-    with self._completing:
-      try:
+    try:
+      with self._completing:
         if handle is not None:
           handle.wait()  # in the save's own thread: returns, or raises its error, at once
         gone = self._rollback.committed(save.info, save.new_run)
@@ -289,10 +290,10 @@ class CheckpointManager:
         doomed = self._agree_on_retention()
         self.registry.doom(doomed)
         self.registry.delete(set(doomed) | gone)
-      except BaseException as e:  # pylint: disable=broad-except  # raised by the next call
-        self._inflight.failed(save, e)
-      finally:
-        self.registry.writes.end(step)
+    except BaseException as e:  # pylint: disable=broad-except  # raised by the next call
+      self._inflight.failed(save, e)
+    finally:
+      self.registry.writes.end(step)
 
   def _stored(self, step: int, handle: saving.AsyncSave | None) -> dict[str, int] | None:
     """The bytes written and reused by ``step``'s save: known to a plain async save's handle,
@@ -341,6 +342,11 @@ class CheckpointManager:
         self.registry.become_writer()  # (no lease of its own: process 0 holds the job's)
     if problem:
       raise errors.WriterConflictError(problem)
+    # Only the writer adds steps: what is here now is all a plain manager's deletions must
+    # respect. Another job (or a run with differential saves on) may have left steps that
+    # reference each other's bytes; then a referenced step is retired, never deleted.
+    if self._ckptr.differential is None and registry_lib.holds_references(self._dir):
+      self.registry.use_retention(referenced.Referenced(None, lock=self.registry.lock))
 
   def prepare(self, items: Mapping[str, Any]) -> int:
     """Prepares in the background the staging memory of the first async save of ``items`` (see

@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -76,6 +77,37 @@ class Retention:
   def sweep(self, root: Location) -> None:
     """Removes what earlier deletions left on purpose (nothing, here)."""
     del root
+
+def holds_references(root: Location) -> bool:
+  """Whether the local directory of steps ``root`` holds differential data: retired data, or
+  a committed step that references another (or one whose summary cannot be read, so that
+  what it references is unknown). Object stores hold none (differential saves are refused
+  there). A plain manager asks when it becomes the writer: from then on only it adds steps.
+
+  Example:
+    >>> import tempfile
+    >>> holds_references(Location.parse(tempfile.mkdtemp()))
+    False
+  """
+  if not root.is_local:
+    return False
+  try:
+    names = os.listdir(root.local_path)
+  except OSError:
+    return False
+  if any(step_dir.RETIRED in n or (n.isdigit() and os.path.exists(
+      os.path.join(root.local_path, n, step_dir.RETIRED_KEY))) for n in names):
+    return True
+  for step in step_dir.list_steps(root)[0]:
+    try:
+      if restoring.read_summary(root.join(str(step))).bases:
+        return True
+    except errors.CheckpointNotFoundError:
+      continue  # deleted meanwhile
+    except errors.CheckpointError:
+      return True
+  return False
+
 
 class Writes:
   """The steps whose save has started and not yet ended, under one directory.
@@ -155,6 +187,13 @@ class StepRegistry:
       self._tidy()
     finally:
       lease.release()
+
+  def use_retention(self, retention: Retention) -> None:
+    """Removes steps with ``retention`` from now on; it must share :attr:`lock`."""
+    if retention.lock is not self.lock:
+      raise ValueError("a registry's retention keeps its lock: build it with registry.lock")
+    with self.lock:
+      self.retention = retention
 
   def become_writer(self) -> None:
     """Makes this process the directory's writer (process 0 takes the writer lease), then
