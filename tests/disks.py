@@ -23,3 +23,15 @@ def small_disk(path, size="4m", read_only=False):
     yield path
   finally:
     subprocess.run(["umount", "-l", path], check=False)
+
+
+def flip_a_bit_in_the_largest_data_file(step_dir, mask=0x01):
+  """Bit rot: XORs ``mask`` into the middle byte of the largest data file (``d/``) of a step."""
+  files = [os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs
+           if f"{os.sep}d{os.sep}" in os.path.join(r, f)]
+  victim = max(files, key=os.path.getsize)
+  with open(victim, "r+b") as f:
+    f.seek(os.path.getsize(victim) // 2)
+    b = f.read(1)
+    f.seek(-1, 1)
+    f.write(bytes([b[0] ^ mask]))

@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import disks
 import jobs
 import orbax_flax as ofx
 from disks import small_disk
@@ -366,13 +367,7 @@ def test_launcher_runs_a_module(tmp_path):
 
 
 def _corrupt_largest_file(step_dir):
-  files = [os.path.join(r, f) for r, _, fs in os.walk(step_dir) for f in fs if "/d/" in os.path.join(r, f)]
-  victim = max(files, key=os.path.getsize)
-  with open(victim, "r+b") as f:
-    f.seek(os.path.getsize(victim) // 2)
-    b = f.read(1)
-    f.seek(-1, 1)
-    f.write(bytes([b[0] ^ 0xFF]))
+  disks.flip_a_bit_in_the_largest_data_file(step_dir, mask=0xFF)
 
 
 def _train(tmp_path, policy, steps):

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 
+import disks
 import jobs
 import orbax_flax as ofx
 from orbax_flax.manager import leases
@@ -233,14 +234,7 @@ def test_a_flipped_bit_in_a_borrowed_chunk_reaches_a_bounded_number_of_saves(tmp
   policy = ofx.CheckpointPolicy(differential=True, async_save=False)
   m = ofx.CheckpointManager(d, policy)
   m.save(0, items(0, changed=0), force=True)  # the four large arrays never change: borrowed
-  data = [os.path.join(dp, f) for dp, _, fs in os.walk(os.path.join(d, "0"))
-          for f in fs if f"{os.sep}d{os.sep}" in os.path.join(dp, f)]
-  big = max(data, key=os.path.getsize)
-  with open(big, "r+b") as f:
-    f.seek(os.path.getsize(big) // 2)
-    b = f.read(1)
-    f.seek(-1, 1)
-    f.write(bytes([b[0] ^ 1]))
+  disks.flip_a_bit_in_the_largest_data_file(os.path.join(d, "0"))
   healed = []
   for s in range(1, last + 1):
     if restarts:
