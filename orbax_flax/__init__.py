@@ -92,8 +92,8 @@ __all__ = [
 _MOVED = {
     **{m: f"core.{m}" for m in ("_crc", "_location", "_multihost", "_progress", "_staging",
                                 "_tree")},
-    **{m: f"format.{m}" for m in ("_layout", "_manifest", "_records", "_records_decode",
-                                  "_tsio", "step_dir")},
+    **{m: f"format.{m}" for m in ("_layout", "_manifest", "_tsio", "step_dir")},
+    "_records": "format._manifest", "_records_decode": "format._manifest",
     "_chunk_index": "format._tsio",
     **{m: f"engine.{m}" for m in ("_matching", "_planning", "_reading", "_save_run",
                                   "_selecting", "checkpointer", "converting", "describe",

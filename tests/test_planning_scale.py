@@ -90,7 +90,7 @@ def old_plan_array(item, name, path, leaf, kind, me, load, pack_sizes, packed, p
   sharding = leaf.sharding
   shape, dtype, nbytes = tuple(rec["shape"]), np.dtype(leaf.dtype), rec["nbytes"]
   rec["name"] = name
-  rec.setdefault("sharding", _manifest.describe_sharding(sharding))
+  rec.setdefault("sharding", _planning.describe_sharding(sharding))
   if nbytes == 0:
     rec.update(chunk_shape=list(shape), owners=[])
     return rec

@@ -110,33 +110,6 @@ def is_supported_dtype(dtype: np.dtype) -> bool:
   return dtype.kind in "biufc" or hasattr(ml_dtypes, dtype.name)
 
 
-# The most bytes an array's dimensions may span (zero dimensions counted as one):
-# numpy and jax index with signed 64-bit sizes.
-MAX_ARRAY_BYTES = 1 << 62
-
-
-def shape_problem(shape: Any, itemsize: int) -> str | None:
-  """What is wrong with a shape read from a file, or None: a list of ints >= 0 whose
-  extent (zero dimensions counted as one) times ``itemsize`` fits in ``MAX_ARRAY_BYTES``.
-
-  Example:
-    >>> shape_problem([2, 3], 4) is None, shape_problem([-1], 4), shape_problem([0, 2**61], 4)
-    (True, 'dimension -1 is negative', 'spans more than 2**62 bytes')
-  """
-  if not isinstance(shape, (list, tuple)):
-    return f"{shape!r} is not a list of dimensions"
-  extent = itemsize
-  for d in shape:
-    if isinstance(d, bool) or not isinstance(d, int):
-      return f"dimension {d!r} is not an integer"
-    if d < 0:
-      return f"dimension {d} is negative"
-    extent *= max(d, 1)
-    if extent > MAX_ARRAY_BYTES:
-      return "spans more than 2**62 bytes"
-  return None
-
-
 def leaf_kind(leaf: Any) -> str | None:
   """Classifies a leaf: "jax", "numpy", "value", or None if unsupported."""
   if isinstance(leaf, jax.Array):

@@ -18,7 +18,7 @@ coordinates. A retired step (deleted by retention while referenced) keeps its
 data in place, its ``_CHECKPOINT`` renamed ``_RETIRED``; only when a new step
 of the same number is saved does it move aside, to ``<dir>.ofx-base-<generation>``.
 
-The one decoder (:mod:`orbax_flax.format._records_decode`) checks these fields and
+The one decoder (:mod:`orbax_flax.format._manifest`) checks these fields and
 folds each reference into the owner number the reader uses (``home *
 OWNER_STRIDE + process``), so the reader finds the database of any chunk from
 its owner alone (:class:`Homes`).
@@ -33,7 +33,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from orbax_flax.format import _manifest
-from orbax_flax.format import _records_decode
 from orbax_flax.format import step_dir
 from orbax_flax import errors
 from orbax_flax.core._location import Location
@@ -45,8 +44,8 @@ PACKED_PIECES = "packed_pieces"
 STORED_BYTES = "stored_bytes"
 RETIRED_KEY = step_dir.RETIRED_KEY  # a retired step's manifest (its _CHECKPOINT renamed)
 RETIRED = step_dir.RETIRED  # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
-OWNER_STRIDE = _records_decode.OWNER_STRIDE  # expanded owners: home * it + process
-_DIR = _records_decode.BASE_DIR
+OWNER_STRIDE = _manifest.OWNER_STRIDE  # expanded owners: home * it + process
+_DIR = _manifest.BASE_DIR
 _GEN = re.compile(r"^[0-9a-f]{16}$")
 MAX_SUMMARY_BYTES = 16 << 20  # a summary longer than this is not read to find a generation
 

@@ -23,7 +23,7 @@ from orbax_flax.format import _layout
 from orbax_flax.core import _tree
 from orbax_flax import errors
 from orbax_flax.engine import targets
-from orbax_flax.format._records import Array, Manifest, Record
+from orbax_flax.format._manifest import Array, Manifest, Record
 
 
 @dataclasses.dataclass

@@ -277,7 +277,7 @@ def plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me:
   dtype = np.dtype(leaf.dtype)
   nbytes = rec["nbytes"]
   rec["name"] = name
-  rec.setdefault("sharding", _manifest.describe_sharding(sharding))
+  rec.setdefault("sharding", describe_sharding(sharding))
   if nbytes == 0:
     rec.update(chunk_shape=list(shape), owners=[])
     return rec
@@ -328,6 +328,22 @@ def plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me:
     pieces.append(Piece(array, _layout.box_to_slices(box), chunk_shape, dtype,
                         [Source(ref(local[start]), within)]))
   return rec
+
+
+def describe_sharding(sharding: Any) -> dict[str, Any]:
+  """A JSON description of a sharding, for humans and for metadata() (a new dict each call)."""
+  if sharding is None:
+    return {"type": "host", "text": "numpy (host)"}
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = [list(p) if isinstance(p, tuple) else p for p in sharding.spec]
+    mesh = sharding.mesh
+    return {"type": "NamedSharding",
+            "mesh": {"axis_names": list(mesh.axis_names), "shape": [int(mesh.shape[a]) for a in mesh.axis_names]},
+            "spec": spec,
+            "text": f"mesh{dict(mesh.shape)} spec{tuple(sharding.spec)}"}
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return {"type": "SingleDeviceSharding", "text": "single device"}
+  return {"type": type(sharding).__name__, "text": str(sharding)}
 
 
 def _chunk_holder_groups(lay: _ShardLayout | None, full_holders: frozenset[int],

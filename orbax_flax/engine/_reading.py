@@ -41,13 +41,13 @@ import tensorstore as ts
 
 from orbax_flax.core import _crc
 from orbax_flax.format import _layout
-from orbax_flax.format import _records_decode
+from orbax_flax.format import _manifest
 from orbax_flax.core import _location
 from orbax_flax.engine import _planning
 from orbax_flax.format import _tsio
 from orbax_flax import errors
 from orbax_flax.core._location import Location
-from orbax_flax.format._records import Array, Manifest
+from orbax_flax.format._manifest import Array, Manifest
 from orbax_flax.differential import refs  # chunks another step holds
 
 _DEFAULT_TEMP_BYTES = 64 << 20
@@ -180,7 +180,7 @@ class Reader:
         continue
       loc, db = self.homes.home(item, owner)
       found = self._identity_value(item, owner, loc, db)
-      own = owner < _records_decode.OWNER_STRIDE  # (larger: a base's process)
+      own = owner < _manifest.OWNER_STRIDE  # (larger: a base's process)
       if found is None and own and self.manifest.database_identity:
         raise self._wrong_database(item, owner, f"it does not name itself (its {_tsio.IDENTITY_KEY}"
                                    " key is missing): it was not written with this checkpoint")
@@ -277,7 +277,7 @@ class Reader:
 
   def _packed_chunks(self, item: str, owner: int) -> tuple[int, int] | None:
     """(chunk length, number of chunks it stores) of a packed buffer; None: a base's."""
-    if owner >= _records_decode.OWNER_STRIDE:  # a base's process
+    if owner >= _manifest.OWNER_STRIDE:  # a base's process
       return None
     size = self.manifest.items[item].packed[owner]
     chunk_bytes = _planning.pack_chunk_bytes(size)

@@ -34,7 +34,7 @@ from orbax_flax.core import _tree
 from orbax_flax.engine import checkpointer
 from orbax_flax import errors
 from orbax_flax.engine import restoring
-from orbax_flax.format._records import Array
+from orbax_flax.format._manifest import Array
 from orbax_flax.formats import orbax_export
 from orbax_flax.formats import safetensors_export
 

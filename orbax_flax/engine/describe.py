@@ -14,7 +14,7 @@ from orbax_flax.core import _tree
 from orbax_flax.engine import restoring
 from orbax_flax.core._location import Location
 from orbax_flax.core._progress import human_bytes  # (the CLI's too)
-from orbax_flax.format._records import Array, Manifest
+from orbax_flax.format._manifest import Array, Manifest
 
 
 @dataclasses.dataclass(frozen=True)

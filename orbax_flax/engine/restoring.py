@@ -46,7 +46,7 @@ from orbax_flax import formats
 from orbax_flax.format import step_dir
 from orbax_flax.engine import transforms as transforms_lib
 from orbax_flax.core._location import Location
-from orbax_flax.format._records import Array, Manifest, Summary
+from orbax_flax.format._manifest import Array, Manifest, Summary
 from orbax_flax.formats import orbax_checkpoint
 
 TMP_MARKER = step_dir.TMP_MARKER

@@ -50,7 +50,7 @@ import numpy as np
 
 from orbax_flax.core import _tree
 from orbax_flax import errors
-from orbax_flax.format._records import Array, Item, Manifest, Record
+from orbax_flax.format._manifest import Array, Item, Manifest, Record
 
 
 def _text(rec: Record) -> str:

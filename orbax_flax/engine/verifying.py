@@ -19,7 +19,7 @@ from orbax_flax.engine import _reading
 from orbax_flax import errors
 from orbax_flax.engine import restoring
 from orbax_flax.core._location import Location
-from orbax_flax.format._records import Array, Manifest
+from orbax_flax.format._manifest import Array, Manifest
 from orbax_flax.differential import hashing
 
 _BATCH_BYTES = 256 << 20

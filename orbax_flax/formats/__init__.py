@@ -7,7 +7,7 @@
 * a safetensors file or directory (:mod:`.safetensors`).
 
 The format is detected from the files. A foreign checkpoint is described by a
-manifest of the same records as ours (:mod:`orbax_flax.format._records`), in memory
+manifest of the same records as ours (:mod:`orbax_flax.format._manifest`), in memory
 only, whose array records carry a ``source`` that reads a box of the array into
 a buffer; everything above that (target checks, dtype rules, transforms,
 resharding) is shared.
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from orbax_flax import errors
 from orbax_flax.core._location import Location
-from orbax_flax.format._records import Manifest
+from orbax_flax.format._manifest import Manifest
 from orbax_flax.formats import orbax_checkpoint
 from orbax_flax.formats import safetensors_io as safetensors
 

@@ -40,7 +40,7 @@ from orbax_flax.core import _location
 from orbax_flax.core import _tree
 from orbax_flax import errors
 from orbax_flax.core._location import Location
-from orbax_flax.format._records import Array, Item, Manifest, Record, Value
+from orbax_flax.format._manifest import Array, Item, Manifest, Record, Value
 from orbax_flax.formats import _checks
 
 FORMAT = "orbax-checkpoint"

@@ -32,7 +32,8 @@ import numpy as np
 
 from orbax_flax.core import _tree
 from orbax_flax import errors
-from orbax_flax.format._records import Array, Item, Manifest
+from orbax_flax.format import _manifest
+from orbax_flax.format._manifest import Array, Item, Manifest
 from orbax_flax.formats import _cbytes
 from orbax_flax.formats import _checks
 
@@ -179,7 +180,7 @@ def read_tensors(file: str) -> tuple[list[_Entry], dict[str, str], int]:
       raise bad(f"tensor {name!r} has dtype {_checks.short(info.get('dtype'))}, which orbax_flax"
                 f" cannot read (it reads {', '.join(_DTYPES)})")
     shape = info.get("shape")
-    problem = _tree.shape_problem(shape, dtype.itemsize)
+    problem = _manifest.shape_problem(shape, dtype.itemsize)
     if problem:
       raise bad(f"tensor {name!r} has shape {_checks.short(shape)}: {problem}")
     offsets = info.get("data_offsets")

@@ -16,7 +16,7 @@ shard bytes by their CRCs, so a damaged blob is refused, never read wrong.
 The index holds, per item, the tree structure and per leaf the engine's own
 record (:func:`orbax_flax.engine._planning.array_record`, ``value_record``) plus the
 shards this process held (``boxes``), decoded by the manifest's own checking
-decoder into the same records (:mod:`orbax_flax.format._records`). A restore checks the target with the
+decoder into the same records (:mod:`orbax_flax.format._manifest`). A restore checks the target with the
 engine's :func:`orbax_flax.engine._matching.match_target` and places the arrays with
 its :func:`~orbax_flax.engine.restoring.assemble`: the same target gives the same
 result, or the same error, as the persistent tier.
@@ -40,12 +40,11 @@ from orbax_flax.format import _layout
 from orbax_flax.format import _manifest
 from orbax_flax.engine import _matching
 from orbax_flax.engine import _planning
-from orbax_flax.format import _records_decode
 from orbax_flax.core import _staging
 from orbax_flax.core import _tree
 from orbax_flax import errors
 from orbax_flax.engine import restoring
-from orbax_flax.format._records import Array, Item, Manifest
+from orbax_flax.format._manifest import Array, Item, Manifest
 from orbax_flax.formats import _cbytes
 
 MAGIC = b"OFXLOCL1"
@@ -291,7 +290,7 @@ def _index(data: bytes, where: str) -> tuple[Manifest, int]:
   seg = index.get("segment")
   if type(seg) is not int or seg < 1:
     raise errors.CheckpointCorruptedError(f"{where}: damaged index (segment {seg!r})")
-  return Manifest(items=_records_decode.decode_local_items(index["items"], f"{where} (its index)"),
+  return Manifest(items=_manifest.decode_local_items(index["items"], f"{where} (its index)"),
                   process_count=index.get("process_count", 0)), seg
 
 

@@ -29,7 +29,7 @@ from orbax_flax import errors
 from orbax_flax.engine import restoring
 from orbax_flax.format import step_dir
 from orbax_flax.core._location import Location
-from orbax_flax.format._records import Manifest
+from orbax_flax.format._manifest import Manifest
 from orbax_flax.formats import orbax_checkpoint
 
 
