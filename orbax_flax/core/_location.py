@@ -26,6 +26,7 @@ class Location:
   def __init__(self, spec: dict[str, Any], local_path: str | None):
     self._spec = spec
     self.local_path = local_path
+    self.is_local = local_path is not None  # else an object store (or another kvstore)
 
   @classmethod
   def parse(cls, path: Any) -> Location:
@@ -86,10 +87,6 @@ class Location:
       prefix += "/"
     spec["path"] = prefix
     return cls(spec, None)
-
-  @property
-  def is_local(self) -> bool:
-    return self.local_path is not None
 
   def spec(self, sub: str = "") -> dict[str, Any]:
     """A kvstore spec for ``sub`` (a key or a ``dir/``) inside this location."""

@@ -83,6 +83,17 @@ def fresh_arrays(specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.n
   return carve(_mapping(sum(sizes)), specs)
 
 
+def fresh_groups(groups: Sequence[Sequence[tuple[tuple[int, ...], np.dtype]]]
+                 ) -> list[list[np.ndarray]]:
+  """:func:`fresh_arrays` of each group: a mapping per group, which its arrays free together.
+
+  Example:
+    >>> [len(g) for g in fresh_groups([[((3,), np.dtype(np.float32))], []])]
+    [1, 0]
+  """
+  return [fresh_arrays(specs) for specs in groups]
+
+
 def _mapping(nbytes: int) -> np.ndarray:
   m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
   if nbytes >= _HUGE and hasattr(mmap, "MADV_HUGEPAGE"):

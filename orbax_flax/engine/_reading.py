@@ -399,7 +399,7 @@ class Reader:
 
   # ------------------------------------------------------------------ direct reads
 
-  def _pread(self, fds: Files, item: str, what: str, owner: int, located: _tsio.Located,
+  def _pread(self, fds: Files, item: str, what: object, owner: int, located: _tsio.Located,
              into: np.ndarray | None) -> tuple[np.ndarray, int]:
     """Reads a chunk value into ``into`` (its data part) or a temp; returns (data, stored crc)."""
     n = located.length - 4
@@ -431,7 +431,7 @@ class Reader:
     self._count(got)
     return dst, int.from_bytes(crc, "little")
 
-  def _check(self, data: np.ndarray, stored: int, item: str, what: str, owner: int,
+  def _check(self, data: np.ndarray, stored: int, item: str, what: object, owner: int,
              located: _tsio.Located) -> None:
     if _crc.value(data) != stored:
       where = "inline in the index" if located.file is None else (
@@ -439,7 +439,7 @@ class Reader:
       raise self._corrupted(item, what, owner, f"the stored CRC-32C does not match the bytes"
                             f" read ({where})")
 
-  def _expect(self, item: str, what: str, owner: int, located: _tsio.Located, n: int) -> None:
+  def _expect(self, item: str, what: object, owner: int, located: _tsio.Located, n: int) -> None:
     if located.length != n + 4:
       raise self._corrupted(item, what, owner, f"a chunk holds {located.length - 4} bytes where"
                             f" {n} are expected")
@@ -524,10 +524,11 @@ class Reader:
 
   def _open(self, item: str, owner: int, name: str, shape: Any, dtype: str, chunk: Any,
             ctx: ts.Context) -> Any:
-    spec = _tsio.array_spec(*self.homes.home(item, owner), name, shape, dtype, chunk)
+    spec = _tsio.array_spec(_tsio.db_spec(*self.homes.home(item, owner)), name, shape, dtype,
+                            chunk)
     return ts.open(spec, open=True, context=ctx)
 
-  def _resolve(self, fut: Any, item: str, what: str, owner: int) -> Any:
+  def _resolve(self, fut: Any, item: str, what: object, owner: int) -> Any:
     try:
       return fut.result()
     except ValueError as e:
@@ -594,7 +595,7 @@ class Reader:
         f"checkpoint data is corrupted: item {item!r}, database"
         f" {self.loc.join(self.db(item, owner))}: {problem}. Restore from another checkpoint.")
 
-  def _corrupted(self, item: str, what: str, owner: int, problem: str) -> errors.CheckpointCorruptedError:
+  def _corrupted(self, item: str, what: object, owner: int, problem: str) -> errors.CheckpointCorruptedError:
     return errors.CheckpointCorruptedError(
         f"checkpoint data is corrupted: item {item!r}, array {what}, database"
         f" {self.loc.join(self.db(item, owner))}: {problem}. Restore from another checkpoint.")
@@ -702,8 +703,21 @@ def _packed_names_of(rec: Array) -> str:
   return f"{rec.path_text} (packed)"
 
 
-def _packed_names(pfs: Sequence[PackedFill]) -> str:
-  return packed_names([p.name or p.rec.path_text for p in pfs])
+class _PackedNames:
+  """The arrays of one packed chunk, named when a message is written (``str()``), not per read.
+
+  The ``what`` of the read and error helpers below is a str or one of these.
+  """
+
+  def __init__(self, pfs: Sequence[PackedFill]):
+    self._pfs = pfs
+
+  def __str__(self) -> str:
+    return packed_names([p.name or p.rec.path_text for p in self._pfs])
+
+
+def _packed_names(pfs: Sequence[PackedFill]) -> Any:
+  return _PackedNames(pfs)
 
 
 def packed_names(names: Sequence[str], shown: int = 16) -> str:

@@ -323,15 +323,6 @@ def _windows(wants: list[_matching.Want], budget: int) -> list[list[int]]:
        for w in wants], budget)
 
 
-def _box_buffers(want: _matching.Want, dtype: np.dtype) -> list[np.ndarray]:
-  """The array's boxes, 64-byte aligned in one mapping of its own.
-
-  JAX's CPU client adopts aligned buffers without a copy, and each restored
-  array frees its memory on its own.
-  """
-  return _staging.fresh_arrays([(_layout.box_shape(b), dtype) for b in want.boxes])
-
-
 def read_arrays(loc: Location, manifest: Manifest, wants: list[_matching.Want],
                 max_host_bytes: int = 0, progress: Any = None) -> list[Any]:
   """Reads the wanted arrays into fresh buffers, then builds host or device arrays.
@@ -348,12 +339,13 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[_matching.Want],
       raise errors.CheckpointCorruptedError("\n  ".join(problems.values()))
   out: list[Any] = [None] * len(wants)
   for window in _windows(wants, max_host_bytes):
-    datas: dict[int, list[np.ndarray]] = {}
-    requests = []
-    for i in window:
-      w = wants[i]
-      datas[id(w)] = _box_buffers(w, w.rec.np_dtype)
-      requests += [(w.item, w.rec, b, buf) for b, buf in zip(w.boxes, datas[id(w)])]
+    # Each array's boxes, 64-byte aligned in one mapping of its own: JAX's CPU client
+    # adopts aligned buffers without a copy, and each restored array frees its memory alone.
+    buffers = _staging.fresh_groups([[(tuple(hi - lo for lo, hi in b), wants[i].rec.np_dtype)
+                                      for b in wants[i].boxes] for i in window])
+    datas = {id(wants[i]): bufs for i, bufs in zip(window, buffers)}
+    requests = [(wants[i].item, wants[i].rec, b, buf)
+                for i in window for b, buf in zip(wants[i].boxes, datas[id(wants[i])])]
     _reading.read_requests(reader, requests, progress)
     for i in window:
       w = wants[i]

@@ -73,11 +73,12 @@ def db_spec(loc: Location, db: str) -> dict[str, Any]:
   return {"driver": "ocdbt", "base": loc.spec(db + "/"), "target_data_file_size": DATA_FILE_BYTES}
 
 
-def array_spec(loc: Location, db: str, name: str, shape: Sequence[int], dtype: str,
+def array_spec(db: dict[str, Any], name: str, shape: Sequence[int], dtype: str,
                chunk_shape: Sequence[int]) -> dict[str, Any]:
+  """The zarr3 spec of array ``name`` in the database of spec ``db`` (:func:`db_spec`)."""
   return {
       "driver": "zarr3",
-      "kvstore": {**db_spec(loc, db), "path": name + "/"},
+      "kvstore": {**db, "path": name + "/"},
       # Every chunk is stored, zeros too: a chunk missing from a checkpoint is
       # then damage, never an all-zero chunk left out.
       "store_data_equal_to_fill_value": True,
@@ -118,7 +119,8 @@ class DatabaseWriter:
   """
 
   def __init__(self, loc: Location, db: str, ctx: ts.Context):
-    self._loc, self._db, self._ctx = loc, db, ctx
+    self._db, self._ctx = db, ctx
+    self._spec = db_spec(loc, db)
     self._named = False  # the database's identity key written (with its first batch)
     self._pending: list[tuple[Any, Any, np.ndarray]] = []
     self._stores: dict[str, Any] = {}
@@ -143,14 +145,14 @@ class DatabaseWriter:
     new = {key[0]: key[1:] for key, _, _ in pending if key[0] not in self._stores}
     if new:
       self.wait()
-    created = {n: ts.open(array_spec(self._loc, self._db, n, *a), create=True, context=self._ctx,
+    created = {n: ts.open(array_spec(self._spec, n, *a), create=True, context=self._ctx,
                           transaction=txn) for n, a in new.items()}
     stores = {n: f.result() for n, f in created.items()}
     writes = [(stores[key[0]] if key[0] in stores else self._stores[key[0]].with_transaction(txn))
               [slices].write(data, can_reference_source_data_indefinitely=True)
               for key, slices, data in pending]
     if not self._named:
-      kv = ts.KvStore.open(db_spec(self._loc, self._db), context=self._ctx).result()
+      kv = ts.KvStore.open(self._spec, context=self._ctx).result()
       writes.append(kv.with_transaction(txn).write(IDENTITY_KEY, identity(self._db)))
       self._named = True
     for w in writes:  # staged in the transaction (no I/O yet)
@@ -158,7 +160,7 @@ class DatabaseWriter:
     commit = txn.commit_async()
     if new:
       commit.result()
-      opened = {n: ts.open(array_spec(self._loc, self._db, n, *a), open=True, context=self._ctx)
+      opened = {n: ts.open(array_spec(self._spec, n, *a), open=True, context=self._ctx)
                 for n, a in new.items()}
       self._stores.update({n: f.result() for n, f in opened.items()})
       return
