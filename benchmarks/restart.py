@@ -50,8 +50,8 @@ LINE = re.compile(r"restart from step (\d+): process start to restore ([\d.]+) s
 
 def child(args) -> int:
   """One run of the large job (in its own process); prints RESULT <json>."""
-  from orbax_flax.training import restart  # noqa: F401  (cheap: no jax import at this point)
-  started = restart.process_start_time()
+  from orbax_flax.training import resume  # pylint: disable=g-import-not-at-top
+  started = resume.process_start_time()  # the process's start, read from /proc
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top

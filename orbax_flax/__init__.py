@@ -104,8 +104,9 @@ _MOVED = {
                                    "registry", "schedule")},  # (orbax_flax.manager: the package)
     "events": "manager.manager", "inflight": "manager.manager", "rollback": "manager.registry",
     **{m: f"training.{m}" for m in ("callbacks", "checkpoint_callback", "init_from",
-                                    "preemption", "prefetching", "restart", "resume",
-                                    "state_items", "tensorboard", "workdir")},
+                                    "preemption", "prefetching", "resume",
+                                    "state_items", "tensorboard")},
+    "workdir": "training.resume", "restart": "training.resume",
     "interruptions": "training.checkpoint_callback",
 }
 

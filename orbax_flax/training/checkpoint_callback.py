@@ -42,7 +42,6 @@ from orbax_flax.training import callbacks
 from orbax_flax import errors
 from orbax_flax.manager import policy as policy_lib
 from orbax_flax.training import preemption
-from orbax_flax.training import restart
 from orbax_flax.training import resume
 from orbax_flax.training import state_items
 from orbax_flax.manager.config import CheckpointPolicy
@@ -84,8 +83,8 @@ class CheckpointCallback(callbacks.Callback):
     self.policy = config if isinstance(config, CheckpointPolicy) else CheckpointPolicy.from_config(config)
     # The restart's clock (its line at the first step), and JAX's compile cache in the workdir
     # if the policy asks (first: an object-store workdir is refused before anything is built).
-    self._restart = restart.RestartClock.start(workdir, self.policy.compilation_cache)
-    self._pending: restart.PendingRestore | None = None
+    self._restart = resume.RestartClock.start(workdir, self.policy.compilation_cache)
+    self._pending: resume.PendingRestore | None = None
     directory = self.policy.directory or os.path.join(workdir, "checkpoints")
     self.manager = CheckpointManager(directory, self.policy, clock=clock)
     parts = self.manager.components  # what the policy describes, built once (orbax_flax.manager.components)
@@ -130,7 +129,7 @@ class CheckpointCallback(callbacks.Callback):
     self._begin_restore(state, data_iterator)
     return self._restored(self._resume.restore(state, self._data))
 
-  def restore_or_init_async(self, state: Any, *, data_iterator: Any = None) -> restart.PendingRestore:
+  def restore_or_init_async(self, state: Any, *, data_iterator: Any = None) -> resume.PendingRestore:
     """:meth:`restore_or_init` on a thread, so that a restart costs about max(restore, compile).
 
     Returns at once: compile the train step against ``state`` (the restored state has its
@@ -139,7 +138,7 @@ class CheckpointCallback(callbacks.Callback):
     The checks and signal handlers run here; the restore's errors are raised by ``join()``.
     """
     self._begin_restore(state, data_iterator, background=True)
-    self._pending = restart.PendingRestore(lambda: self._resume.restore(state, self._data),
+    self._pending = resume.PendingRestore(lambda: self._resume.restore(state, self._data),
                                            self._restored, clock=self._restart)
     return self._pending
 

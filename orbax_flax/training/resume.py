@@ -1,4 +1,4 @@
-"""Resuming a run: which step it continues from, and putting that step back.
+"""Resuming a run: which step it continues from, putting that step back, the restart's time.
 
 :class:`Resume` is what :meth:`orbax_flax.CheckpointCallback.restore_or_init`
 runs at the start of every run, in this order:
@@ -13,7 +13,7 @@ runs at the start of every run, in this order:
 3. nothing committed: a run of another library found in the workdir (an
    orbax-checkpoint ``CheckpointManager`` directory, or flax's legacy
    ``checkpoint_<N>`` checkpoints) is continued, the whole state restored from
-   its newest step (see :mod:`orbax_flax.training.workdir`); else the policy's ``init_from``
+   its newest step (:class:`PreviousRun`, at the end of this module); else the policy's ``init_from``
    (fine-tuning: see :mod:`orbax_flax.training.init_from`), else the fresh state as it
    is. A run never starts fresh silently beside checkpoints it could have
    continued: a workdir that is itself a run's checkpoints directory, or an
@@ -27,6 +27,10 @@ watchdog, progress output and host-memory budget of any restore.
 :class:`DataPosition` is the data-position protocol: a data iterator with
 ``get_state()``/``set_state()`` is saved as the item ``data``, one state per
 process, and moved back to where the restored step stopped.
+
+Two more parts of a resume close the module: the restart (JAX's compile cache in the
+workdir, a restore in the background while the train step compiles, the restart's clock),
+and what else the workdir holds (another library's run to continue, slips to refuse).
 """
 
 from __future__ import annotations
@@ -34,12 +38,19 @@ from __future__ import annotations
 import builtins
 import json
 import logging
-from typing import Any
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from orbax_flax.engine import _matching
+from orbax_flax.core import _location
+from orbax_flax.format import _manifest
 from orbax_flax.core import _multihost
 from orbax_flax.core import _progress
 from orbax_flax.engine import _selecting
@@ -50,7 +61,8 @@ from orbax_flax.training import init_from
 from orbax_flax.engine import restoring
 from orbax_flax.training import state_items
 from orbax_flax.engine import targets
-from orbax_flax.training import workdir as workdir_lib
+from orbax_flax.format import step_dir
+from orbax_flax.formats import orbax_checkpoint
 from orbax_flax.core._location import Location
 from orbax_flax.manager.config import CheckpointPolicy
 from orbax_flax.manager.manager import CheckpointManager
@@ -241,13 +253,13 @@ class Resume:
       TreeMismatchError: the state does not match the checkpoint.
     """
     steps = self._manager.all_steps()
-    workdir_lib.refuse_foreign_steps(self._manager.directory, steps)
+    refuse_foreign_steps(self._manager.directory, steps)
     if self._local is not None:
       resumed = self._restore_local(state, data, steps[-1] if steps else None)
       if resumed[1] is not None:
         return resumed
     if not steps:
-      previous = None if self._workdir is None else workdir_lib.PreviousRun.find(
+      previous = None if self._workdir is None else PreviousRun.find(
           self._workdir, self._manager.directory)
       if self._policy.init_from:
         if previous is not None:
@@ -409,7 +421,7 @@ class Resume:
                   ", ".join("/".join(d) for d in parts), source, self._manager.directory)
     return state_items.from_items(state, items)
 
-  def _continue(self, previous: workdir_lib.PreviousRun, state: Any,
+  def _continue(self, previous: PreviousRun, state: Any,
                 data: DataPosition | None) -> tuple[Any, int]:
     """Continues another library's run: its newest step, the whole state, onto this mesh."""
     if state_items.kind(state) == "nnx":
@@ -514,3 +526,444 @@ def _encode(value: Any) -> str:
 def _decode(text: str) -> Any:
   d = json.loads(text)
   return _tree.decode_structure(d["s"], [_tree.decode_value(v) for v in d["v"]])
+
+
+# ---------------------------------------------------------------- the restart
+# A restart in the least time. What a preempted job loses is the whole restart, from process
+# start to its first train step done on the restored state, and the restore is often the
+# smallest part of it (start-up and compiling the train step again are the rest). Three pieces
+# shorten and measure it; CheckpointCallback uses them:
+#
+# * enable_compilation_cache points JAX's persistent compilation cache at
+#   <workdir>/compilation_cache/<key>/, the key naming the JAX version, the backend, the device
+#   kind and the device and process counts, so that a restarted job loads its compiled train
+#   step instead of compiling it, and a run on another mesh or JAX version never reads
+#   another's programs (JAX's own cache key also covers the program and its shardings).
+# * PendingRestore runs a restore on a thread while the caller compiles its train step, so a
+#   cold restart costs about max(restore, compile).
+# * RestartClock times the restart's parts: process start to the restore's start (imports,
+#   JAX start-up, model init), the restore, and the first train step (compile and run), with
+#   the compile cache's hits.
+
+CACHE_DIR = "compilation_cache"  # under the workdir
+
+
+def compilation_cache_dir(workdir: str) -> str:
+  """Where :func:`enable_compilation_cache` puts this job's cache under ``workdir``.
+
+  One directory per JAX version, backend, device kind and device and process
+  count: programs compiled by one never meet another (JAX would miss on them
+  anyway, but its cache directory is also pruned by size, and a run on another
+  mesh would evict this one's).
+
+  Example:
+    >>> compilation_cache_dir("/runs/a").startswith("/runs/a/compilation_cache/jax-")
+    True
+  """
+  kind = re.sub(r"[^A-Za-z0-9.]+", "_", jax.devices()[0].device_kind).strip("_")
+  key = (f"jax-{jax.__version__}-{jax.default_backend()}-{kind}"
+         f"-{jax.device_count()}dev-{jax.process_count()}proc")
+  return os.path.join(workdir, CACHE_DIR, key)
+
+
+def enable_compilation_cache(workdir: str) -> str:
+  """Points JAX's persistent compilation cache at this job's directory under ``workdir``.
+
+  The setting is process-wide: every program compiled from now on is looked up
+  there (and written there, by process 0 only, as JAX does, if it took at least
+  ``jax_persistent_cache_min_compile_time_secs`` to compile, 1 s by default).
+  A cache directory the user set already (``JAX_COMPILATION_CACHE_DIR`` or
+  ``jax.config``) is kept, with a WARNING, and returned.
+
+  Returns:
+    The cache directory in use.
+
+  Raises:
+    ValueError: ``workdir`` is not on a filesystem (an object store URL): JAX's
+      cache is a directory of files.
+  """
+  loc = Location.parse(workdir)
+  if not loc.is_local:
+    raise ValueError(
+        f"compilation_cache=True needs a workdir on a filesystem (local, or a shared mount such"
+        f" as NFS or GCSFuse), not {workdir!r}: JAX's compilation cache is a directory of files"
+        f" that every process reads. Set compilation_cache=False, or point JAX at a filesystem"
+        f" cache yourself with the JAX_COMPILATION_CACHE_DIR environment variable.")
+  path = compilation_cache_dir(loc.local_path)
+  current = jax.config.jax_compilation_cache_dir
+  if current and os.path.abspath(current) != os.path.abspath(path):
+    log.warning(
+        "compilation_cache=True: JAX's compilation cache is already set to %s (by"
+        " JAX_COMPILATION_CACHE_DIR or jax.config); keeping it, not using %s", current, path)
+    return current
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  return path
+
+
+class PendingRestore:
+  """A restore running on a thread; :meth:`join` returns its result or raises its error.
+
+  Built by :meth:`orbax_flax.CheckpointCallback.restore_or_init_async`. Until
+  :meth:`join` returns, the state and the data iterator passed in belong to
+  the restore: compile against their shapes (``train_step.lower(state,
+  batch).compile()``), but do not run or donate them.
+
+  Example:
+    >>> pending = PendingRestore(lambda: 41 + 1)
+    >>> pending.join()
+    42
+  """
+
+  def __init__(self, run: Callable[[], Any], on_done: Callable[[Any], Any] | None = None,
+               clock: RestartClock | None = None):
+    self._run, self._on_done, self._clock = run, on_done, clock
+    self._result: Any = None
+    self._error: BaseException | None = None
+    self._joined = False
+    self._thread = threading.Thread(target=self._work, name="ofx-restore", daemon=True)
+    self._thread.start()
+
+  def _work(self) -> None:
+    try:
+      self._result = self._run()
+      if self._clock is not None:  # when the bytes landed, not when the caller joins
+        self._clock.restored()
+    except BaseException as e:  # pylint: disable=broad-except  # re-raised by join()
+      self._error = e
+
+  def done(self) -> bool:
+    """Whether the restore has finished (successfully or not)."""
+    return not self._thread.is_alive()
+
+  def join(self, timeout: float | None = None) -> Any:
+    """Waits for the restore and returns the state (the restored one, or the one passed in).
+
+    Args:
+      timeout: seconds to wait (None: as long as it takes).
+
+    Raises:
+      TimeoutError: the restore did not finish within ``timeout``.
+      Exception: the restore's own error, re-raised here.
+    """
+    self._thread.join(timeout)
+    if self._thread.is_alive():
+      raise TimeoutError(f"the restore is still running after {timeout} s")
+    if self._error is not None:
+      raise self._error
+    if not self._joined:
+      self._joined = True
+      if self._on_done is not None:
+        self._result = self._on_done(self._result)
+    return self._result
+
+
+_CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits",
+                 "/jax/compilation_cache/compile_requests_use_cache": "requests"}
+
+
+class RestartClock:
+  """The parts of a start or restart: start-up, restore, first train step.
+
+  ``started`` is the process's start (from ``/proc``; None where unknown),
+  :meth:`restore_began` and :meth:`restored` bracket the restore, and
+  :meth:`first_step_done` ends the clock (the first train step computed).
+  The compile cache's hits and misses in between are counted from JAX's
+  monitoring events (every compile that asks the cache, and every hit).
+
+  Example:
+    >>> clock = RestartClock(started=None, clock=iter([1.0, 3.0, 10.0]).__next__)
+    >>> clock.restore_began(); clock.joined(5); clock.first_step_done()
+    >>> clock.line()
+    'restart from step 5: restore 2.00 s, first train step 7.00 s (compile and run); process start to restore not measured'
+    >>> sorted(clock.scalars())
+    ['restart/first_step_s', 'restart/restore_s', 'restart/total_s']
+  """
+
+  def __init__(self, started: float | None = None, clock: Callable[[], float] = time.time):
+    self._clock = clock
+    self.started = started
+    self.began: float | None = None
+    self.restored_at: float | None = None
+    self.joined_at: float | None = None
+    self.background = False
+    self.step: int | None = None
+    self.finished_at: float | None = None
+    # Whether the next train step ends the clock (a restore returned, no step seen yet): a
+    # plain field, read at every step.
+    self.timing_first_step = False
+    self.cache_dir: str | None = None
+    self.counts = {"hits": 0, "requests": 0}  # misses: requests - hits
+    self._listening = False
+
+  @classmethod
+  def start(cls, workdir: str, compilation_cache: bool) -> RestartClock:
+    """The clock of this process (from its start), with the compile cache on if asked."""
+    clock = cls(started=process_start_time())
+    if compilation_cache:
+      clock.cache_dir = enable_compilation_cache(workdir)
+    return clock
+
+  def restore_began(self, background: bool = False) -> None:
+    """The restore starts (``background``: on a thread, joined later by the caller)."""
+    self.began, self.background = self._clock(), background
+    if self.cache_dir is not None and not self._listening:
+      jax.monitoring.register_event_listener(self._on_event)
+      self._listening = True
+
+  def restored(self) -> None:
+    """The restore's bytes landed (a background restore; otherwise :meth:`joined` says it)."""
+    self.restored_at = self._clock()
+
+  def joined(self, step: int | None) -> None:
+    """The caller has the state, restored from ``step`` (None: nothing to resume)."""
+    self.joined_at, self.step = self._clock(), step
+    if self.restored_at is None:
+      self.restored_at = self.joined_at
+    self.timing_first_step = self.finished_at is None
+
+  def first_step_done(self, step: int | None = None, wait_for: Any = None,
+                      writer: Any = None) -> None:
+    """Ends the clock once ``wait_for`` (the first step's state and metrics) is computed; logs
+    :meth:`line` and gives ``writer`` (a clu ``MetricWriter``) the :meth:`scalars` at ``step``."""
+    jax.block_until_ready(wait_for)
+    self.finished_at = self._clock()
+    self.timing_first_step = False
+    self._stop_listening()
+    if step is None:
+      return
+    _progress.say("%s", self.line())
+    if writer is not None:
+      writer.write_scalars(step, self.scalars())
+
+  def _on_event(self, event: str, **kwargs: Any) -> None:
+    del kwargs
+    name = _CACHE_EVENTS.get(event)
+    if name is not None:
+      self.counts[name] += 1
+
+  def _stop_listening(self) -> None:
+    if self._listening:
+      self._listening = False
+      try:
+        jax.monitoring.unregister_event_listener(self._on_event)
+      except (AssertionError, ValueError):  # already gone
+        pass
+
+  def close(self) -> None:
+    self._stop_listening()
+
+  @property
+  def complete(self) -> bool:
+    return None not in (self.began, self.restored_at, self.finished_at)
+
+  def parts(self) -> dict[str, float]:
+    """Seconds of each part measured: ``startup`` (process start to the restore's start),
+    ``restore``, ``joined`` (a background restore: its start to the caller's ``join()``
+    returning), ``first_step`` (the caller had the state to the first step computed) and
+    ``total``."""
+    out = {}
+    if self.started is not None and self.began is not None:
+      out["startup"] = self.began - self.started
+    if self.began is not None and self.restored_at is not None:
+      out["restore"] = self.restored_at - self.began
+    if self.background and self.joined_at is not None:
+      out["joined"] = self.joined_at - self.began  # a background restore: the caller's wait
+    if self.joined_at is not None and self.finished_at is not None:
+      out["first_step"] = self.finished_at - self.joined_at
+    if self.finished_at is not None:
+      out["total"] = self.finished_at - (self.started if self.started is not None else self.began)
+    return out
+
+  def line(self) -> str:
+    """One line for the log, e.g. ``restart from step 50: process start to restore 4.1 s
+    (imports, JAX, model init), restore 0.02 s, first train step 3.2 s (compile and run;
+    compile cache: 1 hit), 7.3 s in all``."""
+    p = self.parts()
+    what = f"restart from step {self.step}" if self.step is not None else "start (nothing to resume)"
+    bits = []
+    if "startup" in p:
+      bits.append(f"process start to restore {p['startup']:.2f} s (imports, JAX, model init)")
+    bits.append(f"restore {p.get('restore', 0.0):.2f} s" + (
+        f" (in the background, joined after {p['joined']:.2f} s)" if "joined" in p else ""))
+    cache = ""
+    if self.cache_dir is not None:
+      hits = self.counts["hits"]
+      misses = max(0, self.counts["requests"] - hits)
+      cache = (f"; compile cache: {hits} hit{'s' * (hits != 1)}, {misses}"
+               f" miss{'es' * (misses != 1)}")
+    bits.append(f"first train step {p.get('first_step', 0.0):.2f} s (compile and run{cache})")
+    tail = f", {p['total']:.2f} s in all" if "startup" in p else (
+        "; process start to restore not measured")
+    return f"{what}: " + ", ".join(bits) + tail
+
+  def scalars(self) -> dict[str, float]:
+    """The parts as TensorBoard scalars (``restart/startup_s``, ``restart/restore_s``, ...)."""
+    out = {f"restart/{k}_s": v for k, v in self.parts().items()}
+    if self.cache_dir is not None:
+      out["restart/compile_cache_hits"] = float(self.counts["hits"])
+    return out
+
+
+def process_start_time() -> float | None:
+  """This process's start, in ``time.time()`` seconds (10 ms resolution); None off Linux.
+
+  Example:
+    >>> t = process_start_time()
+    >>> t is None or 0 <= time.time() - t < 10 ** 6
+    True
+  """
+  try:
+    with open("/proc/self/stat", "rb") as f:
+      fields = f.read().rsplit(b")", 1)[1].split()
+    with open("/proc/uptime", "rb") as f:
+      uptime = float(f.read().split()[0])
+    ticks = os.sysconf("SC_CLK_TCK")
+  except (OSError, ValueError, IndexError):
+    return None
+  age = uptime - int(fields[19]) / ticks  # field 22 (starttime); fields[0] is field 3
+  return time.time() - age
+
+
+# ---------------------------------------------------------------- the workdir
+# What a run's workdir holds besides the run's own steps, found before a run starts fresh:
+# a new run with nothing of its own to resume must not start from scratch beside checkpoints it
+# could have continued (Resume asks here).
+#
+# * PreviousRun: another library's run in the workdir (an orbax-checkpoint CheckpointManager
+#   directory, flax's legacy checkpoint_<N>), which the resume continues;
+# * refuse_checkpoints_dir: the slip of passing a run's <workdir>/checkpoints as the workdir;
+# * refuse_foreign_steps: an orbax-checkpoint run in the very directory this run's steps
+#   would go to.
+
+
+class PreviousRun(NamedTuple):
+  """A run of another library found where a new orbax_flax run starts.
+
+  ``kind`` is ``"orbax-checkpoint"`` (a ``CheckpointManager`` directory of
+  numbered steps) or ``"flax"`` (``flax.training.checkpoints``' legacy
+  ``checkpoint_<N>``: an orbax pytree directory, or a msgpack file that
+  orbax_flax does not read).
+
+  Example:
+    >>> import tempfile
+    >>> PreviousRun.find(tempfile.mkdtemp(), "/nonexistent/checkpoints") is None
+    True
+  """
+  kind: str
+  directory: str   # the directory that holds the steps
+  steps: tuple[int, ...]
+  path: str        # the newest step's checkpoint
+
+  @property
+  def step(self) -> int:
+    return self.steps[-1]
+
+  @classmethod
+  def find(cls, workdir: str, directory: str) -> PreviousRun | None:
+    """The other library's run in ``workdir``, ``workdir/checkpoints`` or ``directory``, if any.
+
+    Raises:
+      ValueError: ``workdir`` is itself an orbax_flax checkpoints directory (a
+        run's ``<workdir>/checkpoints`` passed as the workdir).
+    """
+    loc = Location.parse(workdir)
+    if not loc.is_local:
+      refuse_checkpoints_dir(loc, directory)
+      return None
+    seen = []
+    for candidate in (loc.local_path, os.path.join(loc.local_path, "checkpoints"), directory):
+      if candidate in seen or not os.path.isdir(candidate):
+        continue
+      seen.append(candidate)
+      ocp = orbax_checkpoint.steps(Location.parse(candidate))
+      if ocp:
+        return cls("orbax-checkpoint", candidate, tuple(ocp),
+                   os.path.join(candidate, str(ocp[-1])))
+      legacy = orbax_checkpoint.legacy_steps(Location.parse(candidate))
+      if legacy:
+        return cls("flax", candidate, tuple(s for s, _ in legacy),
+                   os.path.join(candidate, legacy[-1][1]))
+    refuse_checkpoints_dir(loc, directory)
+    return None
+
+  def description(self) -> str:
+    what = ("an orbax-checkpoint run" if self.kind == "orbax-checkpoint"
+            else "flax.training.checkpoints checkpoints")
+    return (f"{self.directory} holds {what} (step(s) {_steps_text(self.steps)}), and nothing"
+            " of orbax_flax's")
+
+  def item(self) -> str:
+    """The item of the newest step that holds the training state.
+
+    Raises:
+      CheckpointFormatError: a flax msgpack file, which orbax_flax does not read.
+      TreeMismatchError: a step of several items, none of them ``default`` or ``state``.
+    """
+    if os.path.isfile(self.path):
+      raise self.refusal("its newest step is a flax msgpack file, which orbax_flax does not"
+                         " read; restore it with flax.training.checkpoints.restore_checkpoint"
+                         " and save that state with ofx.save(..., {'state': state})",
+                         errors.CheckpointFormatError)
+    names = sorted(orbax_checkpoint.open_checkpoint(Location.parse(self.path)).items)
+    item = names[0] if len(names) == 1 else next(
+        (n for n in ("default", "state") if n in names), None)
+    if item is None:
+      raise self.refusal(f"its steps hold the items {names}, and none is 'default' or 'state',"
+                         " so the one holding the training state is not known")
+    return item
+
+  def refusal(self, problem: str, kind: type = errors.TreeMismatchError) -> Exception:
+    """The error that refuses to continue this run, with the lines to write instead."""
+    text = (f"{self.description()}; it cannot be continued as this job's state: {problem}.\n"
+            f"Start from its params instead with --config.checkpoint.init_from={self.path}"
+            f" (CheckpointPolicy(init_from={self.path!r}); add :<item>/<sub/tree> to name"
+            " another part), or move it away to start from scratch.")
+    return kind(text, []) if kind is errors.TreeMismatchError else kind(text)
+
+
+def refuse_checkpoints_dir(workdir: Location, directory: str) -> None:
+  """Raises if ``workdir`` itself holds orbax_flax steps: a run's checkpoints directory."""
+  if Location.parse(directory) == workdir:
+    return
+  try:
+    steps, _ = step_dir.list_steps(workdir)
+  except (NotADirectoryError, errors.StorageError):
+    return
+  ours = [s for s in steps if _location.read_key(workdir.join(str(s)), _manifest.MANIFEST_KEY,
+                                                  max_bytes=1) is not None]
+  if ours:
+    parent = os.path.dirname(str(workdir).rstrip("/"))
+    raise ValueError(
+        f"workdir={str(workdir)!r} holds orbax_flax checkpoints itself (step(s)"
+        f" {_steps_text(ours)}): it is a run's checkpoints directory, and this run would look for"
+        f" its steps in {directory}, find none and start from scratch. Pass the run's workdir,"
+        f" {parent!r} (--workdir={parent}), to resume step {ours[-1]}; or, to keep the steps"
+        f" where they are, set the policy's directory={str(workdir)!r}"
+        f" (--config.checkpoint.directory={workdir}).")
+
+
+def refuse_foreign_steps(directory: str, steps: list[int]) -> None:
+  """Raises if every step listed in ``directory`` is an orbax-checkpoint step, none ours."""
+  loc = Location.parse(directory)
+  if not steps or not loc.is_local or any(
+      _location.read_key(loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None
+      for s in reversed(steps)):
+    return  # (one small read when the newest step is ours, as it is at every resume)
+  if set(orbax_checkpoint.steps(loc)) != set(steps):
+    return
+  elsewhere = os.path.join(os.path.dirname(directory.rstrip("/")), "checkpoints_orbax_flax")
+  raise errors.CheckpointExistsError(
+      f"{directory} holds an orbax-checkpoint run (step(s) {_steps_text(steps)}), and orbax_flax"
+      " would write its own steps among that library's. Give this run's checkpoints a directory"
+      f" of their own with --config.checkpoint.directory={elsewhere}"
+      f" (CheckpointPolicy(directory={elsewhere!r})): the run then continues the orbax-checkpoint"
+      f" run from step {steps[-1]} (the whole state), and leaves its steps as they are. To take"
+      " only its params instead:"
+      f" --config.checkpoint.init_from={os.path.join(directory, str(steps[-1]))}.")
+
+
+def _steps_text(steps: Any) -> str:
+  steps = list(steps)
+  return ", ".join(map(str, steps)) if len(steps) <= 6 else (
+      f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-2:]))}")
