@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from orbax_flax.core import _multihost
-from orbax_flax.engine import _planning
 from orbax_flax import errors
 from orbax_flax.engine import _reading
 from orbax_flax.engine import restoring
@@ -192,7 +191,7 @@ class Differ:
       if p.packed:
         size = self.packed_sizes[p.array.item]
         blocks += [(p, lo, hi, k) for k, (lo, hi) in
-                   enumerate(segments(p, _planning.pack_chunk_bytes(size)))]
+                   enumerate(segments(p, _layout.pack_chunk_bytes(size)))]
       else:
         blocks.append((p, None, None, 0))
     hashes = hashing.hash_all([p.data if lo is None else p.data[lo - p.slices[0].start:

@@ -57,9 +57,8 @@ from orbax_flax.core._location import Location
 LIBRARY_VERSION = "0.1.0"
 TMP_MARKER = step_dir.TMP_MARKER
 PACK_MAX_BYTES = 1 << 20      # arrays up to this size are packed
-PACK_CHUNK_BYTES = 4 << 20    # checksum granularity of a packed buffer
 PACK_PIECE_BYTES = 32 << 20   # a packed buffer is staged and written in pieces of at most this
-PACKED = "packed"             # name of the packed zarr3 array in each database
+PACKED = _layout.PACKED
 _PACK_ALIGN = _manifest.PACK_ALIGN  # the manifest's validation checks this layout
 _ITEM_NAME = _manifest.ITEM_NAME
 
@@ -190,14 +189,9 @@ def check_destination(loc: Location, overwrite: bool) -> None:
         " choose another path.")
 
 
-def pack_chunk_bytes(size: int) -> int:
-  """The chunk length of a packed buffer of ``size`` bytes (its checksum granularity)."""
-  return min(size, PACK_CHUNK_BYTES)
-
-
 def pack_pieces(item: str, size: int, sources: list[Source]) -> list[Piece]:
   """This process's packed buffer, cut at leaf boundaries into pieces of bounded size."""
-  array = StoredArray(item, PACKED, (size,), "uint8", (pack_chunk_bytes(size),))
+  array = StoredArray(item, PACKED, (size,), "uint8", (_layout.pack_chunk_bytes(size),))
   pieces: list[Piece] = []
   start, group = 0, []
 

@@ -43,7 +43,6 @@ from orbax_flax.core import _crc
 from orbax_flax.format import _layout
 from orbax_flax.format import _manifest
 from orbax_flax.core import _location
-from orbax_flax.engine import _planning
 from orbax_flax.format import _tsio
 from orbax_flax import errors
 from orbax_flax.core._location import Location
@@ -249,7 +248,7 @@ class Reader:
         if packed[item, owner] is None:
           continue  # in a base's packed buffer: checked as that base's chunks are read
         chunk_bytes, n = packed[item, owner]
-        name, per = _planning.PACKED, {owner: n}
+        name, per = _layout.PACKED, {owner: n}
       else:
         name, per = rec.name, collections.Counter(rec.owners)
         chunk_bytes = math.prod(rec.chunk_shape) * rec.np_stored_dtype.itemsize
@@ -280,7 +279,7 @@ class Reader:
     if owner >= _manifest.OWNER_STRIDE:  # a base's process
       return None
     size = self.manifest.items[item].packed[owner]
-    chunk_bytes = _planning.pack_chunk_bytes(size)
+    chunk_bytes = _layout.pack_chunk_bytes(size)
     pieces = self.manifest.items[item].packed_pieces.get(owner)
     own = ({k for lo, hi, base, _ in pieces if base < 0
             for k in range(lo // chunk_bytes, (hi - 1) // chunk_bytes + 1)} if pieces
@@ -330,7 +329,7 @@ class Reader:
         jobs.append((order, (self._read_scatter, (dests, chunk_box, located, owner))))
     for item, owner, k, lo, hi, stored, pfs in _packed_groups(packed, self.manifest):
       if self.index is not None and self.index.get(item, owner) is not None:
-        key = f"{_planning.PACKED}/c/{k}".encode()
+        key = f"{_layout.PACKED}/c/{k}".encode()
         located = self.index.get(item, owner).get(key)
         if located is None:
           if not self.manifest.all_chunks_stored:
@@ -539,8 +538,8 @@ class Reader:
     del fds
     item = pfs[0].item
     size = self.manifest.items[item].packed[owner]
-    st = self._resolve(self._open(item, owner, _planning.PACKED, (size,), "uint8",
-                                  (_planning.pack_chunk_bytes(size),), _tsio.context()),
+    st = self._resolve(self._open(item, owner, _layout.PACKED, (size,), "uint8",
+                                  (_layout.pack_chunk_bytes(size),), _tsio.context()),
                        item, _packed_names(pfs), owner)
     data = self._resolve(st[lo:hi].read(), item, _packed_names(pfs), owner)
     for p in pfs:
@@ -740,12 +739,12 @@ def _packed_groups(packed: Sequence[PackedFill], manifest: Manifest):
   groups: dict[tuple[str, int, int], list[PackedFill]] = {}
   for p in packed:
     size = manifest.items[p.item].packed[p.owner]
-    chunk = _planning.pack_chunk_bytes(size)
+    chunk = _layout.pack_chunk_bytes(size)
     for k in range(p.lo // chunk, (p.hi - 1) // chunk + 1):
       groups.setdefault((p.item, p.owner, k), []).append(p)
   for (item, owner, k), pfs in groups.items():
     size = manifest.items[item].packed[owner]
-    chunk = _planning.pack_chunk_bytes(size)
+    chunk = _layout.pack_chunk_bytes(size)
     yield item, owner, k, k * chunk, min(size, (k + 1) * chunk), chunk, pfs
 
 

@@ -13,7 +13,6 @@ import numpy as np
 
 from orbax_flax.format import _layout
 from orbax_flax.format import _tsio
-from orbax_flax.engine import _planning
 from orbax_flax.core import _progress
 from orbax_flax.engine import _reading
 from orbax_flax import errors
@@ -200,7 +199,7 @@ def _batches(manifest: Manifest, skip: set[tuple[str, str]] = frozenset()):
           batch, used = [], 0
     for owner, recs in packed.items():
       size = saved.packed[owner]
-      chunk = _planning.pack_chunk_bytes(size)
+      chunk = _layout.pack_chunk_bytes(size)
       for lo in range(0, size, chunk):
         hi = min(size, lo + chunk)
         names = [r.path_text for r in recs

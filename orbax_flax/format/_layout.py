@@ -27,6 +27,21 @@ Box = tuple[tuple[int, int], ...]  # (start, stop) per dimension
 # little more than they need.
 DEFAULT_MAX_CHUNK_BYTES = 32 * 1024 * 1024
 
+# Small arrays of a process are packed into one uint8 array of its database, chunked by this
+# (its checksum granularity).
+PACKED = "packed"
+PACK_CHUNK_BYTES = 4 << 20
+
+
+def pack_chunk_bytes(size: int) -> int:
+  """The chunk length of a packed buffer of ``size`` bytes.
+
+  Example:
+    >>> pack_chunk_bytes(100), pack_chunk_bytes(10 << 20) == PACK_CHUNK_BYTES
+    (100, True)
+  """
+  return min(size, PACK_CHUNK_BYTES)
+
 
 @dataclasses.dataclass(frozen=True)
 class Chunking:
