@@ -81,6 +81,26 @@ def test_kvstore_spec_dict(store, bucket):
   assert store.keys(bucket, "spec/ckpt/_CHECKPOINT") == ["spec/ckpt/_CHECKPOINT"]
 
 
+def test_s3_keys_in_the_environment_are_used_without_the_sdk_searching_profile_files(
+    s3_server, tmp_path, monkeypatch, capfd):
+  """With the keys in the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, as here) and
+  no ~/.aws, a run's saves, retention and restore log nothing from the AWS SDK. Before, every
+  kvstore opened searched the profile files and logged five error lines ("Failed to open
+  file ... .aws/config"): dozens per save of a training run."""
+  monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.aws here
+  url = s3_server.url(s3_server.new_bucket(), "run")
+  capfd.readouterr()
+  with ofx.CheckpointManager(url, ofx.CheckpointPolicy(max_to_keep=2)) as mngr:
+    for step in (1, 2, 3):
+      mngr.save(step, {"state": {"w": np.full(8, step, np.float32)}}, force=True)
+    mngr.wait()
+    assert mngr.all_steps() == [2, 3]
+    got = mngr.restore(3)
+  np.testing.assert_array_equal(got["state"]["w"], np.full(8, 3, np.float32))
+  err = capfd.readouterr().err
+  assert ".aws/config" not in err and "AuthCredentialsProvider" not in err, err[-3000:]
+
+
 def test_overwrite_replaces_generation_and_cleans_up(store, bucket):
   url = store.url(bucket, "ow")
   ofx.save(url, {"state": _state(1)})

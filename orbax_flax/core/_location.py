@@ -82,6 +82,13 @@ class Location:
         spec["endpoint"] = endpoint
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
         spec.setdefault("aws_region", region or "us-east-1")
+    if (spec.get("driver") == "s3" and "aws_credentials" not in spec
+        and "aws_credentials" not in spec.get("context", {})
+        and os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")):
+      # Keys in the environment: use them, without the default chain's search of profile
+      # files, which logs five error lines to stderr for every kvstore opened where
+      # ~/.aws/config does not exist. A spec naming its credentials keeps them.
+      spec["aws_credentials"] = {"type": "environment"}
     prefix = spec.get("path", "")
     if prefix and not prefix.endswith("/"):
       prefix += "/"
