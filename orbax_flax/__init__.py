@@ -88,7 +88,9 @@ __all__ = [
 
 # Modules of the flat layout before the layer packages, each an alias of the module that
 # holds its code now (``orbax_flax.registry`` is ``orbax_flax.manager.registry``), so that
-# code written against the old paths keeps working; importing one warns (DeprecationWarning).
+# imports of the old module paths keep working; importing one warns (DeprecationWarning).
+# The paths resolve, not every private name: a helper may have moved to the module that
+# uses it (``describe_sharding`` to planning) or been folded into its new module's API.
 _MOVED = {
     **{m: f"core.{m}" for m in ("_crc", "_location", "_multihost", "_progress", "_staging",
                                 "_tree")},
@@ -108,6 +110,9 @@ _MOVED = {
                                     "state_items", "tensorboard")},
     "workdir": "training.resume", "restart": "training.resume",
     "interruptions": "training.checkpoint_callback",
+    # Modules of the layer packages since folded into another of the same package.
+    "format._records": "format._manifest", "format._records_decode": "format._manifest",
+    "training.restart": "training.resume", "training.workdir": "training.resume",
 }
 
 

@@ -94,7 +94,7 @@ def flatten(tree: Any) -> list[tuple[Path, Any]]:
   return out
 
 
-@functools.lru_cache(maxsize=None)  # a few names; asked once per leaf of every restore
+@functools.lru_cache(maxsize=256)  # a few names; asked once per leaf of every restore
 def dtype_from_name(name: str) -> np.dtype:
   """``np.dtype`` that also knows ml_dtypes names (bfloat16, int4, ...)."""
   try:

@@ -341,7 +341,7 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[_matching.Want],
   for window in _windows(wants, max_host_bytes):
     # Each array's boxes, 64-byte aligned in one mapping of its own: JAX's CPU client
     # adopts aligned buffers without a copy, and each restored array frees its memory alone.
-    buffers = _staging.fresh_groups([[(tuple(hi - lo for lo, hi in b), wants[i].rec.np_dtype)
+    buffers = _staging.fresh_groups([[(_layout.box_shape(b), wants[i].rec.np_dtype)
                                       for b in wants[i].boxes] for i in window])
     datas = {id(wants[i]): bufs for i, bufs in zip(window, buffers)}
     requests = [(wants[i].item, wants[i].rec, b, buf)

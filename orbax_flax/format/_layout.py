@@ -1,4 +1,4 @@
-"""Where each byte of an array goes: chunk grid and write ownership.
+"""Where each byte of an array goes: chunk grid and write ownership, and packed buffers' chunks.
 
 No I/O and no state (the owner choosers update the load list they are
 given). An array is stored as a regular grid of chunks. The chunk shape

@@ -515,7 +515,7 @@ def _manifest_record(summary: Mapping[str, Any], items: Any, version: int, where
 def decode_local_items(items: Any, where: str) -> dict[str, Item]:
   """The checked items of a local tier blob's index: arrays held as ``boxes``.
 
-  The same checks as :func:`decode` for paths, values, dtypes, shapes, keys and
+  The same checks as :func:`_manifest_record` for paths, values, dtypes, shapes, keys and
   structure; each held box lies within its array (offsets are checked against
   the blob by its reader).
 

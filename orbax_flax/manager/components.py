@@ -1,36 +1,32 @@
 """The objects a checkpoint policy describes, built in one place.
 
 A :class:`~orbax_flax.CheckpointPolicy` is data; :func:`build` turns it, with
-the directory of the steps, into what runs: the save :class:`Schedule` of each
-tier, the keep rules, the engine's options, the local tier and the preemption
-watcher. :class:`~orbax_flax.CheckpointManager` calls it once and keeps the
-result (``manager.components``); :class:`~orbax_flax.CheckpointCallback` takes
-the parts it runs from there. Triggers and keep rules composed by hand replace
-the policy's (``CheckpointManager(directory, trigger=..., keep=...)``).
+the directory of the steps, into what a manager runs: the save :class:`Schedule`,
+the keep rules and the engine's options. :class:`~orbax_flax.CheckpointManager`
+calls it once and keeps the result (``manager.components``). Triggers and keep
+rules composed by hand replace the policy's (``CheckpointManager(directory,
+trigger=..., keep=...)``). What the policy describes above the manager is built
+above it: the local tier by :meth:`orbax_flax.tiers.saves.LocalSaves.of`, the
+preemption watcher by :class:`~orbax_flax.CheckpointCallback`.
 
 Example:
   >>> from orbax_flax import CheckpointPolicy
   >>> parts = build(CheckpointPolicy(save_interval_steps=10, max_to_keep=2), "/tmp/ckpt")
   >>> parts.schedule.due(10), parts.schedule.due(11), parts.keep
   ('interval', None, [KeepLast(n=2)])
-  >>> parts.local is None and parts.watcher is not None
-  True
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from orbax_flax.core import _multihost
 from orbax_flax.manager import policy as policy_lib
-from orbax_flax.training import preemption
 from orbax_flax.core._location import Location
 from orbax_flax.manager.config import CheckpointPolicy
 from orbax_flax.manager.schedule import Schedule
-from orbax_flax.tiers import local as local_lib
 
 
 class Components(NamedTuple):
@@ -42,18 +38,11 @@ class Components(NamedTuple):
     schedule: when the persistent tier saves.
     keep: the keep rules (empty: keep everything).
     checkpointer: the options of the manager's :class:`~orbax_flax.Checkpointer`.
-    local: the local tier, or None.
-    local_schedule: when the local tier saves, or None.
-    watcher: starts watching for preemption signals when called (the
-      callback calls it at the run's first call, not before), or None.
   """
   key: str
   schedule: Schedule
   keep: list[policy_lib.KeepRule]
   checkpointer: Mapping[str, Any]
-  local: local_lib.LocalTier | None
-  local_schedule: Schedule | None
-  watcher: Callable[[], preemption.PreemptionWatcher] | None
 
 
 def build(policy: CheckpointPolicy, directory: Any, *, clock: Callable[[], float] = time.time,
@@ -84,25 +73,13 @@ def build(policy: CheckpointPolicy, directory: Any, *, clock: Callable[[], float
     raise TypeError(f"trigger={trigger!r}: must be a trigger, e.g. ofx.any_of(ofx.EveryNSteps(100),"
                     " ofx.EveryNSeconds(600))")
   rules = policy.keep_rules() if keep is None else _rules(keep)
-  local = local_schedule = None
-  if policy.local_tier:
-    local = local_lib.LocalTier(policy.local_directory, run=str(loc), replicas=policy.replicas,
-                                max_to_keep=policy.local_max_to_keep,
-                                coordination_timeout_seconds=policy.coordination_timeout_seconds,
-                                max_host_bytes=policy.max_host_bytes)
-    local_schedule = Schedule(*policy.triggers(local=True), key=f"{key}/local", clock=clock,
-                              timeout_s=policy.coordination_timeout_seconds)
-  watcher = None
-  if policy.save_on_preemption:
-    watcher = functools.partial(preemption.PreemptionWatcher, policy.preemption_signals,
-                                policy.coordination_timeout_seconds)
   options = dict(max_host_bytes=policy.max_host_bytes,
                  keep_staging_memory=policy.keep_staging_memory,
                  host_transfer=policy.host_transfer,
                  coordination_timeout_seconds=policy.coordination_timeout_seconds,
                  coordination_key=f"{key}/save", watchdog_seconds=policy.watchdog_seconds,
                  differential=policy.differential)
-  return Components(key, schedule, rules, options, local, local_schedule, watcher)
+  return Components(key, schedule, rules, options)
 
 
 def _rules(keep: Any) -> list[policy_lib.KeepRule]:

@@ -11,12 +11,13 @@ step still runs; the callback then treats it as it treats any failed save
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from orbax_flax.core import _progress
 from orbax_flax import errors
 from orbax_flax.manager import schedule
+from orbax_flax.manager.config import CheckpointPolicy
 from orbax_flax.tiers import local
 
 log = logging.getLogger("orbax_flax")
@@ -33,6 +34,24 @@ class LocalSaves:
 
   def __init__(self, tier: local.LocalTier, when: schedule.Schedule, directory: str):
     self.tier, self._when, self._directory = tier, when, directory
+
+  @classmethod
+  def of(cls, policy: CheckpointPolicy, run: str, key: str,
+         clock: Callable[[], float]) -> LocalSaves | None:
+    """The local tier ``policy`` describes for the run whose steps are in ``run``, or None.
+
+    ``key`` is the run's manager's coordination key (``manager.coordination_key``): the
+    tier's schedule agrees under it; ``clock`` is the schedule's wall time.
+    """
+    if not policy.local_tier:
+      return None
+    tier = local.LocalTier(policy.local_directory, run=run, replicas=policy.replicas,
+                           max_to_keep=policy.local_max_to_keep,
+                           coordination_timeout_seconds=policy.coordination_timeout_seconds,
+                           max_host_bytes=policy.max_host_bytes)
+    when = schedule.Schedule(*policy.triggers(local=True), key=f"{key}/local", clock=clock,
+                             timeout_s=policy.coordination_timeout_seconds)
+    return cls(tier, when, policy.local_directory)
 
   def due(self, step: int) -> bool:
     """True if the local tier saves ``step``. Call it on every process at every step."""

@@ -87,10 +87,10 @@ class CheckpointCallback(callbacks.Callback):
     self._pending: resume.PendingRestore | None = None
     directory = self.policy.directory or os.path.join(workdir, "checkpoints")
     self.manager = CheckpointManager(directory, self.policy, clock=clock)
-    parts = self.manager.components  # what the policy describes, built once (orbax_flax.manager.components)
-    self._local = None if parts.local is None else saves.LocalSaves(
-        parts.local, parts.local_schedule, self.policy.local_directory)
-    self._resume = resume.Resume(self.manager, self.policy, local=parts.local, workdir=workdir)
+    self._local = saves.LocalSaves.of(self.policy, self.manager.directory,
+                                      self.manager.coordination_key, clock)
+    self._resume = resume.Resume(self.manager, self.policy, workdir=workdir,
+                                 local=None if self._local is None else self._local.tier)
     self.metadata = dict(metadata or {})
     self.writer = writer
     # Installed by the run's first call (restore_or_init or on_step_end), not here: a
@@ -207,8 +207,9 @@ class CheckpointCallback(callbacks.Callback):
 
   def _watch(self) -> None:
     """Starts watching for preemption signals (once, at the run's first call)."""
-    if self._watcher is None and self.manager.components.watcher is not None:
-      self._watcher = self.manager.components.watcher()
+    if self._watcher is None and self.policy.save_on_preemption:
+      self._watcher = preemption.PreemptionWatcher(self.policy.preemption_signals,
+                                                   self.policy.coordination_timeout_seconds)
 
   def _check_open(self) -> None:
     if self._closed:
