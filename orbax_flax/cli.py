@@ -91,7 +91,7 @@ def cmd_list(directory: str, out) -> int:
       header, rows = header[:4] + header[5:], [r[:4] + r[5:] for r in rows]
     print(_table(header, rows), file=out)
     print(f"\n{len(steps)} committed step(s) in {loc}; latest {steps[-1]}", file=out)
-  retired = refs.retired_dirs(loc.local_path) if loc.is_local else []
+  retired = step_dir.retired_dirs(loc.local_path) if loc.is_local else []
   if retired:
     print(f"retired, not steps: {', '.join(retired)}: data of deleted steps that kept"
           " (differential) steps still reference; removed once none does.", file=out)

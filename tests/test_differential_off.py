@@ -1,7 +1,7 @@
 """With ``differential`` off, no code of ``orbax_flax/differential/`` runs in a save or a restore.
 
 Differential saves plug into interfaces the engine and the manager own (the
-save's :class:`orbax_flax.engine._save_run.SaveHooks`, the registry's
+save's :class:`orbax_flax.engine.saving.SaveHooks`, the registry's
 :class:`orbax_flax.manager.registry.Retention`); a plain run uses their plain
 defaults, and a restore of a checkpoint that references no other step finds
 its databases in the engine. Checked in a fresh process with a profiler that records every Python

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import orbax_flax as ofx
 from disks import small_disk
 from orbax_flax.core import _location
-from orbax_flax.engine import _save_run
+from orbax_flax.engine import saving
 
 
 def _tree_files(path):
@@ -83,13 +83,13 @@ def test_a_donated_array_is_named_by_a_manager_save_too(tmp_path):
 
 def _hold_after_writing(monkeypatch, action):
   """Runs ``action`` after a save wrote its data, before it commits."""
-  commit = _save_run.SaveRun._commit  # pylint: disable=protected-access
+  commit = saving.SaveRun._commit  # pylint: disable=protected-access
 
   def act_then_commit(run):
     action()
     commit(run)
 
-  monkeypatch.setattr(_save_run.SaveRun, "_commit", act_then_commit)
+  monkeypatch.setattr(saving.SaveRun, "_commit", act_then_commit)
 
 
 def test_what_appears_during_a_save_is_never_replaced(tmp_path, monkeypatch):

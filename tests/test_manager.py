@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import orbax_flax as ofx
 from orbax_flax.manager import policy as policy_lib
-from orbax_flax.engine import _save_run
+from orbax_flax.engine import saving
 from orbax_flax.format import step_dir
 
 
@@ -28,14 +28,14 @@ class FakeClock:
 def hold_commits(monkeypatch):
   """Holds every save after its data is written, just before it commits: (written, go_on)."""
   written, go_on = threading.Event(), threading.Event()
-  commit = _save_run.SaveRun._commit  # pylint: disable=protected-access
+  commit = saving.SaveRun._commit  # pylint: disable=protected-access
 
   def held_commit(run):
     written.set()
     go_on.wait(60)
     commit(run)
 
-  monkeypatch.setattr(_save_run.SaveRun, "_commit", held_commit)
+  monkeypatch.setattr(saving.SaveRun, "_commit", held_commit)
   return written, go_on
 
 

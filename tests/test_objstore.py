@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import jobs
 import orbax_flax as ofx
-from orbax_flax.engine import _save_run
+from orbax_flax.engine import saving
 
 
 @pytest.fixture(scope="module")
@@ -219,14 +219,14 @@ def test_two_processes_save(store, bucket):
 
 def test_checkpoint_appearing_during_a_save_is_kept(store, bucket, monkeypatch):
   url = store.url(bucket, "race")
-  commit = _save_run.SaveRun._commit  # pylint: disable=protected-access
+  commit = saving.SaveRun._commit  # pylint: disable=protected-access
 
   def someone_else_commits_first(run):
-    monkeypatch.setattr(_save_run.SaveRun, "_commit", commit)
+    monkeypatch.setattr(saving.SaveRun, "_commit", commit)
     ofx.save(url, {"state": {"who": "someone else", "x": np.ones(3)}})
     commit(run)
 
-  monkeypatch.setattr(_save_run.SaveRun, "_commit", someone_else_commits_first)
+  monkeypatch.setattr(saving.SaveRun, "_commit", someone_else_commits_first)
   with pytest.raises(ofx.CheckpointExistsError, match="appeared .* during the save"):
     ofx.save(url, {"state": _state(2)})
   assert ofx.restore(url)["state"]["who"] == "someone else"

@@ -14,7 +14,7 @@ that did not arrive. The client's own calls have no deadline (only its
 blocking get has one), so each of the others runs on a short-lived helper
 thread that the caller stops waiting for: a call that timed out may still
 reach the service once it answers again (callers that decide something from a
-call account for that, see :mod:`orbax_flax.engine._save_run`).
+call account for that, see :mod:`orbax_flax.engine.saving`).
 
 The number of round trips of each helper is constant: it does not grow with
 the number of processes (the cost of a 1,000-host job is the cost of a 2-host

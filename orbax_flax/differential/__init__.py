@@ -22,7 +22,7 @@ Inside:
 
 It plugs into interfaces the engine and the manager own: a
 :class:`.differ.Differ` is a save's hooks (the engine's plain default is
-:class:`orbax_flax.engine._save_run.SaveHooks`), :class:`.retention.Referenced` the
+:class:`orbax_flax.engine.saving.SaveHooks`), :class:`.retention.Referenced` the
 registry's retention (its plain default is
 :class:`orbax_flax.manager.registry.Retention`). With differential saves off,
 no code here runs in a save or a restore of a plain checkpoint
@@ -32,5 +32,5 @@ May import: ``core``, ``format``, ``engine`` (its low layers: ``_planning``,
 ``restoring``), ``errors``. Still imported back by the engine, one level with it:
 the Checkpointer builds a :class:`.differ.Differential` when asked, the reader
 finds a differential checkpoint's bases through :mod:`.refs`, an overwrite of a
-step others borrow from keeps its data (``_save_run``), and verify hashes chunks.
+step others borrow from keeps its data (``saving``), and verify hashes chunks.
 """

@@ -1,6 +1,6 @@
 """One differential save on one process: which blocks to write, which to reference.
 
-The save's :class:`orbax_flax.engine._save_run.SaveRun` calls, in its background phase:
+The save's :class:`orbax_flax.engine.saving.SaveRun` calls, in its background phase:
 
 1. :meth:`Differ.agree` once the generation is agreed: process 0 picks the
    base (the step it was given, if it is still committed and a sibling of the
@@ -442,7 +442,7 @@ class Differential:
   step before every save), else the previous save of this checkpointer; it
   must be a sibling of the new checkpoint (same parent directory). A
   checkpointer without differential saves has none (its saves use the engine's
-  plain hooks, :class:`orbax_flax.engine._save_run.SaveHooks`).
+  plain hooks, :class:`orbax_flax.engine.saving.SaveHooks`).
   """
 
   def __init__(self):

@@ -27,7 +27,6 @@ its owner alone (:class:`Homes`).
 from __future__ import annotations
 
 import os
-import re
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -42,28 +41,8 @@ CHUNK_HASH = "chunk_hash"
 CHUNK_BASE = "chunk_base"
 PACKED_PIECES = "packed_pieces"
 STORED_BYTES = "stored_bytes"
-RETIRED_KEY = step_dir.RETIRED_KEY  # a retired step's manifest (its _CHECKPOINT renamed)
-RETIRED = step_dir.RETIRED  # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
 OWNER_STRIDE = _manifest.OWNER_STRIDE  # expanded owners: home * it + process
-_DIR = _manifest.BASE_DIR
-_GEN = re.compile(r"^[0-9a-f]{16}$")
 MAX_SUMMARY_BYTES = 16 << 20  # a summary longer than this is not read to find a generation
-
-
-def retired_name(directory: str, generation: str) -> str:
-  """The name a retired step's directory gets: ``<dir>.ofx-base-<generation>``.
-
-  Example:
-    >>> retired_name("100", "0123456789abcdef")
-    '100.ofx-base-0123456789abcdef'
-  """
-  return f"{directory}{RETIRED}{generation}"
-
-
-def parse_retired(name: str) -> tuple[str, str] | None:
-  """(dir, generation) of a retired directory's name, else None."""
-  head, sep, gen = name.rpartition(RETIRED)
-  return (head, gen) if sep and _DIR.match(head) and _GEN.match(gen) else None
 
 
 def split(owner: int) -> tuple[int, int]:
@@ -79,20 +58,20 @@ def locate_step(loc: Location, directory: str, generation: str) -> Location:
   """
   if not loc.is_local:
     return loc.sibling(directory)
-  for name in (directory, retired_name(directory, generation)):
+  retired = step_dir.retired_name(directory, generation)
+  for name in (directory, retired):
     if holds_generation(loc.sibling(name).local_path, generation):
       return loc.sibling(name)
   raise errors.CheckpointFormatError(
       f"{loc}: references data of step {directory!r} (generation {generation}), which is not"
-      f" next to it: neither that step nor its retired data ({retired_name(directory, generation)})"
-      " exists. The referenced step was removed by hand, or the manifest was crafted; restore"
-      " another step.")
+      f" next to it: neither that step nor its retired data ({retired}) exists. The referenced"
+      " step was removed by hand, or the manifest was crafted; restore another step.")
 
 
 def summary_of(path: str) -> Any:
   """The decoded, verified summary of the local checkpoint data in ``path``: of its
   ``_CHECKPOINT`` manifest or, retired, its ``_RETIRED`` one; None if neither decodes."""
-  for key in (_manifest.MANIFEST_KEY, RETIRED_KEY):
+  for key in (_manifest.MANIFEST_KEY, step_dir.RETIRED_KEY):
     try:
       with open(os.path.join(path, key), "rb") as f:
         data = f.read(_manifest.SUMMARY_READ_BYTES)
@@ -206,19 +185,3 @@ class Homes:
       return self.loc, self.db_name(item, owner)
     return (self.loc.sibling(self._dir(h - 1)),
             f"{item}/p{process}-{self.bases[h - 1].generation}")
-
-
-def retired_dirs(root: str) -> list[str]:
-  """Names of the retired data under the local directory of steps ``root``, sorted.
-
-  Example:
-    >>> import tempfile
-    >>> retired_dirs(tempfile.mkdtemp())
-    []
-  """
-  try:
-    names = os.listdir(root)
-  except OSError:
-    return []
-  return sorted(n for n in names if parse_retired(n) or (
-      n.isdigit() and os.path.exists(os.path.join(root, n, RETIRED_KEY))))

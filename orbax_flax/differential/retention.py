@@ -32,7 +32,6 @@ from typing import Any
 
 from orbax_flax.core import _location
 from orbax_flax.core import _multihost
-from orbax_flax import errors
 from orbax_flax.engine import restoring
 from orbax_flax.format import step_dir
 from orbax_flax.core._location import Location
@@ -42,36 +41,16 @@ from orbax_flax.differential import refs
 log = logging.getLogger("orbax_flax")
 
 
-def referenced(root: Location, exclude: int | None = None) -> set[str] | None:
-  """Generations the committed steps under ``root`` (but ``exclude``) borrow from.
-
-  None when a step's summary cannot be read: what it references is unknown.
-  """
-  gens: set[str] = set()
-  steps, _ = step_dir.list_steps(root)
-  for step in steps:
-    if step == exclude:
-      continue
-    try:
-      summary = restoring.read_summary(root.join(str(step)))
-    except errors.CheckpointNotFoundError:
-      continue  # deleted meanwhile
-    except errors.CheckpointError:
-      return None
-    gens |= {b.generation for b in summary.bases}  # (checked by the decoder)
-  return gens
-
-
 def delete_step(root: Location, step: int, pins: differ.Pins) -> None:
   """Deletes ``step``, or retires it if a committed step or a save in flight references it."""
   if not root.is_local:
     step_dir.delete_step(root, step)
     return
   with pins.lock:
-    keep = referenced(root, exclude=step)
+    keep = restoring.referenced_generations(root, exclude=step)
     path = os.path.join(root.local_path, str(step))
     gen = refs.generation_of(path) if not os.path.exists(
-        os.path.join(path, refs.RETIRED_KEY)) else None
+        os.path.join(path, step_dir.RETIRED_KEY)) else None
     if keep is not None:
       keep |= pins.live()
       if gen is None:  # damaged or gone: keep it only if it holds data something uses
@@ -96,7 +75,7 @@ def _retire(root: Location, step: int) -> None:
       if gen is None:
         os.unlink(path)
       else:
-        os.rename(path, os.path.join(root.local_path, refs.retired_name(str(step), gen)))
+        os.rename(path, os.path.join(root.local_path, step_dir.retired_name(str(step), gen)))
       _location.fsync_dir(root.local_path)
     except FileNotFoundError:
       return
@@ -104,7 +83,7 @@ def _retire(root: Location, step: int) -> None:
       raise _location.storage_error(root, f"retiring the linked step {step}", e) from e
     return
   try:
-    os.rename(os.path.join(path, "_CHECKPOINT"), os.path.join(path, refs.RETIRED_KEY))
+    os.rename(os.path.join(path, "_CHECKPOINT"), os.path.join(path, step_dir.RETIRED_KEY))
     _location.fsync_dir(path)
   except FileNotFoundError:
     return
@@ -163,19 +142,19 @@ def make_room(root: Location, step: int, pins: differ.Pins) -> bool:
     if os.path.exists(os.path.join(path, "_CHECKPOINT")):
       if _multihost.process_index() != 0:
         return False  # process 0 decides (and retires); the others' plans accept either outcome
-      keep = referenced(root, exclude=step)
+      keep = restoring.referenced_generations(root, exclude=step)
       gen = refs.generation_of(path)
       if gen is None or (keep is not None and gen not in keep | pins.live()):
         return False  # nothing references it: the save replaces it as before
       _retire(root, step)
       if not os.path.lexists(path):
         return True  # a link, moved aside whole
-    if not os.path.exists(os.path.join(path, refs.RETIRED_KEY)):
+    if not os.path.exists(os.path.join(path, step_dir.RETIRED_KEY)):
       return False
     gen = refs.generation_of(path)
     if gen is None:
       return False
-    aside = os.path.join(root.local_path, refs.retired_name(str(step), gen))
+    aside = os.path.join(root.local_path, step_dir.retired_name(str(step), gen))
     log.info("step %d of %s: its retired data moves aside to %s for the new save", step, root,
              os.path.basename(aside))
     try:
@@ -196,13 +175,13 @@ def sweep(root: Location, pins: differ.Pins) -> list[str]:
   """
   if not root.is_local:
     return []
-  retired = {n: (refs.parse_retired(n) or (None, None))[1]
-             for n in refs.retired_dirs(root.local_path)}
+  retired = {n: (step_dir.parse_retired(n) or (None, None))[1]
+             for n in step_dir.retired_dirs(root.local_path)}
   if not retired:
     return []
   removed = []
   with pins.lock:
-    keep = referenced(root)
+    keep = restoring.referenced_generations(root)
     if keep is None:
       return []
     keep |= pins.live()

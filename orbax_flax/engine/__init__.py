@@ -1,5 +1,5 @@
 """engine: one checkpoint, saved and restored. Planning (``_planning``), the save
-(``saving``: the blocking phase; ``_save_run``: the background phase and the atomic
+(``saving``: top to bottom, the blocking phase, the background phase and the atomic
 commit), the restore (``restoring``, with ``read_once``; ``_reading``, with its buffers),
 target matching and transforms (``_matching``, ``transforms``, ``targets``), the
 ``Checkpointer`` object, ``describe``/``verifying``, selectors and ``converting``.

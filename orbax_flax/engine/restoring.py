@@ -177,6 +177,32 @@ def read_summary(loc: Location) -> Summary:
   return summary
 
 
+def referenced_generations(root: Location, exclude: int | None = None) -> set[str] | None:
+  """Generations the committed steps under ``root`` (but ``exclude``) borrow from (their
+  summaries' ``bases``; see :mod:`orbax_flax.differential.refs`).
+
+  None when a step's summary cannot be read: what it references is unknown.
+
+  Example:
+    >>> import tempfile
+    >>> referenced_generations(Location.parse(tempfile.mkdtemp()))
+    set()
+  """
+  gens: set[str] = set()
+  steps, _ = step_dir.list_steps(root)
+  for step in steps:
+    if step == exclude:
+      continue
+    try:
+      summary = read_summary(root.join(str(step)))
+    except errors.CheckpointNotFoundError:
+      continue  # deleted meanwhile
+    except errors.CheckpointError:
+      return None
+    gens |= {b.generation for b in summary.bases}  # (checked by the decoder)
+  return gens
+
+
 def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool = False,
             allow_lossy_casts: bool = False, transforms: Any = None, read_once: bool = False,
             max_host_bytes: int | None = None, progress: Any = None,

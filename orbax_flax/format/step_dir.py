@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable
@@ -43,6 +44,39 @@ TMP_MARKER = ".ofx-tmp-"  # <step>.ofx-tmp-<...>: an uncommitted save or a step 
 RETIRED_KEY = "_RETIRED"  # a retired step's manifest (its _CHECKPOINT renamed): not a step
 RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
 INDEX = "_steps"  # on object stores: one empty key per committed step
+_GENERATION = re.compile(r"^[0-9a-f]{16}$")
+
+
+def retired_name(directory: str, generation: str) -> str:
+  """The name a retired step's directory gets: ``<dir>.ofx-base-<generation>``.
+
+  Example:
+    >>> retired_name("100", "0123456789abcdef")
+    '100.ofx-base-0123456789abcdef'
+  """
+  return f"{directory}{RETIRED}{generation}"
+
+
+def parse_retired(name: str) -> tuple[str, str] | None:
+  """(dir, generation) of a retired directory's name, else None."""
+  head, sep, gen = name.rpartition(RETIRED)
+  return (head, gen) if sep and _manifest.BASE_DIR.match(head) and _GENERATION.match(gen) else None
+
+
+def retired_dirs(root: str) -> list[str]:
+  """Names of the retired data under the local directory of steps ``root``, sorted.
+
+  Example:
+    >>> import tempfile
+    >>> retired_dirs(tempfile.mkdtemp())
+    []
+  """
+  try:
+    names = os.listdir(root)
+  except OSError:
+    return []
+  return sorted(n for n in names if parse_retired(n) or (
+      n.isdigit() and os.path.exists(os.path.join(root, n, RETIRED_KEY))))
 
 
 def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Leftover]]:
@@ -65,7 +99,7 @@ def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Le
     except OSError as e:
       raise _location.storage_error(loc, "listing the steps", e) from e
     for name in names:
-      if _is_step(name) and not os.path.exists(os.path.join(loc.local_path, name, "_RETIRED")):
+      if _is_step(name) and not os.path.exists(os.path.join(loc.local_path, name, RETIRED_KEY)):
         steps.append(int(name))  # (_RETIRED: a step retention retired, whose data others use)
       elif TMP_MARKER in name:
         head = name.split(".", 1)[0]

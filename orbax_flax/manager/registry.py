@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
 import time
 import uuid
@@ -91,22 +90,10 @@ def holds_references(root: Location) -> bool:
   """
   if not root.is_local:
     return False
-  try:
-    names = os.listdir(root.local_path)
-  except OSError:
-    return False
-  if any(step_dir.RETIRED in n or (n.isdigit() and os.path.exists(
-      os.path.join(root.local_path, n, step_dir.RETIRED_KEY))) for n in names):
+  if step_dir.retired_dirs(root.local_path):
     return True
-  for step in step_dir.list_steps(root)[0]:
-    try:
-      if restoring.read_summary(root.join(str(step))).bases:
-        return True
-    except errors.CheckpointNotFoundError:
-      continue  # deleted meanwhile
-    except errors.CheckpointError:
-      return True
-  return False
+  borrowed = restoring.referenced_generations(root)
+  return borrowed is None or bool(borrowed)
 
 
 class Writes:
