@@ -478,7 +478,7 @@ def split_rounds(pieces: Sequence[Piece], budget: int) -> list[list[Piece]]:
 
 
 # ----------------------------------------------------------------------------
-# Phase two: one save on one process, in the background; the commit.
+# Phase two: one save on one process, in the background.
 
 
 class SaveHooks:
@@ -845,6 +845,10 @@ def _raise_verdict(decision: str) -> None:
   if decision.startswith(_CANCELLED):
     raise errors.SaveCancelledError(decision[len(_CANCELLED):])
   raise errors.StorageError(_verdict_text(decision))
+
+
+# ----------------------------------------------------------------------------
+# The commit (process 0), or the discard of a failed save.
 
 
 def target(final: Location, gen: str) -> Location:
