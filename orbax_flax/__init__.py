@@ -97,10 +97,11 @@ _MOVED = {
     **{m: f"format.{m}" for m in ("_layout", "_manifest", "_tsio", "step_dir")},
     "_records": "format._manifest", "_records_decode": "format._manifest",
     "_chunk_index": "format._tsio",
-    **{m: f"engine.{m}" for m in ("_matching", "_planning", "_reading",
-                                  "_selecting", "checkpointer", "converting", "describe",
-                                  "restoring", "saving", "targets", "transforms", "verifying")},
-    "_planner": "engine._planning", "_committing": "engine.saving", "_save_run": "engine.saving",
+    **{m: f"engine.{m}" for m in ("_planning", "_reading", "_selecting", "checkpointer",
+                                  "converting", "describe", "restoring", "saving", "targets",
+                                  "transforms", "verifying")},
+    "_matching": "engine.targets", "_planner": "engine._planning",
+    "_committing": "engine.saving", "_save_run": "engine.saving",
     "_read_buffers": "engine._reading", "_read_once": "engine.restoring",
     **{m: f"manager.{m}" for m in ("components", "config", "evaluation", "leases", "policy",
                                    "registry", "schedule")},  # (orbax_flax.manager: the package)
@@ -113,7 +114,7 @@ _MOVED = {
     # Modules of the layer packages since folded into another of the same package.
     "format._records": "format._manifest", "format._records_decode": "format._manifest",
     "training.restart": "training.resume", "training.workdir": "training.resume",
-    "engine._save_run": "engine.saving",
+    "engine._save_run": "engine.saving", "engine._matching": "engine.targets",
 }
 
 

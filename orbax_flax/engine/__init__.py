@@ -1,7 +1,7 @@
 """engine: one checkpoint, saved and restored. Planning (``_planning``), the save
 (``saving``: top to bottom, the blocking phase, the background phase and the atomic
 commit), the restore (``restoring``, with ``read_once``; ``_reading``, with its buffers),
-target matching and transforms (``_matching``, ``transforms``, ``targets``), the
+targets (``targets``: making one, and matching it against a checkpoint) and ``transforms``, the
 ``Checkpointer`` object, ``describe``/``verifying``, selectors and ``converting``.
 
 May import: ``core``, ``format``, ``formats`` (foreign formats), ``errors``; and, until the

@@ -214,7 +214,7 @@ def array_record(path: _tree.Path, leaf: Any, kind: str) -> tuple[dict[str, Any]
   """The record every tier keeps of an array leaf, and the array whose bytes are stored.
 
   The one encoding of an array's identity (key path, shape, dtype, PRNG key
-  implementation) that :func:`orbax_flax.engine._matching.match_target` checks a
+  implementation) that :func:`orbax_flax.engine.targets.match_target` checks a
   target against; where the bytes go is up to the tier. PRNG keys are stored
   as their key data; numpy arrays in little-endian byte order.
 

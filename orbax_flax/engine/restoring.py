@@ -37,7 +37,7 @@ import numpy as np
 from orbax_flax.format import _layout
 from orbax_flax.core import _location
 from orbax_flax.format import _manifest
-from orbax_flax.engine import _matching
+from orbax_flax.engine import targets
 from orbax_flax.engine import _reading
 from orbax_flax.core import _staging
 from orbax_flax.core import _tree
@@ -289,7 +289,7 @@ def _restore_opened(loc: Location, manifest: Manifest, target: Mapping[str, Any]
   if target is None:
     return _restore_all(loc, manifest, max_host_bytes=max_host_bytes, progress=progress)
 
-  match = _matching.match_target(manifest, target, partial=partial,
+  match = targets.match_target(manifest, target, partial=partial,
                                  allow_lossy_casts=allow_lossy_casts, casts=casts,
                                  from_target=from_target, source=str(loc))
   wants, whole = match.wants, match.whole
@@ -329,7 +329,7 @@ def _restore_all(loc: Location, manifest: Manifest, items: list[str] | None = No
         values[item][i] = rec.decoded()
         continue
       shape = rec.shape
-      wants.append(_matching.Want(item, rec, rec.np_dtype, None, shape, rec.key_impl,
+      wants.append(targets.Want(item, rec, rec.np_dtype, None, shape, rec.key_impl,
                          {tuple((0, s) for s in shape): ()}))
       slots.append((item, i))
   if progress is not None and not progress.total:
@@ -340,7 +340,7 @@ def _restore_all(loc: Location, manifest: Manifest, items: list[str] | None = No
           for item, saved_item in chosen.items()}
 
 
-def _windows(wants: list[_matching.Want], budget: int) -> list[list[int]]:
+def _windows(wants: list[targets.Want], budget: int) -> list[list[int]]:
   """Indices of ``wants`` in rounds of at most ``budget`` bytes of host data (0: one round)."""
   if not budget:
     return [list(range(len(wants)))]
@@ -349,7 +349,7 @@ def _windows(wants: list[_matching.Want], budget: int) -> list[list[int]]:
        for w in wants], budget)
 
 
-def read_arrays(loc: Location, manifest: Manifest, wants: list[_matching.Want],
+def read_arrays(loc: Location, manifest: Manifest, wants: list[targets.Want],
                 max_host_bytes: int = 0, progress: Any = None) -> list[Any]:
   """Reads the wanted arrays into fresh buffers, then builds host or device arrays.
 
@@ -381,7 +381,7 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[_matching.Want],
   return out
 
 
-def assemble(wants: list[_matching.Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:
+def assemble(wants: list[targets.Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:
   """Host arrays as they are; device arrays placed with one batched device_put.
 
   The placement of every tier (the local tier's too), PRNG keys wrapped back.
@@ -492,7 +492,7 @@ def _read_once_target(target: dict[str, Any], manifest: Manifest | None) -> dict
 def _read_once_leaf(leaf: Any, chunk_shape: tuple[int, ...] | None) -> Any:
   sharding = getattr(leaf, "sharding", None)
   if not isinstance(leaf, (jax.ShapeDtypeStruct, jax.Array)) or not isinstance(
-      sharding, jax.sharding.NamedSharding) or _matching.is_key_dtype(leaf.dtype):
+      sharding, jax.sharding.NamedSharding) or targets.is_key_dtype(leaf.dtype):
     return leaf
   if chunk_shape is not None and len(chunk_shape) != len(leaf.shape):
     chunk_shape = None

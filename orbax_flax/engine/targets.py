@@ -12,17 +12,32 @@ An array that was never committed to a device (``jnp.zeros(())``, optax's
 ``count`` beside parameters placed with ``device_put``) becomes an
 :class:`UncommittedStruct`, and restores uncommitted on the default device, as
 it was: a jitted step may then use it beside arrays on any mesh.
+
+Then the check of a target against a checkpoint, the one of every place a
+checkpoint lives (the persistent tier, :mod:`orbax_flax.engine.restoring`, and the
+local tier): :func:`match_target` compares each target leaf with its saved record
+(missing or extra keys, shapes, dtypes and casts, PRNG keys, shardings) and
+returns a :class:`Match`: the arrays to read (a :class:`Want` each, with the
+boxes this process's devices need) and where each goes. It reads no array data.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from orbax_flax.core import _tree
+from orbax_flax.format import _layout
+from orbax_flax import errors
+from orbax_flax.format._manifest import Array, Manifest, Record
 
 try:
   from flax import nnx
@@ -241,3 +256,384 @@ def _nnx_specs(tree: Any) -> dict | None:
   flat = jax.tree_util.tree_flatten_with_path(specs, is_leaf=lambda x: isinstance(x, P))[0]
   return {p: s for p, s in flat if isinstance(s, P)}
 
+
+# ----------------------------------------------------------------------------
+# Checking a target against a checkpoint.
+
+
+@dataclasses.dataclass
+class Want:
+  """One array leaf to read: where it comes from and what to build."""
+  item: str
+  rec: Array
+  dtype: np.dtype             # target dtype of the data (key data for PRNG keys)
+  sharding: Any               # jax Sharding of the data, or None for host numpy
+  shape: tuple[int, ...]      # shape of the data (key data for PRNG keys)
+  key_impl: str | None
+  boxes: Mapping[_layout.Box, tuple[Any, ...]]  # distinct boxes to read -> devices that get them
+  committed: bool = True      # False: placed uncommitted on the default device (as the target was)
+
+
+@dataclasses.dataclass
+class Match:
+  """A target checked against a checkpoint's items: what to read and where it goes.
+
+  ``results[item]`` is ``(treedef, leaves)`` with values already in place and
+  ``None`` where an array of ``wants`` (``(want, item, leaf index)``) goes;
+  ``whole`` lists the items the target asks for as saved (``None``).
+  """
+  results: dict[str, tuple[Any, list[Any]]]
+  wants: list[tuple[Want, str, int]]
+  whole: list[str]
+  as_python: set[tuple[str, int]] = dataclasses.field(default_factory=set)  # Python scalar targets
+
+  def trees(self, arrays: list[Any]) -> dict[str, Any]:
+    """The target's items, with ``arrays`` (one per want, in order) in place.
+
+    A Python scalar target leaf read from a 0-d array comes back a Python scalar.
+    """
+    for (_, item, i), value in zip(self.wants, arrays):
+      self.results[item][1][i] = value.item() if (item, i) in self.as_python else value
+    return {item: jax.tree_util.tree_unflatten(treedef, leaves)
+            for item, (treedef, leaves) in self.results.items()}
+
+
+def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool = False,
+                 allow_lossy_casts: bool = False, casts: list | None = None,
+                 from_target: Any = (), source: str = "the checkpoint") -> Match:
+  """Checks ``target`` against the saved items of ``manifest``; reads no array data.
+
+  The one target check of every place a checkpoint lives (the persistent
+  tier, the local tier): missing or extra keys, shapes, dtypes and casts
+  (``allow_lossy_casts``, recorded into ``casts``), PRNG keys, shardings.
+
+  Raises:
+    TreeMismatchError: every difference, by key path.
+    ValueError: a target sharding cannot hold its array.
+  """
+  diffs: list[str] = []
+  bad_shardings: list[str] = []
+  results: dict[str, tuple[Any, list[Any]]] = {}
+  wants: list[tuple[Want, str, int]] = []
+  as_python: set[tuple[str, int]] = set()  # Python scalar targets read from 0-d arrays
+  whole: list[str] = []
+  matched = 0
+  for item, subtree in target.items():
+    saved_item = manifest.items.get(item)
+    if saved_item is None:
+      diffs.append(f"item {item!r}: in target, not in checkpoint (it has"
+                   f" {sorted(manifest.items)})")
+      continue
+    if subtree is None:
+      whole.append(item)
+      continue
+    saved = saved_item.by_path()
+    flat = _tree.flatten(subtree)  # a Linen box's value at the box's own path
+    out: list[Any] = [None] * len(flat)
+    results[item] = (jax.tree_util.tree_structure(subtree), out)
+    seen = set()
+    for i, (path_, leaf) in enumerate(flat):
+      rec = saved.get(path_)
+      if rec is None and path_ + ("value",) in saved:  # saved boxed, before boxes were metadata
+        path_ += ("value",)
+        rec = saved[path_]
+      seen.add(path_)
+      where = _Where(item, path_)
+      if rec is None:
+        if any(t.matches(_tree.path_str(path_)) for t in from_target):
+          if isinstance(leaf, (jax.Array, np.ndarray)) or _tree.leaf_kind(leaf) == "value":
+            out[i] = leaf
+          else:
+            diffs.append(f"{where}: not in checkpoint, and FromTarget needs a concrete value in"
+                         f" the target (an array), not a {type(leaf).__name__}")
+          continue
+        diffs.append(f"{where}: {_IN_TARGET}")
+        continue
+      matched += 1
+      want = _want(item, rec, leaf, where, diffs, bad_shardings, allow_lossy_casts, casts)
+      if want is None:
+        continue
+      if isinstance(want, Value):
+        out[i] = want.value
+      else:
+        wants.append((want, item, i))
+        if type(leaf) in (bool, int, float, complex) and want.shape == () and not want.key_impl:
+          as_python.add((item, i))
+    if not partial:
+      for path_ in saved:
+        if path_ not in seen:
+          diffs.append(f"{item}/{_tree.path_str(path_)}: {_IN_CHECKPOINT}")
+  if diffs:
+    summary = mismatch_summary(diffs, matched, source)
+    raise errors.TreeMismatchError(summary + "\n" + _advice(diffs), diffs,
+                                   summary=summary)
+  if bad_shardings:
+    raise ValueError("target shardings cannot hold these arrays (JAX needs every sharded"
+                     " dimension to divide evenly); change the PartitionSpec or mesh:\n  "
+                     + "\n  ".join(bad_shardings))
+  return Match(results, wants, whole, as_python)
+
+
+_IN_TARGET = "in target, not in checkpoint"
+_IN_CHECKPOINT = "in checkpoint, not in target"
+_LOSSY = "converting loses information"
+_ALL_SHOWN = 6  # up to this many differences are all shown; more are grouped by kind
+_SHOWN = 3      # paths named per kind of difference when grouped
+
+
+def _kind(diff: str) -> tuple[str, str]:
+  """``(kind, where)`` of one difference line: the line less its path."""
+  if diff.startswith("item "):
+    return diff, ""
+  where, _, what = diff.partition(": ")
+  return what, where
+
+
+def _group(kind: str) -> str:
+  """Differences that read as one kind: shapes differ whatever the shapes."""
+  return "of other shapes" if kind.startswith("shape ") else kind
+
+
+def _diagnosis(diffs: list[str], matched: int) -> str:
+  kinds = [_kind(d)[0] for d in diffs]
+  only_target = [w for k, w in map(_kind, diffs) if k == _IN_TARGET]
+  only_saved = [w for k, w in map(_kind, diffs) if k == _IN_CHECKPOINT]
+  boxed = {w.rsplit("/", 1)[0] for w in only_saved if w.endswith("/value")}
+  unboxed = {w.rsplit("/", 1)[0] for w in only_target if w.endswith("/value")}
+  if any(d.startswith("item ") for d in diffs):
+    return ("the checkpoint holds other items than the target: another kind of state (e.g. a"
+            " plain pytree against a TrainState), or another run's checkpoint (a different"
+            " workdir)")
+  if (boxed & set(only_target)) or (unboxed & set(only_saved)):
+    return ("boxed against unboxed: one side keeps its arrays in variables ('.../value', NNX"
+            " Variables) where the other has plain arrays (an NNX state against a Linen one, or"
+            " the reverse)")
+  if only_target and only_saved and not matched:
+    return ("no key path in common: the target is another model's state, or this is another"
+            " run's checkpoint (a different workdir)")
+  if only_target and only_saved:
+    return (f"a different model: {len(only_target)} key(s) only in the target, {len(only_saved)}"
+            f" only in the checkpoint, {matched} in both")
+  shapes = sum(k.startswith("shape ") for k in kinds)
+  if only_target and shapes:
+    return (f"a different model: {len(only_target)} key(s) only in the target, {shapes} of other"
+            " shapes")
+  if only_saved:
+    return f"the target holds a subset of the checkpoint ({len(only_saved)} key(s) left out)"
+  if only_target:
+    return f"the target has {len(only_target)} key(s) the checkpoint lacks (a newer model?)"
+  if any(k.startswith("shape ") for k in kinds):
+    return "the same keys with other shapes: a different model configuration"
+  if all(_LOSSY in k for k in kinds):
+    return "other dtypes, and converting them loses information"
+  return f"{len(diffs)} difference(s)"
+
+
+def mismatch_summary(diffs: list[str], matched: int, source: str) -> str:
+  """A mismatch in a few lines: a diagnosis, then the differences (one line per kind, with a
+  count and its first paths, when there are many; ``TreeMismatchError.differences`` keeps all).
+
+  Example:
+    >>> print(mismatch_summary([f"s/{k}: in target, not in checkpoint" for k in "abcdefgh"], 3,
+    ...                        "ck"))
+    restore target does not match the checkpoint at ck: the target has 8 key(s) the checkpoint lacks (a newer model?)
+      s/a: in target, not in checkpoint (and 7 more like it: s/b, s/c, s/d, ...)
+  """
+  head = f"restore target does not match the checkpoint at {source}: {_diagnosis(diffs, matched)}"
+  if len(diffs) <= _ALL_SHOWN:
+    return "\n  ".join([head] + diffs)
+  groups: dict[str, list[str]] = {}
+  for d in diffs:
+    groups.setdefault(_group(_kind(d)[0]), []).append(d)
+  lines = [head]
+  for kind, members in groups.items():
+    more = [_kind(d)[1] for d in members[1:]]
+    shown = ", ".join(more[:_SHOWN]) + (", ..." if len(more) > _SHOWN else "")
+    lines.append(members[0] + (f" (and {len(more)} more {'like it' if kind == _kind(members[0])[0] else kind}:"
+                               f" {shown})" if more else ""))
+  return "\n  ".join(lines)
+
+
+def _advice(diffs: list[str]) -> str:
+  """What to do, for ``ofx.restore`` (a resume words its own: the callback has no ``partial``)."""
+  kinds = {_kind(d)[0] for d in diffs}
+  if kinds == {_IN_CHECKPOINT}:
+    return "Fix: pass partial=True to restore only the target's keys."
+  if _IN_TARGET in kinds or _IN_CHECKPOINT in kinds:
+    return ("Fix: check that the checkpoint is this model's (ofx.metadata(path) lists its keys);"
+            " to take a part of it, give a target of that part and partial=True.")
+  return "Fix: see each difference above (TreeMismatchError.differences lists every one)."
+
+
+def cast_lines(casts: list) -> list[str]:
+  """One line per kind of dtype change in ``casts`` (``(where, saved, target, exact)``),
+  with a count and an example path.
+
+  Example:
+    >>> cast_lines([("s/a", "float32", "bfloat16", False), ("s/b", "float32", "bfloat16", False)])
+    ["s/a converted from float32 (checkpoint) to bfloat16 (this run's state), losing information (allow_lossy_casts) (and 1 more arrays like it)"]
+  """
+  groups: dict[tuple[str, str, bool], list[str]] = {}
+  for where, saved, wanted, exact in casts:
+    groups.setdefault((saved, wanted, exact), []).append(where)
+  return [f"{w[0]} converted from {s} (checkpoint) to {t} (this run's state)"
+          f"{'' if exact else ', losing information (allow_lossy_casts)'}"
+          f"{f' (and {len(w) - 1} more arrays like it)' if len(w) > 1 else ''}"
+          for (s, t, exact), w in groups.items()]
+
+
+@dataclasses.dataclass
+class Value:
+  value: Any
+
+
+def is_key_dtype(dtype: Any) -> bool:
+  return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+
+
+def _key_impl_name(dtype: Any) -> str | None:
+  """The PRNG implementation a key dtype names (``key<rbg>`` -> "rbg"), if jax says."""
+  impl = getattr(dtype, "_impl", None)  # jax has no public accessor on a dtype
+  return getattr(impl, "name", None)
+
+
+def _key_data_sharding(sharding: Any, where: _Where) -> Any:
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec, None))
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  raise ValueError(f"{where}: restoring PRNG keys onto a {type(sharding).__name__} is not"
+                   " supported; use a NamedSharding or SingleDeviceSharding.")
+
+
+class _Where:
+  """A leaf's ``item/key/path`` text, worked out only when a message or a cast names it."""
+
+  def __init__(self, item: str, path: tuple[str, ...]):
+    self.item, self.path = item, path
+
+  def __str__(self) -> str:
+    return f"{self.item}/{_tree.path_str(self.path)}"
+
+
+def _want(item: str, rec: Record, leaf: Any, where: _Where, diffs: list[str],
+          bad_shardings: list[str], allow_lossy: bool = False,
+          casts: list | None = None) -> Want | Value | None:
+  """Checks one target leaf against its record; returns what to read."""
+  saved_kind = rec.kind
+  if isinstance(leaf, jax.ShapeDtypeStruct) or isinstance(leaf, jax.Array):
+    sharding = leaf.sharding
+    if sharding is None:
+      raise ValueError(f"target leaf {where} is a jax.ShapeDtypeStruct without a sharding; give"
+                       " it one (jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh,"
+                       " P(...)))) or use a numpy array to restore on the host.")
+    shape, dtype = tuple(leaf.shape), leaf.dtype
+  elif isinstance(leaf, np.ndarray):
+    sharding, shape, dtype = None, leaf.shape, leaf.dtype
+  elif _tree.leaf_kind(leaf) == "value":
+    if saved_kind == "value":
+      return Value(rec.decoded())
+    sharding, shape, dtype = None, rec.user_shape, None
+  else:
+    raise TypeError(f"target leaf {where} is a {type(leaf).__name__}; use a"
+                    " jax.ShapeDtypeStruct with a sharding, a jax.Array, a numpy array or a"
+                    " scalar.")
+
+  if saved_kind == "value":
+    value = rec.decoded()
+    if shape == () and isinstance(value, (bool, int, float, complex, np.generic)) and not is_key_dtype(dtype):
+      if dtype is not None:
+        source = np.asarray(value).dtype
+        if not _cast_ok(source, np.dtype(dtype), where, allow_lossy, diffs, casts):
+          return None
+      array = np.asarray(value, dtype=dtype)
+      if sharding is None:
+        return Value(array)
+      if is_uncommitted(leaf):
+        return Value(jax.device_put(array))
+      return Value(jax.make_array_from_callback((), sharding, lambda _: array))
+    diffs.append(f"{where}: checkpoint holds a {type(value).__name__}, target wants an array"
+                 f" of shape {shape}")
+    return None
+
+  saved_key = rec.key_impl
+  if dtype is not None and is_key_dtype(dtype) != (saved_key is not None):
+    diffs.append(f"{where}: " + ("checkpoint holds PRNG keys, target is not a key array" if saved_key
+                                 else "target is a PRNG key array, checkpoint holds plain data"))
+    return None
+  wanted_impl = _key_impl_name(dtype) if saved_key and dtype is not None else None
+  if wanted_impl is not None and wanted_impl != saved_key:
+    diffs.append(f"{where}: checkpoint holds {saved_key} PRNG keys, target asks for {wanted_impl}"
+                 f" keys; keys of one implementation cannot be converted exactly into another."
+                 f" Restore into {saved_key} keys (e.g. a target built with"
+                 f" jax.random.key(0, impl={saved_key!r})), or make new keys.")
+    return None
+  saved_shape = rec.user_shape
+  if tuple(shape) != saved_shape:
+    diffs.append(f"{where}: shape {saved_shape} in checkpoint, {tuple(shape)} in target")
+    return None
+  data_shape = rec.shape
+  data_dtype = np.dtype(rec.dtype) if (dtype is None or saved_key) else np.dtype(dtype)
+  if not saved_key and not _cast_ok(rec.np_dtype, data_dtype, where, allow_lossy, diffs, casts):
+    return None
+  if sharding is not None:
+    try:
+      sharding.shard_shape(tuple(shape))
+    except ValueError as e:
+      bad_shardings.append(f"{where} (shape {tuple(shape)}): {e}")
+      return None
+    if saved_key:
+      sharding = _key_data_sharding(sharding, where)
+  boxes = {tuple((0, s) for s in data_shape): ()} if sharding is None else _boxes(sharding, data_shape)
+  committed = not (isinstance(sharding, jax.sharding.SingleDeviceSharding)
+                   and is_uncommitted(leaf))
+  return Want(item, rec, data_dtype, sharding, data_shape, saved_key, boxes, committed)
+
+
+def lossless(saved: np.dtype, target: np.dtype) -> bool:
+  """True if every value of ``saved`` converts to ``target`` exactly.
+
+  numpy's "safe" casting, which knows the ml_dtypes types: int8 -> float32 or
+  bfloat16 -> float32 are exact; float -> int, float32 -> bfloat16 or
+  int64 -> float32 are not.
+
+  Example:
+    >>> import ml_dtypes
+    >>> lossless(np.dtype("int8"), np.dtype("float32")), lossless(np.dtype("float32"), np.dtype("int8"))
+    (True, False)
+    >>> lossless(np.dtype("float32"), np.dtype(ml_dtypes.bfloat16))
+    False
+  """
+  if saved == target:
+    return True
+  try:
+    return bool(np.can_cast(saved, target, casting="safe"))
+  except TypeError:
+    return False
+
+
+def _cast_ok(saved: np.dtype, target: np.dtype, where: _Where, allow_lossy: bool, diffs: list[str],
+             casts: list | None) -> bool:
+  """Records a dtype change; refuses (into ``diffs``) one that loses information unless allowed."""
+  if saved == target:
+    return True
+  exact = lossless(saved, target)
+  if not exact and not allow_lossy:
+    diffs.append(f"{where}: {saved} in checkpoint, {target} in target: {_LOSSY}; pass"
+                 " allow_lossy_casts=True (checkpoint.allow_lossy_casts for a resume) to convert"
+                 " anyway, rounding or truncating, or restore as the saved dtype and cast yourself")
+    return False
+  if casts is not None:
+    casts.append((str(where), str(saved), str(target), exact))
+  return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _boxes(sharding: jax.sharding.Sharding,
+           shape: tuple[int, ...]) -> Mapping[_layout.Box, tuple[Any, ...]]:
+  """The distinct boxes this process's devices hold, and which devices hold each (read-only:
+  every target of this sharding and shape shares it)."""
+  boxes: dict[_layout.Box, list[Any]] = {}
+  for device, index in sharding.addressable_devices_indices_map(shape).items():
+    boxes.setdefault(_layout.slices_to_box(index, shape), []).append(device)
+  return types.MappingProxyType({box: tuple(devices) for box, devices in boxes.items()})

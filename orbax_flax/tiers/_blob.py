@@ -17,7 +17,7 @@ The index holds, per item, the tree structure and per leaf the engine's own
 record (:func:`orbax_flax.engine._planning.array_record`, ``value_record``) plus the
 shards this process held (``boxes``), decoded by the manifest's own checking
 decoder into the same records (:mod:`orbax_flax.format._manifest`). A restore checks the target with the
-engine's :func:`orbax_flax.engine._matching.match_target` and places the arrays with
+engine's :func:`orbax_flax.engine.targets.match_target` and places the arrays with
 its :func:`~orbax_flax.engine.restoring.assemble`: the same target gives the same
 result, or the same error, as the persistent tier.
 """
@@ -38,7 +38,7 @@ import numpy as np
 from orbax_flax.core import _crc
 from orbax_flax.format import _layout
 from orbax_flax.format import _manifest
-from orbax_flax.engine import _matching
+from orbax_flax.engine import targets
 from orbax_flax.engine import _planning
 from orbax_flax.core import _staging
 from orbax_flax.core import _tree
@@ -330,17 +330,17 @@ def parallel(fn, tasks: list) -> None:
 
 def match(index: Manifest, target: Mapping[str, Any], *, partial: bool = False,
           allow_lossy_casts: bool = False, casts: list | None = None,
-          source: str = "the local checkpoint") -> _matching.Match:
-  """The engine's target check of a blob's index (:func:`orbax_flax.engine._matching.match_target`).
+          source: str = "the local checkpoint") -> targets.Match:
+  """The engine's target check of a blob's index (:func:`orbax_flax.engine.targets.match_target`).
 
   Raises:
     TreeMismatchError, ValueError: as the persistent tier would for this target.
   """
-  return _matching.match_target(index, target, partial=partial,
+  return targets.match_target(index, target, partial=partial,
                                 allow_lossy_casts=allow_lossy_casts, casts=casts, source=source)
 
 
-def build(m: _matching.Match, index: Manifest, payload: Payload) -> dict[str, Any]:
+def build(m: targets.Match, index: Manifest, payload: Payload) -> dict[str, Any]:
   """The items ``m`` asks for, from a blob's bytes, placed by the engine (one ``device_put``).
 
   Each target box must be one shard this process saved (the same mesh and

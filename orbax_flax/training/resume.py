@@ -48,7 +48,6 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from orbax_flax.engine import _matching
 from orbax_flax.core import _location
 from orbax_flax.format import _manifest
 from orbax_flax.core import _multihost
@@ -476,7 +475,7 @@ def _targets(items: dict[str, Any]) -> dict[str, Any]:
 
 
 def _log_casts(casts: list) -> None:
-  for line in _matching.cast_lines(casts):  # one line per kind of change, not one per leaf
+  for line in targets.cast_lines(casts):  # one line per kind of change, not one per leaf
     log.warning("resume: %s", line)
 
 
