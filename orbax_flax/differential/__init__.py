@@ -28,7 +28,7 @@ registry's retention (its plain default is
 no code here runs in a save or a restore of a plain checkpoint
 (``tests/test_differential_off.py``).
 
-May import: ``core``, ``format``, ``engine`` (its low layers: ``_planning``,
+May import: ``core``, ``format``, ``engine`` (its low layers: ``_reading``,
 ``restoring``), ``errors``. Still imported back by the engine, one level with it:
 the Checkpointer builds a :class:`.differ.Differential` when asked, the reader
 finds a differential checkpoint's bases through :mod:`.refs`, an overwrite of a

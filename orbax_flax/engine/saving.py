@@ -597,7 +597,7 @@ class SaveRun:
     sizes = [p.nbytes for p in pieces]
     in_flight: list[tuple[list[Piece], int]] = []  # batches being committed (and their bytes)
     i = 0
-    start = time.perf_counter()
+    began = time.perf_counter()
     try:
       while i < len(pieces):
         self.check_cancelled()
@@ -618,7 +618,7 @@ class SaveRun:
         if len(in_flight) > 1:  # the oldest batch is committed by now
           self._done(*in_flight.pop(0))
           if cancellable:
-            rate = self.bytes_written / max(time.perf_counter() - start, 1e-3)
+            rate = self.bytes_written / max(time.perf_counter() - began, 1e-3)
             limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
       for w in self.writers.values():
         w.wait()

@@ -1,4 +1,4 @@
-"""Restore targets: :func:`abstract` turns a live state, or an ``eval_shape`` result, into one.
+"""Restore targets: making one (:func:`abstract`), and checking one against a checkpoint.
 
 A restore target says what to build for every leaf: a ``jax.ShapeDtypeStruct``
 with a sharding (a device array there), a numpy array (a host array), or a

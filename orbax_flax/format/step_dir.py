@@ -2,8 +2,12 @@
 
 ``<directory>/<step>/`` is a committed checkpoint (on a file system the name
 appears only by the atomic rename of a finished save; on an object store the
-step's ``_CHECKPOINT`` manifest exists). Anything else carrying a step number is
-a leftover of an interrupted save or delete.
+step's ``_CHECKPOINT`` manifest exists). Retired data is not a step either: a
+step that differential saves still borrow from, deleted by retention, keeps its
+data with its manifest renamed ``_RETIRED``, or moved aside to
+``<step>.ofx-base-<generation>`` (:func:`retired_name`, :func:`retired_dirs`;
+local directories only). Anything else carrying a step number is a leftover of
+an interrupted save or delete.
 
 On an object store a listing names every key of every step (tensorstore lists
 without a delimiter: thousands of data files a step on a large job), so the
@@ -23,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import uuid
 from collections.abc import Iterable
@@ -44,7 +47,6 @@ TMP_MARKER = ".ofx-tmp-"  # <step>.ofx-tmp-<...>: an uncommitted save or a step 
 RETIRED_KEY = "_RETIRED"  # a retired step's manifest (its _CHECKPOINT renamed): not a step
 RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
 INDEX = "_steps"  # on object stores: one empty key per committed step
-_GENERATION = re.compile(r"^[0-9a-f]{16}$")
 
 
 def retired_name(directory: str, generation: str) -> str:
@@ -60,7 +62,7 @@ def retired_name(directory: str, generation: str) -> str:
 def parse_retired(name: str) -> tuple[str, str] | None:
   """(dir, generation) of a retired directory's name, else None."""
   head, sep, gen = name.rpartition(RETIRED)
-  return (head, gen) if sep and _manifest.BASE_DIR.match(head) and _GENERATION.match(gen) else None
+  return (head, gen) if sep and _manifest.BASE_DIR.match(head) and _manifest._GENERATION.match(gen) else None
 
 
 def retired_dirs(root: str) -> list[str]:
