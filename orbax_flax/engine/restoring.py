@@ -290,8 +290,8 @@ def _restore_opened(loc: Location, manifest: Manifest, target: Mapping[str, Any]
     return _restore_all(loc, manifest, max_host_bytes=max_host_bytes, progress=progress)
 
   match = targets.match_target(manifest, target, partial=partial,
-                                 allow_lossy_casts=allow_lossy_casts, casts=casts,
-                                 from_target=from_target, source=str(loc))
+                               allow_lossy_casts=allow_lossy_casts, casts=casts,
+                               from_target=from_target, source=str(loc))
   wants, whole = match.wants, match.whole
   if progress is not None:
     progress.total = sum(w.rec.nbytes for w, _, _ in wants) + sum(
@@ -330,7 +330,7 @@ def _restore_all(loc: Location, manifest: Manifest, items: list[str] | None = No
         continue
       shape = rec.shape
       wants.append(targets.Want(item, rec, rec.np_dtype, None, shape, rec.key_impl,
-                         {tuple((0, s) for s in shape): ()}))
+                                {tuple((0, s) for s in shape): ()}))
       slots.append((item, i))
   if progress is not None and not progress.total:
     progress.total, progress.phase = sum(w.rec.nbytes for w in wants), "reading"

@@ -62,7 +62,9 @@ def retired_name(directory: str, generation: str) -> str:
 def parse_retired(name: str) -> tuple[str, str] | None:
   """(dir, generation) of a retired directory's name, else None."""
   head, sep, gen = name.rpartition(RETIRED)
-  return (head, gen) if sep and _manifest.BASE_DIR.match(head) and _manifest._GENERATION.match(gen) else None
+  if sep and _manifest.BASE_DIR.match(head) and _manifest._GENERATION.match(gen):
+    return head, gen
+  return None
 
 
 def retired_dirs(root: str) -> list[str]:

@@ -337,7 +337,7 @@ def match(index: Manifest, target: Mapping[str, Any], *, partial: bool = False,
     TreeMismatchError, ValueError: as the persistent tier would for this target.
   """
   return targets.match_target(index, target, partial=partial,
-                                allow_lossy_casts=allow_lossy_casts, casts=casts, source=source)
+                              allow_lossy_casts=allow_lossy_casts, casts=casts, source=source)
 
 
 def build(m: targets.Match, index: Manifest, payload: Payload) -> dict[str, Any]:
