@@ -52,7 +52,10 @@ class S3Server(StoreServer):
            # A fixed number of volume slots: "-volume.max=0" derives it from the disk's free
            # space (free / 256 MB), and every bucket (a collection) grows volumes of its own,
            # so with 21 GB free only 12 buckets could hold data and later tests got HTTP 500.
-           "-volume.max=2000"]
+           "-volume.max=2000",
+           # One master: on a restart (kill(), start()) it waits one election timeout before it
+           # leads again (10 s by default), and the S3 port opens only after that.
+           "-master.electionTimeout=1s"]
     self._launch(cmd, ports[2], workdir)
 
   def ready(self) -> None:
