@@ -21,6 +21,7 @@ from __future__ import annotations
 import base64
 import collections
 import functools
+import sys
 from typing import Any
 
 import jax
@@ -29,10 +30,22 @@ import numpy as np
 
 from orbax_flax import errors
 
-try:
-  from flax.core.meta import AxisMetadata as _AxisMetadata
-except ImportError:  # pragma: no cover
-  _AxisMetadata = None
+
+def loaded(module: str) -> Any | None:
+  """``module`` if this process has imported it, else None (no import).
+
+  For isinstance checks against a library's types: a value of a type from
+  ``flax.nnx`` or ``flax.core.meta`` can only exist once that module is
+  imported, so asking ``sys.modules`` answers the same as importing it,
+  without the import (flax costs a quarter of a second, which a process that
+  never uses it, such as ``python -m orbax_flax list``, need not pay).
+
+  Example:
+    >>> loaded("sys") is sys, loaded("a_module_nobody_imported")
+    (True, None)
+  """
+  return sys.modules.get(module)
+
 
 Path = tuple[str, ...]
 
@@ -68,7 +81,8 @@ def is_box(x: Any) -> bool:
 
   Any ``flax.core.meta.AxisMetadata`` whose one pytree child is ``value``.
   """
-  if _AxisMetadata is None or not isinstance(x, _AxisMetadata):
+  meta = loaded("flax.core.meta")
+  if meta is None or not isinstance(x, meta.AxisMetadata):
     return False
   keyed = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda y: y is not x)[0]
   return len(keyed) == 1 and key_part(keyed[0][0][0]) == "value"

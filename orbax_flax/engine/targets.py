@@ -39,11 +39,6 @@ from orbax_flax.format import _layout
 from orbax_flax import errors
 from orbax_flax.format._manifest import Array, Manifest, Record
 
-try:
-  from flax import nnx
-except ImportError:  # pragma: no cover
-  nnx = None
-
 
 class UncommittedStruct(jax.ShapeDtypeStruct):
   """A restore target leaf for an array that was not committed to a device.
@@ -147,6 +142,7 @@ def abstract(tree: Any, sharding: Any = None, *, rules: Any = None) -> Any:
     >>> ofx.abstract(shapes, mesh)["w"].sharding.spec
     P()
   """
+  nnx = _tree.loaded("flax.nnx")
   if nnx is not None and isinstance(tree, nnx.Module):
     tree = nnx.state(tree)
   specs = _nnx_specs(tree) if isinstance(sharding, jax.sharding.Mesh) else None
@@ -247,6 +243,7 @@ def _choose(path: Any, leaf: Any, own: Any, sharding: Any, specs: dict | None,
 
 def _nnx_specs(tree: Any) -> dict | None:
   """Key path -> PartitionSpec from NNX variable metadata, where the tree has any."""
+  nnx = _tree.loaded("flax.nnx")
   if nnx is None or not isinstance(tree, nnx.State):
     return None
   try:
