@@ -45,9 +45,8 @@ def say(message: str, *args) -> None:
   """Logs an event a user expects to see (a resume, a preemption save) at INFO, and prints it
   to stderr too when logging is not set up (Python then shows only warnings).
 
-  Example:
-    >>> say("restored step %d", 10)  # doctest: +SKIP
-    orbax_flax: restored step 10
+  Example (without logging set up, stderr gets ``orbax_flax: restored step 10``):
+    >>> say("restored step %d", 10)
   """
   log.info(message, *args)
   if not log.hasHandlers():  # logging not set up: print what a user expects to see
