@@ -68,7 +68,7 @@ print("FLAX", sorted(m for m in sys.modules if m == "flax" or m.startswith("flax
 
 
 def test_list_show_and_verify_start_without_importing_flax(tmp_path):
-  """Reading a checkpoint from the shell needs no flax (a quarter of a second of start-up),
+  """Reading a checkpoint from the shell needs no flax (0.4 s of start-up),
   also for a state saved with Linen boxes: a box's value is stored at its own path."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   d = str(tmp_path / "run")

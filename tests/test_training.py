@@ -360,3 +360,27 @@ def test_init_from_another_run_params_only(tmp_path):
   with pytest.raises(ofx.CheckpointNotFoundError, match="init_from=.*point it at a checkpoint"):
     bad.restore_or_init(linen_state(seed=1))
   bad.close()
+
+
+_PURE_JAX_LOOP = """
+import sys
+import jax.numpy as jnp
+import orbax_flax as ofx
+for run in range(2):  # the second run resumes
+  with ofx.CheckpointCallback(sys.argv[1], ofx.CheckpointPolicy(save_interval_steps=1)) as ckpt:
+    state = ckpt.restore_or_init({"w": jnp.zeros(3), "step": jnp.int32(0)})
+    state = {"w": state["w"] + 1, "step": state["step"] + 1}
+    ckpt.on_step_end(int(state["step"]), state)
+print("W", state["w"].tolist(), "IMPORTED", sorted(
+    m for m in sys.modules if m.split(".")[0] in ("flax", "optax", "clu")))
+"""
+
+
+def test_a_pure_jax_loop_with_the_callback_imports_no_flax(tmp_path):
+  """A loop over a plain pytree pays for no flax, optax or clu import at start-up (0.4 s of a
+  restart): the callback asks for NNX and Linen types only when they are imported already."""
+  r = subprocess.run([sys.executable, "-c", _PURE_JAX_LOOP, str(tmp_path)], capture_output=True,
+                     text=True, env=jobs.env_for(2), cwd=jobs.ROOT, timeout=300, check=False)
+  out = r.stdout + r.stderr
+  assert r.returncode == 0, out
+  assert "W [2.0, 2.0, 2.0] IMPORTED []" in out, out  # resumed from step 1, trained on

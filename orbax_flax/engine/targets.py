@@ -143,7 +143,7 @@ def abstract(tree: Any, sharding: Any = None, *, rules: Any = None) -> Any:
     P()
   """
   nnx = _tree.loaded("flax.nnx")
-  if nnx is not None and isinstance(tree, nnx.Module):
+  if nnx is not None and isinstance(tree, getattr(nnx, "Module", ())):
     tree = nnx.state(tree)
   specs = _nnx_specs(tree) if isinstance(sharding, jax.sharding.Mesh) else None
   per_leaf = None
@@ -244,7 +244,7 @@ def _choose(path: Any, leaf: Any, own: Any, sharding: Any, specs: dict | None,
 def _nnx_specs(tree: Any) -> dict | None:
   """Key path -> PartitionSpec from NNX variable metadata, where the tree has any."""
   nnx = _tree.loaded("flax.nnx")
-  if nnx is None or not isinstance(tree, nnx.State):
+  if nnx is None or not isinstance(tree, getattr(nnx, "State", ())):
     return None
   try:
     specs = nnx.get_partition_spec(tree)

@@ -49,10 +49,11 @@ import jax
 from orbax_flax.core import _tree
 from orbax_flax import errors
 
-try:
-  from flax import nnx
-except ImportError:  # pragma: no cover
-  nnx = None
+
+def _nnx() -> Any:
+  """``flax.nnx`` if this process imported it, else None: a state that holds NNX objects
+  implies it did, and a state that does not need not pay for importing flax."""
+  return _tree.loaded("flax.nnx")
 
 
 def _is_key_tree(tree: Any) -> bool:
@@ -63,7 +64,8 @@ def _is_key_tree(tree: Any) -> bool:
 
 
 def _is_nnx(x: Any) -> bool:
-  return nnx is not None and isinstance(x, nnx.Pytree)
+  nnx = _nnx()
+  return nnx is not None and isinstance(x, getattr(nnx, "Pytree", ()))
 
 
 def _is_members(state: Any) -> bool:
@@ -73,6 +75,7 @@ def _is_members(state: Any) -> bool:
 
 def _model_member(members: Any) -> Any:
   """The model of a tuple state: its first ``nnx.Module`` (else the first other NNX object)."""
+  nnx = _nnx()
   opt_like = (nnx.Optimizer, nnx.Rngs) + ((nnx.Metric,) if hasattr(nnx, "Metric") else ())
   modules = [x for x in members if isinstance(x, nnx.Module) and not isinstance(x, opt_like)]
   others = [x for x in members if _is_nnx(x) and not isinstance(x, opt_like)]
@@ -81,6 +84,7 @@ def _model_member(members: Any) -> Any:
 
 def _nnx_parts(state: Any) -> tuple[Any, Any]:
   """(model, optimizer) of an NNX state; either may be None."""
+  nnx = _nnx()
   if _is_members(state):
     model = _model_member(state)
     opt = next((x for x in state if isinstance(x, nnx.Optimizer)), None)
@@ -125,6 +129,7 @@ def to_items(state: Any) -> dict[str, Any]:
       items["rng"] = rngs
     items["train_state"] = {n: v for n, v in rest.items() if n not in rngs}
     return items
+  nnx = _nnx()
   model, opt = _nnx_parts(state)
   items = {}
   if model is not None:
@@ -179,6 +184,7 @@ def check(state: Any) -> dict[str, Any]:
 
 def _optimizer_only(opt: Any) -> Any:
   """The optimizer's own state (step, moments), without the model's variables."""
+  nnx = _nnx()
   return nnx.state(opt, nnx.Any(nnx.OptState, nnx.Intermediate)) if hasattr(nnx, "OptState") \
       else nnx.state(opt)
 
@@ -192,6 +198,7 @@ def from_items(state: Any, restored: dict[str, Any]) -> Any:
     fields = dict(restored.get("train_state", {}))
     fields.update(restored.get("rng", {}))
     return state.replace(params=restored["params"], opt_state=restored["opt_state"], **fields)
+  nnx = _nnx()
   model, opt = _nnx_parts(state)
   if model is not None:
     nnx.update(model, restored["params"])
