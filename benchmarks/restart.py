@@ -1,6 +1,6 @@
 """Restart time: from process start to the first train step done on the restored state.
 
-    .venv/bin/python benchmarks/restart.py --reps=5 --size-mb=1536 --json=benchmarks/results/restart-run4.json
+    .venv/bin/python benchmarks/restart.py --reps=5 --size-mb=1536 --json=benchmarks/results/restart-runN.json
 
 Two jobs, each restarted again and again from its checkpoint, every run a fresh process:
 
@@ -185,9 +185,9 @@ def main() -> int:
   p.add_argument("--cache", action="store_true", help=argparse.SUPPRESS)
   p.add_argument("--workdir", default=None)
   p.add_argument("--size-mb", type=int, default=1024, help="the large job's state")
-  # 80: the step compiles in ~1.7 s on a quiet 2-core machine, of the order of the 1.6 GB
-  # restore; under 1 s (40 ops) JAX would not write it to its cache at all
-  # (jax_persistent_cache_min_compile_time_secs, 1 s), and "cache" would measure nothing.
+  # JAX writes to its cache only programs that took >= 1 s to compile
+  # (jax_persistent_cache_min_compile_time_secs): with fewer ops the "cache" modes measure
+  # nothing. 80 ops compile in 1.7 s on a quiet 2-core machine, the order of a 1.5 GB restore.
   p.add_argument("--ops", type=int, default=80, help="the large job's step: ops (compile time)")
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--jobs", default="example,large")
