@@ -42,6 +42,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 import jax
@@ -52,8 +53,9 @@ from orbax_flax import errors
 
 def _nnx() -> Any:
   """``flax.nnx`` if this process imported it, else None: a state that holds NNX objects
-  implies it did, and a state that does not need not pay for importing flax."""
-  return _tree.loaded("flax.nnx")
+  implies it did, and a state that does not need not pay for importing flax (as
+  :func:`orbax_flax.core._tree.loaded`, asked here on every step without leaving the module)."""
+  return sys.modules.get("flax.nnx")
 
 
 def _is_key_tree(tree: Any) -> bool:
