@@ -35,6 +35,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -436,13 +437,18 @@ class StepRegistry:
       latest = committed[-1] if committed else None
       _, leftovers = step_dir.list_steps(self._dir, full=True)
       writing = self.writes.steps()
+      kept = []
       for l in leftovers:
         if l.step is None or l.step in writing or latest is None or l.step > latest:
+          kept.append(l)
           continue
         log.info("removing leftover %s of an interrupted save or delete", l.name)
         step_dir.remove(self._dir, l.name)
-      self.retention.sweep(self._dir)
-      _, self._leftovers = step_dir.list_steps(self._dir, full=True)
+        if self._dir.is_local and os.path.lexists(os.path.join(self._dir.local_path, l.name)):
+          kept.append(l)  # (a local removal ignores errors: what stays is tried again)
+      self.retention.sweep(self._dir)  # (retired data only: never a leftover)
+      # What is left, from the one listing: on an object store a listing reads every key.
+      self._leftovers = kept
 
   @contextlib.contextmanager
   def saving(self, step: int) -> Iterator[None]:
