@@ -446,7 +446,8 @@ class StepRegistry:
         step_dir.remove(self._dir, l.name)
         if self._dir.is_local and os.path.lexists(os.path.join(self._dir.local_path, l.name)):
           kept.append(l)  # (a local removal ignores errors: what stays is tried again)
-      self.retention.sweep(self._dir)  # (retired data only: never a leftover)
+      # Retired data only; should its removal fail, what stays is found by the next sweep.
+      self.retention.sweep(self._dir)
       # What is left, from the one listing: on an object store a listing reads every key.
       self._leftovers = kept
 
