@@ -71,6 +71,29 @@ def join(parser: argparse.ArgumentParser, heartbeat_timeout_seconds: int = 10) -
   return a
 
 
+def exit_together(timeout_s: float = 120) -> None:
+  """In a worker script: ends this process once every process of the job is done with the
+  coordination service, without jax.distributed's shutdown barrier.
+
+  Process 0 hosts the service: if it exits while another process still reads a key (the
+  last values of an ``all_gather``), that process's error poller sees the service gone
+  and JAX aborts it (SIGABRT). So the others say they are leaving once their gather has
+  returned, and process 0 exits after it has heard every one of them, and a moment more
+  for their ``os._exit`` to run.
+  """
+  import jax  # pylint: disable=g-import-not-at-top  # only worker processes need it
+  from orbax_flax.core import _multihost  # pylint: disable=g-import-not-at-top
+  _multihost.all_gather("jobs/exit", "1", timeout_s)
+  me, n = jax.process_index(), jax.process_count()
+  if me != 0:
+    _multihost.publish(f"jobs/exit/left/{me}", "1", timeout_s=timeout_s)
+  else:
+    for p in range(1, n):
+      _multihost.fetch(f"jobs/exit/left/{p}", timeout_s)
+    time.sleep(0.5)
+  os._exit(0)  # pylint: disable=protected-access
+
+
 def start(script: str, args: list[str], num_processes: int, devices_per_process: int,
           env: dict[str, str] | None = None) -> list[subprocess.Popen]:
   """Starts the processes of one job; ``script`` reads --process_id etc."""

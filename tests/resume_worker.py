@@ -6,7 +6,6 @@ resume took, then waits for the other process so that neither is cut off.
 """
 
 import argparse
-import os
 import time
 
 import jax
@@ -16,7 +15,6 @@ from jax.sharding import PartitionSpec as P
 
 import jobs
 import orbax_flax as ofx
-from orbax_flax.core import _multihost
 
 
 def main():
@@ -43,8 +41,7 @@ def main():
   except Exception as e:  # pylint: disable=broad-except
     print(f"RESULT {type(e).__name__}: {' '.join(str(e).split())}", flush=True)
   print(f"ELAPSED {time.monotonic() - start:.1f}", flush=True)
-  _multihost.all_gather("resume_worker/exit", "1", 120)
-  os._exit(0)  # pylint: disable=protected-access  # skip jax.distributed's shutdown barrier
+  jobs.exit_together(120)
 
 
 if __name__ == "__main__":

@@ -69,8 +69,7 @@ def main():
   _multihost.all_gather("slow_worker/done", "1", timeout_s=60)  # the late one is done too
   print(f"P{jax.process_index()} COMMITTED {os.path.exists(os.path.join(a.path, '_CHECKPOINT'))}",
         flush=True)
-  _multihost.all_gather("slow_worker/exit", "1", timeout_s=60)
-  os._exit(0)  # pylint: disable=protected-access  # skip jax.distributed's shutdown barrier
+  jobs.exit_together(60)
 
 
 
