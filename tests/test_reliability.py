@@ -189,6 +189,15 @@ def test_every_coordination_call_times_out_on_every_other_process(tmp_path, stop
       assert "coordination_timeout_seconds" in got[name], got[name]
 
 
+def test_a_rendezvous_whose_last_arrival_was_cut_short_still_returns_every_report():
+  """A process killed inside arrive(), after its report and before counting itself in, left
+  every report at the rendezvous and no mark that it was complete. The gather waited its
+  timeout and then raised CoordinationTimeoutError naming no process ("process(es) []",
+  seen in the long kill run); with every report there, it returns them."""
+  res = jobs.run("arrive_worker.py", [], 2, 1).check()
+  assert "RESULT ['report-0', 'report-1']" in res.outputs[0], res.outputs[0][-3000:]
+
+
 # ---------------------------------------------------------------------- 3. damaged old manifest
 # On S3 and GCS: tests/test_objstore.py::test_overwrite_over_a_damaged_manifest_commits_and_cleans_up.
 

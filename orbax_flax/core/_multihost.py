@@ -31,12 +31,15 @@ collective does); nothing depends on what else a process created first.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+log = logging.getLogger("orbax_flax")
 
 # The default of the public constructors that take a coordination_timeout_seconds (the
 # policy's default too). The functions here take no default: every caller passes its own.
@@ -323,6 +326,13 @@ def gather(key: str, timeout_s: float, *, what: str = "report") -> list[str]:
     fetch(f"{key}/all", timeout_s)
   except CoordinationTimeoutError as e:
     missing = absent(key, timeout_s=timeout_s)
+    if not missing:
+      # Every report is in: the process whose arrival completed the count died (or stalled)
+      # between its report and the mark. The rendezvous happened; its report stands.
+      log.warning("every process reported at %r, but the last one did not mark it complete"
+                  " (it died or stalled within arrive()); going on with the reports", key)
+      values = dir_get(f"{key}/v", timeout_s=timeout_s)
+      return [values[str(p)] for p in range(process_count())]
     raise CoordinationTimeoutError(
         f"process {process_index()} waited {timeout_s:g} s for every process to {what};"
         f" process(es) {missing} did not (slow, hung or dead). Raise"
