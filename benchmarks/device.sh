@@ -6,6 +6,9 @@
 #
 #   bash benchmarks/device.sh              # SIZE=2gb for a quick smoke test
 #
+# On a one-chip TPU v5e (15.7 GiB) use SIZE=2gb (the 20 GB state does not fit) and
+# REPS=1 if one command may run only 10 minutes: REPS=3 took longer there (2026-12-05).
+#
 # It installs only what the machine lacks. Without network, put wheels in .whl/
 # (python3 -m pip download --no-deps -d .whl google-crc32c ml_collections clu ...)
 # and they are installed from there. Results go to $OUT (or /tmp): device-SIZE.json.

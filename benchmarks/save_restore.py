@@ -192,7 +192,17 @@ def torch_state(host):
   if on_accelerator() and torch.cuda.is_available():
     return {k: (torch.randn(tuple(v.shape), device="cuda") if v.dtype == np.float32 else
                 torch.zeros(tuple(v.shape), dtype=torch.int32, device="cuda")) for k, v in flat.items()}
-  return {k: torch.from_numpy(np.array(v)) for k, v in flat.items()}
+  return {k: torch.from_numpy(host_values(v)) for k, v in flat.items()}
+
+
+def host_values(x):
+  """``x`` as a numpy array; a shape alone (the state built on an accelerator: no host copy
+  of it exists) as random values of that shape and dtype, for the host-side contenders."""
+  if isinstance(x, np.ndarray):
+    return np.array(x)
+  if np.issubdtype(x.dtype, np.floating):
+    return np.random.default_rng(0).standard_normal(x.shape, dtype=np.float32).astype(x.dtype)
+  return np.zeros(x.shape, x.dtype)
 
 
 def torch_empty_like(sd):
@@ -459,7 +469,7 @@ class Bench:
     st_dir = self.path("st")
     if not os.path.exists(st_dir):
       os.makedirs(st_dir)
-      flat = {".".join(p): np.asarray(x) for p, x in ofx.core._tree.flatten(self.host)}  # pylint: disable=protected-access
+      flat = {".".join(p): host_values(x) for p, x in ofx.core._tree.flatten(self.host)}  # pylint: disable=protected-access
       save_file(flat, os.path.join(st_dir, "model.safetensors"))
     target = {"params": abstract(self.state)}
     shardings = {".".join(p): x.sharding
