@@ -327,10 +327,11 @@ def gather(key: str, timeout_s: float, *, what: str = "report") -> list[str]:
   except CoordinationTimeoutError as e:
     missing = absent(key, timeout_s=timeout_s)
     if not missing:
-      # Every report is in: the process whose arrival completed the count died (or stalled)
-      # between its report and the mark. The rendezvous happened; its report stands.
-      log.warning("every process reported at %r, but the last one did not mark it complete"
-                  " (it died or stalled within arrive()); going on with the reports", key)
+      # Every report is in, but a process died (or stalled) inside arrive(), after its
+      # report and before counting itself in or marking the rendezvous complete. The
+      # rendezvous happened: its report stands.
+      log.warning("every process reported at %r, but one did not finish arriving (it died"
+                  " or stalled inside arrive()); going on with the reports", key)
       values = dir_get(f"{key}/v", timeout_s=timeout_s)
       return [values[str(p)] for p in range(process_count())]
     raise CoordinationTimeoutError(
