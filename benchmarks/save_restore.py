@@ -192,14 +192,14 @@ def torch_state(host):
   if on_accelerator() and torch.cuda.is_available():
     return {k: (torch.randn(tuple(v.shape), device="cuda") if v.dtype == np.float32 else
                 torch.zeros(tuple(v.shape), dtype=torch.int32, device="cuda")) for k, v in flat.items()}
-  return {k: torch.from_numpy(host_values(v)) for k, v in flat.items()}
+  return {k: torch.from_numpy(np.array(host_values(v))) for k, v in flat.items()}
 
 
 def host_values(x):
   """``x`` as a numpy array; a shape alone (the state built on an accelerator: no host copy
   of it exists) as random values of that shape and dtype, for the host-side contenders."""
   if isinstance(x, np.ndarray):
-    return np.array(x)
+    return x
   if np.issubdtype(x.dtype, np.floating):
     return np.random.default_rng(0).standard_normal(x.shape, dtype=np.float32).astype(x.dtype)
   return np.zeros(x.shape, x.dtype)

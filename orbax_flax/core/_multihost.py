@@ -325,14 +325,14 @@ def gather(key: str, timeout_s: float, *, what: str = "report") -> list[str]:
   try:
     fetch(f"{key}/all", timeout_s)
   except CoordinationTimeoutError as e:
-    missing = absent(key, timeout_s=timeout_s)
+    values = dir_get(f"{key}/v", timeout_s=timeout_s)
+    missing = _absent_from(values)
     if not missing:
       # Every report is in, but a process died (or stalled) inside arrive(), after its
       # report and before counting itself in or marking the rendezvous complete. The
       # rendezvous happened: its report stands.
       log.warning("every process reported at %r, but one did not finish arriving (it died"
                   " or stalled inside arrive()); going on with the reports", key)
-      values = dir_get(f"{key}/v", timeout_s=timeout_s)
       return [values[str(p)] for p in range(process_count())]
     raise CoordinationTimeoutError(
         f"process {process_index()} waited {timeout_s:g} s for every process to {what};"
@@ -344,8 +344,12 @@ def gather(key: str, timeout_s: float, *, what: str = "report") -> list[str]:
 
 def absent(key: str, *, timeout_s: float) -> list[int]:
   """The processes that have not arrived at ``key`` yet."""
-  present = dir_get(f"{key}/v", timeout_s=timeout_s)
-  return [p for p in range(process_count()) if str(p) not in present]
+  return _absent_from(dir_get(f"{key}/v", timeout_s=timeout_s))
+
+
+def _absent_from(reports: dict[str, str]) -> list[int]:
+  """The processes without a report among ``reports`` (by process index, as set by arrive)."""
+  return [p for p in range(process_count()) if str(p) not in reports]
 
 
 def all_gather(key: str, value: str, timeout_s: float,

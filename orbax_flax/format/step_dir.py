@@ -156,17 +156,24 @@ def _is_step(name: str) -> bool:
   return name.isascii() and name.isdigit()
 
 
-def remove(loc: Location, name: str) -> None:
+def remove(loc: Location, name: str) -> bool:
   """Removes a leftover (a directory or a key prefix) entirely.
 
   On an object store a prefix whose manifest exists by now (its save committed
-  since the listing) is left alone.
+  since the listing) is left alone: it is no leftover any more.
+
+  Returns:
+    False if a local leftover is still there (a local removal ignores errors: it
+    is tried again at a later sweep).
   """
   if loc.is_local:
-    remove_local(os.path.join(loc.local_path, name))
-  elif _location.read_key(loc.join(name.rstrip("/")), _manifest.MANIFEST_KEY,
-                          max_bytes=1) is None:
+    path = os.path.join(loc.local_path, name)
+    remove_local(path)
+    return not os.path.lexists(path)
+  if _location.read_key(loc.join(name.rstrip("/")), _manifest.MANIFEST_KEY,
+                        max_bytes=1) is None:
     _location.delete_prefix(loc, name)
+  return True
 
 
 def remove_local(path: str) -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
-import os
 import threading
 import time
 import uuid
@@ -443,9 +442,8 @@ class StepRegistry:
           kept.append(l)
           continue
         log.info("removing leftover %s of an interrupted save or delete", l.name)
-        step_dir.remove(self._dir, l.name)
-        if self._dir.is_local and os.path.lexists(os.path.join(self._dir.local_path, l.name)):
-          kept.append(l)  # (a local removal ignores errors: what stays is tried again)
+        if not step_dir.remove(self._dir, l.name):
+          kept.append(l)  # still there: tried again at the next sweep
       # Retired data only; should its removal fail, what stays is found by the next sweep.
       self.retention.sweep(self._dir)
       # What is left, from the one listing: on an object store a listing reads every key.
