@@ -171,10 +171,25 @@ def test_staging_needs_one_copy_of_the_state(tmp_path):
   assert peak[0] - base < (128 << 20) + (48 << 20), (peak[0] - base) >> 20
 
 
-@pytest.mark.parametrize("transfer", ["memcpy", "pinned_host"])
+def _state_on_every_device(mb):
+  """``_state`` on a mesh of whatever devices there are (8 CPU devices here, one TPU chip on
+  accelerator: ``JAX_PLATFORMS=tpu pytest --noconftest tests/test_async.py -k "donated or private"``,
+  since the conftest asks for 8 CPU devices)."""
+  devices = jax.devices()
+  data = 2 if len(devices) % 2 == 0 else 1
+  mesh = jax.make_mesh((data, len(devices) // data), ("data", "model"))
+  rng = np.random.default_rng(0)
+  n = mb * (1 << 20) // 4 // 2048
+  return {"w": jax.device_put(rng.standard_normal((n, 2048), dtype=np.float32),
+                              NamedSharding(mesh, P("data", "model"))),
+          "b": jax.device_put(rng.standard_normal((2048,), dtype=np.float32), NamedSharding(mesh, P())),
+          "count": jax.device_put(np.int32(5), NamedSharding(mesh, P()))}
+
+
+@pytest.mark.parametrize("transfer", ["auto", "memcpy", "pinned_host"])
 def test_donated_state_is_snapshotted(tmp_path, transfer):
-  """Both host transfers: the step after save_async donates the state; the checkpoint has the old values."""
-  state = _state(32)
+  """Every host transfer: the step after save_async donates the state; the checkpoint has the old values."""
+  state = _state_on_every_device(32)
   expected = jax.tree.map(np.array, state)
   with ofx.Checkpointer(host_transfer=transfer) as ckptr:
     handle = ckptr.save_async(str(tmp_path / "c"), {"state": state})
@@ -182,6 +197,27 @@ def test_donated_state_is_snapshotted(tmp_path, transfer):
     jax.block_until_ready(new)
     assert all(x.is_deleted() for x in jax.tree.leaves(state))
     handle.wait()
+  jax.tree.map(np.testing.assert_array_equal, ofx.restore(str(tmp_path / "c"))["state"], expected)
+
+
+def test_an_async_snapshot_stages_only_what_is_not_a_private_host_copy(tmp_path):
+  """On CPU device buffers are host memory: the snapshot copies the whole state into staging
+  memory. On an accelerator each shard's device-to-host copy is private already: only the
+  packed small arrays are staged (and prepared), and a donation after the save changes nothing."""
+  state = _state_on_every_device(32)
+  expected = jax.tree.map(np.array, state)
+  big = state["w"].nbytes
+  with ofx.Checkpointer(host_transfer="memcpy") as ckptr:
+    prepared = ckptr.prepare({"state": state})
+    handle = ckptr.save_async(str(tmp_path / "c"), {"state": state})
+    new = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s), donate_argnums=0)(state)
+    jax.block_until_ready(new)
+    handle.wait()
+    staged = ckptr.staging_bytes
+  if jax.devices()[0].platform == "cpu":
+    assert prepared >= big and staged >= big, (prepared, staged, big)
+  else:
+    assert prepared <= (2 << 20) and staged <= (2 << 20), (prepared, staged, big)
   jax.tree.map(np.testing.assert_array_equal, ofx.restore(str(tmp_path / "c"))["state"], expected)
 
 

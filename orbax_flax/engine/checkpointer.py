@@ -58,11 +58,13 @@ class Checkpointer:
     coordination_timeout_seconds: the deadline of every call to the
       coordination service and of every wait for the other processes; the
       error names who is missing.
-    host_transfer: how an async save snapshots device arrays: "memcpy" (copy
-      into the staging memory; the default on CPU, where device buffers are
-      host memory), "pinned_host" (a device-to-host transfer into pinned
+    host_transfer: how an async save snapshots device arrays: "memcpy" (a
+      host copy while the caller waits: on CPU, where device buffers are host
+      memory, a copy into the staging memory; on an accelerator each shard's
+      device-to-host copy, started for every shard at once; the default on
+      CPU and TPU), "pinned_host" (a device-to-host transfer into pinned
       memory, started for every shard at once and ordered by XLA before any
-      later donation; the default on GPU/TPU), or "auto".
+      later donation; the default on GPU), or "auto".
     coordination_key: a coordination-service prefix for this checkpointer's
       saves, the same on every process (a manager passes one derived from its
       directory, the module functions one derived from the path). Default:
@@ -189,7 +191,9 @@ class Checkpointer:
     comes before the touching ends stops it and uses what is there. Reads no
     array data, writes nothing, talks to no other process.
 
-    Nothing is prepared (0 is returned) when an async save would not stage
+    Only what the save will copy is prepared: on an accelerator with the memcpy
+    transfer each shard's device-to-host copy is its snapshot, and only packed
+    small arrays are staged. Nothing is prepared (0 is returned) when an async save would not stage
     (the pinned-host transfer), with ``keep_staging_memory=False``, while a
     save is in flight, when enough staging memory is held already, or when
     the memory needed is over ``max_host_bytes`` (then the first save
@@ -218,8 +222,13 @@ class Checkpointer:
       return 0
     if saving.transfer(self.host_transfer, jax.tree_util.tree_leaves(dict(items))) != "memcpy":
       return 0
+    leaves = {item: jax.tree_util.tree_leaves(tree) for item, tree in items.items()}
+
+    def staged(p):  # as saving.staged, before the pieces are bound to the arrays
+      return p.packed or not saving.is_host_copy(leaves[p.sources[0].value.item][
+          p.sources[0].value.leaf])
     rounds = saving.split_rounds(self._planner.layout_pieces(items), self.max_host_bytes)
-    need = max(_staging.arena_bytes([(p.shape, p.dtype) for p in r]) for r in rounds)
+    need = max(_staging.arena_bytes([(p.shape, p.dtype) for p in r if staged(p)]) for r in rounds)
     return self._staging.prepare(need)
 
   def wait_prepared(self, timeout: float | None = None) -> bool:
@@ -249,8 +258,9 @@ class Checkpointer:
                  cancellable: bool = False) -> saving.AsyncSave:
     """Starts a save; returns once the caller may change or donate its arrays.
 
-    The blocking phase is a snapshot: a copy into this checkpointer's staging memory (CPU), or a
-    transfer into pinned host memory that XLA orders before any later donation (GPU/TPU). Only one
+    The blocking phase is a snapshot: a copy into this checkpointer's staging memory (CPU), each
+    shard's device-to-host copy (TPU), or a transfer into pinned host memory that XLA orders before
+    any later donation (GPU). Only one
     save runs at a time: this call first waits for the previous one, and raises its error if nobody
     called ``wait()``. Arguments as for :func:`orbax_flax.save`, and:
 
@@ -293,10 +303,11 @@ class Checkpointer:
   def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:
     """``items`` as an async save of this checkpointer would snapshot them, to share.
 
-    With the pinned-host transfer (GPU/TPU) every device array is copied into pinned host memory
+    With the pinned-host transfer (GPU) every device array is copied into pinned host memory
     once; a save of the result takes those copies as its snapshot, and anyone else (the local tier)
-    reads the same host arrays. With the memcpy transfer (CPU) device buffers are host memory
-    already: ``items`` is returned as it is (its views are free; the save makes its one copy). With
+    reads the same host arrays. With the memcpy transfer ``items`` is returned as it is: on CPU
+    device buffers are host memory already (its views are free; the save makes its one copy), and
+    on TPU each tier makes its own device-to-host copy (2 GB in 0.26 s on a v5e). With
     ``max_host_bytes`` it is returned as it is too: a whole copy would exceed the budget, so each
     tier brings its arrays over in rounds. Arrays the caller already keeps in pinned host memory
     are copied as well: the result is a snapshot the caller may donate from.

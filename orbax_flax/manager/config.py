@@ -123,10 +123,11 @@ class CheckpointPolicy:
     keep_staging_memory: keep the host staging copy between async saves, so that the blocking
       phase copies into memory already touched (False: release it after every save, for
       memory-tight hosts; saves then block longer).
-    host_transfer: how an async save snapshots device arrays: "memcpy" (a copy into the
-      staging memory; the choice on CPU, where device buffers are host memory), "pinned_host"
+    host_transfer: how an async save snapshots device arrays: "memcpy" (a host copy while the
+      caller waits: into the staging memory on CPU, where device buffers are host memory; each
+      shard's device-to-host copy on an accelerator; the choice on CPU and TPU), "pinned_host"
       (a device-to-host transfer into pinned host memory, ordered by XLA before any later
-      donation; the choice on GPU/TPU), or "auto" (the platform's choice).
+      donation; the choice on GPU), or "auto" (the platform's choice).
     differential: a save writes only the chunks that changed since the latest step (xxh3-128
       of every chunk) and references the rest; retention keeps what kept steps reference.
     coordination_timeout_seconds: the deadline of every call to the coordination service in a
