@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The benchmark on a machine with one accelerator (GPU or TPU): a ~19 GB LLaMA-like
 # state with Adam moments, built on the device, saved and restored by orbax_flax,
-# orbax-checkpoint and torch DCP (CUDA tensors), against the host's limits; prints
-# the same tables as on CPU. One command, about 4 minutes on an H200 host:
+# orbax-checkpoint and torch DCP (CUDA tensors on a GPU; CPU tensors on a TPU, which
+# torch cannot use), against the host's limits; prints the same tables as on CPU:
 #
 #   bash benchmarks/device.sh              # SIZE=2gb for a quick smoke test
 #
 # On a one-chip TPU v5e (15.7 GiB) use SIZE=2gb (the 20 GB state does not fit) and
-# REPS=1 if one command may run only 10 minutes: REPS=3 took longer there (2026-12-05).
+# REPS=1 if one command may run only 10 minutes: REPS=3 took longer there, REPS=1 took
+# 5 minutes (2026-12-05; the table is in benchmarks/README.md).
 #
 # It installs only what the machine lacks. Without network, put wheels in .whl/
 # (python3 -m pip download --no-deps -d .whl google-crc32c ml_collections clu ...)
