@@ -74,13 +74,37 @@ def timed(fn):
   return time.perf_counter() - t0, out
 
 
+def profile_blocking(state):
+  """cProfile of the caller's side of one memcpy async save, after one to warm the plan."""
+  import cProfile  # pylint: disable=g-import-not-at-top
+  import pstats  # pylint: disable=g-import-not-at-top
+  root = tempfile.mkdtemp(prefix="ofx-transfer-")
+  with ofx.Checkpointer(host_transfer="memcpy") as ckptr:
+    ckptr.save_async(os.path.join(root, "warm"), {"state": fresh(state)}).wait()
+    s = fresh(state)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    h = ckptr.save_async(os.path.join(root, "c"), {"state": s})
+    prof.disable()
+    print(f"blocked {time.perf_counter() - t0:.3f} s", flush=True)
+    h.wait()
+  pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+  pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+  shutil.rmtree(root, ignore_errors=True)
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--size", default="2gb")
   p.add_argument("--reps", type=int, default=2)
+  p.add_argument("--profile", action="store_true",
+                 help="only profile the blocking phase of one memcpy async save (cProfile)")
   a = p.parse_args()
   mesh = mesh_for()
   state = device_random_state(a.size, mesh)
+  if a.profile:
+    return profile_blocking(state)
   leaves = jax.tree.leaves(state)
   nbytes = sum(x.nbytes for x in leaves)
   print(f"{a.size}: {nbytes / 1e9:.2f} GB, {len(leaves)} leaves on {jax.devices()[0].platform}",
