@@ -61,10 +61,12 @@ class Checkpointer:
     host_transfer: how an async save snapshots device arrays: "memcpy" (a
       host copy while the caller waits: on CPU, where device buffers are host
       memory, a copy into the staging memory; on an accelerator each shard's
-      device-to-host copy, started for every shard at once; the default on
-      CPU and TPU), "pinned_host" (a device-to-host transfer into pinned
-      memory, started for every shard at once and ordered by XLA before any
-      later donation; the default on GPU), or "auto".
+      device-to-host copy, started for every shard at once, which JAX keeps
+      on the array while it lives; the default on CPU, and on TPU without
+      ``max_host_bytes``), "pinned_host" (a device-to-host transfer into
+      pinned memory, started for every shard at once and ordered by XLA
+      before any later donation; the default on GPU, and on TPU with
+      ``max_host_bytes``), or "auto".
     coordination_key: a coordination-service prefix for this checkpointer's
       saves, the same on every process (a manager passes one derived from its
       directory, the module functions one derived from the path). Default:
@@ -220,7 +222,8 @@ class Checkpointer:
     self._check_open()
     if not self.keep_staging_memory or self.inflight is not None:
       return 0
-    if saving.transfer(self.host_transfer, jax.tree_util.tree_leaves(dict(items))) != "memcpy":
+    if saving.transfer(self.host_transfer, jax.tree_util.tree_leaves(dict(items)),
+                       self.max_host_bytes) != "memcpy":
       return 0
     leaves = {item: jax.tree_util.tree_leaves(tree) for item, tree in items.items()}
 
@@ -312,7 +315,8 @@ class Checkpointer:
     tier brings its arrays over in rounds. Arrays the caller already keeps in pinned host memory
     are copied as well: the result is a snapshot the caller may donate from.
     """
-    if saving.transfer(self.host_transfer, jax.tree_util.tree_leaves(dict(items))) != "pinned_host":
+    if saving.transfer(self.host_transfer, jax.tree_util.tree_leaves(dict(items)),
+                       self.max_host_bytes) != "pinned_host":
       return items
     if self.max_host_bytes:  # no whole copy: each tier stages in rounds within the budget
       return items

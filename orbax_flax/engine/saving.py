@@ -286,7 +286,7 @@ def save_async(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, host_tr
   A failure of phase one is shared with the other processes, then raised.
   """
   try:
-    last, materialize = _stage(plan, run, transfer(host_transfer, _sources(plan.pieces)),
+    last, materialize = _stage(plan, run, transfer(host_transfer, _sources(plan.pieces), max_host_bytes),
                                staging, max_host_bytes, keep)
   except BaseException as e:
     handle.run_here(lambda: run.finish(e))  # tells the other processes, then raises
@@ -334,27 +334,46 @@ def _sources(pieces: Sequence[Piece]):
   return (s.value for p in pieces for s in p.sources)
 
 
-def transfer(host_transfer: str, values: Any) -> str:
-  """How an async save snapshots ``values``: ``host_transfer``, or for "auto" "memcpy" on
-  CPU (device buffers are host memory) and TPU, and "pinned_host" on GPU.
+def transfer(host_transfer: str, values: Any, budget: int) -> str:
+  """How an async save snapshots ``values`` (``budget``: its ``max_host_bytes``, 0 for none):
+  :func:`choose_transfer` on the platform of the first device array.
+
+  Example:
+    >>> transfer("auto", [np.ones(2)], 0), transfer("pinned_host", [], 0)
+    ('memcpy', 'pinned_host')
+  """
+  for v in values:
+    if isinstance(v, jax.Array):
+      # next(iter(...)), never .pop(): devices() is the sharding's own cached set.
+      return choose_transfer(host_transfer, next(iter(v.devices())).platform, budget)
+  return choose_transfer(host_transfer, "cpu", budget)
+
+
+def choose_transfer(host_transfer: str, platform: str, budget: int) -> str:
+  """``host_transfer``, or for "auto": "memcpy" on CPU (device buffers are host memory) and
+  on TPU, "pinned_host" on GPU and on a TPU with a ``max_host_bytes`` budget.
 
   On a TPU v5e (``benchmarks/host_transfer.py``, 2 GB) a transfer into pinned host
   memory took 1.8 s to land and 0.7 s more to read on the host, and the async
   save 10.8 s in all; ``copy_to_host_async`` and ``np.asarray`` of every shard
-  took 0.26 s, and that save 3.4 s. GPUs were not measured here: they keep the
-  pinned transfer, whose blocking phase only starts the copies.
+  took 0.26 s, and that save 3.4 s. But JAX keeps such a device-to-host copy on
+  the array it was made from (for as long as the caller keeps the array), so
+  under a budget, where the rounds' copies must not add up, the pinned transfer
+  (new arrays, freed round by round) is taken. GPUs were not measured here:
+  they keep the pinned transfer, whose blocking phase only starts the copies.
 
   Example:
-    >>> transfer("auto", [np.ones(2)]), transfer("pinned_host", [])
-    ('memcpy', 'pinned_host')
+    >>> [choose_transfer("auto", p, b) for p, b in [("cpu", 0), ("cpu", 1 << 30),
+    ...                                           ("tpu", 0), ("tpu", 1 << 30), ("gpu", 0)]]
+    ['memcpy', 'memcpy', 'memcpy', 'pinned_host', 'pinned_host']
+    >>> choose_transfer("memcpy", "gpu", 0)
+    'memcpy'
   """
   if host_transfer != "auto":
     return host_transfer
-  for v in values:
-    if isinstance(v, jax.Array):
-      # next(iter(...)), never .pop(): devices() is the sharding's own cached set.
-      return "pinned_host" if next(iter(v.devices())).platform == "gpu" else "memcpy"
-  return "memcpy"
+  if platform == "cpu" or (platform == "tpu" and not budget):
+    return "memcpy"
+  return "pinned_host"
 
 
 def is_host_copy(value: Any) -> bool:
