@@ -286,8 +286,8 @@ def save_async(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, host_tr
   A failure of phase one is shared with the other processes, then raised.
   """
   try:
-    last, materialize = _stage(plan, run, transfer(host_transfer, _sources(plan.pieces), max_host_bytes),
-                               staging, max_host_bytes, keep)
+    how = transfer(host_transfer, _sources(plan.pieces), max_host_bytes)
+    last, materialize = _stage(plan, run, how, staging, max_host_bytes, keep)
   except BaseException as e:
     handle.run_here(lambda: run.finish(e))  # tells the other processes, then raises
     on_end()
