@@ -1,8 +1,9 @@
 """Test setup: 8 simulated CPU devices, set before jax initialises.
 
 On an accelerator (``JAX_PLATFORMS=tpu``) the tests that build their mesh from whatever
-devices exist run there too, e.g. ``JAX_PLATFORMS=tpu pytest tests/test_async.py -k
-"donated or private"``; the others expect the 8 CPU devices.
+devices exist run there too, e.g. ``JAX_PLATFORMS=tpu pytest -W ignore::UserWarning
+tests/test_async.py -k "donated or private"`` (libtpu warns at start-up); the others expect
+the 8 CPU devices.
 """
 
 import os

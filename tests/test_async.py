@@ -173,7 +173,8 @@ def test_staging_needs_one_copy_of_the_state(tmp_path):
 
 def _state_on_every_device(mb):
   """``_state`` on a mesh of whatever devices there are (8 CPU devices here, one TPU chip on
-  accelerator: ``JAX_PLATFORMS=tpu pytest tests/test_async.py -k "donated or private"``)."""
+  accelerator: ``JAX_PLATFORMS=tpu pytest -W ignore::UserWarning tests/test_async.py -k
+  "donated or private"``)."""
   devices = jax.devices()
   data = 2 if len(devices) % 2 == 0 else 1
   mesh = jax.make_mesh((data, len(devices) // data), ("data", "model"))
