@@ -222,16 +222,14 @@ class Checkpointer:
     self._check_open()
     if not self.keep_staging_memory or self.inflight is not None:
       return 0
-    if saving.transfer(self.host_transfer, jax.tree_util.tree_leaves(dict(items)),
+    leaves = {item: jax.tree_util.tree_leaves(tree) for item, tree in items.items()}
+    if saving.transfer(self.host_transfer, (x for xs in leaves.values() for x in xs),
                        self.max_host_bytes) != "memcpy":
       return 0
-    leaves = {item: jax.tree_util.tree_leaves(tree) for item, tree in items.items()}
-
-    def staged(p):  # as saving.staged, before the pieces are bound to the arrays
-      return p.packed or not saving.is_host_copy(leaves[p.sources[0].value.item][
-          p.sources[0].value.leaf])
+    value_of = lambda ref: leaves[ref.item][ref.leaf]  # noqa: E731  (the layout's sources)
     rounds = saving.split_rounds(self._planner.layout_pieces(items), self.max_host_bytes)
-    need = max(_staging.arena_bytes([(p.shape, p.dtype) for p in r if staged(p)]) for r in rounds)
+    need = max(_staging.arena_bytes([(p.shape, p.dtype) for p in r if saving.staged(p, value_of)])
+               for r in rounds)
     return self._staging.prepare(need)
 
   def wait_prepared(self, timeout: float | None = None) -> bool:

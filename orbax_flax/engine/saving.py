@@ -389,10 +389,11 @@ def is_host_copy(value: Any) -> bool:
           and next(iter(value.devices())).platform != "cpu")
 
 
-def staged(piece: Piece) -> bool:
+def staged(piece: Piece, value_of: Callable[[Any], Any] = lambda value: value) -> bool:
   """Whether an async save copies ``piece`` into staging memory (:func:`snapshot`): packed
-  pieces and views (CPU device buffers, numpy arrays), not private host copies."""
-  return piece.packed or not is_host_copy(piece.sources[0].value)
+  pieces and views (CPU device buffers, numpy arrays), not private host copies.
+  ``value_of`` turns a source's value into the array (for pieces not bound yet)."""
+  return piece.packed or not is_host_copy(value_of(piece.sources[0].value))
 
 
 # ----------------------------------------------------------------------------
