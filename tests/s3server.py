@@ -53,6 +53,9 @@ class S3Server(StoreServer):
            # space (free / 256 MB), and every bucket (a collection) grows volumes of its own,
            # so with 21 GB free only 12 buckets could hold data and later tests got HTTP 500.
            "-volume.max=2000",
+           # Volumes turn read-only (every PUT an HTTP 500) when the disk's free space falls
+           # under this; the default is 1% of the disk, 2.5 GB on CI's shared 252 GB disk.
+           "-volume.minFreeSpace=512MiB",
            # One master: on a restart (kill(), start()) it waits one election timeout before it
            # leads again (10 s by default), and the S3 port opens only after that.
            "-master.electionTimeout=1s"]

@@ -69,7 +69,8 @@ SCRIPT = textwrap.dedent("""
     threading.setprofile(probe)
     for on in (False, True):
       entered.clear()
-      run(tempfile.mkdtemp(), on)
+      with tempfile.TemporaryDirectory() as d:
+        run(d, on)
       for p in ("save", "restore"):
         print("ON" if on else "OFF", p, " ".join(sorted(entered[p])) or "-")
     sys.setprofile(None)

@@ -262,8 +262,8 @@ def test_an_abandoned_preemption_save_does_not_hold_the_exit(s3_server, s3_bucke
     if line.startswith("FIT_RETURNED"):
       returned_at = time.monotonic()
   proc.wait()
-  exited_after = time.monotonic() - returned_at
   assert returned_at is not None and "FIT_RETURNED True" in "".join(out), "".join(out)
+  exited_after = time.monotonic() - returned_at
   assert exited_after < 3.0, (exited_after, "".join(out)[-2000:])
   assert any("grace period" in l for l in out), "".join(out)[-2000:]
   with pytest.raises(ofx.CheckpointNotFoundError):
