@@ -8,6 +8,7 @@ the 8 CPU devices.
 
 import os
 import shutil
+import signal
 import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -16,6 +17,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One JAX compilation cache for the processes the tests start (jobs.env_for): the
 # example and worker jobs compile the same programs again and again, on 2 cores.
 os.environ.setdefault("OFX_TEST_COMPILATION_CACHE", tempfile.mkdtemp(prefix="ofx-test-jax-cache-"))
+
+# A shell starts a background job (``cmd &``) with SIGINT ignored, and the processes the tests
+# start inherit that (exec keeps an ignored signal): the Ctrl-C tests' jobs then never see
+# their Ctrl-C. Handled here, the processes start with SIGINT's default, as at a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 import pytest  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
