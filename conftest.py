@@ -6,10 +6,14 @@ import tempfile
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _temporary_directories_in_tmp_path(tmp_path, monkeypatch):
-  """``tempfile.mkdtemp()`` in a test, a doctest or a doc's example (as users write it) makes
-  its directory inside the test's ``tmp_path``, which is removed when the test passes: each
-  run of the suite used to leave about 30 of them in /tmp. Processes a test starts are not
-  affected (``TMPDIR`` is unchanged)."""
-  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+@pytest.fixture(autouse=True, scope="session")
+def _temporary_directories_in_the_basetemp(tmp_path_factory):
+  """``tempfile.mkdtemp()`` in a test, a doctest or a doc's example (as users write it), and
+  the test servers' data, go into one directory of pytest's basetemp, removed with it at
+  the end of a session that passed: each run of the suite used to leave about 30 of them
+  in /tmp. Session-wide, not per test: a server started during one test must outlive that
+  test's tmp_path. Processes a test starts are not affected (``TMPDIR`` is unchanged)."""
+  saved = tempfile.tempdir
+  tempfile.tempdir = str(tmp_path_factory.mktemp("tempfile"))
+  yield
+  tempfile.tempdir = saved
