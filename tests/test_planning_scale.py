@@ -102,7 +102,7 @@ def old_plan_array(item, name, path, leaf, kind, me, load, pack_sizes, packed, p
   holders_by_start = {k: frozenset(v) for k, v in holders_by_start.items()}
   distinct = list(_planning._distinct_shards(sharding, shape))  # pylint: disable=protected-access
   if nbytes <= _planning.PACK_MAX_BYTES and full_holders:
-    owner = _layout.assign_owners([full_holders], nbytes, load)[0]
+    owner = _planning.assign_owners([full_holders], nbytes, load)[0]
     offset = pack_sizes[owner]
     pack_sizes[owner] = offset + -(-nbytes // _planning._PACK_ALIGN) * _planning._PACK_ALIGN  # pylint: disable=protected-access
     rec.update(owners=[owner], packed_offset=offset)
@@ -119,7 +119,7 @@ def old_plan_array(item, name, path, leaf, kind, me, load, pack_sizes, packed, p
   chunk_boxes = [chunking.chunk_box(c) for c in range(chunking.num_chunks)]
   starts = [tuple((lo // s) * s for (lo, _), s in zip(b, shard_shape)) for b in chunk_boxes]
   holders = [holders_by_start[s] for s in starts]
-  owners = _layout.assign_owners(holders, math.prod(chunk_shape) * dtype.itemsize, load)
+  owners = _planning.assign_owners(holders, math.prod(chunk_shape) * dtype.itemsize, load)
   rec.update(chunk_shape=list(chunk_shape), owners=owners)
   if me not in owners:
     return rec
@@ -207,6 +207,6 @@ def test_closed_form_owners_equal_the_greedy_ones_on_random_holder_sets():
     chunk_bytes = rng.choice([1, 7, 4096])
     load = [rng.choice([0, rng.randint(0, 50), rng.randint(0, 10 ** 6)]) for _ in range(n)]
     old_load, new_load = list(load), list(load)
-    old = _layout.assign_owners([sets[g] for g in group.tolist()], chunk_bytes, old_load)
-    new = _layout.assign_owners_grid(group, sets, chunk_bytes, new_load)
+    old = _planning.assign_owners([sets[g] for g in group.tolist()], chunk_bytes, old_load)
+    new = _planning.assign_owners_grid(group, sets, chunk_bytes, new_load)
     assert new.tolist() == old and new_load == old_load, (sets, group, chunk_bytes, load)

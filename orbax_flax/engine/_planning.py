@@ -5,7 +5,9 @@ talking to the others. Two layouts:
 
 * **Chunked**: an array larger than ``PACK_MAX_BYTES``, or one that no single
   process holds whole, is its own zarr3 array whose chunks tile its shards.
-  Each chunk has one owner among the processes that hold it, balanced by bytes.
+  Each chunk has one owner among the processes that hold it, balanced by bytes
+  (:func:`assign_owners_grid`): every process computes the same owners, so
+  ownership needs no communication.
 * **Packed**: small arrays that some process holds whole are concatenated into
   one byte buffer per item and process (the zarr3 array ``packed``). This turns
   hundreds of tiny writes and reads into one each: per-leaf overhead is what
@@ -37,7 +39,7 @@ import math
 import os
 import time
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -280,7 +282,7 @@ def plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me:
   full_holders = frozenset(range(len(load))) if lay is None else lay.full_holders
 
   if nbytes <= PACK_MAX_BYTES and full_holders:
-    owner = _layout.assign_owners([full_holders], nbytes, load)[0]
+    owner = assign_owners([full_holders], nbytes, load)[0]
     offset = pack_sizes[owner]
     pack_sizes[owner] = offset + -(-nbytes // _PACK_ALIGN) * _PACK_ALIGN
     rec.update(owners=[owner], packed_offset=offset)
@@ -304,7 +306,7 @@ def plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me:
   shard_coords = [c * n // s for c, n, s in zip(coords, chunk_shape, shard_shape)]
   group, group_holders = _chunk_holder_groups(lay, full_holders, shard_coords, shard_shape,
                                               chunking.num_chunks)
-  owners = _layout.assign_owners_grid(group, group_holders,
+  owners = assign_owners_grid(group, group_holders,
                                       math.prod(chunk_shape) * dtype.itemsize, load)
   mine = np.flatnonzero(owners == me).tolist()
   rec.update(chunk_shape=list(chunk_shape), owners=owners.tolist())
@@ -351,6 +353,115 @@ def _chunk_holder_groups(lay: _ShardLayout | None, full_holders: frozenset[int],
   if (group < 0).any():  # a chunk in no shard: the sharding's layout is not a grid
     raise ValueError(f"shards {sorted(lay.holders)} of shape {shard_shape} do not tile the array")
   return np.asarray(group, dtype=np.int64).reshape(num_chunks), sets
+
+
+def assign_owners(holders: Sequence[frozenset[int]], chunk_bytes: int,
+                  load: list[int]) -> list[int]:
+  """Picks one writer per chunk among its holders, balancing bytes written.
+
+  Args:
+    holders: per chunk, the processes that hold its data.
+    chunk_bytes: bytes per chunk.
+    load: bytes assigned so far per process; updated in place.
+
+  Returns:
+    The owner process of each chunk.
+
+  Example:
+    >>> load = [0, 0]
+    >>> assign_owners([frozenset({0, 1})] * 4, 10, load), load
+    ([0, 1, 0, 1], [20, 20])
+  """
+  owners = []
+  for procs in holders:
+    owner = min(procs, key=lambda p: (load[p], p))
+    load[owner] += chunk_bytes
+    owners.append(owner)
+  return owners
+
+
+def assign_owners_grid(group: np.ndarray, group_holders: Sequence[frozenset[int]],
+                       chunk_bytes: int, load: list[int]) -> np.ndarray:
+  """:func:`assign_owners` over a chunk grid, in numpy: the same owners, the same ``load``.
+
+  Chunk ``i`` is held by ``group_holders[group[i]]``. Where the holder sets
+  are pairwise disjoint (the usual case: one holder per shard, or the
+  processes of a data-parallel replica group), each group is assigned on its
+  own in closed form: the greedy choice of the least-loaded holder, with equal
+  chunks, hands out the slots ``(load[p] + j * chunk_bytes, p)`` in sorted
+  order, so the ``m`` chunks of a group take its ``m`` smallest slots. Holder
+  sets that overlap are assigned by :func:`assign_owners`, chunk by chunk.
+
+  Args:
+    group: per chunk (in order), the index of its holder set.
+    group_holders: the holder sets.
+    chunk_bytes: bytes per chunk (> 0).
+    load: bytes assigned so far per process; updated in place.
+
+  Returns:
+    The owner process of each chunk (int64).
+
+  Example:
+    >>> load = [5, 0, 0]
+    >>> assign_owners_grid(np.array([0, 0, 1, 0]), [frozenset({0, 1}), frozenset({2})], 10, load)
+    array([1, 0, 2, 1])
+    >>> load
+    [15, 20, 10]
+  """
+  group = np.asarray(group, dtype=np.int64)
+  disjoint, single = _holder_sets(tuple(group_holders))
+  if not disjoint:
+    owners = assign_owners([group_holders[g] for g in group.tolist()], chunk_bytes, load)
+    return np.asarray(owners, dtype=np.int64)
+  counts = np.bincount(group, minlength=len(group_holders))
+  owners = single[group]
+  alone = np.flatnonzero((counts > 0) & (single >= 0))  # groups of one holder: all theirs
+  if len(alone):
+    added = np.zeros(len(load), dtype=np.int64)
+    np.add.at(added, single[alone], counts[alone] * chunk_bytes)
+    for p in np.flatnonzero(added).tolist():
+      load[p] += int(added[p])
+  multi = np.flatnonzero((counts > 0) & (single < 0)).tolist()
+  if multi:
+    order = np.argsort(group, kind="stable")
+    ends = np.cumsum(counts)
+    for g in multi:
+      where = order[ends[g] - counts[g]:ends[g]]
+      procs = np.array(sorted(group_holders[g]), dtype=np.int64)
+      got = _smallest_slots(np.array([load[p] for p in procs.tolist()], dtype=np.int64),
+                            chunk_bytes, len(where))
+      owners[where] = procs[got]
+      for i, n in enumerate(np.bincount(got, minlength=len(procs)).tolist()):
+        load[int(procs[i])] += n * chunk_bytes
+  return owners
+
+
+@functools.lru_cache(maxsize=256)
+def _holder_sets(sets: tuple[frozenset[int], ...]) -> tuple[bool, np.ndarray]:
+  """Whether ``sets`` are pairwise disjoint, and each set's only process (-1 if several)."""
+  disjoint = sum(len(h) for h in sets) == len(frozenset().union(*sets))
+  single = np.array([next(iter(h)) if len(h) == 1 else -1 for h in sets], dtype=np.int64)
+  single.flags.writeable = False
+  return disjoint, single
+
+
+def _smallest_slots(loads: np.ndarray, c: int, m: int) -> np.ndarray:
+  """Positions in ``loads`` of the ``m`` smallest slots ``(loads[i] + j * c, i)``, in order."""
+  def count(v: int) -> int:  # slots of value <= v
+    return int(np.maximum(0, (v - loads) // c + 1).sum())
+  lo = int(loads.min())
+  hi = lo + (m - 1) * c  # the least-loaded holder alone has m slots up to here
+  while lo < hi:
+    mid = (lo + hi) // 2
+    if count(mid) >= m:
+      hi = mid
+    else:
+      lo = mid + 1
+  per = np.maximum(0, (lo - loads) // c + 1)  # every slot up to the m-th smallest (ties too)
+  who = np.repeat(np.arange(len(loads)), per)
+  j = np.arange(len(who)) - np.repeat(np.cumsum(per) - per, per)
+  value = loads[who] + j * c
+  return who[np.lexsort((who, value))[:m]]
 
 
 def _unique_shards(leaf: Any, kind: str, sharding: Any) -> list[tuple[int | None, tuple[slice, ...]]]:

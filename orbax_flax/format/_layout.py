@@ -1,19 +1,16 @@
-"""Where each byte of an array goes: chunk grid and write ownership, and packed buffers' chunks.
+"""Where each byte of an array goes: its chunk grid, and packed buffers' chunks.
 
-No I/O and no state (the owner choosers update the load list they are
-given). An array is stored as a regular grid of chunks. The chunk shape
-divides the shard shape of the array's sharding, so every chunk lies inside
-one shard and can be written by any process that holds that shard. Each chunk is written exactly once, by one owner; owners are chosen
-greedily by bytes so that the processes write equal amounts.
-
-Every process computes the same layout from the same sharding, so ownership
-needs no communication.
+No I/O and no state. An array is stored as a regular grid of chunks. The
+chunk shape divides the shard shape of the array's sharding, so every chunk
+lies inside one shard and can be written by any process that holds that
+shard (which one writes it is the save's plan:
+:mod:`orbax_flax.engine._planning`). Boxes, slices and grouping by size are
+the geometry every reader and writer shares.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -141,115 +138,6 @@ def choose_chunk_shape(shard_shape: Sequence[int], itemsize: int,
       continue  # only far too small divisors: keep this dimension whole
     chunk[d] = divisor
   return tuple(chunk)
-
-
-def assign_owners(holders: Sequence[frozenset[int]], chunk_bytes: int,
-                  load: list[int]) -> list[int]:
-  """Picks one writer per chunk among its holders, balancing bytes written.
-
-  Args:
-    holders: per chunk, the processes that hold its data.
-    chunk_bytes: bytes per chunk.
-    load: bytes assigned so far per process; updated in place.
-
-  Returns:
-    The owner process of each chunk.
-
-  Example:
-    >>> load = [0, 0]
-    >>> assign_owners([frozenset({0, 1})] * 4, 10, load), load
-    ([0, 1, 0, 1], [20, 20])
-  """
-  owners = []
-  for procs in holders:
-    owner = min(procs, key=lambda p: (load[p], p))
-    load[owner] += chunk_bytes
-    owners.append(owner)
-  return owners
-
-
-def assign_owners_grid(group: np.ndarray, group_holders: Sequence[frozenset[int]],
-                       chunk_bytes: int, load: list[int]) -> np.ndarray:
-  """:func:`assign_owners` over a chunk grid, in numpy: the same owners, the same ``load``.
-
-  Chunk ``i`` is held by ``group_holders[group[i]]``. Where the holder sets
-  are pairwise disjoint (the usual case: one holder per shard, or the
-  processes of a data-parallel replica group), each group is assigned on its
-  own in closed form: the greedy choice of the least-loaded holder, with equal
-  chunks, hands out the slots ``(load[p] + j * chunk_bytes, p)`` in sorted
-  order, so the ``m`` chunks of a group take its ``m`` smallest slots. Holder
-  sets that overlap are assigned by :func:`assign_owners`, chunk by chunk.
-
-  Args:
-    group: per chunk (in order), the index of its holder set.
-    group_holders: the holder sets.
-    chunk_bytes: bytes per chunk (> 0).
-    load: bytes assigned so far per process; updated in place.
-
-  Returns:
-    The owner process of each chunk (int64).
-
-  Example:
-    >>> load = [5, 0, 0]
-    >>> assign_owners_grid(np.array([0, 0, 1, 0]), [frozenset({0, 1}), frozenset({2})], 10, load)
-    array([1, 0, 2, 1])
-    >>> load
-    [15, 20, 10]
-  """
-  group = np.asarray(group, dtype=np.int64)
-  disjoint, single = _holder_sets(tuple(group_holders))
-  if not disjoint:
-    owners = assign_owners([group_holders[g] for g in group.tolist()], chunk_bytes, load)
-    return np.asarray(owners, dtype=np.int64)
-  counts = np.bincount(group, minlength=len(group_holders))
-  owners = single[group]
-  alone = np.flatnonzero((counts > 0) & (single >= 0))  # groups of one holder: all theirs
-  if len(alone):
-    added = np.zeros(len(load), dtype=np.int64)
-    np.add.at(added, single[alone], counts[alone] * chunk_bytes)
-    for p in np.flatnonzero(added).tolist():
-      load[p] += int(added[p])
-  multi = np.flatnonzero((counts > 0) & (single < 0)).tolist()
-  if multi:
-    order = np.argsort(group, kind="stable")
-    ends = np.cumsum(counts)
-    for g in multi:
-      where = order[ends[g] - counts[g]:ends[g]]
-      procs = np.array(sorted(group_holders[g]), dtype=np.int64)
-      got = _smallest_slots(np.array([load[p] for p in procs.tolist()], dtype=np.int64),
-                            chunk_bytes, len(where))
-      owners[where] = procs[got]
-      for i, n in enumerate(np.bincount(got, minlength=len(procs)).tolist()):
-        load[int(procs[i])] += n * chunk_bytes
-  return owners
-
-
-@functools.lru_cache(maxsize=256)
-def _holder_sets(sets: tuple[frozenset[int], ...]) -> tuple[bool, np.ndarray]:
-  """Whether ``sets`` are pairwise disjoint, and each set's only process (-1 if several)."""
-  disjoint = sum(len(h) for h in sets) == len(frozenset().union(*sets))
-  single = np.array([next(iter(h)) if len(h) == 1 else -1 for h in sets], dtype=np.int64)
-  single.flags.writeable = False
-  return disjoint, single
-
-
-def _smallest_slots(loads: np.ndarray, c: int, m: int) -> np.ndarray:
-  """Positions in ``loads`` of the ``m`` smallest slots ``(loads[i] + j * c, i)``, in order."""
-  def count(v: int) -> int:  # slots of value <= v
-    return int(np.maximum(0, (v - loads) // c + 1).sum())
-  lo = int(loads.min())
-  hi = lo + (m - 1) * c  # the least-loaded holder alone has m slots up to here
-  while lo < hi:
-    mid = (lo + hi) // 2
-    if count(mid) >= m:
-      hi = mid
-    else:
-      lo = mid + 1
-  per = np.maximum(0, (lo - loads) // c + 1)  # every slot up to the m-th smallest (ties too)
-  who = np.repeat(np.arange(len(loads)), per)
-  j = np.arange(len(who)) - np.repeat(np.cumsum(per) - per, per)
-  value = loads[who] + j * c
-  return who[np.lexsort((who, value))[:m]]
 
 
 def split_by_size(sizes: Sequence[int], limit: int) -> list[list[int]]:
