@@ -9,7 +9,14 @@ buffers are copied on XLA's threads), beside ours, in one process, interleaved:
 * ``ours``: ``Checkpointer.save_async`` of fresh arrays (as a training step
   makes them) into a checkpointer kept across saves, time until it returns;
 * ``xla_copy``: ``jax.jit`` of a copy of every leaf with the same shardings,
-  time until the copies are ready (``dispatch``: until the call returns).
+  time until the copies are ready (``dispatch``: until the call returns);
+* ``device_put``: ``jax.device_put(leaves, shardings, may_alias=False)``, a
+  copy of every leaf into new buffers of the same shardings, in one call and
+  with nothing to compile, time until the copies are ready (``dispatch``: until
+  the call returns);
+* ``ours, binding``: of our blocking phase, the part that binds the cached
+  layout to the new arrays (one ``addressable_data`` per shard), which a
+  whole-leaf copy would leave to the background.
 
 Before each timed call: fresh arrays, a full garbage collection, a pause. The
 first ``--warmup`` saves of each are not counted (our staging memory is mapped
@@ -57,9 +64,11 @@ def main():
   compile_s = time.perf_counter() - t0
 
   root = tempfile.mkdtemp(dir=args.root)
-  times = {"ours": [], "xla_copy": [], "xla_copy, dispatch": []}
+  times = {"ours": [], "ours, binding": [], "xla_copy": [], "xla_copy, dispatch": [],
+           "device_put": [], "device_put, dispatch": []}
   try:
     with ofx.Checkpointer() as ckptr:
+      planner = ckptr._planner  # pylint: disable=protected-access
       for rep in range(args.warmup + args.reps):
         path = os.path.join(root, "ckpt")
         shutil.rmtree(path, ignore_errors=True)
@@ -72,6 +81,16 @@ def main():
         handle.wait()
         del fresh
 
+        fresh = sr.fresh(state)  # arrays whose shards nobody has asked for yet, as a save meets them
+        template, flat = planner._template({"state": fresh}, jax.process_index(),  # pylint: disable=protected-access
+                                           jax.process_count())
+        gc.collect()
+        time.sleep(args.pause)
+        t0 = time.perf_counter()
+        template.bind({item: leaves for item, (leaves, _) in flat.items()})
+        binding = time.perf_counter() - t0
+        del fresh, flat
+
         fresh = jax.tree.leaves(sr.fresh(state))
         gc.collect()
         time.sleep(args.pause)
@@ -82,8 +101,24 @@ def main():
         ready = time.perf_counter() - t0
         assert all(a.sharding == s for a, s in zip(out, shardings))
         del out, fresh
+
+        fresh = jax.tree.leaves(sr.fresh(state))
+        gc.collect()
+        time.sleep(args.pause)
+        t0 = time.perf_counter()
+        out = jax.device_put(fresh, shardings, may_alias=False)
+        put_dispatched = time.perf_counter() - t0
+        jax.block_until_ready(out)
+        put_ready = time.perf_counter() - t0
+        assert all(a.sharding == s for a, s in zip(out, shardings))
+        assert all(a.addressable_data(0).unsafe_buffer_pointer()
+                   != b.addressable_data(0).unsafe_buffer_pointer() for a, b in zip(out, fresh))
+        del out, fresh
         if rep >= args.warmup:
           times["ours"].append(blocked)
+          times["ours, binding"].append(binding)
+          times["device_put"].append(put_ready)
+          times["device_put, dispatch"].append(put_dispatched)
           times["xla_copy"].append(ready)
           times["xla_copy, dispatch"].append(dispatched)
   finally:
