@@ -18,14 +18,21 @@ import orbax_flax as ofx
 from disks import small_disk
 
 
-def _state(mb=64, seed=0):
-  mesh = jax.make_mesh((2, 4), ("data", "model"))
+def _state(mb=64, seed=0, committed_count=False):
+  """A state on a mesh of every device there is: 8 CPU devices here ((2, 4)), one TPU chip on
+  an accelerator (``JAX_PLATFORMS=tpu pytest -W ignore::UserWarning tests/test_async.py -k
+  "donated or private"``). ``count`` is uncommitted, as ``jnp.int32(5)`` is, unless
+  ``committed_count`` places it on the mesh."""
+  devices = jax.devices()
+  data = 2 if len(devices) % 2 == 0 else 1
+  mesh = jax.make_mesh((data, len(devices) // data), ("data", "model"))
   rng = np.random.default_rng(seed)
   n = mb * (1 << 20) // 4 // 2048
   return {"w": jax.device_put(rng.standard_normal((n, 2048), dtype=np.float32),
                               NamedSharding(mesh, P("data", "model"))),
           "b": jax.device_put(rng.standard_normal((2048,), dtype=np.float32), NamedSharding(mesh, P())),
-          "count": jnp.int32(5)}
+          "count": (jax.device_put(np.int32(5), NamedSharding(mesh, P())) if committed_count
+                    else jnp.int32(5))}
 
 
 def test_arrays_can_be_donated_and_deleted_once_save_async_returns(ckpt_dir):
@@ -171,25 +178,10 @@ def test_staging_needs_one_copy_of_the_state(tmp_path):
   assert peak[0] - base < (128 << 20) + (48 << 20), (peak[0] - base) >> 20
 
 
-def _state_on_every_device(mb):
-  """``_state`` on a mesh of whatever devices there are (8 CPU devices here, one TPU chip on
-  accelerator: ``JAX_PLATFORMS=tpu pytest -W ignore::UserWarning tests/test_async.py -k
-  "donated or private"``)."""
-  devices = jax.devices()
-  data = 2 if len(devices) % 2 == 0 else 1
-  mesh = jax.make_mesh((data, len(devices) // data), ("data", "model"))
-  rng = np.random.default_rng(0)
-  n = mb * (1 << 20) // 4 // 2048
-  return {"w": jax.device_put(rng.standard_normal((n, 2048), dtype=np.float32),
-                              NamedSharding(mesh, P("data", "model"))),
-          "b": jax.device_put(rng.standard_normal((2048,), dtype=np.float32), NamedSharding(mesh, P())),
-          "count": jax.device_put(np.int32(5), NamedSharding(mesh, P()))}
-
-
 @pytest.mark.parametrize("transfer", ["auto", "memcpy", "pinned_host"])
 def test_donated_state_is_snapshotted(tmp_path, transfer):
   """Every host transfer: the step after save_async donates the state; the checkpoint has the old values."""
-  state = _state_on_every_device(32)
+  state = _state(32, committed_count=True)
   expected = jax.tree.map(np.array, state)
   with ofx.Checkpointer(host_transfer=transfer) as ckptr:
     handle = ckptr.save_async(str(tmp_path / "c"), {"state": state})
@@ -204,7 +196,7 @@ def test_an_async_snapshot_stages_only_what_is_not_a_private_host_copy(tmp_path)
   """On CPU device buffers are host memory: the snapshot copies the whole state into staging
   memory. On an accelerator each shard's device-to-host copy is private already: only the
   packed small arrays are staged (and prepared), and a donation after the save changes nothing."""
-  state = _state_on_every_device(32)
+  state = _state(32, committed_count=True)
   expected = jax.tree.map(np.array, state)
   big = state["w"].nbytes
   with ofx.Checkpointer(host_transfer="memcpy") as ckptr:
