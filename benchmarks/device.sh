@@ -8,18 +8,21 @@
 #
 # On a one-chip TPU v5e (15.7 GiB) use SIZE=2gb (the 20 GB state does not fit) and
 # REPS=1 if one command may run only 10 minutes: REPS=3 took longer there, REPS=1 took
-# 5 minutes (2026-12-05; the table is in benchmarks/README.md).
+# 5 minutes (2026-12-05 and 2026-12-06; the table is in benchmarks/README.md).
 #
-# It installs only what the machine lacks. Without network, put wheels in .whl/
-# (python3 -m pip download --no-deps -d .whl google-crc32c ml_collections clu ...)
-# and they are installed from there. Results go to $OUT (or /tmp): device-SIZE.json.
+# It installs only what the machine lacks: the library's dependencies and what the
+# benchmark imports (the peers orbax-checkpoint and torch, and safetensors). With no
+# network, either put every wheel in .whl/ (installed from there with --no-deps), or
+# install first from the machine's own index as on the TPU of 2026-12-06
+# (benchmarks/README.md, "TPU v5e, one chip") and put its folder on PYTHONPATH.
+# Results go to $OUT (or /tmp): device-SIZE.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 SIZE=${SIZE:-20gb}
 OUTDIR=${OUT:-/tmp}
 missing=()
-for mod in google_crc32c ml_collections clu tensorstore flax optax; do
+for mod in google_crc32c xxhash ml_collections clu tensorstore flax optax orbax.checkpoint torch safetensors; do
   "$PY" -c "import $mod" 2>/dev/null || missing+=("$mod")
 done
 if [ ${#missing[@]} -gt 0 ]; then
@@ -28,7 +31,8 @@ if [ ${#missing[@]} -gt 0 ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/ofx-site .whl/*.whl
     export PYTHONPATH=/tmp/ofx-site:${PYTHONPATH:-}
   else
-    "$PY" -m pip install -q google-crc32c ml_collections clu tensorstore flax optax
+    "$PY" -m pip install -q google-crc32c xxhash ml_collections clu tensorstore flax optax \
+      orbax-checkpoint torch safetensors
   fi
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
