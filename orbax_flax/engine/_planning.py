@@ -306,8 +306,8 @@ def plan_array(item: str, name: str, path: _tree.Path, leaf: Any, kind: str, me:
   shard_coords = [c * n // s for c, n, s in zip(coords, chunk_shape, shard_shape)]
   group, group_holders = _chunk_holder_groups(lay, full_holders, shard_coords, shard_shape,
                                               chunking.num_chunks)
-  owners = assign_owners_grid(group, group_holders,
-                                      math.prod(chunk_shape) * dtype.itemsize, load)
+  owners = assign_owners_grid(group, group_holders, math.prod(chunk_shape) * dtype.itemsize,
+                              load)
   mine = np.flatnonzero(owners == me).tolist()
   rec.update(chunk_shape=list(chunk_shape), owners=owners.tolist())
   if not mine:
