@@ -248,7 +248,7 @@ class Staging:
 
     Returns:
       The bytes being prepared: 0 if the arena held is large enough already,
-      or if ``need`` (rounded up) is over the ``limit``.
+      or if ``need`` itself is over the ``limit`` (the rounding never goes past it).
     """
     self._stop_preparing()
     if not need or (self._arena is not None and self._arena.nbytes >= need):

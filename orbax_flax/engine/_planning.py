@@ -18,7 +18,7 @@ one region of one stored array, and where their bytes come from (device
 shards, numpy arrays). Planning reads no array data; :mod:`orbax_flax.engine.saving`
 brings the bytes to the host (as views, or as a snapshot copy). The plan also
 records the manifest (everything but the generation id, which is chosen when
-the background phase starts).
+the first bytes are written: ``SaveRun.begin``).
 
 A :class:`Planner` (each :class:`~orbax_flax.Checkpointer` has one) turns the
 items of a save into a :class:`Plan`, laying out each array with
@@ -512,7 +512,8 @@ class Planner:
 
   def plan(self, loc: Location, items: Mapping[str, Any], overwrite: bool = False,
            custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None) -> Plan:
-    """Validates everything and plans this process's writes. Writes and reads nothing.
+    """Validates everything and plans this process's writes. Reads no array data and writes
+    nothing (it checks the destination).
 
     ``dtype`` converts arrays first (see :func:`cast_items`); the manifest
     records what each converted array was.

@@ -168,8 +168,8 @@ class Reader:
     A database names itself (``orbax_flax.format._tsio.IDENTITY_KEY``: item, process
     and generation). A name that differs means the database was moved from
     another item or process, or copied from another checkpoint: its chunks,
-    each intact, would be another array's values. Checkpoints written before
-    the key (``database_identity`` absent from the manifest) are read as before.
+    each intact, would be another array's values. A manifest without
+    ``database_identity`` is read without this check.
 
     Raises:
       CheckpointCorruptedError: naming the database and what it says it is.
@@ -316,7 +316,7 @@ class Reader:
       located = self.index.get(item, owner).get(_tsio.chunk_key(name, coords).encode())
       if located is None:
         if not self.manifest.all_chunks_stored:
-          continue  # written before every chunk was stored: an absent chunk is all zeros
+          continue  # without all_chunks_stored an absent chunk is all zeros
         raise self._corrupted(item, f0.rec.path_text, owner,
                               f"chunk {_tsio.chunk_key(name, coords)} is missing from the database")
       chunk_box = chunking.chunk_box(c)
@@ -333,7 +333,7 @@ class Reader:
         located = self.index.get(item, owner).get(key)
         if located is None:
           if not self.manifest.all_chunks_stored:
-            zeros = np.zeros(hi - lo, np.uint8)  # older checkpoints left all-zero chunks out
+            zeros = np.zeros(hi - lo, np.uint8)  # without all_chunks_stored an absent chunk is zeros
             for p in pfs:
               p.deliver(lo, zeros, self._lock)
             continue

@@ -240,9 +240,10 @@ class Checkpointer:
            custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None) -> None:
     """Saves ``items`` and returns once committed on every process.
 
-    Writes straight from the device buffers (views on CPU; one device-to-host
-    copy per shard on accelerators, all started at once); holds no staging
-    memory. Arguments as for :func:`orbax_flax.save`.
+    Writes array blocks straight from the device buffers (views on CPU; one
+    device-to-host copy per shard on accelerators, all started at once); only
+    packed small arrays are assembled in the staging memory (kept unless
+    ``keep_staging_memory=False``). Arguments as for :func:`orbax_flax.save`.
     """
     self._check_open()
     self._finish_inflight()
@@ -261,7 +262,7 @@ class Checkpointer:
 
     The blocking phase is a snapshot: a copy into this checkpointer's staging memory (CPU), each
     shard's device-to-host copy (TPU), or a transfer into pinned host memory that XLA orders before
-    any later donation (GPU). Only one
+    any later donation (GPU, and TPU with ``max_host_bytes``). Only one
     save runs at a time: this call first waits for the previous one, and raises its error if nobody
     called ``wait()``. Arguments as for :func:`orbax_flax.save`, and:
 

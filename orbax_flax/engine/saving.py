@@ -6,10 +6,11 @@ owns the staging memory they use); this module reads in their order.
 1. Blocking, in the caller's thread: the items are planned
    (:class:`orbax_flax.engine._planning.Planner`), then, for an async save, a snapshot
    is taken that the caller cannot change any more. The transfer is chosen
-   per platform (:func:`transfer`): on CPU and TPU :func:`snapshot`, a copy into
-   the checkpointer's reused staging memory of what is not a private host copy
-   already (on TPU each shard's device-to-host copy is one: it is kept as it
-   is); on GPU a device-to-host transfer into pinned host memory that is only
+   per platform (:func:`transfer`): on CPU, and on TPU without ``max_host_bytes``,
+   :func:`snapshot`, a copy into the checkpointer's reused staging memory of what
+   is not a private host copy already (on TPU each shard's device-to-host copy
+   is one: it is kept as it is); on GPU, and on TPU with ``max_host_bytes``, a
+   device-to-host transfer into pinned host memory that is only
    *started* here (:func:`to_pinned_host`): XLA orders it before any later
    computation that donates the arrays. A state over ``max_host_bytes`` is staged in rounds
    (:func:`split_rounds`): all but the last are written while the caller waits.
@@ -17,8 +18,8 @@ owns the staging memory they use); this module reads in their order.
    on one process, writes the last round, then the processes agree on the verdict
    and process 0 commits (:func:`commit`).
 
-A blocking save (:func:`save`) writes straight from views of the device
-buffers and holds no staging copy.
+A blocking save (:func:`save`) writes array blocks straight from views of
+the device buffers; only packed small arrays are assembled in staging memory.
 
 In the background, a :class:`SaveRun`'s blocks (host data ready, or
 made per batch) go into this process's own OCDBT database with tensorstore
@@ -178,10 +179,11 @@ class AsyncSave:
     self._ended()
 
   def cancel(self) -> None:
-    """Makes sure this save never commits (if it has not already), and stops its writing.
+    """Makes sure this save never commits (if it has not already), and stops its writing if it can.
 
-    The background phase stops within about a second (it writes in batches and
-    checks between them), before the commit, and ``wait()`` raises
+    A save started with ``cancellable=True`` stops writing within about a second
+    (it writes in batches and checks between them); any other save writes out
+    what it was handed. Either way it stops before the commit, and ``wait()`` raises
     ``SaveCancelledError``, here and, in a multi-process save, on every other
     process. Used when a preemption grace period runs out. A process other than
     0 that cancels after it finished writing cannot stop process 0's commit.

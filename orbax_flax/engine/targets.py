@@ -331,7 +331,7 @@ def match_target(manifest: Manifest, target: Mapping[str, Any], *, partial: bool
     seen = set()
     for i, (path_, leaf) in enumerate(flat):
       rec = saved.get(path_)
-      if rec is None and path_ + ("value",) in saved:  # saved boxed, before boxes were metadata
+      if rec is None and path_ + ("value",) in saved:  # a Linen box's array stored at <path>/value
         path_ += ("value",)
         rec = saved[path_]
       seen.add(path_)

@@ -21,7 +21,7 @@ strings) live here too. This module reads top to bottom in three parts:
    metadata); a :class:`Manifest` is a summary with its items. Foreign formats
    (:mod:`orbax_flax.formats`) and transforms build records directly.
 2. **The file** (:func:`encode`, :func:`decode`, :func:`decode_summary`): a
-   header line with SHA-256s, a one-line JSON *summary* (commit time, process
+   header line with SHA-256s, a one-line JSON *summary* (the time the save was planned, process
    and device count, custom metadata, bytes per item), then the JSON *body*
    (items). The summary's own hash lets a manager list thousands of steps by
    reading a few KB of each manifest; a flipped byte anywhere is detected, not
@@ -372,8 +372,8 @@ def summary_extent(data: bytes) -> int | None:
   """How many leading bytes of a manifest hold its header and summary, if its header says so.
 
   For a summary longer than :data:`SUMMARY_READ_BYTES`: the reader reads that
-  many bytes instead of the whole manifest. None for manifests written before
-  the header recorded it (or a header that is not ours: decoding tells why).
+  many bytes instead of the whole manifest. None when the header has no
+  ``summary_bytes`` (or is not ours: decoding tells why).
   """
   header, newline, _ = data.partition(b"\n")
   if not newline or not header.startswith(_MAGIC):

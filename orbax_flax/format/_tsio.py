@@ -4,8 +4,9 @@ Each process writes the chunks it owns into its own OCDBT database per item
 (``<item>/p<process>-<generation>``): one manifest and a few large data files
 per process, whatever the number of arrays. Every chunk is encoded with the
 zarr3 ``crc32c`` codec, so tensorstore verifies each chunk it reads; OCDBT
-checksums its own tree nodes. Writes to one database share one non-atomic
-transaction, so the database's manifest is written once, at commit.
+checksums its own tree nodes. Writes to one database go in one non-atomic
+transaction per batch, so its manifest is written once per batch (once for a
+save written in one batch).
 
 A database's index (read through ``tensorstore.ocdbt.dump``, walked by
 :func:`index_entries`) says, per key, in which data file at which offset the
@@ -113,8 +114,8 @@ class DatabaseWriter:
 
   ``add`` queues writes; ``flush`` issues every queued write (tensorstore runs
   them concurrently) and starts committing them as one OCDBT version, without
-  waiting: batches overlap, and :meth:`wait` (or the next-but-one ``flush``)
-  waits for them. The data handed to ``add`` must stay unchanged until its
+  waiting: batches overlap, and :meth:`wait` (or, with ``depth=2``, the next
+  ``flush``) waits for them. The data handed to ``add`` must stay unchanged until its
   batch is committed (tensorstore references it, without a copy).
   """
 

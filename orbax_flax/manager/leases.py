@@ -10,7 +10,8 @@ when it was last refreshed). A second writer is refused with
 survives kills: a holder whose process is gone (same host, pid not running) or
 that has not refreshed it for ``WRITER_SECONDS`` is taken over. Readers
 (``ofx.restore``, :func:`orbax_flax.checkpoints_iterator`, a manager that
-only restores and lists) need no lease and change nothing.
+only restores and lists) need no lease to read; such a manager takes the
+writer lease only for its start-up sweep, when no writer holds it.
 
 Reader leases (the evaluator's side, :func:`orbax_flax.checkpoints_iterator`):
 while a reader holds a step it keeps a small file

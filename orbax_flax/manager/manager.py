@@ -81,8 +81,9 @@ class CheckpointManager:
   A directory has one writer: the first save takes its writer lease
   (:mod:`orbax_flax.manager.leases`), and a save while another live job or manager
   holds it raises :class:`~orbax_flax.errors.WriterConflictError` naming it. A
-  manager that only restores and lists (an evaluator's) changes nothing on
-  storage.
+  manager that only restores and lists (an evaluator's) saves and deletes no
+  step; at its start, on process 0 and when no writer holds the directory, it
+  sweeps the leftovers of interrupted saves under a short writer lease.
   """
 
   def __init__(self, directory: Any, policy: CheckpointPolicy | None = None, *,

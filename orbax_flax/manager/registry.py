@@ -16,7 +16,8 @@ pins, so that choosing a base and deleting it never interleave). The invariant:
 The registry changes storage only while its process is the directory's one
 writer (:class:`~orbax_flax.manager.leases.WriterLease`): from the first save on, or
 for the few seconds of a start-up sweep when no writer is there. A manager
-that only restores and lists (an evaluator's) changes nothing. Where steps are
+that only restores and lists (an evaluator's) saves and deletes no step: its
+start-up sweep removes only leftovers of interrupted saves. Where steps are
 (committed, deleted, their state on disk) is recorded on storage itself by
 atomic renames (``<step>`` -> ``<step>.ofx-tmp-delete-...``, ``_CHECKPOINT``
 -> ``_RETIRED``): every change is one such step, so a kill at any point leaves
@@ -492,8 +493,8 @@ class Rollback:
   keep rules see this run only. The timeline id is recorded with every save
   (``custom["timeline"]``), so that the local tier can tell the steps of this
   timeline from those of one a rollback abandoned: it starts as the timeline
-  of the latest committed step ("" with none, or for steps saved before
-  timelines were recorded); every rollback starts a new one, the same on every
+  of the latest committed step ("" with none, or when its summary has no
+  timeline); every rollback starts a new one, the same on every
   process (process 0 draws it).
 
   Example:

@@ -20,9 +20,11 @@ runs at the start of every run, in this order:
    orbax-checkpoint run in the very directory orbax_flax would write to,
    raises with the line to write.
 
-Every restore goes through the run's :class:`CheckpointManager` (its steps) or
-a :class:`Checkpointer` with the run's options (``init_from``), so each has the
-watchdog, progress output and host-memory budget of any restore.
+Every restore of the persistent tier goes through the run's
+:class:`CheckpointManager` (its steps) or a :class:`Checkpointer` with the run's
+options (``init_from``), so each has the watchdog, progress output and
+host-memory budget of any restore. The local tier restores through its own
+reader (:mod:`orbax_flax.tiers.local`).
 
 :class:`DataPosition` is the data-position protocol: a data iterator with
 ``get_state()``/``set_state()`` is saved as the item ``data``, one state per
