@@ -64,7 +64,7 @@ class CheckpointMetadata:
   Attributes:
     path: where it is.
     items: item name -> :class:`ItemMetadata`.
-    created: commit time, seconds since the epoch.
+    created: when the save was planned (its blocking phase), seconds since the epoch.
     process_count: processes of the job that saved it.
     device_count: devices of the job that saved it.
     library_version: orbax_flax version that wrote it.
