@@ -281,3 +281,22 @@ def test_the_docs_quote_no_run_fingerprint_and_the_exit_status_the_code_uses():
   quoted = set(re.findall(r"PREEMPTED_EXIT_CODE`? = (\d+)", training))
   assert quoted == {str(ofx.PREEMPTED_EXIT_CODE)}, quoted
   assert f"the example exits {ofx.PREEMPTED_EXIT_CODE}" in training
+
+
+def test_device_sh_installs_every_package_the_benchmark_imports():
+  """``benchmarks/device.sh`` runs the benchmark on a bare accelerator machine that has only
+  JAX and numpy: every other package the benchmark imports must be in the list it checks and
+  installs. (On a TPU it once stopped at the safetensors rows, which it did not install.)"""
+  import sys  # pylint: disable=g-import-not-at-top
+  local = {os.path.splitext(os.path.basename(p))[0]
+           for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))}
+  preinstalled = {"jax", "jaxlib", "numpy", "orbax_flax"}  # the machine's, and the repository's
+  with open(os.path.join(ROOT, "benchmarks", "save_restore.py")) as f:
+    source = f.read()
+  imported = set(re.findall(r"^\s*(?:import (\w+)|from (\w+)[\w.]* import )", source, re.M))
+  imported = {a or b for a, b in imported} - set(sys.stdlib_module_names) - local - preinstalled
+  with open(os.path.join(ROOT, "benchmarks", "device.sh")) as f:
+    listed = re.search(r"^for mod in ([^;]+); do", f.read(), re.M).group(1).split()
+  assert imported, "the benchmark's imports were not found: the pattern above is out of date"
+  missing = imported - {m.split(".")[0] for m in listed}
+  assert not missing, f"benchmarks/device.sh does not check or install {sorted(missing)}"
