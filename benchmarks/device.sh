@@ -31,8 +31,12 @@ if [ ${#missing[@]} -gt 0 ]; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/ofx-site .whl/*.whl
     export PYTHONPATH=/tmp/ofx-site:${PYTHONPATH:-}
   else
-    "$PY" -m pip install -q google-crc32c xxhash ml_collections clu tensorstore flax optax \
-      orbax-checkpoint torch safetensors
+    packages=()
+    for mod in "${missing[@]}"; do  # the pip name of each module: google_crc32c -> google-crc32c
+      name=${mod//_/-}
+      packages+=("${name//./-}")
+    done
+    "$PY" -m pip install -q "${packages[@]}"
   fi
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-}

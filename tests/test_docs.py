@@ -31,6 +31,7 @@ import io
 import os
 import re
 import shlex
+import sys
 
 import pytest
 
@@ -287,7 +288,6 @@ def test_device_sh_installs_every_package_the_benchmark_imports():
   """``benchmarks/device.sh`` runs the benchmark on a bare accelerator machine that has only
   JAX and numpy: every other package the benchmark imports must be in the list it checks and
   installs. (On a TPU it once stopped at the safetensors rows, which it did not install.)"""
-  import sys  # pylint: disable=g-import-not-at-top
   local = {os.path.splitext(os.path.basename(p))[0]
            for p in glob.glob(os.path.join(ROOT, "benchmarks", "*.py"))}
   preinstalled = {"jax", "jaxlib", "numpy", "orbax_flax"}  # the machine's, and the repository's
