@@ -18,6 +18,13 @@ import orbax_flax as ofx
 from disks import small_disk
 
 
+# On CPU device buffers are host memory, so an async save copies the whole state into staging
+# memory. On an accelerator each shard's device-to-host copy is private already: only the packed
+# small arrays are staged (at most one 2 MiB unit here), and with max_host_bytes nothing (the
+# pinned transfer). The staging tests below check the side of that their platform is on.
+_ON_CPU = jax.devices()[0].platform == "cpu"
+
+
 def _state(mb=64, seed=0, committed_count=False):
   """A state on a mesh of every device there is: 8 CPU devices here ((2, 4)), one TPU chip on
   an accelerator (``JAX_PLATFORMS=tpu pytest -W ignore::UserWarning tests/test_async.py -k
@@ -230,7 +237,8 @@ def test_rss_flat_over_50_saves_and_one_staging_copy_between_saves(tmp_path):
       subprocess.run(["rm", "-rf", str(tmp_path / f"c{i - 1}")], check=True)
     rss.append(_rss())
   # Held between saves: exactly one staging copy (rounded up to 2 MiB), never a second.
-  assert nbytes <= ckptr.staging_bytes <= nbytes + (2 << 20), (nbytes, ckptr.staging_bytes)
+  held = nbytes if _ON_CPU else 0
+  assert held <= ckptr.staging_bytes <= held + (2 << 20), (nbytes, ckptr.staging_bytes)
   # From the first save on, RSS does not grow (allocator noise is a few MB; a
   # leaked or second copy would add 32 MB per save).
   assert max(rss[1:]) - rss[0] < 16 << 20, [r >> 20 for r in rss]
@@ -238,7 +246,7 @@ def test_rss_flat_over_50_saves_and_one_staging_copy_between_saves(tmp_path):
   before = _rss()
   ckptr.close()
   assert ckptr.staging_bytes == 0
-  assert before - _rss() >= 0.9 * nbytes  # close() handed the staging copy back
+  assert before - _rss() >= 0.9 * held  # close() handed the staging copy back
 
 
 def test_keep_staging_memory_false_releases_it_after_every_save(tmp_path):
@@ -261,7 +269,8 @@ def test_prepare_touches_the_staging_memory_the_first_save_copies_into(tmp_path)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   with ofx.Checkpointer() as ckptr:
     n = ckptr.prepare({"state": state})
-    assert nbytes <= n <= nbytes + (2 << 20), (n, nbytes)
+    held = nbytes if _ON_CPU else 0
+    assert max(held, 1) <= n <= held + (2 << 20), (n, nbytes)
     assert ckptr.staging_bytes == n  # mapped now: the budget and RSS see it at once
     assert ckptr.wait_prepared(120)
     assert ckptr.staging_stats() == (n, n, 1, False)  # held, all touched, one arena, done
@@ -287,10 +296,12 @@ def test_prepare_never_goes_over_max_host_bytes(tmp_path):
   state = _state(32)  # 8 chunks of 4 MiB (shards of (2048, 512) float32)
   with ofx.Checkpointer(max_host_bytes=8 << 20) as ckptr:
     n = ckptr.prepare({"state": state})
-    assert 0 < n <= 8 << 20, n  # the largest staging round, not the state
+    # The largest staging round, not the state; on an accelerator a budget takes the pinned
+    # transfer, which stages nothing.
+    assert (0 < n <= 8 << 20) if _ON_CPU else n == 0, n
     assert ckptr.wait_prepared(120)
     ckptr.save_async(str(tmp_path / "c"), {"state": state}).wait()
-    assert ckptr.staging_stats().mappings == 1 and ckptr.staging_bytes == n
+    assert ckptr.staging_stats().mappings == int(_ON_CPU) and ckptr.staging_bytes == n
   with ofx.Checkpointer(max_host_bytes=1 << 20) as ckptr:  # below one chunk: nothing prepared
     assert ckptr.prepare({"state": state}) == 0 and ckptr.staging_bytes == 0
   with ofx.Checkpointer(keep_staging_memory=False) as ckptr:  # memory-tight: holds none early
@@ -301,7 +312,7 @@ def test_prepare_never_goes_over_max_host_bytes(tmp_path):
 
 def test_the_callback_and_the_manager_prepare_before_their_first_save(tmp_path):
   state = _state(32)
-  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state)) if _ON_CPU else 1  # packed: > 0
   policy = ofx.CheckpointPolicy(save_interval_steps=5)
   with ofx.CheckpointCallback(str(tmp_path / "cb"), policy) as ckpt:
     state = ckpt.restore_or_init(state)
@@ -385,9 +396,11 @@ def test_reported_blocking_names_the_train_step_still_computing(tmp_path):
   """JAX dispatches a step asynchronously: a save first waits for its result, a part of its own."""
   from jobs import RecordingWriter  # pylint: disable=g-import-not-at-top
 
+  rounds = 30 if _ON_CPU else 30_000  # a TPU v5e ran 30 rounds in under a millisecond
+
   @jax.jit
   def train_step(state):  # dispatched at once; computed in about 0.3 s (more on a loaded machine)
-    busy = jax.lax.fori_loop(0, 30, lambda i, a: jnp.tanh(a @ a), jnp.full((1024, 1024), 0.01))
+    busy = jax.lax.fori_loop(0, rounds, lambda i, a: jnp.tanh(a @ a), jnp.full((1024, 1024), 0.01))
     return {**state, "count": state["count"] + (busy[0, 0] > 2).astype(jnp.int32)}
 
   state = _state(8)

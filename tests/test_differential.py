@@ -33,8 +33,10 @@ _FROZEN = {
 }
 
 
-def _mesh(shape=(8,), names=("data",)):
-  return jax.make_mesh(shape, names)
+def _mesh(shape=None, names=("data",)):
+  """A mesh of ``shape``, by default one axis over every device (the 8 CPU devices here, or the
+  chips of an accelerator: conftest.py)."""
+  return jax.make_mesh(shape or (len(jax.devices()),), names)
 
 
 def lora_state(step, mesh):
@@ -143,7 +145,7 @@ def _flip(x, index):
 def test_a_changed_chunk_is_never_reused(tmp_path):
   """One bit of one element differs: exactly the block holding it is written."""
   root = str(tmp_path / "ckpt")
-  big = _RNG.standard_normal((1024, 1024)).astype(np.float32)  # 8 chunks of 512 KiB (8 shards)
+  big = _RNG.standard_normal((1024, 1024)).astype(np.float32)  # a chunk per shard: 8 of 512 KiB
   small = [_RNG.standard_normal((64,)).astype(np.float32) for _ in range(4)]  # one packed piece
   mesh = _mesh()
   put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None)))  # noqa: E731
@@ -161,7 +163,8 @@ def test_a_changed_chunk_is_never_reused(tmp_path):
     assert all(g.tobytes() == w.tobytes() for g, w in zip(got["small"], want_small))
   summaries = [json.loads(open(os.path.join(root, str(s), "_CHECKPOINT"), "rb").read()
                           .split(b"\n")[1]) for s in range(3)]
-  assert summaries[1]["stored_bytes"] == {"own": 512 * 1024, "borrowed": 7 * 512 * 1024 + 1024}
+  shard = big.nbytes // len(jax.devices())  # the chunk that holds the flipped bit
+  assert summaries[1]["stored_bytes"] == {"own": shard, "borrowed": big.nbytes - shard + 1024}
   assert summaries[2]["stored_bytes"]["own"] == 1024  # the packed piece only
 
 
