@@ -126,11 +126,13 @@ def train_and_evaluate(config, workdir: str) -> int:
   logging.info("process %d/%d, %d devices, mesh %s", jax.process_index(), jax.process_count(),
                jax.device_count(), dict(mesh.shape))
   writer = metric_writer(workdir)
+  # The callback first: with compilation_cache=True it turns JAX's compile cache on, so that
+  # a restart loads the compiled init (1.7 s of compiling here) as well as the train step.
+  ckpt = ofx.CheckpointCallback(workdir, config.checkpoint, writer=writer,
+                                metadata={"config": config.to_dict()})
   state = lm.create_state(config, mesh)
   ledger = RecordLedger(workdir)
   data = lm.text_batches(config, mesh, ledger)  # ofx.data.ElasticIterator: resumes on any count
-  ckpt = ofx.CheckpointCallback(workdir, config.checkpoint, writer=writer,
-                                metadata={"config": config.to_dict()})
 
   class LogRestored(ofx.Callback):
     """Logs a fingerprint of the restored params (to compare with the saving run)."""
