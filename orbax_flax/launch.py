@@ -2,8 +2,8 @@
 
     python -m orbax_flax.launch -n 4 [--devices_per_process=2] -- examples/train.py --workdir=/tmp/run
 
-Each process gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<port>``,
-``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``; the script calls
+Each process gets ``JAX_COORDINATOR_ADDRESS=127.0.0.1:<port>`` (``[::1]:<port>`` on a
+machine without IPv4 sockets, or ``--host``), ``JAX_NUM_PROCESSES`` and ``JAX_PROCESS_ID``; the script calls
 :func:`initialize_from_env` (``examples/train.py`` does). On a CPU-only machine
 ``--devices_per_process`` simulates devices with XLA_FLAGS. Output lines are
 prefixed with ``[i]``. SIGTERM, SIGINT, SIGUSR1, SIGUSR2 and SIGHUP sent to the
@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 # The exit status of a job that was preempted and saved: 143 = 128 + SIGTERM, the status a shell
 # (and Kubernetes, SLURM, torchelastic) reports for a process the scheduler's SIGTERM ended. Those
@@ -40,6 +41,10 @@ import time
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM.value
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+# Where the processes meet, in order of preference: IPv4's loopback, then IPv6's (a TPU VM lent
+# to this project on 2026-12-06 refused IPv4 sockets: "Address family not supported").
+LOOPBACKS = ("127.0.0.1", "::1")
 
 
 def initialize_from_env(initialization_timeout: int = 300, heartbeat_timeout_seconds: int | None = None) -> bool:
@@ -77,10 +82,36 @@ def _exit_on_uncaught(exc_type, exc, tb) -> None:
   os._exit(1)  # pylint: disable=protected-access  # skip the shutdown barrier
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+def coordinator_address(hosts: Sequence[str] = LOOPBACKS) -> str:
+  """``host:port`` with a free port on the first of ``hosts`` this machine can bind.
+
+  Args:
+    hosts: addresses to try, IPv4 or IPv6 (``::1``), in order.
+
+  Returns:
+    ``127.0.0.1:<port>``, or an IPv6 address in brackets (``[::1]:<port>``), as
+    ``jax.distributed.initialize`` takes it.
+
+  Raises:
+    OSError: no host could be bound; the message names each host and why.
+
+  Example:
+    >>> coordinator_address().startswith(("127.0.0.1:", "[::1]:"))
+    True
+  """
+  failed = []
+  for host in hosts:
+    v6 = ":" in host
+    try:
+      with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET) as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    except OSError as e:
+      failed.append(f"{host}: {e.strerror or e}")
+      continue
+    return f"[{host}]:{port}" if v6 else f"{host}:{port}"
+  raise OSError(f"no address to coordinate the processes on ({'; '.join(failed)}); pass"
+                " --host with an address of this machine")
 
 
 def _pump(i: int, proc: subprocess.Popen, lock: threading.Lock) -> None:
@@ -91,13 +122,17 @@ def _pump(i: int, proc: subprocess.Popen, lock: threading.Lock) -> None:
 
 
 def launch(argv: list[str], num_processes: int, devices_per_process: int | None = None,
-           grace: float = 2.0) -> int:
-  """Starts the processes and supervises them; returns the exit code."""
-  port = _free_port()
+           grace: float = 2.0, host: str | None = None) -> int:
+  """Starts the processes and supervises them; returns the exit code.
+
+  ``host``: the address the processes meet on (None: the first of :data:`LOOPBACKS`
+  that this machine can bind).
+  """
+  address = coordinator_address((host,) if host else LOOPBACKS)
   procs: list[subprocess.Popen] = []
   lock = threading.Lock()
   for i in range(num_processes):
-    env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+    env = dict(os.environ, JAX_COORDINATOR_ADDRESS=address,
                JAX_NUM_PROCESSES=str(num_processes), JAX_PROCESS_ID=str(i), PYTHONUNBUFFERED="1")
     if devices_per_process:
       env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
@@ -161,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
   p.add_argument("--grace", type=float, default=2.0,
                  help="seconds between SIGTERM and SIGKILL when stopping the others after one"
                       " failed (they cannot save without it: a short grace is enough)")
+  p.add_argument("--host", default=None,
+                 help="address the processes meet on (default: 127.0.0.1, or ::1 on a machine"
+                      " without IPv4 sockets)")
   if "--" in argv:
     split = argv.index("--")
     args, script = p.parse_args(argv[:split]), argv[split + 1:]
@@ -170,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     p.error("give the script after --, e.g. -- examples/train.py --workdir=/tmp/run")
   if args.num_processes < 1:
     p.error("-n must be >= 1")
-  return launch(script, args.num_processes, args.devices_per_process, args.grace)
+  return launch(script, args.num_processes, args.devices_per_process, args.grace, args.host)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,15 @@ def main():
       time.sleep(0.01)
     print(f"got SIGUSR1: {bool(got)}", flush=True)
     sys.exit(0 if got else 1)
+  if mode == "join":  # joins jax.distributed at that address and gathers every process's id
+    from orbax_flax import launch  # pylint: disable=g-import-not-at-top
+    launch.initialize_from_env(initialization_timeout=60)
+    import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    ids = multihost_utils.process_allgather(np.int32(jax.process_index()))
+    print(f"joined: {jax.process_count()} processes, {jax.device_count()} devices, ids"
+          f" {ids.tolist()}", flush=True)
   if mode in ("fail", "sleep"):
     time.sleep(120)  # stopped by the launcher
 

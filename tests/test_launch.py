@@ -1,12 +1,16 @@
 """python -m orbax_flax.launch: environment, prefixed output, signals, failures."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import pytest
+
 import jobs
+from orbax_flax import launch
 
 CHILD = os.path.join(jobs.HERE, "launch_child.py")
 LAUNCH = [sys.executable, "-m", "orbax_flax.launch"]
@@ -52,3 +56,20 @@ def test_usage_errors():
   r = subprocess.run([*LAUNCH, "-n", "2"], capture_output=True, text=True, timeout=60,
                      cwd=jobs.ROOT, check=False)
   assert r.returncode == 2 and "give the script after --" in r.stderr
+
+
+def test_the_processes_meet_on_ipv6_loopback_where_asked_or_where_ipv4_is_missing():
+  # 192.0.2.1 (TEST-NET-1) is no address of this machine: binding it fails as IPv4 fails on
+  # a machine without IPv4 sockets, and the next address is taken.
+  assert launch.coordinator_address(("192.0.2.1", "::1")).startswith("[::1]:")
+  with pytest.raises(OSError, match=r"192\.0\.2\.1: .*pass --host"):
+    launch.coordinator_address(("192.0.2.1",))
+  env = jobs.env_for(2)
+  env.pop("XLA_FLAGS")
+  r = subprocess.run([*LAUNCH, "-n", "2", "--devices_per_process=2", "--host=::1", "--", CHILD,
+                      "join"], capture_output=True, text=True, timeout=120, cwd=jobs.ROOT,
+                     env=env, check=False)
+  assert r.returncode == 0, r.stdout + r.stderr
+  for i in range(2):
+    assert re.search(rf"\[{i}\] hello from {i} of 2 at \[::1\]:\d+", r.stdout), r.stdout
+    assert f"[{i}] joined: 2 processes, 4 devices, ids [0, 1]" in r.stdout, r.stdout + r.stderr
