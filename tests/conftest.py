@@ -1,9 +1,16 @@
 """Test setup: 8 simulated CPU devices, set before jax initialises.
 
 On an accelerator (``JAX_PLATFORMS=tpu``) the tests that build their mesh from whatever
-devices exist run there too, e.g. ``JAX_PLATFORMS=tpu pytest -W ignore::UserWarning
-tests/test_async.py -k "donated or private"`` (libtpu warns at start-up); the others expect
-the 8 CPU devices.
+devices exist run there too (libtpu warns at start-up)::
+
+  JAX_PLATFORMS=tpu pytest -W ignore::UserWarning tests/test_resume_trains.py \
+    tests/test_async.py tests/test_nnx_resume.py \
+    tests/test_engine.py::test_every_dtype_round_trips_bitwise \
+    tests/test_engine.py::test_64_bit_dtypes_with_x64 \
+    tests/test_differential.py -k "not multiprocess and not another_mesh"
+
+(85 passed on one TPU v5e chip, 2026-12-06; benchmarks/README.md). The others expect the 8
+CPU devices, or start processes of their own on the CPU.
 """
 
 import os
