@@ -399,9 +399,12 @@ def test_reported_blocking_names_the_train_step_still_computing(tmp_path):
   rounds = 30 if _ON_CPU else 30_000  # a TPU v5e ran 30 rounds in under a millisecond
 
   @jax.jit
-  def train_step(state):  # dispatched at once; computed in about 0.3 s (more on a loaded machine)
+  def train_step(state):  # dispatched at once; computed in seconds (the loop on every device)
     busy = jax.lax.fori_loop(0, rounds, lambda i, a: jnp.tanh(a @ a), jnp.full((1024, 1024), 0.01))
-    return {**state, "count": state["count"] + (busy[0, 0] > 2).astype(jnp.int32)}
+    # The loss comes out of the step, as in a training loop: an op of its own on the step's
+    # outputs (jnp.sum(state["b"]) here) can wait in its dispatch for the step on CPU, and
+    # the save would then find the step computed already.
+    return {**state, "count": state["count"] + (busy[0, 0] > 2).astype(jnp.int32)}, busy[0, 0]
 
   state = _state(8)
   writer = RecordingWriter()
@@ -409,8 +412,8 @@ def test_reported_blocking_names_the_train_step_still_computing(tmp_path):
                               writer=writer) as ckpt:
     state = ckpt.restore_or_init(state)
     for step in range(1, 3):
-      state = train_step(state)
-      ckpt.on_step_end(step, state, {"loss": jnp.sum(jax.tree.leaves(state)[0])})
+      state, loss = train_step(state)
+      ckpt.on_step_end(step, state, {"loss": loss})
   e = next(d for s, d in writer.scalars if s == 2 and "checkpoint/blocking_s" in d)
   assert e["checkpoint/blocking_ready_s"] >= 0.1, e
   parts = sum(e[f"checkpoint/blocking_{p}_s"] for p in ("items", "data", "wait", "ready", "copy"))
