@@ -101,6 +101,7 @@ def coordinator_address(hosts: Sequence[str] = LOOPBACKS) -> str:
   """
   failed = []
   for host in hosts:
+    host = host.strip("[]")  # "[::1]" as in an address, or "::1"
     v6 = ":" in host
     try:
       with socket.socket(socket.AF_INET6 if v6 else socket.AF_INET) as s:
@@ -111,7 +112,7 @@ def coordinator_address(hosts: Sequence[str] = LOOPBACKS) -> str:
       continue
     return f"[{host}]:{port}" if v6 else f"{host}:{port}"
   raise OSError(f"no address to coordinate the processes on ({'; '.join(failed)}); pass"
-                " --host with an address of this machine")
+                " --host with an address this machine can listen on")
 
 
 def _pump(i: int, proc: subprocess.Popen, lock: threading.Lock) -> None:

@@ -62,6 +62,7 @@ def test_the_processes_meet_on_ipv6_loopback_where_asked_or_where_ipv4_is_missin
   # 192.0.2.1 (TEST-NET-1) is no address of this machine: binding it fails as IPv4 fails on
   # a machine without IPv4 sockets, and the next address is taken.
   assert launch.coordinator_address(("192.0.2.1", "::1")).startswith("[::1]:")
+  assert launch.coordinator_address(("[::1]",)).startswith("[::1]:")  # as written in an address
   with pytest.raises(OSError, match=r"192\.0\.2\.1: .*pass --host"):
     launch.coordinator_address(("192.0.2.1",))
   env = jobs.env_for(2)
