@@ -163,7 +163,7 @@ def test_a_warm_restart_loads_the_compiled_init_and_train_step(tmp_path):
   """With compilation_cache=True a restart compiles neither of the example's programs.
 
   The example builds the callback (which turns the cache on) before its jitted init:
-  built after it, init (1.7 s of the example's 4.7 s warm restart on 2 cores) was compiled
+  built after it, init (1.7 s of the example's 5.9 s warm restart on 2 cores) was compiled
   again at every start.
   """
   def go(steps):
