@@ -1,8 +1,9 @@
 """Runs real multi-process JAX jobs on this machine for tests.
 
-Each job is N Python processes joined by ``jax.distributed.initialize`` on
-127.0.0.1, each with its own simulated CPU devices. Tests check return codes:
-JAX aborts (it does not raise) when a process never joins.
+Each job is N Python processes joined by ``jax.distributed.initialize`` on a
+loopback address (:func:`orbax_flax.launch.coordinator_address`), each with its own
+simulated CPU devices. Tests check return codes: JAX aborts (it does not raise) when a
+process never joins.
 """
 
 from __future__ import annotations
@@ -11,19 +12,14 @@ import argparse
 import dataclasses
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
 
+from orbax_flax import launch
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -97,10 +93,10 @@ def exit_together(timeout_s: float = 120) -> None:
 def start(script: str, args: list[str], num_processes: int, devices_per_process: int,
           env: dict[str, str] | None = None) -> list[subprocess.Popen]:
   """Starts the processes of one job; ``script`` reads --process_id etc."""
-  port = free_port()
+  coordinator = launch.coordinator_address()
   procs = []
   for i in range(num_processes):
-    cmd = [sys.executable, os.path.join(HERE, script), f"--coordinator=127.0.0.1:{port}",
+    cmd = [sys.executable, os.path.join(HERE, script), f"--coordinator={coordinator}",
            f"--num_processes={num_processes}", f"--process_id={i}", *args]
     procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True, env=env_for(devices_per_process, env)))

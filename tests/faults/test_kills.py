@@ -23,6 +23,7 @@ import pytest
 
 import jobs
 import orbax_flax as ofx
+from orbax_flax import launch
 from orbax_flax.format import step_dir
 from orbax_flax.core._location import Location
 
@@ -51,9 +52,9 @@ def _start(mode, d, extra=(), n=1, devices=8):
     return [subprocess.Popen([sys.executable, os.path.join(HERE, "fault_worker.py"), mode, str(d), *extra],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              env=jobs.env_for(devices))]
-  port = jobs.free_port()
+  coordinator = launch.coordinator_address()
   return [subprocess.Popen([sys.executable, os.path.join(HERE, "fault_worker.py"), mode, str(d),
-                            f"--coordinator=127.0.0.1:{port}", f"--num_processes={n}",
+                            f"--coordinator={coordinator}", f"--num_processes={n}",
                             f"--process_id={i}", *extra],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env=jobs.env_for(devices)) for i in range(n)]
