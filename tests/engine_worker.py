@@ -38,7 +38,12 @@ def expected(name, shape, dtype):
   return x.astype(dtype)
 
 
-def make_mesh(shape):
+def make_mesh(shape=None):
+  """A ("data", "model") mesh of ``shape``; by default of every device there is: (2, n/2), or
+  (1, n) for an odd count (8 CPU devices: (2, 4); one TPU chip: (1, 1); conftest.py)."""
+  if shape is None:
+    n = len(jax.devices())
+    shape = (2, n // 2) if n % 2 == 0 else (1, n)
   return jax.make_mesh(shape, ("data", "model"))
 
 

@@ -14,6 +14,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import engine_worker
 import orbax_flax as ofx
 from disks import small_disk
 
@@ -30,9 +31,7 @@ def _state(mb=64, seed=0, committed_count=False):
   an accelerator (``JAX_PLATFORMS=tpu pytest -W ignore::UserWarning tests/test_async.py -k
   "donated or private"``). ``count`` is uncommitted, as ``jnp.int32(5)`` is, unless
   ``committed_count`` places it on the mesh."""
-  devices = jax.devices()
-  data = 2 if len(devices) % 2 == 0 else 1
-  mesh = jax.make_mesh((data, len(devices) // data), ("data", "model"))
+  mesh = engine_worker.make_mesh()
   rng = np.random.default_rng(seed)
   n = mb * (1 << 20) // 4 // 2048
   return {"w": jax.device_put(rng.standard_normal((n, 2048), dtype=np.float32),
