@@ -155,8 +155,17 @@ def run_example(workdir: str, cache: bool, devices: int = 8) -> dict:
 # ---------------------------------------------------------------------------- driver
 
 
+PLATFORM = ["cpu"]  # --platform: "cpu" simulates the devices; another runs on the machine's own
+
+
 def _env(devices: int) -> dict:
   env = dict(os.environ)
+  if PLATFORM[0] != "cpu":  # an accelerator: its own devices (one mesh only)
+    env["JAX_PLATFORMS"] = PLATFORM[0]
+    env.pop("XLA_FLAGS", None)
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
   env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
   env["JAX_PLATFORMS"] = "cpu"
   env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -168,7 +177,7 @@ def _clear_cache(workdir: str, devices: int) -> None:
   base = os.path.join(workdir, "compilation_cache")
   if os.path.isdir(base):
     for d in os.listdir(base):
-      if d.endswith(f"-{devices}dev-1proc"):
+      if PLATFORM[0] != "cpu" or d.endswith(f"-{devices}dev-1proc"):  # one mesh on an accelerator
         shutil.rmtree(os.path.join(base, d))
 
 
@@ -192,7 +201,11 @@ def main() -> int:
   p.add_argument("--reps", type=int, default=3)
   p.add_argument("--jobs", default="example,large")
   p.add_argument("--json", default=None)
+  p.add_argument("--platform", default="cpu",
+                 help="cpu (8 simulated devices, and 4 for 'another mesh'), or e.g. tpu: the"
+                      " machine's own devices, without the other-mesh modes")
   a = p.parse_args()
+  PLATFORM[0] = a.platform
   if a.child:
     return child(a)
   base = a.workdir or tempfile.mkdtemp(prefix="ofx-restart-", dir="/var/tmp")
@@ -207,6 +220,8 @@ def main() -> int:
                    env=_env(8), check=True, capture_output=True, timeout=900)
   ex_modes = [("sequential", False, 8, False), ("cache_cold", True, 8, True), ("cache_warm", True, 8, False),
               ("other_mesh_cache_cold", True, 4, True), ("other_mesh_cache_warm", True, 4, False)]
+  if a.platform != "cpu":
+    ex_modes = [m for m in ex_modes if not m[0].startswith("other_mesh")]
   large_modes = ["sequential", "overlap", "cache_cold", "cache", "both"]
   for rep in range(a.reps):
     if "example" in jobs:
