@@ -93,16 +93,26 @@ def main():
   p.add_argument("--path")
   p.add_argument("--mesh", default="2,4")
   p.add_argument("--async_save", action="store_true")
+  p.add_argument("--transfer", default="auto", help="--async_save: the host_transfer")
   a = jobs.join(p)
   mesh = make_mesh(tuple(int(x) for x in a.mesh.split(",")))
   state = build_state(mesh)
   if a.mode == "save":
+    how = None
     if a.async_save:
-      handle = ofx.save_async(a.path, {"state": state, "extra": {"epoch": 3}})
-      handle.wait()
+      with ofx.Checkpointer(host_transfer=a.transfer) as ckptr:
+        handle = ckptr.save_async(a.path, {"state": state, "extra": {"epoch": 3}})
+        how = handle.transfer
+        # The caller may donate its arrays once save_async returns: the snapshot holds (the
+        # restores of the test check every value).
+        arrays = {name: state[name] for name in SPECS}
+        jax.block_until_ready(jax.jit(lambda t: jax.tree.map(lambda x: x * 0, t),
+                                      donate_argnums=0)(arrays))
+        assert all(x.is_deleted() for x in arrays.values())
+        handle.wait()
     else:
       ofx.save(a.path, {"state": state, "extra": {"epoch": 3}})
-    print(f"SAVED {jax.process_index()}", flush=True)
+    print(f"SAVED {jax.process_index()} transfer={how}", flush=True)
     return
   restored = ofx.restore(a.path, {"state": target_for(state)})["state"]
   n = check_shards(restored, state)

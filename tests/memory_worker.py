@@ -80,7 +80,7 @@ def first_save(a, mesh, budget, path, result) -> None:
   ctypes.CDLL("libc.so.6").prctl(41, 1, 0, 0, 0)  # PR_SET_THP_DISABLE
   s = {"s": state(a.mb, mesh)}
   result["state"] = nbytes(s)
-  ckptr = ofx.Checkpointer(max_host_bytes=budget)
+  ckptr = ofx.Checkpointer(max_host_bytes=budget, host_transfer=a.transfer)
   out = {}
 
   def run():
@@ -106,6 +106,7 @@ def main():
   p.add_argument("mode", choices=["save", "save_async", "restore", "restore_other_mesh",
                                   "write_orbax", "convert", "first_save"])
   p.add_argument("--prepare", action="store_true", help="first_save: Checkpointer.prepare first")
+  p.add_argument("--transfer", default="auto", help="first_save: the Checkpointer's host_transfer")
   p.add_argument("--src", default="")
   p.add_argument("--dir", required=True)
   p.add_argument("--mb", type=int, default=256)

@@ -19,10 +19,12 @@ import orbax_flax as ofx
 from disks import small_disk
 
 
-# On CPU device buffers are host memory, so an async save copies the whole state into staging
-# memory. On an accelerator each shard's device-to-host copy is private already: only the packed
-# small arrays are staged (at most one 2 MiB unit here), and with max_host_bytes nothing (the
-# pinned transfer). The staging tests below check the side of that their platform is on.
+# On CPU device buffers are host memory, so an async save with the memcpy transfer copies the
+# whole state into staging memory (the default for states over 256 MiB; a smaller one is copied
+# by XLA, "device_copy", and only its packed small arrays are staged). On an accelerator each
+# shard's device-to-host copy is private already: only the packed small arrays are staged (at
+# most one 2 MiB unit here), and with max_host_bytes nothing (the pinned transfer). The staging
+# tests below check the side of that their platform is on.
 _ON_CPU = jax.devices()[0].platform == "cpu"
 
 
@@ -184,7 +186,7 @@ def test_staging_needs_one_copy_of_the_state(tmp_path):
   assert peak[0] - base < (128 << 20) + (48 << 20), (peak[0] - base) >> 20
 
 
-@pytest.mark.parametrize("transfer", ["auto", "memcpy", "pinned_host"])
+@pytest.mark.parametrize("transfer", ["auto", "memcpy", "device_copy", "pinned_host"])
 def test_donated_state_is_snapshotted(tmp_path, transfer):
   """Every host transfer: the step after save_async donates the state; the checkpoint has the old values."""
   state = _state(32, committed_count=True)
@@ -219,15 +221,44 @@ def test_an_async_snapshot_stages_only_what_is_not_a_private_host_copy(tmp_path)
   jax.tree.map(np.testing.assert_array_equal, ofx.restore(str(tmp_path / "c"))["state"], expected)
 
 
+@pytest.mark.skipif(not _ON_CPU, reason="the device_copy rule of 'auto' is the CPU's")
+def test_auto_on_cpu_copies_a_small_state_by_xla_and_a_state_of_replicas_into_staging(tmp_path):
+  """'auto' on CPU: a state whose copy is small and not mostly replicas is copied by XLA in one
+  call (staging holds only its packed small arrays); a state sharded over 'model' only (each
+  shard held by the two 'data' devices) would copy every shard twice: it is staged instead.
+  Both checkpoints hold the values the caller had before it donated its arrays."""
+  mesh = engine_worker.make_mesh()
+  sharded = _state(32, committed_count=True)
+  rng = np.random.default_rng(1)
+  replicas = {"w": jax.device_put(rng.standard_normal((2048, 2048), dtype=np.float32),
+                                  NamedSharding(mesh, P(None, "model")))}
+  for name, state, staged in (("sharded", sharded, False), ("replicas", replicas, True)):
+    expected = jax.tree.map(np.array, state)
+    big = state["w"].nbytes
+    with ofx.Checkpointer() as ckptr:
+      handle = ckptr.save_async(str(tmp_path / name), {"state": state})
+      jax.block_until_ready(jax.jit(lambda s: jax.tree.map(lambda x: x * 0 - 1, s),
+                                    donate_argnums=0)(state))
+      handle.wait()
+      held = ckptr.staging_bytes
+    assert handle.transfer == ("memcpy" if staged else "device_copy"), (name, handle.transfer)
+    assert (held >= big) if staged else (held <= 2 << 20), (name, held, big)
+    jax.tree.map(np.testing.assert_array_equal, ofx.restore(str(tmp_path / name))["state"],
+                 expected)
+
+
 def _rss():
   gc.collect()
   return psutil.Process().memory_info().rss
 
 
-def test_rss_flat_over_50_saves_and_one_staging_copy_between_saves(tmp_path):
+@pytest.mark.parametrize("transfer", ["memcpy", "device_copy"])
+def test_rss_flat_over_50_saves_and_one_staging_copy_between_saves(tmp_path, transfer):
+  """memcpy keeps one staging copy of the state between saves; device_copy stages only the packed
+  small arrays (its copies are XLA's, freed after each save). Neither grows."""
   state = _state(32)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  ckptr = ofx.Checkpointer()
+  ckptr = ofx.Checkpointer(host_transfer=transfer)
   rss = []
   for i in range(50):
     path = str(tmp_path / f"c{i}")
@@ -236,7 +267,7 @@ def test_rss_flat_over_50_saves_and_one_staging_copy_between_saves(tmp_path):
       subprocess.run(["rm", "-rf", str(tmp_path / f"c{i - 1}")], check=True)
     rss.append(_rss())
   # Held between saves: exactly one staging copy (rounded up to 2 MiB), never a second.
-  held = nbytes if _ON_CPU else 0
+  held = nbytes if _ON_CPU and transfer == "memcpy" else 0
   assert held <= ckptr.staging_bytes <= held + (2 << 20), (nbytes, ckptr.staging_bytes)
   # From the first save on, RSS does not grow (allocator noise is a few MB; a
   # leaked or second copy would add 32 MB per save).
@@ -266,7 +297,7 @@ def test_keep_staging_memory_false_releases_it_after_every_save(tmp_path):
 def test_prepare_touches_the_staging_memory_the_first_save_copies_into(tmp_path):
   state = _state(32)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  with ofx.Checkpointer() as ckptr:
+  with ofx.Checkpointer(host_transfer="memcpy") as ckptr:
     n = ckptr.prepare({"state": state})
     held = nbytes if _ON_CPU else 0
     assert max(held, 1) <= n <= held + (2 << 20), (n, nbytes)
@@ -282,7 +313,7 @@ def test_prepare_touches_the_staging_memory_the_first_save_copies_into(tmp_path)
 
 def test_a_save_during_preparation_stops_it_and_copies_into_the_same_memory(tmp_path):
   state = _state(64)
-  with ofx.Checkpointer() as ckptr:
+  with ofx.Checkpointer(host_transfer="memcpy") as ckptr:
     n = ckptr.prepare({"state": state})
     ckptr.save_async(str(tmp_path / "c"), {"state": state}).wait()  # at once: mid-preparation
     stats = ckptr.staging_stats()
@@ -309,10 +340,12 @@ def test_prepare_never_goes_over_max_host_bytes(tmp_path):
     assert ckptr.prepare({"state": state}) == 0 and ckptr.staging_bytes == 0
 
 
-def test_the_callback_and_the_manager_prepare_before_their_first_save(tmp_path):
+@pytest.mark.parametrize("transfer", ["auto", "memcpy"])
+def test_the_callback_and_the_manager_prepare_before_their_first_save(tmp_path, transfer):
   state = _state(32)
-  nbytes = sum(x.nbytes for x in jax.tree.leaves(state)) if _ON_CPU else 1  # packed: > 0
-  policy = ofx.CheckpointPolicy(save_interval_steps=5)
+  # What the first save stages: the whole state with memcpy on CPU; else the packed arrays (> 0).
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state)) if _ON_CPU and transfer == "memcpy" else 1
+  policy = ofx.CheckpointPolicy(save_interval_steps=5, host_transfer=transfer)
   with ofx.CheckpointCallback(str(tmp_path / "cb"), policy) as ckpt:
     state = ckpt.restore_or_init(state)
     assert ckpt.manager.staging_bytes >= nbytes  # at restore_or_init, before any step
@@ -320,7 +353,7 @@ def test_the_callback_and_the_manager_prepare_before_their_first_save(tmp_path):
     assert mngr.staging_bytes == 0
     assert not mngr.save(1, {"state": state})  # not due: the first save's memory is prepared
     assert mngr.staging_bytes >= nbytes
-  no_async = ofx.CheckpointPolicy(save_interval_steps=5, async_save=False)
+  no_async = ofx.CheckpointPolicy(save_interval_steps=5, async_save=False, host_transfer=transfer)
   with ofx.CheckpointManager(str(tmp_path / "s"), no_async) as mngr:
     assert not mngr.save(1, {"state": state}) and mngr.staging_bytes == 0
 

@@ -85,12 +85,21 @@ def test_conversion_streams_array_by_array(saved):
 
 def test_prepared_first_save_copies_into_touched_memory_and_holds_one_copy(tmp_path):
   """Checkpointer.prepare: the first save_async faults (almost) no page in, and the prepared
-  memory is the save's staging copy, not a second one (4 KiB pages, fresh process each)."""
-  cold = run("first_save", str(tmp_path / "cold"), mb=128)
-  warm = run("first_save", str(tmp_path / "warm"), mb=128, flags=["--prepare"])
+  memory is the save's staging copy, not a second one (4 KiB pages, fresh process each). The
+  staging copy is the memcpy transfer's (the default on CPU above 256 MiB)."""
+  cold = run("first_save", str(tmp_path / "cold"), mb=128, flags=["--transfer=memcpy"])
+  warm = run("first_save", str(tmp_path / "warm"), mb=128, flags=["--prepare", "--transfer=memcpy"])
   pages = cold["state"] // 4096
   assert cold["faults"] >= 0.9 * pages, cold  # unprepared: every staging page faulted in
   assert warm["prepared"] >= warm["state"] and warm["prepared_in_time"], warm
   assert warm["faults"] <= 0.02 * pages, (warm, cold)
   assert warm["mappings"] == 1 and warm["staging"] == warm["prepared"], warm  # reused
   assert warm["extra"] <= 1.02 * warm["state"] + SLACK, warm  # one staging copy in all
+
+
+def test_a_device_copy_save_holds_one_copy_and_no_staging_copy(tmp_path):
+  """The default async save of a 128 MiB state on CPU copies it by XLA ("device_copy"): one copy
+  of the state at its peak, from the call to the commit, and no staging copy of it kept after."""
+  r = run("first_save", str(tmp_path / "c"), mb=128)
+  assert r["extra"] <= 1.02 * r["state"] + SLACK, r  # XLA's copy, nothing more
+  assert r["staging"] <= 2 << 20, r  # only the packed small arrays were staged

@@ -10,8 +10,13 @@ import orbax_flax as ofx
 
 
 def _save(path, n, devices, mesh, async_save=False):
-  args = ["--mode=save", f"--path={path}", f"--mesh={mesh}"] + (["--async_save"] if async_save else [])
-  jobs.run("engine_worker.py", args, n, devices).check()
+  """``async_save``: False, or the host_transfer of an async save (checked on every process)."""
+  args = ["--mode=save", f"--path={path}", f"--mesh={mesh}"] + (
+      [f"--async_save", f"--transfer={async_save}"] if async_save else [])
+  res = jobs.run("engine_worker.py", args, n, devices)
+  res.check()
+  if async_save and async_save != "auto":
+    assert all(f"transfer={async_save}" in out for out in res.outputs), res.outputs
 
 
 def _restore(path, n, devices, mesh):
@@ -20,8 +25,11 @@ def _restore(path, n, devices, mesh):
   assert all("RESTORED" in out for out in res.outputs), res.outputs
 
 
-@pytest.mark.parametrize("n,devices,mesh,async_save", [(2, 4, "2,4", False), (4, 2, "4,2", True)])
+@pytest.mark.parametrize("n,devices,mesh,async_save", [(2, 4, "2,4", False), (4, 2, "4,2", "auto"),
+                                                      (2, 4, "2,4", "device_copy")])
 def test_multiprocess_save_then_restore_elsewhere(tmp_path, n, devices, mesh, async_save):
+  """Blocking, async (the default transfer) and async through XLA's copy of the global arrays;
+  each async save's caller zeroes its arrays as soon as save_async returns."""
   path = str(tmp_path / "ckpt")
   _save(path, n, devices, mesh, async_save)
   meta = ofx.metadata(path)

@@ -114,14 +114,32 @@ class Piece:
 
 @dataclasses.dataclass
 class Plan:
+  """One save: its manifest, and this process's pieces.
+
+  The pieces' sources are the saved arrays' shards, unless the save was planned
+  with ``bind=False``: then they are its layout's own pieces (shapes and
+  dtypes, no data; never change them) until :meth:`bind` makes the pieces of
+  arrays of the same layout (a copy of the state, in the background).
+  """
   loc: Location
   manifest: dict[str, Any]
   pieces: list[Piece]
   overwrite: bool
+  layout: _Template | None = None
+  leaves: Mapping[str, list[Any]] | None = None  # the saved items' leaves, in flatten order
 
   @property
   def nbytes(self) -> int:
     return sum(p.nbytes for p in self.pieces)
+
+  @property
+  def copy_bytes(self) -> int:
+    """Bytes of a copy of the saved device arrays (see :func:`orbax_flax.engine.saving.copy_leaves`)."""
+    return self.layout.copy_bytes
+
+  def bind(self, leaves: Mapping[str, list[Any]]) -> list[Piece]:
+    """This plan's pieces, their sources the shards of ``leaves`` (same layout as planned)."""
+    return self.layout.bind_pieces(leaves)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -511,12 +529,15 @@ class Planner:
     self._layouts: dict[tuple, _Template] = {}  # by what a layout depends on
 
   def plan(self, loc: Location, items: Mapping[str, Any], overwrite: bool = False,
-           custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None) -> Plan:
+           custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None, *,
+           bind: bool = True) -> Plan:
     """Validates everything and plans this process's writes. Reads no array data and writes
     nothing (it checks the destination).
 
     ``dtype`` converts arrays first (see :func:`cast_items`); the manifest
-    records what each converted array was.
+    records what each converted array was. ``bind=False`` leaves the pieces
+    unbound (:class:`Plan`): finding every shard of a new array costs a few
+    microseconds each, which a save of a copy spends in the background.
     """
     items, casts = cast_items(items, dtype)
     check_items(items)
@@ -526,7 +547,9 @@ class Planner:
       raise TypeError(f"custom_metadata must be a JSON-serialisable dict: {e}") from None
     me, nproc = _multihost.process_index(), _multihost.process_count()
     template, flat = self._template(items, me, nproc)
-    items_meta, pieces = template.bind({item: leaves for item, (leaves, _) in flat.items()})
+    leaves = {item: leaves for item, (leaves, _) in flat.items()}
+    items_meta = template.bind_records(leaves)
+    pieces = template.bind_pieces(leaves) if bind else template.pieces
     check_destination(loc, overwrite)
     manifest = {
         "format": _manifest.FORMAT, "version": _manifest.VERSION,
@@ -538,18 +561,19 @@ class Planner:
     }
     if casts:
       manifest["casts"] = casts
-    return Plan(loc, manifest, pieces, overwrite)
+    return Plan(loc, manifest, pieces, overwrite, template, leaves)
 
-  def layout_pieces(self, items: Mapping[str, Any]) -> list[Piece]:
-    """This process's pieces of a save of ``items``: shapes and dtypes, no data bound.
+  def layout(self, items: Mapping[str, Any]) -> _Template:
+    """The layout of a save of ``items``: this process's pieces (shapes and dtypes, no data
+    bound) and what a copy of the state costs.
 
     For sizing the staging memory of a save before it is due. Reads no array
     data and no storage; the layout is kept, so the save's own planning that
-    follows is quick. The pieces are shared: do not change them.
+    follows is quick. It is shared: do not change it.
     """
     check_items(items)
     template, _ = self._template(items, _multihost.process_index(), _multihost.process_count())
-    return template.pieces
+    return template
 
   def _template(self, items: Mapping[str, Any], me: int,
                 nproc: int) -> tuple[_Template, dict[str, Any]]:
@@ -627,11 +651,19 @@ class _Ref:
 class _Template:
   """The plan of one layout, with references in place of arrays."""
 
-  def __init__(self, items_meta, pieces, value_slots, leaf_paths):
+  def __init__(self, items_meta, pieces, value_slots, leaf_paths, copied):
     self.items_meta = items_meta        # item -> {structure, leaves (records), packed}
     self.pieces = pieces                # Pieces whose Source.value are _Refs
     self.value_slots = value_slots      # item -> [(record index, leaf index)] of inline values
     self.leaf_paths = leaf_paths        # item -> [key path] of every leaf, in flatten order
+    # The device arrays a copy of the state copies (a fully replicated one once, its first
+    # shard): (item, leaf index, fully replicated), and the bytes of that copy.
+    self.copied: list[tuple[str, int, bool]] = [c for c, _ in copied]
+    self.copy_bytes: int = sum(n for _, n in copied)
+
+  @property
+  def nbytes(self) -> int:
+    return sum(p.nbytes for p in self.pieces)
 
   @classmethod
   def build(cls, items: Mapping[str, Any], me: int, nproc: int) -> _Template:
@@ -640,6 +672,7 @@ class _Template:
     items_meta: dict[str, Any] = {}
     value_slots: dict[str, list[tuple[int, int]]] = {}
     leaf_paths: dict[str, list[Any]] = {}
+    copied: list[tuple[tuple[str, int, bool], int]] = []
     for item, tree in items.items():
       structure, leaves = _tree.encode_structure(tree)
       leaf_paths[item] = [path for path, _ in leaves]
@@ -658,19 +691,21 @@ class _Template:
         rec = plan_array(item, f"a{i}", path, leaf, kind, me, load, pack_sizes, packed,
                                    pieces, lambda k, item=item, i=i: _Ref(item, i, k))
         records.append(rec)
+        if kind == "jax":
+          copied.append(_copied(item, i, stored_leaf(leaf)))
       if pack_sizes[me]:
         pieces.extend(pack_pieces(item, pack_sizes[me], packed))
       items_meta[item] = {"structure": structure, "leaves": records,
                           "packed": {str(p): s for p, s in enumerate(pack_sizes) if s}}
-    return cls(items_meta, pieces, value_slots, leaf_paths)
+    return cls(items_meta, pieces, value_slots, leaf_paths, copied)
 
   def cacheable(self, flat: Mapping[str, Any]) -> bool:
     """True if jax's flatten order is the one the template was built in (it always is for
     dicts, lists, tuples, namedtuples and registered nodes)."""
     return all(len(leaves) == len(self.leaf_paths[item]) for item, (leaves, _) in flat.items())
 
-  def bind(self, leaves: Mapping[str, list[Any]]) -> tuple[dict[str, Any], list[Piece]]:
-    """The manifest items and pieces of one save of this layout."""
+  def bind_records(self, leaves: Mapping[str, list[Any]]) -> dict[str, Any]:
+    """The manifest items of one save of this layout (and a clear error for a deleted array)."""
     for item, values in leaves.items():
       for i, leaf in enumerate(values):
         if isinstance(leaf, jax.Array) and leaf.is_deleted():
@@ -684,6 +719,10 @@ class _Template:
           raise TypeError(f"{item}/{_tree.path_str(self.leaf_paths[item][i])}: unexpected leaf")
         records[r] = value_record(self.leaf_paths[item][i], value)
       items_meta[item] = dict(meta, leaves=records)
+    return items_meta
+
+  def bind_pieces(self, leaves: Mapping[str, list[Any]]) -> list[Piece]:
+    """The pieces of one save of this layout, their sources the shards of ``leaves``."""
     shards: dict[tuple[str, int], Any] = {}  # (item, leaf) -> the leaf, or its addressable shards
 
     def resolve(ref: _Ref) -> Any:
@@ -702,4 +741,13 @@ class _Template:
       sources = [Source(resolve(s.value), s.within, s.offset, s.leaf_shape, s.leaf_dtype, s.index)
                  for s in p.sources]
       pieces.append(Piece(p.array, p.slices, p.shape, p.dtype, sources))
-    return items_meta, pieces
+    return pieces
+
+
+def _copied(item: str, i: int, leaf: jax.Array) -> tuple[tuple[str, int, bool], int]:
+  """What a copy of the state copies of one device array, and its bytes: every addressable
+  shard (replicas too), or of a fully replicated array its first shard only."""
+  replicated = leaf.is_fully_replicated
+  shards = 1 if replicated else len(leaf.sharding.addressable_devices)
+  shard_shape = leaf.sharding.shard_shape(tuple(leaf.shape))
+  return (item, i, replicated), shards * math.prod(shard_shape) * np.dtype(leaf.dtype).itemsize

@@ -62,8 +62,11 @@ class Checkpointer:
       host copy while the caller waits: on CPU, where device buffers are host
       memory, a copy into the staging memory; on an accelerator each shard's
       device-to-host copy, started for every shard at once, which JAX keeps
-      on the array while it lives; the default on CPU, and on TPU without
-      ``max_host_bytes``), "pinned_host" (a device-to-host transfer into
+      on the array while it lives; the default on CPU for a state over 256 MiB,
+      and on TPU without ``max_host_bytes``), "device_copy" (every array copied
+      into new device buffers by XLA in one call, the shards to write found on
+      the copies in the background; the default on CPU for a smaller state,
+      without ``max_host_bytes``), "pinned_host" (a device-to-host transfer into
       pinned memory, started for every shard at once and ordered by XLA
       before any later donation; the default on GPU, and on TPU with
       ``max_host_bytes``), or "auto".
@@ -194,8 +197,9 @@ class Checkpointer:
     array data, writes nothing, talks to no other process.
 
     Only what the save will copy is prepared: on an accelerator with the memcpy
-    transfer each shard's device-to-host copy is its snapshot, and only packed
-    small arrays are staged. Nothing is prepared (0 is returned) when an async save would not stage
+    transfer each shard's device-to-host copy is its snapshot, and with the
+    device_copy transfer XLA's copy is, so only packed small arrays are
+    staged. Nothing is prepared (0 is returned) when an async save would not stage
     (the pinned-host transfer), with ``keep_staging_memory=False``, while a
     save is in flight, when enough staging memory is held already, or when
     the memory needed is over ``max_host_bytes`` (then the first save
@@ -223,13 +227,15 @@ class Checkpointer:
     if not self.keep_staging_memory or self.inflight is not None:
       return 0
     leaves = {item: jax.tree_util.tree_leaves(tree) for item, tree in items.items()}
-    if saving.transfer(self.host_transfer, (x for xs in leaves.values() for x in xs),
-                       self.max_host_bytes) != "memcpy":
+    layout = self._planner.layout(items)
+    how = saving.transfer(self.host_transfer, (x for xs in leaves.values() for x in xs),
+                          self.max_host_bytes, layout)
+    if how == "pinned_host":
       return 0
     value_of = lambda ref: leaves[ref.item][ref.leaf]  # noqa: E731  (the layout's sources)
-    rounds = saving.split_rounds(self._planner.layout_pieces(items), self.max_host_bytes)
-    need = max(_staging.arena_bytes([(p.shape, p.dtype) for p in r if saving.staged(p, value_of)])
-               for r in rounds)
+    rounds = saving.split_rounds(layout.pieces, self.max_host_bytes)
+    need = max(_staging.arena_bytes([(p.shape, p.dtype) for p in r
+                                     if saving.staged(p, how, value_of)]) for r in rounds)
     return self._staging.prepare(need)
 
   def wait_prepared(self, timeout: float | None = None) -> bool:
@@ -260,8 +266,9 @@ class Checkpointer:
                  cancellable: bool = False) -> saving.AsyncSave:
     """Starts a save; returns once the caller may change or donate its arrays.
 
-    The blocking phase is a snapshot: a copy into this checkpointer's staging memory (CPU), each
-    shard's device-to-host copy (TPU), or a transfer into pinned host memory that XLA orders before
+    The blocking phase is a snapshot: a copy by XLA into new device buffers (CPU, up to 256 MiB),
+    a copy into this checkpointer's staging memory (CPU, larger states), each shard's
+    device-to-host copy (TPU), or a transfer into pinned host memory that XLA orders before
     any later donation (GPU, and TPU with ``max_host_bytes``). Only one
     save runs at a time: this call first waits for the previous one, and raises its error if nobody
     called ``wait()``. Arguments as for :func:`orbax_flax.save`, and:
@@ -279,7 +286,7 @@ class Checkpointer:
     """
     self._check_open()
     self._finish_inflight()
-    plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype)
+    plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype, bind=False)
     saving.save_async(plan, run, handle, host_transfer=self.host_transfer, staging=self._staging,
                       max_host_bytes=self.max_host_bytes, watchdog_seconds=self.watchdog_seconds,
                       cancellable=cancellable, keep=self._is_own_snapshot, on_end=self._after_save)
@@ -287,9 +294,10 @@ class Checkpointer:
     return handle
 
   def _start(self, path: Any, items: Mapping[str, Any], overwrite: bool,
-             custom_metadata: Mapping[str, Any] | None, dtype: Any):
+             custom_metadata: Mapping[str, Any] | None, dtype: Any, bind: bool = True):
     started = time.perf_counter()
-    plan = self._planner.plan(Location.parse(path), items, overwrite, custom_metadata, dtype)
+    plan = self._planner.plan(Location.parse(path), items, overwrite, custom_metadata, dtype,
+                              bind=bind)
     with self._lock:
       self._seq += 1
       key = f"{self._key}/{self._seq}"

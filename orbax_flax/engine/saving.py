@@ -6,7 +6,10 @@ owns the staging memory they use); this module reads in their order.
 1. Blocking, in the caller's thread: the items are planned
    (:class:`orbax_flax.engine._planning.Planner`), then, for an async save, a snapshot
    is taken that the caller cannot change any more. The transfer is chosen
-   per platform (:func:`transfer`): on CPU, and on TPU without ``max_host_bytes``,
+   per platform (:func:`transfer`): on CPU, for a state up to
+   ``DEVICE_COPY_MAX_BYTES``, :func:`copy_leaves`, one copy by XLA of every array
+   into new buffers (the shards the save writes are found on the copies in the
+   background); for a larger one on CPU, and on TPU without ``max_host_bytes``,
    :func:`snapshot`, a copy into the checkpointer's reused staging memory of what
    is not a private host copy already (on TPU each shard's device-to-host copy
    is one: it is kept as it is); on GPU, and on TPU with ``max_host_bytes``, a
@@ -75,7 +78,10 @@ from orbax_flax.engine._planning import TMP_MARKER
 
 log = logging.getLogger("orbax_flax")
 
-HOST_TRANSFERS = ("auto", "memcpy", "pinned_host")
+HOST_TRANSFERS = ("auto", "memcpy", "device_copy", "pinned_host")
+# "auto" takes the device_copy transfer on CPU for a copy of at most this many bytes: above
+# it, XLA's new buffers may be fresh pages (benchmarks/README.md, item 5).
+DEVICE_COPY_MAX_BYTES = 256 << 20
 
 # Writes go out in batches of about half a second each (two in flight), so that a
 # cancelled save stops writing within about a second.
@@ -103,6 +109,9 @@ class AsyncSave:
     stored_bytes: ``{"bytes_written": n, "bytes_reused": m}``, array bytes of every
       process, when known before the commit (a plain save writes all it plans);
       None when only the manifest knows (a differential save's).
+    transfer: how an async save took its snapshot on this process: "device_copy",
+      "memcpy" or "pinned_host" (see ``Checkpointer``'s ``host_transfer``); None for
+      a blocking save.
   """
 
   def __init__(self, path: Location, nbytes: int, started: float):
@@ -113,6 +122,7 @@ class AsyncSave:
     self.total_s: float | None = None
     self.started = started
     self.stored_bytes: dict[str, int] | None = None
+    self.transfer: str | None = None
     self._error: BaseException | None = None
     self._reported = False
     self._thread: threading.Thread | None = None
@@ -288,8 +298,14 @@ def save_async(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, host_tr
   A failure of phase one is shared with the other processes, then raised.
   """
   try:
-    how = transfer(host_transfer, _sources(plan.pieces), max_host_bytes)
-    last, materialize = _stage(plan, run, how, staging, max_host_bytes, keep)
+    how = handle.transfer = transfer(host_transfer, _leaves(plan), max_host_bytes, plan)
+    copies = None
+    if how == "device_copy":
+      copies = copy_leaves(plan)
+      last, materialize = [], lambda ps: host_views(ps, staging)  # noqa: E731
+    else:
+      plan.pieces = plan.bind(plan.leaves)
+      last, materialize = _stage(plan, run, how, staging, max_host_bytes, keep)
   except BaseException as e:
     handle.run_here(lambda: run.finish(e))  # tells the other processes, then raises
     on_end()
@@ -302,7 +318,9 @@ def save_async(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, host_tr
       with _progress.Monitor(run.progress, watchdog_seconds, terminal=False):
         error = None
         try:
-          run.write(last, materialize=materialize, cancellable=cancellable)
+          # The device copy's shards, found here rather than while the caller waits.
+          pieces = last if copies is None else plan.bind(copies)
+          run.write(pieces, materialize=materialize, cancellable=cancellable)
         except BaseException as e:  # pylint: disable=broad-except
           error = e
         run.finish(error)
@@ -332,28 +350,41 @@ def _stage(plan: _planning.Plan, run: SaveRun, how: str, staging: _staging.Stagi
   return rounds[-1], None
 
 
-def _sources(pieces: Sequence[Piece]):
-  return (s.value for p in pieces for s in p.sources)
+def _leaves(plan: _planning.Plan):
+  return (x for xs in plan.leaves.values() for x in xs)
 
 
-def transfer(host_transfer: str, values: Any, budget: int) -> str:
-  """How an async save snapshots ``values`` (``budget``: its ``max_host_bytes``, 0 for none):
-  :func:`choose_transfer` on the platform of the first device array.
+def transfer(host_transfer: str, values: Any, budget: int, layout: Any = None) -> str:
+  """How an async save snapshots ``values`` (``budget``: its ``max_host_bytes``, 0 for none;
+  ``layout``: its plan or layout, for the size of a device copy): :func:`choose_transfer`
+  on the platform of the first device array.
 
   Example:
     >>> transfer("auto", [np.ones(2)], 0), transfer("pinned_host", [], 0)
     ('memcpy', 'pinned_host')
   """
+  copy = (0, 0) if layout is None else (layout.copy_bytes, layout.nbytes)
   for v in values:
     if isinstance(v, jax.Array):
       # next(iter(...)), never .pop(): devices() is the sharding's own cached set.
-      return choose_transfer(host_transfer, next(iter(v.devices())).platform, budget)
-  return choose_transfer(host_transfer, "cpu", budget)
+      return choose_transfer(host_transfer, next(iter(v.devices())).platform, budget, *copy)
+  return choose_transfer(host_transfer, "cpu", budget, *copy)
 
 
-def choose_transfer(host_transfer: str, platform: str, budget: int) -> str:
-  """``host_transfer``, or for "auto": "memcpy" on CPU (device buffers are host memory) and
-  on TPU, "pinned_host" on GPU and on a TPU with a ``max_host_bytes`` budget.
+def choose_transfer(host_transfer: str, platform: str, budget: int, copy_bytes: int = 0,
+                    nbytes: int = 0) -> str:
+  """``host_transfer``, or for "auto": on CPU "device_copy" for a small state, else "memcpy"
+  (device buffers are host memory); "memcpy" on TPU; "pinned_host" on GPU and on a TPU with
+  a ``max_host_bytes`` budget.
+
+  "device_copy" (:func:`copy_leaves`) copies every device array into new buffers in one
+  call: XLA copies them on its own threads, where "memcpy" spends a few microseconds of
+  Python on each shard before its copy (at 50 MB in 2,140 shards, half the caller's wait).
+  "auto" takes it on CPU when the copy (``copy_bytes``, see
+  :attr:`~orbax_flax.engine._planning.Plan.layout`) is at most ``DEVICE_COPY_MAX_BYTES``
+  and at most 1.25x the ``nbytes`` this process writes (it copies replicas too), without a
+  budget. A larger copy goes into the staging memory that ``Checkpointer.prepare`` touches
+  ahead; XLA's new buffers cannot be.
 
   On a TPU v5e (``benchmarks/host_transfer.py``, 2 GB) a transfer into pinned host
   memory took 1.8 s to land and 0.7 s more to read on the host, and the async
@@ -368,12 +399,18 @@ def choose_transfer(host_transfer: str, platform: str, budget: int) -> str:
     >>> [choose_transfer("auto", p, b) for p, b in [("cpu", 0), ("cpu", 1 << 30),
     ...                                           ("tpu", 0), ("tpu", 1 << 30), ("gpu", 0)]]
     ['memcpy', 'memcpy', 'memcpy', 'pinned_host', 'pinned_host']
+    >>> [choose_transfer("auto", "cpu", 0, c, n) for c, n in [(50e6, 50e6), (100e6, 50e6),
+    ...                                                        (2e9, 2e9)]]
+    ['device_copy', 'memcpy', 'memcpy']
     >>> choose_transfer("memcpy", "gpu", 0)
     'memcpy'
   """
   if host_transfer != "auto":
     return host_transfer
-  if platform == "cpu" or (platform == "tpu" and not budget):
+  if platform == "cpu":
+    small = 0 < copy_bytes <= min(DEVICE_COPY_MAX_BYTES, 1.25 * nbytes)
+    return "device_copy" if small and not budget else "memcpy"
+  if platform == "tpu" and not budget:
     return "memcpy"
   return "pinned_host"
 
@@ -391,11 +428,14 @@ def is_host_copy(value: Any) -> bool:
           and next(iter(value.devices())).platform != "cpu")
 
 
-def staged(piece: Piece, value_of: Callable[[Any], Any] = lambda value: value) -> bool:
-  """Whether an async save copies ``piece`` into staging memory (:func:`snapshot`): packed
-  pieces and views (CPU device buffers, numpy arrays), not private host copies.
-  ``value_of`` turns a source's value into the array (for pieces not bound yet)."""
-  return piece.packed or not is_host_copy(value_of(piece.sources[0].value))
+def staged(piece: Piece, how: str, value_of: Callable[[Any], Any] = lambda value: value) -> bool:
+  """Whether an async save of transfer ``how`` copies ``piece`` into staging memory: packed
+  pieces, and with "memcpy" (:func:`snapshot`) views too (CPU device buffers, numpy arrays),
+  not private host copies. ``value_of`` turns a source's value into the array (for pieces
+  not bound yet)."""
+  if piece.packed or how == "pinned_host":
+    return piece.packed
+  return how == "memcpy" and not is_host_copy(value_of(piece.sources[0].value))
 
 
 # ----------------------------------------------------------------------------
@@ -461,7 +501,7 @@ def snapshot(pieces: Sequence[Piece], staging: _staging.Staging) -> None:
   already (:func:`is_host_copy`): copying it again would only cost time and memory.
   """
   _start_transfers(pieces)
-  flags = [staged(p) for p in pieces]
+  flags = [staged(p, "memcpy") for p in pieces]
   copied = [p for p, f in zip(pieces, flags) if f]
   bufs = staging.arrays([(p.shape, p.dtype) for p in copied])
   pairs = []
@@ -473,6 +513,33 @@ def snapshot(pieces: Sequence[Piece], staging: _staging.Staging) -> None:
     if not f:
       (src, _), = _fill_pairs(p, False, None)
       p.data = src
+
+
+def copy_leaves(plan: _planning.Plan) -> dict[str, list[Any]]:
+  """The "device_copy" snapshot: the plan's leaves, each array copied into new buffers.
+
+  Every device array is copied by XLA, all in one call (a fully replicated one
+  once, from its first shard, the one the save writes), into new buffers of its
+  sharding; numpy arrays are copied on the host. Returns when the copies are
+  done, so that the caller may change or donate its arrays. Which shards the
+  save writes is found on the copies afterwards (:meth:`Plan.bind`), in the
+  background.
+  """
+  out = {item: list(leaves) for item, leaves in plan.leaves.items()}
+  where, arrays = [], []
+  for item, i, replicated in plan.layout.copied:
+    x = _planning.stored_leaf(out[item][i])
+    where.append((item, i))
+    arrays.append(x.addressable_data(0) if replicated else x)
+  copies = jax.device_put(arrays, [x.sharding for x in arrays], may_alias=False)
+  jax.block_until_ready(copies)
+  for (item, i), x in zip(where, copies):
+    out[item][i] = x
+  for leaves in out.values():
+    for i, x in enumerate(leaves):
+      if isinstance(x, np.ndarray):
+        leaves[i] = np.array(_planning.stored_leaf(x))
+  return out
 
 
 def to_pinned_host(pieces: Sequence[Piece], keep=lambda value: False) -> None:

@@ -125,8 +125,10 @@ class CheckpointPolicy:
       memory-tight hosts; saves then block longer).
     host_transfer: how an async save snapshots device arrays: "memcpy" (a host copy while the
       caller waits: into the staging memory on CPU, where device buffers are host memory; each
-      shard's device-to-host copy on an accelerator; the choice on CPU, and on TPU without
-      max_host_bytes), "pinned_host" (a device-to-host transfer into pinned host memory,
+      shard's device-to-host copy on an accelerator; the choice on CPU for a state over 256 MiB,
+      and on TPU without max_host_bytes), "device_copy" (every array copied into new device
+      buffers by XLA in one call, shards found in the background; the choice on CPU for a
+      smaller state, without max_host_bytes), "pinned_host" (a device-to-host transfer into pinned host memory,
       ordered by XLA before any later donation; the choice on GPU, and on TPU with
       max_host_bytes), or "auto" (the platform's choice).
     differential: a save writes only the chunks that changed since the latest step (xxh3-128
