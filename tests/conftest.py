@@ -9,7 +9,8 @@ devices exist run there too (libtpu warns at start-up)::
     tests/test_engine.py::test_64_bit_dtypes_with_x64 \
     tests/test_differential.py -k "not multiprocess and not another_mesh"
 
-(85 passed on one TPU v5e chip, 2026-12-06; benchmarks/README.md). The others expect the 8
+(88 passed, 3 skipped on one TPU v5e chip, 2026-12-06, with the device_copy transfer;
+benchmarks/README.md). The others expect the 8
 CPU devices, or start processes of their own on the CPU.
 """
 
