@@ -378,10 +378,10 @@ def choose_transfer(host_transfer: str, platform: str, budget: int, copy_bytes: 
   a ``max_host_bytes`` budget.
 
   "device_copy" (:func:`copy_leaves`) copies every device array into new buffers in one
-  call: XLA copies them on its own threads, where "memcpy" spends a few microseconds of
-  Python on each shard before its copy (at 50 MB in 2,140 shards, half the caller's wait).
-  "auto" takes it on CPU when the copy (``copy_bytes``, see
-  :attr:`~orbax_flax.engine._planning.Plan.layout`) is at most ``DEVICE_COPY_MAX_BYTES``
+  call, with no Python per shard, where "memcpy" spends a few microseconds of Python on
+  each shard before its copy (at 50 MB in 2,140 shards, half the caller's wait). "auto"
+  takes it on CPU when the copy (``copy_bytes``, see
+  :attr:`~orbax_flax.engine._planning.Plan.copy_bytes`) is at most ``DEVICE_COPY_MAX_BYTES``
   and at most 1.25x the ``nbytes`` this process writes (it copies replicas too), without a
   budget. A larger copy goes into the staging memory that ``Checkpointer.prepare`` touches
   ahead; XLA's new buffers cannot be.
