@@ -59,15 +59,22 @@ def _assert_same(a, b):
   assert a.tobytes() == b.tobytes()  # bitwise, NaNs included
 
 
+@pytest.mark.parametrize("how", ["save", "memcpy", "device_copy"])
 @pytest.mark.parametrize("name", DTYPES)
-def test_every_dtype_round_trips_bitwise(ckpt_dir, name):
+def test_every_dtype_round_trips_bitwise(ckpt_dir, name, how):
+  """A blocking save, and an async save through each of the CPU's snapshots (the staging copy,
+  XLA's copy of the arrays)."""
   mesh = _mesh()
   host = _values(name, (16, 8))
   sharded = jax.device_put(host, NamedSharding(mesh, P("data", "model")))
   big = jax.device_put(_values(name, (512, 1024), seed=1), NamedSharding(mesh, P("model")))
   items = {"s": {"sharded": sharded, "big": big, "np": host, "scalar": host[0, 0],
                  "zero_d": jax.device_put(host[0, 0]), "empty": np.zeros((0, 4), host.dtype)}}
-  ofx.save(ckpt_dir, items)
+  if how == "save":
+    ofx.save(ckpt_dir, items)
+  else:
+    with ofx.Checkpointer(host_transfer=how) as ckptr:
+      assert ckptr.save_async(ckpt_dir, items).transfer == how
   on_host = ofx.restore(ckpt_dir)["s"]
   _assert_same(on_host["sharded"], host)
   _assert_same(on_host["big"], big)
