@@ -247,6 +247,44 @@ def test_auto_on_cpu_copies_a_small_state_by_xla_and_a_state_of_replicas_into_st
                  expected)
 
 
+def test_a_cancellable_device_copy_save_of_many_small_arrays_is_exact(tmp_path, monkeypatch):
+  """A preemption save (cancellable: batches of about half a second, two in flight) of an item
+  with 80 MiB of small arrays, which are packed into three pieces written in separate batches.
+  The batches are made small here, as slow storage makes them. Each batch's packed bytes must
+  stay as they were until tensorstore has written them: a later batch never reuses their
+  memory."""
+  from orbax_flax.engine import saving  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(saving, "_FIRST_BATCH_BYTES", 8 << 20)
+  monkeypatch.setattr(saving, "_MIN_BATCH_BYTES", 8 << 20)
+  monkeypatch.setattr(saving, "_MAX_BATCH_BYTES", 24 << 20)
+  monkeypatch.setattr(saving, "_BATCH_SECONDS", 0.01)
+  rng = np.random.default_rng(3)
+  state = {f"a{i:03d}": jax.device_put(rng.standard_normal(128 << 10, dtype=np.float32))
+           for i in range(160)}  # 160 arrays of 0.5 MiB: packed
+  expected = jax.tree.map(np.array, state)
+  with ofx.Checkpointer(host_transfer="device_copy") as ckptr:
+    ckptr.save_async(str(tmp_path / "c"), {"state": state}, cancellable=True).wait()
+  jax.tree.map(np.testing.assert_array_equal, ofx.restore(str(tmp_path / "c"))["state"], expected)
+
+
+@pytest.mark.skipif(not _ON_CPU, reason="the device_copy rule of 'auto' is the CPU's")
+def test_auto_counts_numpy_leaves_in_the_copy_it_would_make(tmp_path):
+  """A state of 300 MiB of numpy arrays and one small device array: device_copy would copy the
+  numpy arrays on the host too, over 256 MiB; "auto" stages it (memcpy) instead."""
+  state = {"np": np.ones((300 << 20) // 4, np.float32), "w": jnp.ones(8)}
+  with ofx.Checkpointer() as ckptr:
+    handle = ckptr.save_async(str(tmp_path / "c"), {"state": state})
+    handle.wait()
+  assert handle.transfer == "memcpy", handle.transfer
+
+
+def test_device_copy_with_a_host_memory_budget_is_refused():
+  with pytest.raises(ValueError, match="device_copy.*max_host_bytes"):
+    ofx.Checkpointer(host_transfer="device_copy", max_host_bytes=64 << 20)
+  with pytest.raises(ValueError, match="device_copy.*max_host_bytes"):
+    ofx.CheckpointPolicy(host_transfer="device_copy", max_host_bytes=64 << 20)
+
+
 def _rss():
   gc.collect()
   return psutil.Process().memory_info().rss
@@ -343,12 +381,18 @@ def test_prepare_never_goes_over_max_host_bytes(tmp_path):
 @pytest.mark.parametrize("transfer", ["auto", "memcpy"])
 def test_the_callback_and_the_manager_prepare_before_their_first_save(tmp_path, transfer):
   state = _state(32)
-  # What the first save stages: the whole state with memcpy on CPU; else the packed arrays (> 0).
-  nbytes = sum(x.nbytes for x in jax.tree.leaves(state)) if _ON_CPU and transfer == "memcpy" else 1
+  # What the first save stages: the whole state with memcpy on CPU; nothing with "auto" on CPU
+  # (device_copy: XLA's copies are new arrays); the packed arrays on an accelerator (> 0).
+  if _ON_CPU:
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state)) if transfer == "memcpy" else 0
+  else:
+    nbytes = 1
   policy = ofx.CheckpointPolicy(save_interval_steps=5, host_transfer=transfer)
   with ofx.CheckpointCallback(str(tmp_path / "cb"), policy) as ckpt:
     state = ckpt.restore_or_init(state)
     assert ckpt.manager.staging_bytes >= nbytes  # at restore_or_init, before any step
+    if not nbytes:
+      assert ckpt.manager.staging_bytes == 0
   with ofx.CheckpointManager(str(tmp_path / "m"), policy) as mngr:
     assert mngr.staging_bytes == 0
     assert not mngr.save(1, {"state": state})  # not due: the first save's memory is prepared

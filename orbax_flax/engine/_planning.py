@@ -134,8 +134,13 @@ class Plan:
 
   @property
   def copy_bytes(self) -> int:
-    """Bytes of a copy of the saved device arrays (see :func:`orbax_flax.engine.saving.copy_leaves`)."""
+    """Bytes of a copy of the saved arrays (see :func:`orbax_flax.engine.saving.copy_leaves`)."""
     return self.layout.copy_bytes
+
+  @property
+  def copied(self) -> list[tuple[str, int, bool]]:
+    """The device arrays such a copy copies (see :class:`_Template`)."""
+    return self.layout.copied
 
   def bind(self, leaves: Mapping[str, list[Any]]) -> list[Piece]:
     """This plan's pieces, their sources the shards of ``leaves`` (same layout as planned)."""
@@ -657,8 +662,9 @@ class _Template:
     self.value_slots = value_slots      # item -> [(record index, leaf index)] of inline values
     self.leaf_paths = leaf_paths        # item -> [key path] of every leaf, in flatten order
     # The device arrays a copy of the state copies (a fully replicated one once, its first
-    # shard): (item, leaf index, fully replicated), and the bytes of that copy.
-    self.copied: list[tuple[str, int, bool]] = [c for c, _ in copied]
+    # shard): (item, leaf index, fully replicated); and the bytes of that copy, numpy leaves
+    # (copied on the host) included.
+    self.copied: list[tuple[str, int, bool]] = [c for c, _ in copied if c is not None]
     self.copy_bytes: int = sum(n for _, n in copied)
 
   @property
@@ -691,8 +697,10 @@ class _Template:
         rec = plan_array(item, f"a{i}", path, leaf, kind, me, load, pack_sizes, packed,
                                    pieces, lambda k, item=item, i=i: _Ref(item, i, k))
         records.append(rec)
-        if kind == "jax":
+        if kind == "jax" and leaf.sharding.addressable_devices:
           copied.append(_copied(item, i, stored_leaf(leaf)))
+        elif kind == "numpy":  # copied on the host
+          copied.append((None, rec["nbytes"]))
       if pack_sizes[me]:
         pieces.extend(pack_pieces(item, pack_sizes[me], packed))
       items_meta[item] = {"structure": structure, "leaves": records,

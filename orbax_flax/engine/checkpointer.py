@@ -62,11 +62,13 @@ class Checkpointer:
       host copy while the caller waits: on CPU, where device buffers are host
       memory, a copy into the staging memory; on an accelerator each shard's
       device-to-host copy, started for every shard at once, which JAX keeps
-      on the array while it lives; the default on CPU for a state over 256 MiB,
-      and on TPU without ``max_host_bytes``), "device_copy" (every array copied
-      into new device buffers by XLA in one call, the shards to write found on
-      the copies in the background; the default on CPU for a smaller state,
-      without ``max_host_bytes``), "pinned_host" (a device-to-host transfer into
+      on the array while it lives; the default on CPU for a state over 256
+      MiB or in a multi-process job, and on TPU without ``max_host_bytes``),
+      "device_copy" (every array copied into new device buffers by XLA in one
+      call, the shards to write found on the copies in the background; the
+      default on CPU for a smaller state with device arrays in a
+      single-process job, without ``max_host_bytes``, with which it is
+      refused), "pinned_host" (a device-to-host transfer into
       pinned memory, started for every shard at once and ordered by XLA
       before any later donation; the default on GPU, and on TPU with
       ``max_host_bytes``), or "auto".
@@ -104,6 +106,10 @@ class Checkpointer:
                        " > 0 (seconds a process waits for the others).")
     if host_transfer not in HOST_TRANSFERS:
       raise ValueError(f"host_transfer={host_transfer!r}: must be one of {HOST_TRANSFERS}.")
+    if host_transfer == "device_copy" and max_host_bytes:
+      raise ValueError(f"host_transfer='device_copy' copies the whole state at once, which"
+                       f" max_host_bytes={max_host_bytes} forbids: use host_transfer='auto' or"
+                       " 'memcpy' (staged in rounds within the budget), or max_host_bytes=0.")
     _multihost.check_distributed()
     self.max_host_bytes = max_host_bytes
     self.keep_staging_memory = keep_staging_memory
@@ -197,10 +203,9 @@ class Checkpointer:
     array data, writes nothing, talks to no other process.
 
     Only what the save will copy is prepared: on an accelerator with the memcpy
-    transfer each shard's device-to-host copy is its snapshot, and with the
-    device_copy transfer XLA's copy is, so only packed small arrays are
-    staged. Nothing is prepared (0 is returned) when an async save would not stage
-    (the pinned-host transfer), with ``keep_staging_memory=False``, while a
+    transfer each shard's device-to-host copy is its snapshot, and only packed
+    small arrays are staged. Nothing is prepared (0 is returned) when an async
+    save would not stage (the pinned-host and device_copy transfers), with ``keep_staging_memory=False``, while a
     save is in flight, when enough staging memory is held already, or when
     the memory needed is over ``max_host_bytes`` (then the first save
     allocates it as without preparation).
@@ -230,7 +235,7 @@ class Checkpointer:
     layout = self._planner.layout(items)
     how = saving.transfer(self.host_transfer, (x for xs in leaves.values() for x in xs),
                           self.max_host_bytes, layout)
-    if how == "pinned_host":
+    if how != "memcpy":  # nothing staged (pinned_host's and device_copy's copies are new arrays)
       return 0
     value_of = lambda ref: leaves[ref.item][ref.leaf]  # noqa: E731  (the layout's sources)
     rounds = saving.split_rounds(layout.pieces, self.max_host_bytes)

@@ -6,10 +6,11 @@ owns the staging memory they use); this module reads in their order.
 1. Blocking, in the caller's thread: the items are planned
    (:class:`orbax_flax.engine._planning.Planner`), then, for an async save, a snapshot
    is taken that the caller cannot change any more. The transfer is chosen
-   per platform (:func:`transfer`): on CPU, for a state up to
-   ``DEVICE_COPY_MAX_BYTES``, :func:`copy_leaves`, one copy by XLA of every array
-   into new buffers (the shards the save writes are found on the copies in the
-   background); for a larger one on CPU, and on TPU without ``max_host_bytes``,
+   per platform (:func:`transfer`): on CPU, in a single-process job without
+   ``max_host_bytes``, for a state up to ``DEVICE_COPY_MAX_BYTES``,
+   :func:`copy_leaves`, one copy by XLA of every array into new buffers (the
+   shards the save writes are found on the copies in the background); otherwise on
+   CPU, and on TPU without ``max_host_bytes``,
    :func:`snapshot`, a copy into the checkpointer's reused staging memory of what
    is not a private host copy already (on TPU each shard's device-to-host copy
    is one: it is kept as it is); on GPU, and on TPU with ``max_host_bytes``, a
@@ -302,7 +303,11 @@ def save_async(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, host_tr
     copies = None
     if how == "device_copy":
       copies = copy_leaves(plan)
-      last, materialize = [], lambda ps: host_views(ps, staging)  # noqa: E731
+      # Packed small arrays are assembled in fresh memory, batch by batch: with two batches in
+      # flight (cancellable) the staging arena, reused from its start by every call, would
+      # overwrite a batch tensorstore has not written yet. The arena is not used: let it go.
+      staging.release()
+      last, materialize = [], host_views
     else:
       plan.pieces = plan.bind(plan.leaves)
       last, materialize = _stage(plan, run, how, staging, max_host_bytes, keep)
@@ -363,7 +368,12 @@ def transfer(host_transfer: str, values: Any, budget: int, layout: Any = None) -
     >>> transfer("auto", [np.ones(2)], 0), transfer("pinned_host", [], 0)
     ('memcpy', 'pinned_host')
   """
-  copy = (0, 0) if layout is None else (layout.copy_bytes, layout.nbytes)
+  # A device copy of arrays that span processes is a multi-process program each: "auto" takes
+  # it in a single-process job only, where the processes' choices cannot differ.
+  single = _multihost.process_count() == 1
+  # Only device arrays gain from it (numpy ones are copied on the host either way).
+  gains = layout is not None and single and layout.copied
+  copy = (layout.copy_bytes, layout.nbytes) if gains else (0, 0)
   for v in values:
     if isinstance(v, jax.Array):
       # next(iter(...)), never .pop(): devices() is the sharding's own cached set.
@@ -380,10 +390,10 @@ def choose_transfer(host_transfer: str, platform: str, budget: int, copy_bytes: 
   "device_copy" (:func:`copy_leaves`) copies every device array into new buffers in one
   call, with no Python per shard, where "memcpy" spends a few microseconds of Python on
   each shard before its copy (at 50 MB in 2,140 shards, half the caller's wait). "auto"
-  takes it on CPU when the copy (``copy_bytes``, see
-  :attr:`~orbax_flax.engine._planning.Plan.copy_bytes`) is at most ``DEVICE_COPY_MAX_BYTES``
-  and at most 1.25x the ``nbytes`` this process writes (it copies replicas too), without a
-  budget. A larger copy goes into the staging memory that ``Checkpointer.prepare`` touches
+  takes it on CPU in a single-process job when the copy (``copy_bytes``, numpy leaves
+  included, see :attr:`~orbax_flax.engine._planning.Plan.copy_bytes`) is at most
+  ``DEVICE_COPY_MAX_BYTES`` and at most 1.25x the ``nbytes`` this process writes (it
+  copies replicas too), without a budget. A larger copy goes into the staging memory that ``Checkpointer.prepare`` touches
   ahead; XLA's new buffers cannot be.
 
   On a TPU v5e (``benchmarks/host_transfer.py``, 2 GB) a transfer into pinned host
@@ -433,9 +443,9 @@ def staged(piece: Piece, how: str, value_of: Callable[[Any], Any] = lambda value
   pieces, and with "memcpy" (:func:`snapshot`) views too (CPU device buffers, numpy arrays),
   not private host copies. ``value_of`` turns a source's value into the array (for pieces
   not bound yet)."""
-  if piece.packed or how == "pinned_host":
-    return piece.packed
-  return how == "memcpy" and not is_host_copy(value_of(piece.sources[0].value))
+  if how != "memcpy":  # pinned_host stages packed pieces only; device_copy nothing
+    return piece.packed and how == "pinned_host"
+  return piece.packed or not is_host_copy(value_of(piece.sources[0].value))
 
 
 # ----------------------------------------------------------------------------

@@ -125,10 +125,11 @@ class CheckpointPolicy:
       memory-tight hosts; saves then block longer).
     host_transfer: how an async save snapshots device arrays: "memcpy" (a host copy while the
       caller waits: into the staging memory on CPU, where device buffers are host memory; each
-      shard's device-to-host copy on an accelerator; the choice on CPU for a state over 256 MiB,
-      and on TPU without max_host_bytes), "device_copy" (every array copied into new device
-      buffers by XLA in one call, shards found in the background; the choice on CPU for a
-      smaller state, without max_host_bytes), "pinned_host" (a device-to-host transfer into pinned host memory,
+      shard's device-to-host copy on an accelerator; the choice on CPU for a state over 256 MiB
+      or in a multi-process job, and on TPU without max_host_bytes), "device_copy" (every array
+      copied into new device buffers by XLA in one call, shards found in the background; the
+      choice on CPU for a smaller state in a single-process job without max_host_bytes, with
+      which it is refused), "pinned_host" (a device-to-host transfer into pinned host memory,
       ordered by XLA before any later donation; the choice on GPU, and on TPU with
       max_host_bytes), or "auto" (the platform's choice).
     differential: a save writes only the chunks that changed since the latest step (xxh3-128
@@ -380,6 +381,10 @@ def _check(p: CheckpointPolicy) -> None:
   _check_choice("on_unreadable_checkpoint", p.on_unreadable_checkpoint, ("fallback", "raise"))
   _check_choice("on_save_error", p.on_save_error, ("raise", "warn"))
   _check_choice("host_transfer", p.host_transfer, HOST_TRANSFERS)
+  if p.host_transfer == "device_copy" and p.max_host_bytes:
+    _fail("host_transfer", p.host_transfer, f"copies the whole state at once, which"
+          f" max_host_bytes={p.max_host_bytes} forbids; use 'auto' or 'memcpy' (staged in rounds"
+          " within the budget), or set max_host_bytes=0")
   if p.keep_best and not p.best_metric:
     _fail("keep_best", p.keep_best, "needs best_metric; set checkpoint.best_metric to the"
           " metric name (e.g. 'loss') or set keep_best=0")
