@@ -9,8 +9,8 @@ devices exist run there too (libtpu warns at start-up)::
     tests/test_engine.py::test_64_bit_dtypes_with_x64 \
     tests/test_differential.py -k "not multiprocess and not another_mesh"
 
-(88 passed, 3 skipped on one TPU v5e chip, 2026-12-06, with the device_copy transfer;
-benchmarks/README.md). The others expect the 8
+(138 passed, 4 skipped on one TPU v5e chip, 2026-12-06, with the device_copy transfer and
+every dtype through each snapshot; benchmarks/README.md). The others expect the 8
 CPU devices, or start processes of their own on the CPU.
 """
 
