@@ -393,8 +393,8 @@ def choose_transfer(host_transfer: str, platform: str, budget: int, copy_bytes: 
   takes it on CPU in a single-process job when the copy (``copy_bytes``, numpy leaves
   included, see :attr:`~orbax_flax.engine._planning.Plan.copy_bytes`) is at most
   ``DEVICE_COPY_MAX_BYTES`` and at most 1.25x the ``nbytes`` this process writes (it
-  copies replicas too), without a budget. A larger copy goes into the staging memory that ``Checkpointer.prepare`` touches
-  ahead; XLA's new buffers cannot be.
+  copies replicas too), without a budget. A larger copy goes into the staging memory that
+  ``Checkpointer.prepare`` touches ahead; XLA's new buffers cannot be.
 
   On a TPU v5e (``benchmarks/host_transfer.py``, 2 GB) a transfer into pinned host
   memory took 1.8 s to land and 0.7 s more to read on the host, and the async
