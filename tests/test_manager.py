@@ -219,6 +219,33 @@ def test_sweep_spares_a_save_below_the_latest_step(tmp_path, monkeypatch):
   mngr.close()
 
 
+@pytest.mark.parametrize("differential", [False, True])
+def test_second_rollback_while_the_first_runs_save_is_in_flight(tmp_path, monkeypatch,
+                                                                differential):
+  """Back to 20, the new run's save of 25 in flight, then back to 10: 25 belongs to an
+  abandoned run too, and its commit must not end the second rollback (it did, and a resume
+  continued 25 instead of the newest run's 12)."""
+  d = str(tmp_path)
+  mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=differential))
+  for step in (10, 20, 30):
+    mngr.save(step, {"state": state(step)}, force=True)
+  mngr.wait()
+  mngr.restore(20)  # rollback 1: 30 is abandoned
+  written, go_on = hold_commits(monkeypatch)
+  assert mngr.save(25, {"state": state(25)}, force=True)
+  assert written.wait(60)  # 25's data is written, its commit held
+  mngr.restore(10)  # rollback 2, while 25 is in flight: 20, 25 and 30 are abandoned
+  go_on.set()
+  for step in (11, 12):
+    assert mngr.save(step, {"state": state(step)}, force=True)
+  mngr.wait()
+  assert mngr.all_steps() == [10, 11, 12] == on_disk(d)
+  mngr.close()
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=differential)) as again:
+    assert again.latest_step() == 12
+    np.testing.assert_array_equal(again.restore()["state"]["w"], state(12)["w"])
+
+
 def test_reload_does_not_bring_back_a_step_being_deleted(tmp_path, monkeypatch):
   d = str(tmp_path)
   go_on = threading.Event()

@@ -235,7 +235,7 @@ class CheckpointManager:
     wait_s = time.perf_counter() - entered
     ready_s = wait_ready(items, metrics)  # the train step's computation, not ours
     now = self._clock()
-    new_run = self._rollback.active()  # a save after a rollback: its commit ends the old run
+    run = self._rollback.run()  # a save after a rollback: its commit ends the old run
     custom = step_metadata(step, decided, now, metrics, items, custom_metadata, self.timeline)
     start, handle = time.perf_counter(), None
     path, options = self._dir.join(str(step)), dict(custom_metadata=custom, overwrite=overwrite,
@@ -255,7 +255,7 @@ class CheckpointManager:
     blocked = blocking_event(step, decided, before, entered, wait_s, ready_s,
                              handle.blocking_s if handle is not None else returned - start)
     save = _Save(policy_lib.StepInfo(step, now, custom["metrics"], decided), handle,
-                 entered - before["total"], new_run, blocked)
+                 entered - before["total"], run, blocked)
     self._schedule.saved(step, now)
     self._inflight.start(save)
     if handle is None:  # a blocking save: committed already
@@ -284,7 +284,7 @@ class CheckpointManager:
       with self._completing:
         if handle is not None:
           handle.wait()  # in the save's own thread: returns, or raises its error, at once
-        gone = self._rollback.committed(save.info, save.new_run)
+        gone = self._rollback.committed(save.info, save.run)
         self._events.committed(save.blocked, time.perf_counter() - save.start,
                                handle.nbytes if handle is not None else 0,
                                self.step_path(step), self._schedule, self._stored(step, handle))
@@ -459,7 +459,8 @@ class _Save:
   info: policy_lib.StepInfo
   handle: saving.AsyncSave | None  # None: a blocking save, committed when save() returns
   start: float                     # perf_counter() when the caller's wait for it began
-  new_run: bool                    # started after a rollback: its commit ends the old run
+  run: int | None                  # the rollback it started after (Rollback.run): its
+                                   # commit ends that rollback's old run
   blocked: SaveEvent               # its blocking times
 
   @property

@@ -522,6 +522,16 @@ class Rollback:
     """Whether a rollback waits for this run's first commit."""
     return self.to is not None
 
+  def run(self) -> int | None:
+    """The rollback whose run a save started now belongs to (None: no rollback waits).
+
+    A save records it when it starts; its commit is that run's first only while the same
+    rollback still waits (:meth:`committed`). A second rollback while the first run's save is
+    in flight abandons that save too, and its commit must not end the second one.
+    """
+    with self._lock:
+      return self._count if self.to is not None else None
+
   def knows(self, step: int) -> tuple[bool, bool]:
     """(committed, of the abandoned run) for ``step``, from one view."""
     with self._lock:
@@ -574,14 +584,16 @@ class Rollback:
       # The last restore decides: a restore of the latest step calls off an earlier rollback
       # (looking at an old step, then resuming the newest, abandons nothing).
       self.to, self._abandoned = (step, newer) if newer else (None, set())
+      if newer:
+        self._count += 1  # a new run (:meth:`run`), under the lock a save's start reads it by
+      count = self._count
     if cancelled:
       self._timeline = None  # the latest step's again (read when next asked)
       log.info("restored step %d, the latest of %s: the earlier rollback is called off, no"
                " step is abandoned", step, self._dir)
     if not newer:
       return
-    self._count += 1
-    self._timeline = _multihost.broadcast(f"{self._key}/timeline/{self._count}", uuid.uuid4().hex,
+    self._timeline = _multihost.broadcast(f"{self._key}/timeline/{count}", uuid.uuid4().hex,
                                           self._timeout_s)
     log.info("rollback to step %d: new timeline %s (local-tier steps of the old one are"
              " not resumed)", step, self._timeline)
@@ -589,11 +601,13 @@ class Rollback:
              " the newer steps, which are removed once this run commits a save", step,
              self._dir, max(newer))
 
-  def committed(self, info: policy_lib.StepInfo, new_run: bool) -> set[int]:
-    """Commits ``info.step`` to the registry; returns the abandoned steps that go with it."""
+  def committed(self, info: policy_lib.StepInfo, run: int | None) -> set[int]:
+    """Commits ``info.step`` (a save started in ``run``, :meth:`run`) to the registry; returns
+    the abandoned steps that go with it."""
     gone: set[int] = set()
     with self._lock:
-      if new_run and self.to is not None:  # this run's first commit after the rollback
+      if run is not None and run == self._count and self.to is not None:
+        # this run's first commit after the rollback it started in
         gone = self._abandoned - {info.step}
         self.to, self._abandoned = None, set()
       elif self.to is not None and info.step > self.to:
