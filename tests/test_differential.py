@@ -9,6 +9,9 @@ references point outside the checkpoint or at steps that do not exist.
 import io
 import json
 import os
+import subprocess
+import sys
+import threading
 
 import jax
 import ml_dtypes
@@ -17,6 +20,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import disks
 import engine_worker
 import jobs
 import orbax_flax as ofx
@@ -293,11 +297,120 @@ def test_replacing_a_referenced_step_or_reusing_a_retired_number_keeps_the_borro
     m.save(0, {"s": new[0]}, force=True)  # the number of step 0, retired but referenced
     m.wait()
     assert m.all_steps() == [0, 1, 2]
-  assert len([n for n in os.listdir(root) if ".ofx-base-" in n]) == 2  # old 0 and 1, moved aside
+  aside = [n for n in os.listdir(root) if ".ofx-base-" in n]
+  assert len(aside) == 2  # old 0 and 1, moved aside
+  assert not any(os.path.exists(os.path.join(root, n, "_CHECKPOINT")) for n in aside)  # retired
   for step, want in ((2, states[2]), (1, new[1]), (0, new[0])):
     got = ofx.restore(os.path.join(root, str(step)))["s"]
     assert got["w"].tobytes() == want["w"].tobytes() and got["v"].tobytes() == want["v"].tobytes()
     assert got["n"] == want["n"] and ofx.verify(os.path.join(root, str(step))) == 2 * a.nbytes
+
+
+def _borrowed_pair(root):
+  """Steps 1 and 2 of a differential run under ``root``, 2 borrowing ``w`` (2 MiB) from 1."""
+  w = np.random.default_rng(7).standard_normal((512, 1024)).astype(np.float32)
+  states = {1: {"w": w, "b": np.full(4, 1.0)}, 2: {"w": w, "b": np.full(4, 2.0)}}
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(differential=True)) as m:
+    for step, state in states.items():
+      m.save(step, {"s": state}, force=True)
+    m.wait()
+    assert m.pop_events()[-1].bytes_reused == w.nbytes
+  return states
+
+
+def _assert_kept(root, states):
+  """Steps 1 and 2 are committed and restore bitwise, listed by a manager started now."""
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(differential=True)) as m:
+    assert m.all_steps() == [1, 2]
+    for step, want in states.items():
+      got = m.restore(step)["s"]
+      assert got["w"].tobytes() == want["w"].tobytes() and got["b"].tolist() == want["b"].tolist()
+  assert not [n for n in os.listdir(root) if ".ofx-" in n], os.listdir(root)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_a_refused_resave_of_a_referenced_step_keeps_it(tmp_path, async_save):
+  """Bad input for a forced re-save of step 1, which step 2 borrows from: step 1 was moved
+  aside before the items were checked, and was gone (a helper's review reproduced it)."""
+  root = str(tmp_path / "ckpt")
+  states = _borrowed_pair(root)
+  policy = ofx.CheckpointPolicy(differential=True, async_save=async_save)
+  with ofx.CheckpointManager(root, policy) as m:
+    with pytest.raises(errors.UnsupportedLeafError, match="s/bad"):
+      m.save(1, {"s": {"w": states[1]["w"] + 1, "bad": object()}}, force=True)
+    assert m.all_steps() == [1, 2]
+    assert m.restore(1)["s"]["b"].tolist() == [1.0] * 4
+  _assert_kept(root, states)
+
+
+def test_a_resave_of_a_referenced_step_that_fills_the_disk_keeps_it(tmp_path):
+  with disks.small_disk(str(tmp_path / "disk"), "5m") as disk:
+    root = os.path.join(disk, "ckpt")
+    states = _borrowed_pair(root)  # about 2 MiB
+    with ofx.CheckpointManager(root, ofx.CheckpointPolicy(differential=True)) as m:
+      new = np.random.default_rng(8).standard_normal((1024, 1024)).astype(np.float32)  # 4 MiB
+      m.save(1, {"s": {"w": new, "b": np.full(4, 9.0)}}, force=True)
+      with pytest.raises(errors.StorageError):
+        m.wait()
+      assert m.all_steps() == [1, 2]
+    _assert_kept(root, states)
+
+
+def test_a_cancelled_resave_of_a_referenced_step_keeps_it(tmp_path, monkeypatch):
+  """A re-save cancelled (a second Ctrl-C, a grace period run out) said "nothing was
+  committed", and step 1 was gone."""
+  from orbax_flax.engine import saving  # pylint: disable=g-import-not-at-top
+  root = str(tmp_path / "ckpt")
+  states = _borrowed_pair(root)
+  written, go_on = threading.Event(), threading.Event()
+  sync = saving.SaveRun._sync  # pylint: disable=protected-access
+
+  def held_sync(run):  # the data is written; the save checks for a cancel next
+    written.set()
+    go_on.wait(60)
+    sync(run)
+
+  monkeypatch.setattr(saving.SaveRun, "_sync", held_sync)
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(differential=True)) as m:
+    m.save(1, {"s": {"w": states[1]["w"] + 1, "b": np.full(4, 9.0)}}, reason="exception")
+    assert written.wait(60)
+    assert ".ofx-base-" in " ".join(os.listdir(root))  # parked for the save
+    m.abandon_inflight()
+    go_on.set()
+    m.wait()  # an abandoned save's end is logged, not raised
+    assert m.all_steps() == [1, 2]
+  monkeypatch.undo()
+  _assert_kept(root, states)
+
+
+_KILLED_RESAVE = """
+import os, sys, time, numpy as np, orbax_flax as ofx
+from orbax_flax.engine import saving
+def held_sync(run):
+  print("WRITTEN", flush=True)
+  time.sleep(600)
+saving.SaveRun._sync = held_sync
+m = ofx.CheckpointManager(sys.argv[1], ofx.CheckpointPolicy(differential=True))
+m.save(1, {"s": {"w": np.zeros((512, 1024), np.float32), "b": np.full(4, 9.0)}}, force=True)
+m.wait()
+"""
+
+
+def test_a_resave_of_a_referenced_step_killed_midway_keeps_it(tmp_path):
+  """SIGKILL while the re-save of step 1 writes: the next manager on the directory puts the
+  parked step 1 back."""
+  root = str(tmp_path / "ckpt")
+  states = _borrowed_pair(root)
+  child = subprocess.Popen([sys.executable, "-c", _KILLED_RESAVE, root], stdout=subprocess.PIPE,
+                           text=True)
+  try:
+    assert child.stdout.readline().strip() == "WRITTEN"
+    assert sorted(n.split(".")[0] for n in os.listdir(root) if n[0].isdigit()) == ["1", "1", "2"]
+  finally:
+    child.kill()
+    child.wait()
+  assert not os.path.exists(os.path.join(root, "1"))  # parked: the kill left it aside
+  _assert_kept(root, states)
 
 
 def test_training_callback_reports_bytes_written_and_reused_to_the_metric_writer(tmp_path):

@@ -6,8 +6,10 @@ saved under it, the newest save that returned is listed, and with keep-all
 retention no step is lost that was not abandoned by a rollback.
 
 Operations: saves (a fresh step, partial changes so that differential saves
-borrow), forced re-saves of a listed step, rollbacks (restore an older step,
-then save), restores of the latest step (calling a rollback off), bursts of
+borrow), forced re-saves of a listed step (also refused for bad input, and
+cancelled at once), rollbacks (restore an older step, then save; also while a
+save, perhaps of an earlier rollback's run, is in flight), restores of the
+latest step (calling a rollback off), bursts of
 those without waiting in between (commits, deletions and the next save
 interleave), restarts with other keep rules and async/blocking, a second
 manager reading beside the writer, and a writer killed mid-save (SIGKILL of a
@@ -166,6 +168,60 @@ class ManagerModel(RuleBasedStateMachine):
     self.rolled_to = step
     if then_save:  # the run goes on from there: the step after it, right away
       self._save(step + 1, 0.25, force=True)
+
+  @rule(index=st.integers(0, 63), in_flight=st.booleans(), then_save=st.booleans())
+  def rollback_while_saving(self, index, in_flight, then_save):
+    """A rollback without waiting for the save in flight (perhaps of an earlier rollback's
+    run). To an older step than one surely committed (not the save in flight), so that it is
+    a rollback whatever the timing."""
+    if not in_flight and self.async_save and self.saved:
+      self._save(self._new_step(), 0.25, force=True)  # most likely still in flight below
+    older = [s for s in sorted(self.saved)
+             if any(t > s and t != self.last_started for t in self.saved)]
+    if not older:
+      return
+    step = older[index % len(older)]
+    tag, changed = self.saved[step]
+    assert _equal(self.mngr.restore(step), _items(tag, changed))
+    self.rolled_to = step
+    if then_save:
+      self._save(step + 1, 0.25, force=True)
+
+  @rule(index=st.integers(0, 63))
+  def refused_resave(self, index):
+    """A forced re-save of a listed step with a leaf that cannot be saved: refused, and the
+    step stays as it was (with differential saves it was moved aside first, and lost)."""
+    if not self.saved:
+      return
+    step = sorted(self.saved)[index % len(self.saved)]
+    bad = _items(self._next_tag(), 0.5)
+    bad["state"]["bad"] = object()
+    with pytest.raises(ofx.UnsupportedLeafError):
+      self.mngr.save(step, bad, force=True)
+
+  @rule(index=st.integers(0, 63), changed=st.sampled_from([0.0, 0.5]))
+  def cancelled_resave(self, index, changed):
+    """A re-save of a listed step cancelled at once (a second Ctrl-C): it commits, or the step
+    stays as it was."""
+    if not self.saved:
+      return
+    step = sorted(self.saved)[index % len(self.saved)]
+    if self.rolled_to is not None and step > self.rolled_to:
+      step = self.rolled_to
+    tag = self._next_tag()
+    if not self.mngr.save(step, _items(tag, changed), reason="exception"):
+      assert step == self.last_started, (step, self.last_started)
+      return
+    self.last_started = step
+    self.writing = True
+    self.mngr.abandon_inflight(wait_s=60)  # (until it stops: wait() does not wait for it)
+    self.mngr.wait()
+    listed = self.mngr.all_steps()
+    # Not listed: it committed, and the keep rules dropped it at once.
+    if step not in listed or _equal(ofx.restore(self.mngr.step_path(step)), _items(tag, changed)):
+      self._commit(step, tag, changed)
+    else:
+      assert _equal(ofx.restore(self.mngr.step_path(step)), _items(*self.saved[step])), step
 
   @rule()
   def restore_latest(self):

@@ -223,8 +223,8 @@ def test_sweep_spares_a_save_below_the_latest_step(tmp_path, monkeypatch):
 def test_second_rollback_while_the_first_runs_save_is_in_flight(tmp_path, monkeypatch,
                                                                 differential):
   """Back to 20, the new run's save of 25 in flight, then back to 10: 25 belongs to an
-  abandoned run too, and its commit must not end the second rollback (it did, and a resume
-  continued 25 instead of the newest run's 12)."""
+  abandoned run too. Its commit ends the first rollback, not the second (it ended the
+  second, and a resume continued 25 instead of the newest run's 12)."""
   d = str(tmp_path)
   mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=differential))
   for step in (10, 20, 30):
@@ -236,6 +236,10 @@ def test_second_rollback_while_the_first_runs_save_is_in_flight(tmp_path, monkey
   assert written.wait(60)  # 25's data is written, its commit held
   mngr.restore(10)  # rollback 2, while 25 is in flight: 20, 25 and 30 are abandoned
   go_on.set()
+  mngr.wait()
+  # 25's commit ended rollback 1 (30 went), not rollback 2: a crash here resumes 25, the
+  # run rollback 2 abandoned, as a crash before a run's first commit does.
+  assert mngr.all_steps() == [10, 20, 25] == on_disk(d)
   for step in (11, 12):
     assert mngr.save(step, {"state": state(step)}, force=True)
   mngr.wait()

@@ -14,7 +14,12 @@ stale in a crash; each decision reads the summaries (a few KB each) again.
 * :func:`make_room`: before a new save of a step number whose directory holds
   retired data (after a rollback), or replaces a committed step others
   reference, that directory moves aside to ``<step>.ofx-base-<generation>``
-  (one rename; references find it there, :func:`.refs.locate_step`).
+  (one rename; references find it there, :func:`.refs.locate_step`). A
+  committed step moves aside *parked*, its ``_CHECKPOINT`` kept
+  (:func:`orbax_flax.format.step_dir.is_parked`): :meth:`Referenced.after_save`
+  retires it once the new save commits, and moves it back if the save fails or
+  is cancelled, so that a failed save removes nothing; after a crash the
+  directory's next writer does either (:func:`orbax_flax.format.step_dir.settle_parked`).
 * :func:`sweep`: removes retired data whose generation nothing references any
   more (a retired step directory is deleted like a step: renamed to a
   leftover first, so a sweep killed halfway leaves debris the manager removes).
@@ -112,6 +117,7 @@ class Referenced:
     self._setting = setting
     self._pins = setting.pins if setting is not None else differ.Pins(lock)
     self.lock = self._pins.lock  # with the pins: choosing a base and deleting never interleave
+    self._parked: dict[int, str] = {}  # step -> where it is parked for the save in flight
 
   def before_save(self, root: Location, step: int, committed: list[int], overwrite: bool) -> bool:
     """Names the base (the latest other committed step) and makes room (:func:`make_room`).
@@ -119,7 +125,33 @@ class Referenced:
     if self._setting is not None:
       base = max((s for s in committed if s != step), default=None)
       self._setting.set_base(None if base is None else root.join(str(base)))
-    return not make_room(root, step, self._pins) and overwrite
+    with self.lock:
+      aside = make_room(root, step, self._pins)
+      if aside is not None and step_dir.is_parked(aside):
+        self._parked[step] = aside
+    return aside is None and overwrite
+
+  def after_save(self, root: Location, step: int, committed: bool) -> None:
+    """The manager's save of ``step`` ended: a step parked for it (:func:`make_room`) is
+    retired if the save ``committed``, else moved back, committed as it was before.
+
+    Never raises (the save's own outcome is what the caller reports): should storage refuse,
+    the step stays parked, is never swept, and the directory's next writer settles it
+    (:func:`orbax_flax.format.step_dir.settle_parked`).
+    """
+    with self.lock:
+      aside = self._parked.pop(step, None)
+      if aside is None:
+        return
+      try:
+        if committed:
+          step_dir.retire_parked(aside)
+        elif step_dir.unpark(root.local_path, aside):
+          log.info("the save of step %d of %s did not commit: the step it was to replace is"
+                   " back as it was", step, root)
+      except OSError as e:
+        log.warning("step %d of %s stays parked at %s (%s); the directory's next writer settles"
+                    " it", step, root, os.path.basename(aside), e)
 
   def delete_step(self, root: Location, step: int) -> None:
     delete_step(root, step, self._pins)
@@ -128,34 +160,41 @@ class Referenced:
     sweep(root, self._pins)
 
 
-def make_room(root: Location, step: int, pins: differ.Pins) -> bool:
+def make_room(root: Location, step: int, pins: differ.Pins) -> str | None:
   """Moves referenced data out of ``<root>/<step>`` before a new save of that step.
 
+  A committed step others reference is *parked*: moved aside whole, its
+  ``_CHECKPOINT`` kept, so that it can come back should the new save not commit
+  (:meth:`Referenced.after_save`); retired data there moves aside as it is. A
+  step that is a link is retired (the link moved aside; nothing is changed through it).
+
   Returns:
-    True if the directory was moved aside (a committed step there is no longer
-    one: the new save does not overwrite anything).
+    Where the directory went, if it was moved aside (the new save then overwrites
+    nothing); None if it stays.
   """
   if not root.is_local:
-    return False
+    return None
   path = os.path.join(root.local_path, str(step))
   with pins.lock:
-    if os.path.exists(os.path.join(path, "_CHECKPOINT")):
+    committed = os.path.exists(os.path.join(path, "_CHECKPOINT"))
+    if committed:
       if _multihost.process_index() != 0:
-        return False  # process 0 decides (and retires); the others' plans accept either outcome
+        return None  # process 0 decides (and parks); the others' plans accept either outcome
       keep = restoring.referenced_generations(root, exclude=step)
       gen = refs.generation_of(path)
       if gen is None or (keep is not None and gen not in keep | pins.live()):
-        return False  # nothing references it: the save replaces it as before
-      _retire(root, step)
-      if not os.path.lexists(path):
-        return True  # a link, moved aside whole
-    if not os.path.exists(os.path.join(path, step_dir.RETIRED_KEY)):
-      return False
+        return None  # nothing references it: the save replaces it as before
+      if os.path.islink(path):
+        _retire(root, step)  # the link moves aside whole
+        return os.path.join(root.local_path, step_dir.retired_name(str(step), gen))
+    elif not os.path.exists(os.path.join(path, step_dir.RETIRED_KEY)):
+      return None
     gen = refs.generation_of(path)
     if gen is None:
-      return False
+      return None
     aside = os.path.join(root.local_path, step_dir.retired_name(str(step), gen))
-    log.info("step %d of %s: its retired data moves aside to %s for the new save", step, root,
+    log.info("step %d of %s: its %s moves aside to %s for the new save", step, root,
+             "checkpoint (others borrow from it)" if committed else "retired data",
              os.path.basename(aside))
     try:
       os.rename(path, aside)
@@ -163,8 +202,8 @@ def make_room(root: Location, step: int, pins: differ.Pins) -> bool:
     except FileNotFoundError:
       pass  # another process of the job moved it first
     except OSError as e:
-      raise _location.storage_error(root, f"moving the retired data of step {step} aside", e) from e
-    return True
+      raise _location.storage_error(root, f"moving the data of step {step} aside", e) from e
+    return aside
 
 
 def sweep(root: Location, pins: differ.Pins) -> list[str]:
@@ -187,6 +226,8 @@ def sweep(root: Location, pins: differ.Pins) -> list[str]:
     keep |= pins.live()
     for name, gen in retired.items():
       path = os.path.join(root.local_path, name)
+      if step_dir.is_parked(path):
+        continue  # a committed step, parked while a save of its number runs: never swept
       gen = gen or refs.generation_of(path)
       if gen in keep or (gen is None and any(refs.holds_generation(path, g) for g in keep)):
         continue  # (unreadable: kept while it holds data of a generation something uses)

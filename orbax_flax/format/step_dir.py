@@ -6,8 +6,11 @@ step's ``_CHECKPOINT`` manifest exists). Retired data is not a step either: a
 step that differential saves still borrow from, deleted by retention, keeps its
 data with its manifest renamed ``_RETIRED``, or moved aside to
 ``<step>.ofx-base-<generation>`` (:func:`retired_name`, :func:`retired_dirs`;
-local directories only). Anything else carrying a step number is a leftover of
-an interrupted save or delete.
+local directories only). A committed step that others borrow from and that a
+new save of its number replaces is *parked* there for the save, its
+``_CHECKPOINT`` kept: retired once the new save commits, moved back if it does
+not (:func:`settle_parked` after a crash). Anything else carrying a step number
+is a leftover of an interrupted save or delete.
 
 On an object store a listing names every key of every step (tensorstore lists
 without a delimiter: thousands of data files a step on a large job), so the
@@ -81,6 +84,68 @@ def retired_dirs(root: str) -> list[str]:
     return []
   return sorted(n for n in names if parse_retired(n) or (
       n.isdigit() and os.path.exists(os.path.join(root, n, RETIRED_KEY))))
+
+
+def is_parked(path: str) -> bool:
+  """Whether ``path`` (``<step>.ofx-base-<generation>``) is a committed step parked for a
+  new save of its number: a directory, not a link, whose ``_CHECKPOINT`` was kept.
+
+  Example:
+    >>> import tempfile
+    >>> is_parked(os.path.join(tempfile.mkdtemp(), "3.ofx-base-0123456789abcdef"))
+    False
+  """
+  return (parse_retired(os.path.basename(path)) is not None and not os.path.islink(path)
+          and os.path.isfile(os.path.join(path, _manifest.MANIFEST_KEY)))
+
+
+def retire_parked(path: str) -> None:
+  """Retires the parked step at ``path`` (its ``_CHECKPOINT`` renamed ``_RETIRED``): the new
+  save of its number has committed. Nothing if it is not parked."""
+  if not is_parked(path):
+    return
+  os.rename(os.path.join(path, _manifest.MANIFEST_KEY), os.path.join(path, RETIRED_KEY))
+  _location.fsync_dir(path)
+
+
+def unpark(root: str, path: str) -> bool:
+  """Moves the parked step at ``path`` back to ``<root>/<step>``: the save that replaced it
+  did not commit. Returns whether it moved (nothing is ever moved over an existing path)."""
+  step = parse_retired(os.path.basename(path))[0]
+  dst = os.path.join(root, step)
+  if not is_parked(path) or os.path.lexists(dst):
+    return False
+  try:
+    os.rename(path, dst)
+  except FileNotFoundError:
+    return False
+  _location.fsync_dir(root)
+  return True
+
+
+def settle_parked(loc: Location) -> list[int]:
+  """Settles the parked steps a killed job left (local directories; run by the directory's
+  writer before it lists, when none of its saves is in flight): a parked step whose new
+  save committed is retired, one whose save did not is moved back, a step again.
+
+  Returns:
+    The steps moved back.
+  """
+  if not loc.is_local:
+    return []
+  back = []
+  for name in retired_dirs(loc.local_path):
+    path = os.path.join(loc.local_path, name)
+    if not is_parked(path):
+      continue
+    step = parse_retired(name)[0]
+    if not _is_step(step):
+      continue
+    if os.path.isfile(os.path.join(loc.local_path, step, _manifest.MANIFEST_KEY)):
+      retire_parked(path)
+    elif unpark(loc.local_path, path):
+      back.append(int(step))
+  return back
 
 
 def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Leftover]]:

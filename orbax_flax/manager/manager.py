@@ -211,6 +211,7 @@ class CheckpointManager:
     """
     entered = time.perf_counter()
     self._inflight.raise_error()
+    self._join_abandoned()
     before = checked_before(blocking_before)
     step = policy_lib.as_step(step)
     if reason is not None and reason not in policy_lib.REASONS:
@@ -245,12 +246,16 @@ class CheckpointManager:
         overwrite = self.registry.claim(step) or overwrite  # a pending deletion is called off
         options["overwrite"] = self.registry.retention.before_save(
             self._dir, step, self.registry.committed(), overwrite)
-      if self.policy.async_save:
-        cancellable = decided == "exception" or (  # a second Ctrl-C, a grace period ran out
-            decided == "preemption" and self.policy.preemption_grace_seconds > 0)
-        handle = self._ckptr.save_async(path, items, cancellable=cancellable, **options)
-      else:
-        self._ckptr.save(path, items, **options)
+      try:
+        if self.policy.async_save:
+          cancellable = decided == "exception" or (  # a second Ctrl-C, a grace period ran out
+              decided == "preemption" and self.policy.preemption_grace_seconds > 0)
+          handle = self._ckptr.save_async(path, items, cancellable=cancellable, **options)
+        else:
+          self._ckptr.save(path, items, **options)
+      except BaseException:  # refused or failed: nothing of it committed
+        self.registry.retention.after_save(self._dir, step, committed=False)
+        raise
     returned = time.perf_counter()
     blocked = blocking_event(step, decided, before, entered, wait_s, ready_s,
                              handle.blocking_s if handle is not None else returned - start)
@@ -283,7 +288,12 @@ class CheckpointManager:
     try:
       with self._completing:
         if handle is not None:
-          handle.wait()  # in the save's own thread: returns, or raises its error, at once
+          try:
+            handle.wait()  # in the save's own thread: returns, or raises its error, at once
+          except BaseException:
+            self.registry.retention.after_save(self._dir, step, committed=False)
+            raise
+        self.registry.retention.after_save(self._dir, step, committed=True)
         gone = self._rollback.committed(save.info, save.run)
         self._events.committed(save.blocked, time.perf_counter() - save.start,
                                handle.nbytes if handle is not None else 0,
@@ -384,6 +394,14 @@ class CheckpointManager:
     """Cancels the save in flight (it never commits); waits ``wait_s`` s for it. See InFlight."""
     self._inflight.abandon(wait_s, started=self._ckptr.inflight)
 
+  def _join_abandoned(self) -> None:
+    """Waits for an abandoned save still stopping (``wait()`` does not: it never holds a
+    process's exit): until it ends, a step it was to replace may be moved aside, and the
+    next save would wait for it anyway."""
+    prev = self._ckptr.inflight
+    if prev is not None and prev.cancelled.is_set():
+      prev.join()
+
   def wait(self) -> None:
     """Blocks until the save in flight and pending deletions are done; raises their errors."""
     self._inflight.finish()
@@ -439,6 +457,7 @@ class CheckpointManager:
       CheckpointNotFoundError: there is no such step (or no step at all).
     """
     self._inflight.raise_error()
+    self._join_abandoned()
     if step is None or self._inflight.saving(step):
       self._inflight.finish()
     step = self._resolve(step if step is None else policy_lib.as_step(step))

@@ -56,7 +56,7 @@ class Retention:
   """How the registry removes steps; this class is the plain way: a step is deleted whole.
 
   A strategy has a :attr:`lock` (the registry takes it around every change to the
-  steps) and three methods. Where steps may reference each other's bytes (differential
+  steps) and four methods. Where steps may reference each other's bytes (differential
   saves), the manager plugs in :class:`orbax_flax.differential.retention.Referenced`
   instead, which retires a referenced step rather than deleting it.
   """
@@ -69,6 +69,10 @@ class Retention:
     still overwrites a committed step."""
     del root, step, committed
     return overwrite
+
+  def after_save(self, root: Location, step: int, committed: bool) -> None:
+    """A manager's save of ``step`` ended, ``committed`` or not (nothing to settle, here)."""
+    del root, step, committed
 
   def delete_step(self, root: Location, step: int) -> None:
     """Removes ``step`` (doomed, no longer read)."""
@@ -208,8 +212,13 @@ class StepRegistry:
     return self._writer
 
   def _tidy(self) -> None:
-    """Under a writer lease: the full listing, the sweep, the index made to match."""
+    """Under a writer lease: parked steps settled (a killed job's save that was replacing a
+    step others borrow from), the full listing, the sweep, the index made to match."""
     with self.lock:
+      back = step_dir.settle_parked(self._dir)
+      if back:
+        log.warning("%s: step(s) %s are back: a save that was replacing them did not commit"
+                    " (the job was stopped)", self._dir, short(back))
       self.reload(full=True)
       self.sweep()
       step_dir.reindex(self._dir, self.committed())
@@ -517,6 +526,8 @@ class Rollback:
     self._abandoned: set[int] = set()
     self._timeline: str | None = None
     self._count = 0  # rollbacks so far (their coordination keys)
+    # Earlier rollbacks whose run still has a save in flight: id -> the steps they abandoned.
+    self._earlier: dict[int, set[int]] = {}
 
   def active(self) -> bool:
     """Whether a rollback waits for this run's first commit."""
@@ -581,6 +592,12 @@ class Rollback:
       if newer and inflight is not None and inflight > step:
         newer.add(inflight)  # a save of the abandoned run still in flight belongs to it too
       cancelled = not newer and self.to is not None
+      if newer and self.to is not None and inflight is not None:
+        # The earlier rollback's run may commit its save in flight after this: that commit
+        # still ends the earlier rollback (its abandoned steps go), not this one.
+        self._earlier[self._count] = self._abandoned
+      elif not newer:
+        self._earlier.clear()
       # The last restore decides: a restore of the latest step calls off an earlier rollback
       # (looking at an old step, then resuming the newest, abandons nothing).
       self.to, self._abandoned = (step, newer) if newer else (None, set())
@@ -610,8 +627,13 @@ class Rollback:
         # this run's first commit after the rollback it started in
         gone = self._abandoned - {info.step}
         self.to, self._abandoned = None, set()
-      elif self.to is not None and info.step > self.to:
-        self._abandoned.add(info.step)  # a save of the abandoned run that was in flight
+        self._earlier.clear()
+      else:
+        if run is not None and run in self._earlier:  # an earlier rollback's run: its end
+          gone = self._earlier.pop(run) - {info.step}
+          self._abandoned -= gone
+        if self.to is not None and info.step > self.to:
+          self._abandoned.add(info.step)  # a save of an abandoned run that was in flight
       self._registry.add(info, dropping=gone)
     if gone:
       log.info("rolled back: removing step(s) %s of the abandoned run now that step %d of"
