@@ -246,6 +246,25 @@ def test_containers_and_scalars_round_trip_without_target(ckpt_dir):
   assert set(got["ints"]) == {1, 2} and got["ints"][2] == "b"
 
 
+def test_trees_jax_accepts_are_readable_after_an_overwrite(ckpt_dir):
+  """Bool dict keys and a namedtuple made with rename=True were saved, even over a good
+  checkpoint, into a manifest the reader then refused as "not written by orbax_flax"."""
+  from collections import namedtuple  # pylint: disable=g-import-not-at-top
+  Renamed = namedtuple("Renamed", ["a", "def", "a"], rename=True)  # fields a, _1, _2
+  tree = {"mask": {True: np.ones(2), False: np.zeros(2)},
+          "nt": Renamed(np.arange(3), np.float32(2), {"x": np.ones(1)})}
+  ofx.save(ckpt_dir, {"good": {"w": np.ones(3)}})
+  ofx.save(ckpt_dir, {"state": tree}, overwrite=True)
+  assert ofx.verify(ckpt_dir) > 0
+  got = ofx.restore(ckpt_dir)["state"]
+  assert got["mask"]["True"].tolist() == [1, 1] and got["mask"]["False"].tolist() == [0, 0]
+  assert type(got["nt"])._fields == ("a", "_1", "_2")
+  assert got["nt"].a.tolist() == [0, 1, 2] and got["nt"]._1 == np.float32(2)
+  # With the tree as the target, each leaf comes back where it was saved.
+  again = ofx.restore(ckpt_dir, {"state": tree})["state"]
+  assert again["mask"][True].tolist() == [1, 1] and again["nt"]._2["x"].tolist() == [1.0]
+
+
 def test_byte_order_and_numpy_strings(ckpt_dir):
   big_endian = {"small": np.arange(4, dtype=">f4"), "large": np.arange(1 << 19, dtype=">i4"),
                 "scalar": np.dtype(">f8").type(1.5), "name": np.str_("abc"), "raw": np.bytes_(b"xy")}

@@ -233,7 +233,8 @@ def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any]]]:
     if type(node) is dict:
       raw = sorted(node)
       children = [walk(node[k], path + (str(k),)) for k in raw]
-      if raw and all(isinstance(k, int) for k in raw):
+      if raw and all(isinstance(k, int) and not isinstance(k, bool) for k in raw):
+        # (bool keys are named like any other key: the manifest's int keys are never bools)
         return {"t": "dict", "int_keys": True, "k": raw, "c": children}
       return {"t": "dict", "k": [str(k) for k in raw], "c": children}
     if type(node) in (list, tuple):
@@ -256,7 +257,8 @@ def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any]]]:
 
 @functools.lru_cache(maxsize=None)
 def _namedtuple_type(name: str, fields: tuple[str, ...]) -> type:
-  return collections.namedtuple(name, fields)
+  # rename=True: a namedtuple made with it has fields "_<index>", which it gives back as they are
+  return collections.namedtuple(name, fields, rename=True)
 
 
 def decode_structure(enc: dict, leaves: list[Any]) -> Any:

@@ -877,8 +877,11 @@ def _b64(text: str) -> bytes | None:
 
 
 def _namedtuple_ok(name: Any, fields: list[str]) -> bool:
+  """Names a namedtuple may have: identifiers, no keywords, no field starting with "_" but
+  "_<its index>" (what ``namedtuple(..., rename=True)`` names a field it could not take)."""
   return all(isinstance(n, str) and n.isidentifier() and not keyword.iskeyword(n)
-             for n in [name, *fields]) and not any(f.startswith("_") for f in fields)
+             for n in [name, *fields]) and not any(
+                 f.startswith("_") and f != f"_{i}" for i, f in enumerate(fields))
 
 
 @functools.lru_cache(maxsize=16)
