@@ -104,6 +104,31 @@ def test_64_bit_dtypes_with_x64(ckpt_dir, name):
     _assert_same(restored["np"], host)
 
 
+def test_a_64_bit_device_target_with_x64_off_is_a_checked_conversion(ckpt_dir):
+  """x64 off: a target asking for int64/uint64/float64 on devices got 32-bit arrays with
+  wrapped values and no error (device_put narrowed them). Now it is a conversion like any
+  other: refused when it loses information, done and reported with allow_lossy_casts."""
+  assert not jax.config.jax_enable_x64
+  state = {"tokens": np.array([2**40 + 5, -3], np.int64), "u": np.array([2**63 + 1], np.uint64),
+           "w": np.array([0.1, 1e300], np.float64), "small": np.array([7, -7], np.int64)}
+  ofx.save(ckpt_dir, {"s": state})
+  sharding = NamedSharding(_mesh(), P())
+  target = {"s": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+                  for k, v in state.items()}}
+  with pytest.raises(ofx.TreeMismatchError, match="jax_enable_x64 off") as e:
+    ofx.restore(ckpt_dir, target)
+  assert sorted(d.split(":")[0] for d in e.value.differences) == ["s/small", "s/tokens", "s/u",
+                                                                    "s/w"]
+  casts = []
+  got = ofx.restore(ckpt_dir, target, allow_lossy_casts=True, casts=casts)["s"]
+  assert {k: str(v.dtype) for k, v in got.items()} == {"tokens": "int32", "u": "uint32",
+                                                       "w": "float32", "small": "int32"}
+  assert np.asarray(got["small"]).tolist() == [7, -7]
+  assert np.asarray(got["tokens"]).tolist() == state["tokens"].astype(np.int32).tolist()
+  assert sorted(c[0] for c in casts) == ["s/small", "s/tokens", "s/u", "s/w"]
+  assert all(not c[3] for c in casts)  # each reported as losing information
+
+
 @pytest.mark.parametrize("spec", [P("data", "model"), P("data", None), P(None, "model"), P(),
                                   P(("data", "model"))])
 def test_shardings_restore_onto_other_meshes(ckpt_dir, spec):

@@ -44,6 +44,8 @@ def _state(mesh):
 
 def _abstract(tree, mesh, spec=P()):
   def one(x):
+    if isinstance(x, np.ndarray) and jax.dtypes.canonicalize_dtype(x.dtype) != x.dtype:
+      return x  # 64-bit with x64 off: no jax.Array holds it; restored on the host
     if isinstance(x, (jax.Array, np.ndarray)):
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
     return x

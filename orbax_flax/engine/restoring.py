@@ -375,7 +375,8 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[targets.Want],
     _reading.read_requests(reader, requests, progress)
     for i in window:
       w = wants[i]
-      datas[id(w)] = [b if b.dtype == w.dtype else b.astype(w.dtype) for b in datas[id(w)]]
+      with np.errstate(over="ignore", invalid="ignore"):  # a lossy cast was asked for
+        datas[id(w)] = [b if b.dtype == w.dtype else b.astype(w.dtype) for b in datas[id(w)]]
     for i, value in zip(window, assemble([wants[i] for i in window], datas)):
       out[i] = value
   return out

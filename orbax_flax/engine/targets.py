@@ -525,6 +525,17 @@ def _want(item: str, rec: Record, leaf: Any, where: _Where, diffs: list[str],
                        " it one (jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh,"
                        " P(...)))) or use a numpy array to restore on the host.")
     shape, dtype = tuple(leaf.shape), leaf.dtype
+    if not is_key_dtype(dtype) and np.dtype(jax.dtypes.canonicalize_dtype(dtype)) != dtype:
+      # jax_enable_x64 is off: a jax.Array of a 64-bit dtype holds 32 bits. Convert to what it
+      # will hold, checked like any other conversion (device_put would narrow it silently).
+      before, asked, dtype = len(diffs), np.dtype(dtype), np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+      found = _want(item, rec, jax.ShapeDtypeStruct(shape, dtype, sharding=sharding), where,
+                    diffs, bad_shardings, allow_lossy, casts)
+      if len(diffs) > before:
+        diffs[-1] += (f" (the target asks for {asked}, but with jax_enable_x64 off a jax.Array"
+                      f" holds {dtype}: turn x64 on (jax.config.update('jax_enable_x64', True))"
+                      " before building the target, or restore this leaf into a numpy array)")
+      return found
   elif isinstance(leaf, np.ndarray):
     sharding, shape, dtype = None, leaf.shape, leaf.dtype
   elif _tree.leaf_kind(leaf) == "value":
