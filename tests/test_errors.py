@@ -168,6 +168,16 @@ def test_bad_custom_metadata(ckpt_dir):
   assert not os.path.exists(ckpt_dir)
 
 
+def test_custom_metadata_too_large_for_a_manifest_is_refused_before_writing(tmp_path):
+  """It was refused only at the commit, from wait(), after every array was written."""
+  path = str(tmp_path / "c")
+  with ofx.Checkpointer() as ckptr:
+    with pytest.raises(ValueError, match="custom_metadata is 260 MiB"):
+      ckptr.save_async(path, {"s": {"w": np.ones(1 << 20, np.float32)}},
+                       custom_metadata={"notes": "x" * (260 << 20)})
+  assert os.listdir(tmp_path) == []
+
+
 def test_tree_mismatch_lists_every_difference_before_reading(ckpt_dir):
   mesh = jax.make_mesh((2, 4), ("data", "model"))
   sh = NamedSharding(mesh, P())

@@ -547,9 +547,16 @@ class Planner:
     items, casts = cast_items(items, dtype)
     check_items(items)
     try:
-      custom = json.loads(json.dumps(dict(custom_metadata or {}), allow_nan=False))
+      text = json.dumps(dict(custom_metadata or {}), allow_nan=False)
+      custom = json.loads(text)
     except (TypeError, ValueError) as e:
       raise TypeError(f"custom_metadata must be a JSON-serialisable dict: {e}") from None
+    if len(text) > _manifest.MAX_MANIFEST_BYTES // 2:  # checked here, before anything is written
+      raise ValueError(f"custom_metadata is {len(text) >> 20} MiB as JSON; it lives in the"
+                       f" checkpoint's manifest, which a reader takes up to"
+                       f" {_manifest.MAX_MANIFEST_BYTES >> 20} MiB: keep it under"
+                       f" {_manifest.MAX_MANIFEST_BYTES >> 21} MiB, and save large data as an"
+                       " item (arrays) instead.")
     me, nproc = _multihost.process_index(), _multihost.process_count()
     template, flat = self._template(items, me, nproc)
     leaves = {item: leaves for item, (leaves, _) in flat.items()}
