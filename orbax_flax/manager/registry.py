@@ -604,6 +604,11 @@ class Rollback:
       if newer:
         self._count += 1  # a new run (:meth:`run`), under the lock a save's start reads it by
       count = self._count
+    if not newer and inflight is not None and inflight > step:
+      log.info("restored step %d, the latest committed in %s; the save of step %d, started"
+               " last, has not committed (yet) and becomes the latest if it does: this is no"
+               " rollback (to go back, wait_for_save() first, then restore)", step, self._dir,
+               inflight)
     if cancelled:
       self._timeline = None  # the latest step's again (read when next asked)
       log.info("restored step %d, the latest of %s: the earlier rollback is called off, no"
