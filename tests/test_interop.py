@@ -155,6 +155,46 @@ def test_orbax_checkpoint_manager_steps_and_composite_items(tmp_path):
   assert "OK" in buf.getvalue() and "orbax-checkpoint" in buf.getvalue()
 
 
+@pytest.mark.parametrize("zarr3", [False, True])
+def test_a_missing_orbax_chunk_is_corruption_not_zeros(tmp_path, zarr3):
+  """A chunk file deleted from an orbax-checkpoint item read as zeros, and verify said OK;
+  orbax-checkpoint's own reader raises."""
+  path = str(tmp_path / "item")
+  ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=zarr3))
+  ckptr.save(path, {"w": np.arange(1, 9, dtype=np.float32), "z": np.zeros(4, np.float32)})
+  # The zero array's chunk is written too (orbax stores data equal to the fill value).
+  assert ofx.restore(path)["default"]["z"].tolist() == [0.0] * 4
+  chunks = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(path, "w")) for f in fs
+            if f not in ("zarr.json", ".zarray", ".zattrs")]
+  assert chunks
+  for c in chunks:
+    os.remove(c)
+  with pytest.raises(ofx.CheckpointCorruptedError, match="'w'"):
+    ofx.restore(path)
+  with pytest.raises(ofx.CheckpointCorruptedError):
+    ofx.verify(path)
+  buf = io.StringIO()
+  assert cli.main(["verify", path], out=buf) != 0
+
+
+def test_orbax_empty_dicts_lists_and_nones_are_read_as_orbax_reads_them(tmp_path):
+  """orbax-checkpoint 0.12 records {} and [] as value types Dict and List (skip_deserialize):
+  the reader looked for an old aggregate file and called the checkpoint incomplete; a None
+  inside a list came back as a dict with a gap."""
+  path = str(tmp_path / "item")
+  tree = {"w": np.arange(2), "bn": {}, "ls": [], "l": [np.arange(2), None, np.arange(3)]}
+  ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+  ckptr.save(path, tree)
+  theirs = ckptr.restore(path)
+  ours = ofx.restore(path)["default"]
+  assert ours["bn"] == theirs["bn"] == {} and ours["ls"] == theirs["ls"] == []
+  assert isinstance(ours["l"], list) and ours["l"][1] is None and ours["l"][2].tolist() == [0, 1, 2]
+  with_target = ofx.restore(path, {"default": tree})["default"]
+  assert with_target["bn"] == {} and with_target["w"].tolist() == [0, 1]
+  buf = io.StringIO()
+  assert cli.main(["verify", path], out=buf) == 0, buf.getvalue()
+
+
 def test_orbax_checkpoint_written_by_two_processes_restores_on_one_and_four(tmp_path):
   path = str(tmp_path / "ocp")
   jobs.run("interop_worker.py", ["--mode=ocp_save", f"--path={path}"], 2, 4).check()

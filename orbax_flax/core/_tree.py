@@ -22,6 +22,8 @@ import base64
 import collections
 import functools
 import sys
+import types
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -297,9 +299,11 @@ def _first_leaf(node: dict[str, Any], paths: list[Path]) -> Path:
   return paths[node.i]
 
 
-def structure_from_paths(paths: list[Path], sequences: frozenset[Path] = frozenset()
+def structure_from_paths(paths: list[Path], sequences: frozenset[Path] = frozenset(),
+                         empty: Mapping[Path, Any] = types.MappingProxyType({})
                          ) -> tuple[dict, list[int]]:
-  """The structure of nested dicts (lists at ``sequences``) holding leaves at ``paths``.
+  """The structure of nested dicts (lists at ``sequences``) holding leaves at ``paths``, and
+  the empty nodes ``empty`` (path -> ``{}``, ``[]`` or None).
 
   Returns:
     ``(structure, order)``: ``order[j]`` is the index into ``paths`` of the
@@ -328,9 +332,18 @@ def structure_from_paths(paths: list[Path], sequences: frozenset[Path] = frozens
     if there is not None:  # a subtree already: some earlier path goes through this one
       raise _collision(path, path, _first_leaf(there, paths))
     node[path[-1]] = _Slot(i)
+  for path, container in empty.items():
+    node = root
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+      if not isinstance(node, dict):
+        raise errors.TreeMismatchError(f"{path_str(path)}: an empty container inside a leaf",
+                                       [path_str(path)])
+    if path and path[-1] not in node:
+      node[path[-1]] = None if container is None else type(container)()
 
   def build(node: Any, prefix: Path) -> Any:
-    if isinstance(node, _Slot):
+    if node is None or isinstance(node, (_Slot, list)):  # (a list here is an empty one)
       return node
     children = {k: build(v, prefix + (k,)) for k, v in node.items()}
     if prefix in sequences and sorted(children) == sorted(str(j) for j in range(len(children))):

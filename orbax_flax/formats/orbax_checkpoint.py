@@ -49,6 +49,7 @@ _PYTREE_METADATA = "_METADATA"
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 _STRINGS = "_strings.json"
 _ARRAY_TYPES = ("jax.Array", "np.ndarray")
+_EMPTY_TYPES = {"None": None, "Dict": {}, "List": []}  # value_type -> the empty node it records
 _SEQUENCE, _DICT = 1, 2  # orbax's KeyType
 _SLAB_BYTES = 16 << 20
 
@@ -140,8 +141,10 @@ def read_tree_metadata(loc: Location) -> tuple[list[_Leaf], bool, bool] | None:
     skip = vm.get("skip_deserialize", False)
     if not isinstance(skip, bool):
       raise bad(key_text, f"skip_deserialize is {_checks.short(skip)}, not a boolean")
-    if vm["value_type"] == "None":
-      continue  # an empty node (None, optax.EmptyState()): no leaf to read
+    if vm["value_type"] in _EMPTY_TYPES:
+      # None (optax.EmptyState() too), an empty dict or list (orbax 0.12): no leaf to read
+      leaves.append(_Leaf(tuple(keys), vm["value_type"], False))
+      continue
     leaf = _Leaf(tuple(keys), vm["value_type"], skip)
     if not skip and leaf.value_type in _ARRAY_TYPES + ("scalar",):
       # A "/" inside a key nests the array in the item (orbax-checkpoint does that itself).
@@ -265,7 +268,9 @@ class _Array:
 
 def _array_spec(item: Location, name: str, ocdbt: bool, zarr3: bool) -> dict[str, Any]:
   kv = ({"driver": "ocdbt", "base": item.spec(), "path": name} if ocdbt else item.spec(name))
-  return {"driver": "zarr3" if zarr3 else "zarr", "kvstore": kv}
+  # A missing chunk is an error, as in orbax-checkpoint's own reader (it writes every chunk,
+  # fill values included): tensorstore would otherwise read it as zeros, and verify pass.
+  return {"driver": "zarr3" if zarr3 else "zarr", "kvstore": kv, "fill_missing_data_reads": False}
 
 
 _AGGREGATE = "checkpoint"  # older orbax versions' msgpack file of aggregated leaves
@@ -335,10 +340,14 @@ def open_item(loc: Location) -> tuple[Item, str | None]:
       raise errors.CheckpointFormatError(f"{loc}/metadata: nested too deeply") from None
     return Item(structure, tuple(Value(tuple(p), _tree.encode_value(v)) for p, v in leaves)), None
   entries, ocdbt, zarr3 = found
+  empty = {tuple(e.path): _EMPTY_TYPES[e.value_type] for e in entries
+           if e.value_type in _EMPTY_TYPES}
+  entries = [e for e in entries if e.value_type not in _EMPTY_TYPES]
   try:
     sequences = frozenset(tuple(k for k, _ in e.keys[:d]) for e in entries
                           for d, (_, t) in enumerate(e.keys) if t == _SEQUENCE)
-    structure, order = _tree.structure_from_paths([tuple(e.path) for e in entries], sequences)
+    structure, order = _tree.structure_from_paths([tuple(e.path) for e in entries], sequences,
+                                                  empty)
   except errors.TreeMismatchError as e:
     raise errors.CheckpointFormatError(f"{where}: {e}") from None
   strings = None
