@@ -741,3 +741,38 @@ def test_max_host_bytes_bounds_a_step_due_in_both_tiers(tmp_path):
                        capture_output=True, text=True, timeout=300, check=True).stdout
   peak = int(re.search(r"PEAK (-?\d+)", out).group(1))
   assert peak < 28, peak  # MiB: the budget, the staging rounds and the round in flight
+
+
+_FINISHED_ON_LOCAL = """
+import os, sys, numpy as np, orbax_flax as ofx
+last = 25
+policy = ofx.CheckpointPolicy(local_directory="local", local_save_interval_steps=5,
+                              save_interval_steps=20)  # save_final_step=True, the default
+with ofx.CheckpointCallback("workdir", policy) as ckpt:
+  state = ckpt.restore_or_init({"w": np.zeros(3)})
+  for step in range((ckpt.restored_step or 0) + 1, last + 1):
+    state = {"w": state["w"] + 1}
+    ckpt.on_step_end(step, state)
+    if sys.argv[1] == "crash" and step == last:
+      ckpt.manager.wait()
+      os._exit(1)  # dies before the with-block's final save
+print("RESTORED", ckpt.restored_step)
+"""
+
+
+def test_a_run_that_ends_on_a_local_step_saves_it_to_the_persistent_tier(tmp_path):
+  """The last step was saved only to the local tier when the job died; its restart restores
+  it there, has no step left to run, and ended without the final save: the finished model
+  stayed only on the local disk (in /dev/shm, say)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  run = lambda mode: subprocess.run([sys.executable, "-c", _FINISHED_ON_LOCAL, mode],
+                                    cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert run("crash").returncode == 1
+  assert ofx.CheckpointManager(str(tmp_path / "workdir" / "checkpoints")).all_steps() == [20]
+  again = run("resume")
+  assert again.returncode == 0 and "RESTORED 25" in again.stdout, again.stderr[-2000:]
+  with ofx.CheckpointManager(str(tmp_path / "workdir" / "checkpoints")) as m:
+    assert m.all_steps() == [20, 25] and m.step_info(25).reason == "final"
+    assert m.restore(25)["state"]["w"].tolist() == [25.0] * 3

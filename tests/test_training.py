@@ -18,6 +18,7 @@ from clu import periodic_actions
 from flax import nnx
 from flax.training import train_state
 
+import disks
 import jobs
 import orbax_flax as ofx
 
@@ -217,6 +218,57 @@ def test_exception_saves_last_good_state_and_reraises(tmp_path):
   with pytest.raises(RuntimeError):
     ofx.Trainer(failing_step, [off]).fit(linen_state(), Dataset(), num_steps=20)
   assert off.manager.all_steps() == [4]
+
+
+def test_exception_in_a_callback_before_the_checkpoint_one_saves_the_data_position(tmp_path):
+  """A user's callback listed first raises at step 7: the checkpoint callback never saw step 7,
+  and its exception save of step 7 went without the data position, so a resume trained
+  steps 8.. on the data from the start."""
+
+  class LossCheck(ofx.Callback):
+    def on_step_end(self, step, state, metrics):
+      if step == 7:
+        raise FloatingPointError("loss check failed at step 7")
+      return False
+
+  cfg = {"save_interval_steps": 5}
+  ckpt = ofx.CheckpointCallback(str(tmp_path), cfg)
+  with pytest.raises(FloatingPointError):
+    ofx.Trainer(linen_step, [LossCheck(), ckpt]).fit(linen_state(), Dataset(), num_steps=10)
+  assert ckpt.manager.all_steps() == [5, 7]
+  assert "data" in ofx.metadata(ckpt.manager.step_path(7)).items
+  data = Dataset()
+  again = ofx.CheckpointCallback(str(tmp_path), cfg)
+  resumed = ofx.Trainer(linen_step, [again]).fit(linen_state(), data, num_steps=10)
+  reference = ofx.Trainer(linen_step, []).fit(linen_state(), Dataset(), num_steps=10)
+  assert again.restored_step == 7 and data.i == 10
+  leaves_equal(resumed, reference)
+
+
+def test_preemption_save_goes_ahead_after_an_earlier_background_save_failed(tmp_path):
+  """Step 6's background save fails (the disk is full), space comes back, then SIGTERM: the
+  preemption save raised step 6's old error instead of saving, and everything after the last
+  committed step was lost."""
+  with disks.small_disk(str(tmp_path / "disk"), "4m") as disk:
+    cfg = {"save_interval_steps": 3, "max_to_keep": 1, "directory": os.path.join(disk, "ck")}
+    with ofx.CheckpointCallback(disk, cfg) as ckpt:
+      state = ckpt.restore_or_init({"w": np.zeros(256 * 1024, np.float32)})  # 1 MiB
+      filler = os.path.join(disk, "filler")
+      for step in range(1, 8):
+        state = {"w": state["w"] + 1}
+        if step == 6:  # another writer fills the disk before step 6 is saved
+          ckpt.manager.wait()
+          st = os.statvfs(disk)
+          with open(filler, "wb") as f:
+            f.write(b"\0" * (st.f_bavail * st.f_frsize - (64 << 10)))
+        if step == 7:
+          assert ckpt.manager.wait_for_save(60)  # step 6's save has failed, unseen so far
+          os.remove(filler)  # the space is back, and the job is preempted
+          os.kill(os.getpid(), signal.SIGTERM)
+        if ckpt.on_step_end(step, state):
+          break
+      assert ckpt.preempted and step == 7
+    assert ofx.CheckpointManager(os.path.join(disk, "ck")).all_steps() == [7]
 
 
 def test_preemption_signal_single_process(tmp_path):

@@ -390,6 +390,12 @@ class CheckpointManager:
     """Waits up to ``timeout`` s for the save in flight; True if none is left. Never raises."""
     return self._inflight.join(timeout)
 
+  def take_error(self) -> BaseException | None:
+    """The error of an earlier (background) save that no call has raised yet, now cleared;
+    None if there is none. For a caller that must go on regardless (a preemption save) and
+    reports the error itself; every other call raises it."""
+    return self._inflight.take_error()
+
   def abandon_inflight(self, wait_s: float = 0.0) -> None:
     """Cancels the save in flight (it never commits); waits ``wait_s`` s for it. See InFlight."""
     self._inflight.abandon(wait_s, started=self._ckptr.inflight)
@@ -551,9 +557,14 @@ class InFlight:
 
   def raise_error(self) -> None:
     """Raises (once) the error of a save or commit record that nobody has seen."""
-    if self._error is not None:
-      e, self._error = self._error, None
-      raise e
+    error = self.take_error()
+    if error is not None:
+      raise error
+
+  def take_error(self) -> BaseException | None:
+    """The error of a save or commit record that nobody has seen (cleared), or None."""
+    e, self._error = self._error, None
+    return e
 
 
 # ----------------------------------------------------------------------------

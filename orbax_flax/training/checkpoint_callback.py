@@ -156,6 +156,10 @@ class CheckpointCallback(callbacks.Callback):
   def _restored(self, got: tuple[Any, int | None]) -> Any:
     state, self.restored_step = got
     self._pending = None
+    if self.restored_step is not None:
+      # The last step so far: a run that ends without another (its steps were all done) still
+      # gets its final save, if the persistent tier lacks it (restored from the local tier).
+      self._last = (self.restored_step, state)
     self._restart.joined(self.restored_step)
     # The first save's staging memory, prepared in the background from now on.
     self.manager.prepare(state_items.to_items(state))
@@ -246,6 +250,9 @@ class CheckpointCallback(callbacks.Callback):
     if self._watcher is not None and self._watcher.reached(step):
       self._save_preemption(step, state, metrics, data_state, data_s)
       return True
+    earlier = self.manager.take_error()  # a background save failed: said at the next step
+    if earlier is not None:
+      self._save_failed(earlier)
     local_due = self._local is not None and self._local.due(step)
     reason = self.manager.should_save(step)
     if local_due or reason is not None:
@@ -276,8 +283,12 @@ class CheckpointCallback(callbacks.Callback):
 
   def _save_preemption(self, step: int, state: Any, metrics: Any, data_state: Any,
                        data_s: float) -> None:
-    self.preempted = True
-    self._preempted_at = step
+    # An earlier background save's failure does not cost the preemption save: it is raised
+    # (or logged, with on_save_error="warn") once this save is committed.
+    earlier = self.manager.take_error()
+    if earlier is not None:
+      log.error("an earlier save failed (%s: %s); saving the preemption step anyway",
+                type(earlier).__name__, earlier)
     start = time.monotonic()
     # The grace period counts from the signal (on every process: see PreemptionWatcher), not
     # from this step, which the processes agreed on maybe many seconds later.
@@ -292,6 +303,8 @@ class CheckpointCallback(callbacks.Callback):
       # A failure is logged: the persistent save still runs.
       self._local.save(step, items, timeline=self.manager.timeline, writer=self.writer)
     self._save(step, state, metrics, "preemption", items=items)
+    self.preempted = True  # the save is under way: the loop stops, nothing else saves
+    self._preempted_at = step
     if committed_in_grace(self.manager, step, grace,
                                         time.monotonic() - start + signalled):
       self._flush_events()
@@ -357,6 +370,12 @@ class CheckpointCallback(callbacks.Callback):
     (log.warning if interrupted else log.error)("%s; saving that step.%s",
                                                 failure(step, error), hint)
     data_state = None if self._data is None else self._data.after(step)  # None: saved without
+    if data_state is None and self._data is not None and (self._last is None
+                                                          or step > self._last[0]):
+      # Step ``step`` was computed but this callback never saw it (a callback before it in a
+      # Trainer raised): the iterator has given that step's batch and no other.
+      self._data.mark(step)
+      data_state = self._data.after(step)
     self._save(step, state, self._last_metrics, "exception", data_state)
 
   def on_train_end(self, step: int, state: Any) -> None:
