@@ -186,3 +186,22 @@ def test_export_functions_take_the_selector(tmp_path):
       path, _onto({"params": state.params, "step": 0}, jax.make_mesh((8,), ("all",))))
   _same(got["params"], state.params)
   assert got["step"] == 0
+
+
+def test_exports_refuse_what_would_not_read_back_before_writing(tmp_path):
+  """export_safetensors committed a file with non-string metadata (the safetensors package
+  refuses its header) and one with names "a" and "a.b" (no tree reads back); convert wrote a
+  PRNG key's raw data to orbax and safetensors, which interop.md says are refused."""
+  with pytest.raises(TypeError, match="metadata must map strings to strings"):
+    ofx.export_safetensors(str(tmp_path / "m"), {"w": np.ones(2, np.float32)},
+                           metadata={"step": 5})
+  with pytest.raises(ValueError, match="tensor names split at"):
+    ofx.export_safetensors(str(tmp_path / "n"), {"a": np.ones(2), "a.b": np.zeros(2)})
+  src = str(tmp_path / "src")
+  ofx.save(src, {"state": {"w": np.arange(3.0), "key": jax.random.key(0)}})
+  for fmt in ("orbax", "safetensors"):
+    with pytest.raises(ValueError, match="PRNG key arrays.*state/key"):
+      ofx.convert(src, str(tmp_path / fmt), format=fmt)
+  assert sorted(os.listdir(tmp_path)) == ["src"]  # nothing else was written
+  ofx.convert(src + ":state/w", str(tmp_path / "w"), format="safetensors")  # the way around
+  assert ofx.restore(str(tmp_path / "w"))["params"]["w"].tolist() == [0.0, 1.0, 2.0]

@@ -96,17 +96,26 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
   reader = restoring.reader_for(loc, manifest)
   trees = {}
   for item, saved in manifest.items.items():
-    leaves = [LazyArray(reader, item, rec, progress) if isinstance(rec, Array) else rec.decoded()
-              for rec in saved.leaves]
+    leaves = [(_KeyArray(f"{item}/{_tree.path_str(rec.path)}") if rec.key_impl is not None
+               else LazyArray(reader, item, rec, progress)) if isinstance(rec, Array)
+              else rec.decoded() for rec in saved.leaves]
     trees[item] = _tree.decode_structure(saved.structure, leaves)
   where = ""  # the item a lone item's paths are named under in messages
   if selector:
     tree = _selecting.pick(trees, selector)
+    if not isinstance(tree, (dict, list, tuple)):  # one leaf: named by the selector's last key
+      tree = {selector.rstrip("/").rsplit("/", 1)[-1]: tree}
   elif several:
     tree = trees
   else:
     (where, tree), = trees.items()
     where = f"{where}/"
+  keys = [k.where for _, k in _tree.flatten(tree) if isinstance(k, _KeyArray)]
+  if keys:
+    raise ValueError(
+        f"cannot convert to {format} at {dst}: PRNG key arrays, which {format} cannot hold: "
+        + ", ".join(keys) + ". Leave them out with a selector (\"<ckpt>:params\"), or restore"
+        " and export jax.random.key_data(key). Nothing was written.")
   if format == "orbax":
     tree = tree if isinstance(tree, dict) else {"value": tree}
     if dtype is not None:
@@ -146,6 +155,13 @@ class _Cast:
 
   def read(self) -> np.ndarray:
     return self._lazy.read().astype(self.dtype)
+
+
+class _KeyArray:
+  """A PRNG key array of the source, which a foreign format cannot hold (refused)."""
+
+  def __init__(self, where: str):
+    self.where = where
 
 
 def _cast_lazy(tree: Any, dtype: Any) -> Any:

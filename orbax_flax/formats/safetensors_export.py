@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from orbax_flax import errors
 from orbax_flax.format import _layout
 from orbax_flax.core import _multihost
 from orbax_flax.engine import _selecting
@@ -148,8 +149,17 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
       continue
     entries.append((name, tuple(int(s) for s in leaf.shape), out_dtype))
     values.append(leaf)
+  if not problems:  # a name that is also a prefix of another ("a", "a.b") reads back as no tree
+    try:
+      _tree.structure_from_paths([tuple(name.split(".")) for name in seen])
+    except errors.TreeMismatchError as e:
+      problems.append(f"{e} (tensor names split at '.'; choose others with name_fn=)")
   if problems:
     raise ValueError("cannot export these leaves as safetensors:\n  " + "\n  ".join(problems))
+  bad = {k: v for k, v in (metadata or {}).items() if not (isinstance(k, str) and isinstance(v, str))}
+  if bad:
+    raise TypeError(f"metadata must map strings to strings (safetensors' __metadata__), got"
+                    f" {bad!r}; pass e.g. {{k: json.dumps(v)}} for other values")
   if max_shard_bytes <= 0:
     raise ValueError(f"max_shard_bytes={max_shard_bytes}; give a positive size such as 5 << 30")
   path = os.path.abspath(path)
