@@ -77,6 +77,9 @@ def _assert_trains_and_equals(restored, saved):
   """The restored state trains one step, and that step equals the same step on the saved state."""
   np.testing.assert_array_equal(np.asarray(restored.opt_state[0].count),
                                 np.asarray(saved.opt_state[0].count))
+  for x, y in zip(jax.tree.leaves(restored), jax.tree.leaves(saved)):
+    if hasattr(y, "aval") and hasattr(x, "aval"):
+      assert x.aval.weak_type == y.aval.weak_type  # a TrainState's step is weakly typed
   after = _train_step(restored)  # raises "incompatible devices" when placement is wrong
   expected = _train_step(saved)
   for x, y in zip(jax.tree.leaves(after), jax.tree.leaves(expected)):
@@ -101,9 +104,17 @@ def test_callback_resume_trains_on(tmp_path, build, where):
     state = _trained(state)
     ckpt.on_step_end(2, state, {})
   saved = state
+  template = _BUILDERS[build](mesh, seed=1)
+  _train_step(template)  # the job compiles its step for the state it builds
+  compiled = _train_step._cache_size()  # pylint: disable=protected-access
   with ofx.CheckpointCallback(str(tmp_path / "run"), policy) as ckpt:
-    restored = ckpt.restore_or_init(_BUILDERS[build](mesh, seed=1))
+    restored = ckpt.restore_or_init(template)
     assert ckpt.restored_step == 2
+  _train_step(restored)
+  # The step compiled for the state the job built takes the restored one as it is: the
+  # restored step counter is weakly typed as TrainState.create made it (it was not, and the
+  # step compiled again after every resume).
+  assert _train_step._cache_size() == compiled  # pylint: disable=protected-access
   _assert_trains_and_equals(restored, saved)
 
 

@@ -286,6 +286,11 @@ def test_the_private_jax_apis_we_use_still_exist():
     pytest.fail(f"{where}: jax._src.distributed.global_state cannot be imported ({e})")
   for attr in ("client", "preemption_sync_manager"):
     assert hasattr(state, attr), f"{where}: jax._src.distributed.global_state has no .{attr}"
+  try:
+    weak = _multihost.weak_typed(jax.numpy.int32(3))
+  except (ImportError, AttributeError, TypeError) as e:
+    pytest.fail(f"{where}: jax._src.lax.lax._convert_element_type(weak_type=True) ({e})")
+  assert weak.aval.weak_type and weak.dtype == np.int32 and int(weak) == 3, where
   mesh = jax.make_mesh((len(jax.devices()),), ("x",))
   for sharding in (jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")),
                    jax.sharding.SingleDeviceSharding(jax.devices()[-1])):

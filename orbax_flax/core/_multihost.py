@@ -31,6 +31,7 @@ collective does); nothing depends on what else a process created first.
 from __future__ import annotations
 
 import hashlib
+import functools
 import logging
 import os
 import threading
@@ -181,6 +182,20 @@ def addressable_device_assignment(sharding: jax.sharding.Sharding) -> Sequence[A
   """This process's devices of ``sharding``, in the order of its device assignment: the order
   of an array's ``addressable_shards`` (``sharding.addressable_devices`` is a set)."""
   return sharding._addressable_device_assignment  # pylint: disable=protected-access
+
+
+@functools.lru_cache(maxsize=1)
+def _weak_copy() -> Any:
+  from jax._src.lax import lax as lax_internal  # pylint: disable=g-import-not-at-top
+  return jax.jit(lambda x: lax_internal._convert_element_type(x, weak_type=True))  # pylint: disable=protected-access
+
+
+def weak_typed(x: jax.Array) -> jax.Array:
+  """``x`` as a weakly typed array (what ``jnp.asarray(0)`` or ``TrainState.create``'s step
+  is), same dtype, sharding and committed-ness: ``jax._src.lax.lax._convert_element_type``
+  (``weak_type=True``), which JAX makes public nowhere. A restore gives a weakly typed
+  target its weak type back, so that a jitted step does not compile again for it."""
+  return _weak_copy()(x)
 
 
 def publish(key: str, value: str, *, timeout_s: float) -> None:

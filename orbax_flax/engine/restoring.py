@@ -36,6 +36,7 @@ import numpy as np
 
 from orbax_flax.format import _layout
 from orbax_flax.core import _location
+from orbax_flax.core import _multihost
 from orbax_flax.format import _manifest
 from orbax_flax.engine import targets
 from orbax_flax.engine import _reading
@@ -420,6 +421,8 @@ def assemble(wants: list[targets.Want], datas: dict[int, list[np.ndarray]]) -> l
   for i, w in enumerate(wants):
     if w.key_impl:
       out[i] = jax.random.wrap_key_data(out[i], impl=w.key_impl)
+    elif w.weak:
+      out[i] = _multihost.weak_typed(out[i])
   return out
 
 
@@ -502,7 +505,8 @@ def _read_once_leaf(leaf: Any, chunk_shape: tuple[int, ...] | None) -> Any:
   if full(spec) == full(sharding.spec):  # P(None, None) is P(): nothing to split, no collective
     return leaf
   return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
-                              sharding=jax.sharding.NamedSharding(sharding.mesh, spec))
+                              sharding=jax.sharding.NamedSharding(sharding.mesh, spec),
+                              weak_type=getattr(leaf, "weak_type", False))
 
 
 def _reshard_like(out: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from orbax_flax.core import _multihost
 from orbax_flax.core import _tree
 from orbax_flax.format import _layout
 from orbax_flax import errors
@@ -60,7 +61,8 @@ class UncommittedStruct(jax.ShapeDtypeStruct):
 
 
 def of_array(x: jax.Array) -> jax.ShapeDtypeStruct:
-  """The restore target of a live array: its shape, dtype, sharding and committed-ness.
+  """The restore target of a live array: its shape, dtype, sharding, committed-ness and weak
+  type (a ``TrainState``'s step: a jitted step compiled for it takes the restored one as is).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -69,7 +71,7 @@ def of_array(x: jax.Array) -> jax.ShapeDtypeStruct:
     ('ShapeDtypeStruct', 'UncommittedStruct')
   """
   cls = jax.ShapeDtypeStruct if x.committed else UncommittedStruct
-  return cls(x.shape, x.dtype, sharding=x.sharding)
+  return cls(x.shape, x.dtype, sharding=x.sharding, weak_type=x.aval.weak_type)
 
 
 def of_arrays(tree: Any) -> Any:
@@ -167,7 +169,8 @@ def abstract(tree: Any, sharding: Any = None, *, rules: Any = None) -> Any:
       chosen = NamedSharding(sharding, _box_spec(box, rules, jax.tree_util.keystr(path)))
     else:
       chosen = _choose(path, leaf, own, sharding, specs, per_leaf)
-    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=chosen)
+    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=chosen,
+                                weak_type=getattr(leaf, "weak_type", False))
 
   def node(path, x):
     if _tree.is_box(x):  # a Linen box keeps its names; its value gets the spec they give
@@ -269,6 +272,7 @@ class Want:
   key_impl: str | None
   boxes: Mapping[_layout.Box, tuple[Any, ...]]  # distinct boxes to read -> devices that get them
   committed: bool = True      # False: placed uncommitted on the default device (as the target was)
+  weak: bool = False          # the target was weakly typed (a TrainState's step): so is the result
 
 
 @dataclasses.dataclass
@@ -558,8 +562,10 @@ def _want(item: str, rec: Record, leaf: Any, where: _Where, diffs: list[str],
       if sharding is None:
         return Value(array)
       if is_uncommitted(leaf):
-        return Value(jax.device_put(array))
-      return Value(jax.make_array_from_callback((), sharding, lambda _: array))
+        placed = jax.device_put(array)
+      else:
+        placed = jax.make_array_from_callback((), sharding, lambda _: array)
+      return Value(_multihost.weak_typed(placed) if getattr(leaf, "weak_type", False) else placed)
     diffs.append(f"{where}: checkpoint holds a {type(value).__name__}, target wants an array"
                  f" of shape {shape}")
     return None
@@ -595,7 +601,8 @@ def _want(item: str, rec: Record, leaf: Any, where: _Where, diffs: list[str],
   boxes = {tuple((0, s) for s in data_shape): ()} if sharding is None else _boxes(sharding, data_shape)
   committed = not (isinstance(sharding, jax.sharding.SingleDeviceSharding)
                    and is_uncommitted(leaf))
-  return Want(item, rec, data_dtype, sharding, data_shape, saved_key, boxes, committed)
+  return Want(item, rec, data_dtype, sharding, data_shape, saved_key, boxes, committed,
+              weak=sharding is not None and bool(getattr(leaf, "weak_type", False)))
 
 
 def lossless(saved: np.dtype, target: np.dtype) -> bool:
