@@ -89,6 +89,7 @@ class ManagerModel(RuleBasedStateMachine):
     self.tag = 0
     self.last_saved: int | None = None
     self.last_started: int | None = None
+    self.dropped: dict[int, tuple[int, float]] = {}
     self.dir = None
     self.mngr = None
 
@@ -118,9 +119,10 @@ class ManagerModel(RuleBasedStateMachine):
     self._apply_keep()
 
   def _apply_keep(self):
+    self.dropped = {}  # what the keep rules of the last save drop (at its commit)
     if self.keep is not None:  # max_to_keep: the newest ones stay
       for s in sorted(self.saved)[:-self.keep]:
-        del self.saved[s]
+        self.dropped[s] = self.saved.pop(s)
 
   def _save(self, step: int, changed: float, force: bool) -> None:
     tag = self._next_tag()
@@ -184,6 +186,14 @@ class ManagerModel(RuleBasedStateMachine):
     tag, changed = self.saved[step]
     assert _equal(self.mngr.restore(step), _items(tag, changed))
     self.rolled_to = step
+    if self.dropped:
+      # The keep rules of the save that was in flight act at its commit: before the restore
+      # they did; after it they wait for the new run's first commit (nothing changes on disk
+      # until then). Which came first is timing: what is still listed is still there.
+      self.mngr.wait_for_save()
+      listed = set(self.mngr.all_steps())
+      self.saved.update({s: v for s, v in self.dropped.items() if s in listed})
+      self.dropped = {}
     if then_save:
       self._save(step + 1, 0.25, force=True)
 

@@ -776,3 +776,25 @@ def test_a_run_that_ends_on_a_local_step_saves_it_to_the_persistent_tier(tmp_pat
   with ofx.CheckpointManager(str(tmp_path / "workdir" / "checkpoints")) as m:
     assert m.all_steps() == [20, 25] and m.step_info(25).reason == "final"
     assert m.restore(25)["state"]["w"].tolist() == [25.0] * 3
+
+
+def test_a_new_run_in_an_emptied_workdir_never_resumes_the_old_runs_local_step(tmp_path):
+  """rm -rf workdir, then the same command: the local tier (on /dev/shm, which outlives the
+  job) still held the old run's step 25, and the new run resumed it instead of starting."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  policy = ofx.CheckpointPolicy(local_directory=str(tmp_path / "shm"),
+                                local_save_interval_steps=5, save_interval_steps=20)
+  workdir = str(tmp_path / "workdir")
+  with ofx.CheckpointCallback(workdir, policy) as ckpt:
+    state = ckpt.restore_or_init({"w": np.zeros(3)})
+    for step in range(1, 26):
+      state = {"w": state["w"] + 1}
+      ckpt.on_step_end(step, state)
+  with ofx.CheckpointCallback(workdir, policy) as ckpt:  # the same run goes on: local step 25
+    ckpt.restore_or_init({"w": np.zeros(3)})
+    assert ckpt.restored_step == 25
+  shutil.rmtree(workdir)
+  with ofx.CheckpointCallback(workdir, policy) as ckpt:
+    state = ckpt.restore_or_init({"w": np.full(3, -100.0)})
+    assert ckpt.restored_step is None and state["w"].tolist() == [-100.0] * 3

@@ -31,7 +31,6 @@ collective does); nothing depends on what else a process created first.
 from __future__ import annotations
 
 import hashlib
-import functools
 import logging
 import os
 import threading
@@ -184,18 +183,18 @@ def addressable_device_assignment(sharding: jax.sharding.Sharding) -> Sequence[A
   return sharding._addressable_device_assignment  # pylint: disable=protected-access
 
 
-@functools.lru_cache(maxsize=1)
-def _weak_copy() -> Any:
-  from jax._src.lax import lax as lax_internal  # pylint: disable=g-import-not-at-top
-  return jax.jit(lambda x: lax_internal._convert_element_type(x, weak_type=True))  # pylint: disable=protected-access
-
-
 def weak_typed(x: jax.Array) -> jax.Array:
   """``x`` as a weakly typed array (what ``jnp.asarray(0)`` or ``TrainState.create``'s step
-  is), same dtype, sharding and committed-ness: ``jax._src.lax.lax._convert_element_type``
-  (``weak_type=True``), which JAX makes public nowhere. A restore gives a weakly typed
-  target its weak type back, so that a jitted step does not compile again for it."""
-  return _weak_copy()(x)
+  is): the same buffers, sharding and committed-ness, nothing copied or compiled.
+  ``jax._src.array.ArrayImpl`` over ``jax._src.core.ShapedArray(..., weak_type=True)``, which
+  JAX makes public nowhere. A restore gives a weakly typed target its weak type back, so that
+  a jitted step does not compile again for it."""
+  from jax._src import array as array_internal  # pylint: disable=g-import-not-at-top
+  from jax._src import core as core_internal  # pylint: disable=g-import-not-at-top
+  aval = core_internal.update_aval_with_sharding(
+      core_internal.ShapedArray(x.shape, x.dtype, weak_type=True), x.sharding)
+  return array_internal.ArrayImpl(aval, x.sharding, [s.data for s in x.addressable_shards],
+                                  committed=x.committed)
 
 
 def publish(key: str, value: str, *, timeout_s: float) -> None:

@@ -50,6 +50,7 @@ TMP_MARKER = ".ofx-tmp-"  # <step>.ofx-tmp-<...>: an uncommitted save or a step 
 RETIRED_KEY = "_RETIRED"  # a retired step's manifest (its _CHECKPOINT renamed): not a step
 RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
 INDEX = "_steps"  # on object stores: one empty key per committed step
+TIMELINE = ".timeline"  # the timeline of a directory's run before its first step commits
 
 
 def retired_name(directory: str, generation: str) -> str:
@@ -84,6 +85,27 @@ def retired_dirs(root: str) -> list[str]:
     return []
   return sorted(n for n in names if parse_retired(n) or (
       n.isdigit() and os.path.exists(os.path.join(root, n, RETIRED_KEY))))
+
+
+def first_timeline(loc: Location) -> str:
+  """The timeline of the run in ``loc`` before its first step commits: the one recorded in
+  its :data:`TIMELINE` key, else a new one, recorded there (process 0 decides). The key goes
+  with the directory: a run that starts over in an emptied directory gets a new timeline, so
+  it never takes an older run's local-tier steps; a restart before the first commit keeps it.
+
+  Example:
+    >>> import tempfile
+    >>> loc = Location.parse(tempfile.mkdtemp())
+    >>> first_timeline(loc) == first_timeline(loc)
+    True
+  """
+  found = _location.read_key(loc, TIMELINE, max_bytes=64)
+  text = found.decode("ascii", "replace").strip() if found else ""
+  if text.isalnum():
+    return text
+  timeline = uuid.uuid4().hex
+  _location.write_key(loc, TIMELINE, timeline.encode())
+  return timeline
 
 
 def is_parked(path: str) -> bool:

@@ -137,6 +137,12 @@ class CheckpointManager:
     """The id of the run's timeline, recorded with every save (see :class:`~orbax_flax.manager.registry.Rollback`)."""
     return self._rollback.timeline(self.latest_step)
 
+  def recorded_timeline(self) -> str:
+    """:attr:`timeline`, recorded in the directory while it has no committed step, so that a
+    run restarted before its first commit finds it and one in an emptied directory does not:
+    what the local tier ties its steps to. Every process calls it at the same point."""
+    return self._rollback.timeline(self.latest_step, recorded=True)
+
   def step_path(self, step: int) -> str:
     """Where ``step`` is (or would be) stored."""
     return str(self._dir.join(str(step)))

@@ -570,11 +570,24 @@ class Rollback:
       return None
     return False
 
-  def timeline(self, latest_step: Callable[[], int | None]) -> str:
-    """The timeline id (``latest_step``: the newest committed step, asked the first time)."""
+  def timeline(self, latest_step: Callable[[], int | None], *, recorded: bool = False) -> str:
+    """The timeline id (``latest_step``: the newest committed step, asked the first time).
+
+    With ``recorded`` (the local tier asks so), a directory with no committed step has its
+    run's timeline in a key of its own (:func:`orbax_flax.format.step_dir.first_timeline`,
+    process 0's; every process asks at the same point, a resume): a job that starts over in
+    a directory emptied since (``rm -rf workdir``) never takes the local tier's steps of the
+    run that was there. Without, it is "" (nothing but the local tier tells timelines apart).
+    """
     if self._timeline is None:
       timeline, latest = "", latest_step()
-      if latest is not None:
+      if latest is None:
+        if recorded:
+          timeline = _multihost.broadcast(
+              f"{self._key}/timeline/0",
+              step_dir.first_timeline(self._dir) if _multihost.process_index() == 0 else None,
+              self._timeout_s)
+      else:
         try:
           summary = restoring.read_summary(self._dir.join(str(latest)))
           timeline = str(summary.custom.get("timeline", ""))

@@ -260,7 +260,7 @@ class CheckpointCallback(callbacks.Callback):
       items = self._items(step, state, data_state, data_s)
       if local_due and reason is not None:  # one copy to host memory for both tiers
         items = self.manager.host_snapshot(items)
-      failed = self._local.save(step, items, timeline=self.manager.timeline,
+      failed = self._local.save(step, items, timeline=self.manager.recorded_timeline(),
                                 writer=self.writer) if local_due else None
       if reason is not None:
         self._save(step, state, metrics, reason, items=items, since=entered)
@@ -301,7 +301,7 @@ class CheckpointCallback(callbacks.Callback):
     if self._local is not None:  # seconds: done first, whatever the grace period
       items = self.manager.host_snapshot(items)
       # A failure is logged: the persistent save still runs.
-      self._local.save(step, items, timeline=self.manager.timeline, writer=self.writer)
+      self._local.save(step, items, timeline=self.manager.recorded_timeline(), writer=self.writer)
     self._save(step, state, metrics, "preemption", items=items)
     self.preempted = True  # the save is under way: the loop stops, nothing else saves
     self._preempted_at = step

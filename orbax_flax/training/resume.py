@@ -296,7 +296,7 @@ class Resume:
       target[DATA_ITEM] = None
     newer_than = None if persistent_latest is None else persistent_latest - 1
     # The target is checked as the persistent tier checks it: a TreeMismatchError is raised.
-    options = dict(newer_than=newer_than, timeline=self._manager.timeline,
+    options = dict(newer_than=newer_than, timeline=self._manager.recorded_timeline(),
                    allow_lossy_casts=self._policy.allow_lossy_casts)
     casts: list = []
     try:  # a step saved without a data position restores without one
