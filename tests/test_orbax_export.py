@@ -205,3 +205,23 @@ def test_exports_refuse_what_would_not_read_back_before_writing(tmp_path):
   assert sorted(os.listdir(tmp_path)) == ["src"]  # nothing else was written
   ofx.convert(src + ":state/w", str(tmp_path / "w"), format="safetensors")  # the way around
   assert ofx.restore(str(tmp_path / "w"))["params"]["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+def test_export_orbax_writes_empty_nodes_and_numpy_scalars_as_orbax_does(tmp_path):
+  """{} and [] were exported as None (orbax 0.12 records Dict and List), and numpy scalars as
+  Python scalars (orbax keeps them as 0-d arrays of their dtype)."""
+  tree = {"w": np.arange(2), "bn": {}, "ls": [], "n": None, "f": np.float32(0.5),
+          "i": np.int8(-3), "py": 7}
+  ofx.export_orbax(str(tmp_path / "ours"), tree)
+  with ocp.StandardCheckpointer() as c:
+    c.save(str(tmp_path / "theirs"), tree)
+  ours = ocp.PyTreeCheckpointer().restore(str(tmp_path / "ours"))
+  theirs = ocp.PyTreeCheckpointer().restore(str(tmp_path / "theirs"))
+  assert ours["bn"] == theirs["bn"] == {} and ours["ls"] == theirs["ls"] == []
+  assert ours["n"] is None and theirs["n"] is None
+  for k in ("f", "i"):
+    assert np.asarray(ours[k]).dtype == np.asarray(theirs[k]).dtype == tree[k].dtype, k
+    assert np.asarray(ours[k]) == tree[k]
+  assert ours["py"] == theirs["py"] == 7
+  back = ofx.restore(str(tmp_path / "ours"))["default"]
+  assert back["bn"] == {} and back["ls"] == [] and back["f"].dtype == np.float32

@@ -53,8 +53,17 @@ def _keys(path: Any) -> list[dict[str, Any]]:
 
 
 def _is_empty(x: Any) -> bool:
-  """An empty node (None, optax.EmptyState(), {}): orbax records it as a ``None`` leaf."""
+  """An empty node (None, optax.EmptyState(), {}, []): orbax records it as a leaf of its own
+  (:func:`_empty_type`)."""
   return x is None or (jax.tree_util.tree_structure(x).num_leaves == 0)
+
+
+def _empty_type(x: Any) -> str:
+  """The value type orbax-checkpoint 0.12 records for an empty node: ``Dict`` for ``{}``,
+  ``List`` for ``[]``, ``None`` for the others (None, optax.EmptyState())."""
+  if type(x) is dict:
+    return "Dict"
+  return "List" if type(x) is list else "None"
 
 
 def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[str, str]]:
@@ -77,7 +86,7 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[s
     seen[name] = where
     info: dict[str, Any] = {"skip_deserialize": False}
     if _is_empty(leaf):
-      info = {"value_type": "None", "skip_deserialize": True}
+      info = {"value_type": _empty_type(leaf), "skip_deserialize": True}
     elif safetensors_export.is_lazy(leaf):
       info["value_type"] = "np.ndarray"
       arrays.append((name, leaf))
@@ -95,7 +104,10 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[s
     elif isinstance(leaf, str):
       info["value_type"] = "string"
       strings[name] = leaf
-    elif isinstance(leaf, (bool, int, float, np.number, np.bool_)):
+    elif isinstance(leaf, np.generic) and _tree.is_supported_dtype(leaf.dtype):
+      info["value_type"] = "np.ndarray"  # as orbax stores a numpy scalar: 0-d, its dtype kept
+      arrays.append((name, np.asarray(leaf)))
+    elif isinstance(leaf, (bool, int, float)):
       info["value_type"] = "scalar"
       arrays.append((name, np.asarray(leaf)))
     else:
