@@ -7,11 +7,12 @@ devices exist run there too (libtpu warns at start-up)::
     tests/test_async.py tests/test_nnx_resume.py \
     tests/test_engine.py::test_every_dtype_round_trips_bitwise \
     tests/test_engine.py::test_64_bit_dtypes_with_x64 \
+    tests/test_engine.py::test_a_64_bit_device_target_with_x64_off_is_a_checked_conversion \
     tests/test_differential.py -k "not multiprocess and not another_mesh"
 
-(138 passed, 4 skipped on one TPU v5e chip, 2026-12-06, with the device_copy transfer and
-every dtype through each snapshot; benchmarks/README.md). The others expect the 8
-CPU devices, or start processes of their own on the CPU.
+(143 passed, 5 skipped on one TPU v5e chip, 2026-12-06, after the review fixes: weakly
+typed steps restored weakly typed, parked differential re-saves; benchmarks/README.md). The
+others expect the 8 CPU devices, or start processes of their own on the CPU.
 """
 
 import os
