@@ -250,7 +250,10 @@ def test_preemption_save_goes_ahead_after_an_earlier_background_save_failed(tmp_
   preemption save raised step 6's old error instead of saving, and everything after the last
   committed step was lost."""
   with disks.small_disk(str(tmp_path / "disk"), "4m") as disk:
-    cfg = {"save_interval_steps": 3, "max_to_keep": 1, "directory": os.path.join(disk, "ck")}
+    # SIGUSR1 as the scheduler's signal, as test_preemption_signal_single_process does: a
+    # SIGTERM sent to the suite's own process ended the whole run there (alone it passed).
+    cfg = {"save_interval_steps": 3, "max_to_keep": 1, "directory": os.path.join(disk, "ck"),
+           "preemption_signals": ("SIGUSR1",)}
     with ofx.CheckpointCallback(disk, cfg) as ckpt:
       state = ckpt.restore_or_init({"w": np.zeros(256 * 1024, np.float32)})  # 1 MiB
       filler = os.path.join(disk, "filler")
@@ -264,7 +267,7 @@ def test_preemption_save_goes_ahead_after_an_earlier_background_save_failed(tmp_
         if step == 7:
           assert ckpt.manager.wait_for_save(60)  # step 6's save has failed, unseen so far
           os.remove(filler)  # the space is back, and the job is preempted
-          os.kill(os.getpid(), signal.SIGTERM)
+          os.kill(os.getpid(), signal.SIGUSR1)
         if ckpt.on_step_end(step, state):
           break
       assert ckpt.preempted and step == 7
