@@ -32,7 +32,6 @@ from orbax_flax.engine import _reading
 from orbax_flax.engine import _selecting
 from orbax_flax.core import _tree
 from orbax_flax.engine import checkpointer
-from orbax_flax import errors
 from orbax_flax.engine import restoring
 from orbax_flax.format._manifest import Array
 from orbax_flax.formats import orbax_export
@@ -178,11 +177,9 @@ def _check_names(source: dict[str, str], clashes: list[str], dst: str) -> None:
   """ValueError, before anything is written, when two leaves would share a tensor name, or
   when one name is also a prefix of another (``a`` and ``a.b``: the file would not read
   back as a tree)."""
-  if not clashes:
-    try:
-      _tree.structure_from_paths([tuple(n.split(".")) for n in source])
-    except errors.TreeMismatchError as e:
-      clashes.append(f"{e} (tensor names split at '.')")
+  clash = None if clashes else safetensors_export.name_clash(source)
+  if clash is not None:
+    clashes.append(clash)
   if clashes:
     raise ValueError(
         f"cannot convert to safetensors at {dst}: tensor names are key paths joined by '.', and"

@@ -74,6 +74,21 @@ def _cast_to(dtype: Any, name: str, leaf_dtype: np.dtype) -> np.dtype:
   return _as_dtype(dtype) if jax.numpy.issubdtype(leaf_dtype, jax.numpy.floating) else leaf_dtype
 
 
+def name_clash(names: Any) -> str | None:
+  """Why tensor ``names`` read back as no tree (one name is also a prefix of another: ``a``
+  and ``a.b``), or None.
+
+  Example:
+    >>> name_clash(["a", "b.c"]) is None, name_clash(["a", "a.b"]) is None
+    (True, False)
+  """
+  try:
+    _tree.structure_from_paths([tuple(n.split(".")) for n in names])
+  except errors.TreeMismatchError as e:
+    return f"{e} (tensor names split at '.')"
+  return None
+
+
 def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_bytes: int = 5 << 30,
                        name_fn: Callable[[tuple[str, ...]], str] | None = None,
                        metadata: Mapping[str, str] | None = None, overwrite: bool = False,
@@ -149,14 +164,13 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
       continue
     entries.append((name, tuple(int(s) for s in leaf.shape), out_dtype))
     values.append(leaf)
-  if not problems:  # a name that is also a prefix of another ("a", "a.b") reads back as no tree
-    try:
-      _tree.structure_from_paths([tuple(name.split(".")) for name in seen])
-    except errors.TreeMismatchError as e:
-      problems.append(f"{e} (tensor names split at '.'; choose others with name_fn=)")
+  clash = None if problems else name_clash(seen)
+  if clash is not None:
+    problems.append(f"{clash}; choose other names with name_fn=")
   if problems:
     raise ValueError("cannot export these leaves as safetensors:\n  " + "\n  ".join(problems))
-  bad = {k: v for k, v in (metadata or {}).items() if not (isinstance(k, str) and isinstance(v, str))}
+  bad = {k: v for k, v in (metadata or {}).items()
+         if not (isinstance(k, str) and isinstance(v, str))}
   if bad:
     raise TypeError(f"metadata must map strings to strings (safetensors' __metadata__), got"
                     f" {bad!r}; pass e.g. {{k: json.dumps(v)}} for other values")
