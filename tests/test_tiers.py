@@ -1,6 +1,7 @@
 """The local tier with real processes: own copies, peer replicas, agreement, fallbacks."""
 
 import os
+import logging
 import pathlib
 import shutil
 
@@ -798,3 +799,40 @@ def test_a_new_run_in_an_emptied_workdir_never_resumes_the_old_runs_local_step(t
   with ofx.CheckpointCallback(workdir, policy) as ckpt:
     state = ckpt.restore_or_init({"w": np.full(3, -100.0)})
     assert ckpt.restored_step is None and state["w"].tolist() == [-100.0] * 3
+
+
+@pytest.mark.parametrize("writer", ["second manager", "local-only step"])
+def test_a_step_another_writer_replaced_in_the_persistent_tier_is_not_resumed_from_local(
+    tmp_path, writer, caplog):
+  """The local tier held step 20, and another writer then saved step 20 in the persistent
+  directory (a second manager's forced re-save of a step both tiers held, or of one only
+  the local tier held): the local copy has the same number and timeline, and a resume took
+  it instead of what the persistent directory now holds."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  local_only = writer == "local-only step"
+  policy = ofx.CheckpointPolicy(local_directory=str(tmp_path / "shm"),
+                                local_save_interval_steps=5,
+                                save_interval_steps=15 if local_only else 20,
+                                save_final_step=not local_only)
+  workdir = str(tmp_path / "workdir")
+  with ofx.CheckpointCallback(workdir, policy) as ckpt:
+    state = ckpt.restore_or_init({"w": np.zeros(3)})
+    for step in range(1, 21):
+      state = {"w": state["w"] + 1}
+      ckpt.on_step_end(step, state)
+  if not local_only:  # the run's own saves: the local copy of step 20 is the one resumed
+    with caplog.at_level(logging.INFO, logger="orbax_flax"):
+      with ofx.CheckpointCallback(workdir, policy) as ckpt:
+        state = ckpt.restore_or_init({"w": np.zeros(3)})
+    assert ckpt.restored_step == 20 and state["w"].tolist() == [20.0] * 3
+    assert "restored step 20 from the local tier" in caplog.text
+  with ofx.CheckpointManager(os.path.join(workdir, "checkpoints")) as other:
+    other.save(20, {"state": {"w": np.full(3, 99.0)}}, force=True)
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    with ofx.CheckpointCallback(workdir, policy) as ckpt:
+      state = ckpt.restore_or_init({"w": np.zeros(3)})
+  assert ckpt.restored_step == 20
+  assert state["w"].tolist() == [99.0] * 3, "resumed the local copy the persistent tier replaced"
+  assert "another save of step 20" in caplog.text

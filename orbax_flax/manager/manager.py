@@ -196,7 +196,8 @@ class CheckpointManager:
   def save(self, step: int, items: Mapping[str, Any], *, force: bool = False,
            custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None,
            metrics: Mapping[str, Any] | None = None, reason: str | None = None,
-           blocking_before: Mapping[str, float] | None = None) -> bool:
+           blocking_before: Mapping[str, float] | None = None,
+           local_copy: str | None = None) -> bool:
     """Saves ``step`` if the policy says so (or ``force``); returns whether it started.
 
     With ``async_save`` the call returns once the state is on the host; the
@@ -214,6 +215,9 @@ class CheckpointManager:
       blocking_before: seconds the caller's thread already spent on this save, counted in
         the reported blocking time (:class:`SaveEvent`): ``"items"`` (building them),
         ``"data"`` (the data iterator's state), ``"total"`` (default: their sum).
+      local_copy: the save id of the local tier's copy of these very items
+        (:meth:`orbax_flax.tiers.local.LocalTier.save`'s), recorded with the step: a
+        resume takes that local copy of the step only while this save is the step here.
     """
     entered = time.perf_counter()
     self._inflight.raise_error()
@@ -244,6 +248,8 @@ class CheckpointManager:
     now = self._clock()
     run = self._rollback.run()  # a save after a rollback: its commit ends the old run
     custom = step_metadata(step, decided, now, metrics, items, custom_metadata, self.timeline)
+    if local_copy:
+      custom["local_copy"] = str(local_copy)
     start, handle = time.perf_counter(), None
     path, options = self._dir.join(str(step)), dict(custom_metadata=custom, overwrite=overwrite,
                                                     dtype=dtype)

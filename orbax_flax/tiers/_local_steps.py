@@ -55,6 +55,8 @@ class StepRecord:
   timeline: str          # the manager's timeline when it was saved (see CheckpointManager.timeline)
   seq: int               # commit order in this directory: retention keeps the newest commits
   process_count: int
+  save_id: str = ""      # agreed by the processes; the persistent save of the same step by the
+                         # same callback records it too ("local_copy"), else the copy is stale
 
   def encode(self) -> bytes:
     return _manifest.seal(_RECORD_MAGIC, json.dumps(dataclasses.asdict(self)).encode())
@@ -65,7 +67,7 @@ class StepRecord:
     try:
       d = json.loads(body)
       return cls(int(d["step"]), str(d["run"]), str(d["timeline"]), int(d["seq"]),
-                 int(d["process_count"]))
+                 int(d["process_count"]), str(d.get("save_id", "")))
     except (ValueError, KeyError, TypeError) as e:
       raise errors.CheckpointCorruptedError(f"{where}: not a local step record ({e})") from None
 
@@ -98,12 +100,13 @@ class StepDirectory:
       out[record.step] = record
     return out, damaged
 
-  def commit(self, step: int, timeline: str, process_count: int, max_to_keep: int) -> None:
+  def commit(self, step: int, timeline: str, process_count: int, max_to_keep: int,
+             save_id: str) -> None:
     """Writes ``step``'s record (the next commit in order), then prunes to ``max_to_keep``."""
     records, _ = self.records()
     seq = 1 + max((r.seq for r in records.values()), default=0)
     write(os.path.join(self.dir(step), COMMITTED),
-          StepRecord(step, self.run, timeline, seq, process_count).encode())
+          StepRecord(step, self.run, timeline, seq, process_count, save_id).encode())
     self.prune(max_to_keep)
 
   def prune(self, max_to_keep: int) -> None:
@@ -115,9 +118,16 @@ class StepDirectory:
       if (name.isdigit() and int(name) not in keep) or TMP in name:
         shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
-  def holdings(self, timeline: str | None, process_count: int) -> Holdings:
+  def holdings(self, timeline: str | None, process_count: int,
+               persistent: tuple[int, str] | None = None) -> Holdings:
     """Committed local steps here (of ``timeline``, if given), and the peers' replicas held
-    here; the steps left out, and why, are logged."""
+    here; the steps left out, and why, are logged.
+
+    ``persistent`` is ``(step, local_copy)`` of the persistent tier's newest step: a local
+    step of that number counts only if it is the copy that save recorded (the same
+    ``save_id``); otherwise another save replaced the step there since (a forced re-save by
+    another manager, ``convert``), and the persistent tier holds what the step now is.
+    """
     own, replicas = [], {}
     records, ignored = self.records()
     for step, record in sorted(records.items()):
@@ -125,6 +135,11 @@ class StepDirectory:
         ignored.append(f"step {step}: of timeline {record.timeline or '(the first)'!r}, which"
                        f" a rollback abandoned; this run continues timeline"
                        f" {timeline or '(the first)'!r}")
+        continue
+      if (persistent is not None and step == persistent[0]
+          and not (record.save_id and record.save_id == persistent[1])):
+        ignored.append(f"step {step}: the persistent tier holds another save of step {step}"
+                       f" (a forced re-save, a convert), which is read there")
         continue
       d = self.dir(step)
       if os.path.exists(os.path.join(d, OWN)):

@@ -32,12 +32,13 @@ persistent tier, together. Where copies go and which to read:
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import socket
 import struct
-import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,13 +131,17 @@ class LocalTier:
     self._calls += 1
     return f"{self._key}/{self._calls}-{what}"
 
-  def save(self, step: int, items: Mapping[str, Any], *, timeline: str = "") -> float:
-    """Saves ``step`` of ``timeline`` to the local tier on every process; returns the seconds.
+  def save(self, step: int, items: Mapping[str, Any], *, timeline: str = "") -> str:
+    """Saves ``step`` of ``timeline`` to the local tier on every process; returns its save id.
 
     Collective: every process calls it with the same step. Raises if any
-    process failed (then nobody marks the step committed).
+    process failed (then nobody marks the step committed). The save id, the
+    same on every process and new at every save, is recorded with the step: a
+    persistent save of the same state that records it too
+    (:meth:`orbax_flax.CheckpointManager.save`'s ``local_copy``) is what this
+    copy stands for, and a resume takes the copy only while that save is the
+    persistent tier's step (see :meth:`restore`).
     """
-    start = time.perf_counter()
     me, n = jax.process_index(), jax.process_count()
     key = self._next_key(f"save{step}")
     tmp = self.steps.dir(step) + TMP
@@ -170,28 +175,34 @@ class LocalTier:
         os.rename(tmp, self.steps.dir(step))
       except OSError as e:
         error = f"{type(e).__name__}: {e}"
-    verdicts = _multihost.all_gather(f"{key}/done", error, self.timeout,
-                                     what=f"finish local step {step}")
-    failed = [f"process {p}: {v}" for p, v in enumerate(verdicts) if v]
+    # Every process offers a save id with its verdict; process 0's is the step's.
+    verdicts = [json.loads(v) for v in _multihost.all_gather(
+        f"{key}/done", json.dumps([error, uuid.uuid4().hex[:16]]), self.timeout,
+        what=f"finish local step {step}")]
+    save_id = verdicts[0][1]
+    failed = [f"process {p}: {v}" for p, (v, _) in enumerate(verdicts) if v]
     if failed:
       shutil.rmtree(tmp, ignore_errors=True)
       raise errors.StorageError(f"local save of step {step} failed; it does not count:\n  "
                                 + "\n  ".join(failed))
     try:
-      self.steps.commit(step, timeline, n, self.max_to_keep)
+      self.steps.commit(step, timeline, n, self.max_to_keep, save_id)
     except OSError as e:  # this process's copy does not count: a restore finds it uncommitted
       raise errors.StorageError(f"local save of step {step}: process {me} could not commit it"
                                 f" ({type(e).__name__}: {e})") from e
-    return time.perf_counter() - start
+    return save_id
 
-  def holdings(self, timeline: str | None = None) -> Holdings:
-    """Committed local steps here (of ``timeline``, if given), and the peers' replicas held
-    here; the steps left out, and why, are logged."""
-    return self.steps.holdings(timeline, jax.process_count())
+  def holdings(self, timeline: str | None = None,
+               persistent: tuple[int, str] | None = None) -> Holdings:
+    """Committed local steps here (of ``timeline``, if given, and not replaced by the
+    ``persistent`` tier's step, as for :meth:`restore`), and the peers' replicas held here;
+    the steps left out, and why, are logged."""
+    return self.steps.holdings(timeline, jax.process_count(), persistent)
 
   def restore(self, target: Mapping[str, Any], newer_than: int | None = None, *,
-              timeline: str | None = None, partial: bool = False,
-              allow_lossy_casts: bool = False, casts: list | None = None,
+              timeline: str | None = None, persistent: tuple[int, str] | None = None,
+              partial: bool = False, allow_lossy_casts: bool = False,
+              casts: list | None = None,
               optional: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], str] | None:
     """The newest local step of ``timeline`` every process can assemble, if newer than
     ``newer_than``.
@@ -199,7 +210,11 @@ class LocalTier:
     Collective. Returns ``(step, items, source)`` (``source`` says where this
     process's shards came from), or None when the local tier has nothing newer,
     was written by another layout, or is damaged beyond its replicas; every
-    process gets the same answer. The target is checked as the persistent tier
+    process gets the same answer. ``persistent`` is ``(step, local_copy)`` of the
+    persistent tier's newest step (``local_copy``: the save id its save recorded,
+    else ""): a local step of that number is taken only if it is that copy, since
+    another save may have replaced the step there (a forced re-save by another
+    manager, ``convert``). The target is checked as the persistent tier
     checks it (``partial``, ``allow_lossy_casts``, ``casts`` as for
     :func:`orbax_flax.restore`); items named in ``optional`` are left out
     where the step does not hold them.
@@ -213,7 +228,7 @@ class LocalTier:
     if self.replicas:
       self.ring()  # at start-up: a topology that cannot keep replicas on other hosts is named
     try:
-      mine = self.holdings(timeline)
+      mine = self.holdings(timeline, persistent)
     except OSError as e:  # an unreadable local directory holds nothing: the others go on
       _progress.say("local tier: cannot list %s (%s); this process holds no local step",
                     self.root, e)

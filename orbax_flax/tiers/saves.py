@@ -11,6 +11,7 @@ step still runs; the callback then treats it as it treats any failed save
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -58,20 +59,27 @@ class LocalSaves:
     return self._when.due(step) is not None
 
   def save(self, step: int, items: Mapping[str, Any], *, timeline: str,
-           writer: Any = None) -> errors.StorageError | None:
-    """Saves ``items`` as ``step`` (collective: every process calls it); the error if it failed.
+           writer: Any = None) -> tuple[str, errors.StorageError | None]:
+    """Saves ``items`` as ``step`` (collective: every process calls it).
 
     This process's shards go to its own disk and its replicas'. The time it
     took feeds the schedule (``local_save_interval="auto"``), and a clu
     ``writer`` gets ``checkpoint/local_s`` (and, with an auto interval,
     ``checkpoint/local_expected_loss_s``).
+
+    Returns:
+      ``(save_id, None)``, where a persistent save of the same items passes ``save_id``
+      as ``local_copy`` (see :meth:`~orbax_flax.tiers.local.LocalTier.save`), or
+      ``("", error)`` if it failed.
     """
+    start = time.perf_counter()
     try:
-      seconds = self.tier.save(step, items, timeline=timeline)
+      save_id = self.tier.save(step, items, timeline=timeline)
     except (errors.StorageError, TimeoutError) as e:
       log.error("local checkpoint of step %d failed (%s); the persistent tier is not affected: %s",
                 step, self._directory, e)
-      return e if isinstance(e, errors.StorageError) else errors.StorageError(str(e))
+      return "", e if isinstance(e, errors.StorageError) else errors.StorageError(str(e))
+    seconds = time.perf_counter() - start
     self._when.record(step, seconds)
     interval = self._when.interval()
     log.log(_progress.once_per_job_level(),  # process 0's line; the others' at DEBUG
@@ -84,4 +92,4 @@ class LocalSaves:
       if interval is not None:
         scalars["checkpoint/local_expected_loss_s"] = interval / 2
       writer.write_scalars(step, scalars)
-    return None
+    return save_id, None

@@ -98,6 +98,9 @@ class CheckpointCallback(callbacks.Callback):
     self._watcher: preemption.PreemptionWatcher | None = None
     self._data: resume.DataPosition | None = None
     self._last: tuple[int, Any] | None = None
+    # (step, save id) of this run's last local save: a persistent save of that step records
+    # the id, so that a resume takes the local copy only while it is that save's.
+    self._local_copy: tuple[int, str] | None = None
     self.preempted = False
     self.restored_step: int | None = None
     self._last_metrics: Any = None   # of the last step seen: recorded by final and exception saves
@@ -194,13 +197,22 @@ class CheckpointCallback(callbacks.Callback):
     # on_step_end began (or since the items were built).
     before = {"items": items_s, "data": data_s,
               "total": time.perf_counter() - (start if since is None else since)}
+    copy = self._local_copy[1] if self._local_copy and self._local_copy[0] == step else None
     for _ in range(2):  # a failure of the previous (background) save surfaces here first
       try:
         return self.manager.save(step, items, metrics=metrics, reason=reason,
-                                 custom_metadata=self.metadata, blocking_before=before)
+                                 custom_metadata=self.metadata, blocking_before=before,
+                                 local_copy=copy)
       except errors.StorageError as e:
         self._save_failed(e)
     return False
+
+  def _save_local(self, step: int, items: dict[str, Any]) -> errors.StorageError | None:
+    """Saves ``step`` to the local tier (logged if it failed); the error, if any."""
+    save_id, failed = self._local.save(step, items, timeline=self.manager.recorded_timeline(),
+                                       writer=self.writer)
+    self._local_copy = None if failed else (step, save_id)
+    return failed
 
   def _save_failed(self, e: errors.StorageError) -> None:
     """A save failed: raise it, or (``on_save_error="warn"``) log it and go on training."""
@@ -260,8 +272,7 @@ class CheckpointCallback(callbacks.Callback):
       items = self._items(step, state, data_state, data_s)
       if local_due and reason is not None:  # one copy to host memory for both tiers
         items = self.manager.host_snapshot(items)
-      failed = self._local.save(step, items, timeline=self.manager.recorded_timeline(),
-                                writer=self.writer) if local_due else None
+      failed = self._save_local(step, items) if local_due else None
       if reason is not None:
         self._save(step, state, metrics, reason, items=items, since=entered)
       if failed is not None:  # a failing local tier never costs the persistent save
@@ -300,8 +311,7 @@ class CheckpointCallback(callbacks.Callback):
     items = self._items(step, state, data_state, data_s)  # the mark's get_state(), if any
     if self._local is not None:  # seconds: done first, whatever the grace period
       items = self.manager.host_snapshot(items)
-      # A failure is logged: the persistent save still runs.
-      self._local.save(step, items, timeline=self.manager.recorded_timeline(), writer=self.writer)
+      self._save_local(step, items)  # a failure is logged: the persistent save still runs
     self._save(step, state, metrics, "preemption", items=items)
     self.preempted = True  # the save is under way: the loop stops, nothing else saves
     self._preempted_at = step

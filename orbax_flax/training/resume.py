@@ -294,10 +294,18 @@ class Resume:
     target = _targets(state_items.to_items(state))
     if data is not None:
       target[DATA_ITEM] = None
-    newer_than = None if persistent_latest is None else persistent_latest - 1
+    newer_than = persistent = None
+    if persistent_latest is not None:
+      newer_than = persistent_latest - 1
+      try:  # a local copy of that step counts only while the step there is the save it copied
+        persistent = (persistent_latest, str(self._manager.metadata(persistent_latest).custom
+                                             .get("local_copy", "")))
+      except (errors.CheckpointNotFoundError, errors.CheckpointCorruptedError) as e:
+        log.warning("step %d of the persistent tier cannot be read (%s); its local copy, if"
+                    " any, is taken", persistent_latest, e)
     # The target is checked as the persistent tier checks it: a TreeMismatchError is raised.
     options = dict(newer_than=newer_than, timeline=self._manager.recorded_timeline(),
-                   allow_lossy_casts=self._policy.allow_lossy_casts)
+                   persistent=persistent, allow_lossy_casts=self._policy.allow_lossy_casts)
     casts: list = []
     try:  # a step saved without a data position restores without one
       got = self._local.restore(target, casts=casts, optional=(DATA_ITEM,), **options)
