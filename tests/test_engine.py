@@ -129,6 +129,20 @@ def test_a_64_bit_device_target_with_x64_off_is_a_checked_conversion(ckpt_dir):
   assert all(not c[3] for c in casts)  # each reported as losing information
 
 
+def test_a_64_bit_save_dtype_for_device_arrays_with_x64_off_is_refused(ckpt_dir):
+  """x64 off: save(..., dtype="float64") of a jax.Array left it float32 (astype cannot make
+  64-bit device arrays) and recorded a cast that never happened; numpy leaves were cast."""
+  assert not jax.config.jax_enable_x64
+  x = jax.device_put(np.ones((4, 4), np.float32), NamedSharding(_mesh(), P("data")))
+  with pytest.raises(ValueError, match=r"s/x.*float64.*jax_enable_x64") as e:
+    ofx.save(ckpt_dir, {"s": {"x": x, "h": np.ones(2, np.float32)}}, dtype="float64")
+  assert "jax.device_get" in str(e.value)
+  assert not os.path.exists(ckpt_dir)  # refused before anything was written
+  ofx.save(ckpt_dir, {"s": {"h": np.ones(2, np.float32)}}, dtype="float64")  # numpy: cast
+  meta = ofx.metadata(ckpt_dir)
+  assert meta.items["s"].tree["h"].dtype == "float64" and meta.casts == {"s/h": "float32"}
+
+
 @pytest.mark.parametrize("spec", [P("data", "model"), P("data", None), P(None, "model"), P(),
                                   P(("data", "model"))])
 def test_shardings_restore_onto_other_meshes(ckpt_dir, spec):

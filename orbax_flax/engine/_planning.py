@@ -646,6 +646,12 @@ def cast_items(items: Mapping[str, Any], dtype: Any) -> tuple[Mapping[str, Any],
       to = wanted(where, np.dtype(leaf.dtype))
       if to is None:
         return leaf
+      if isinstance(leaf, jax.Array) and jax.dtypes.canonicalize_dtype(to) != to:
+        raise ValueError(
+            f"save(..., dtype=...) asks for {to.name} for {where}, a jax.Array, but JAX makes"
+            f" no {to.name} arrays while jax_enable_x64 is off (it would stay"
+            f" {np.dtype(leaf.dtype).name}); enable it (jax.config.update('jax_enable_x64',"
+            f" True)), pass host arrays (jax.device_get), or choose a 32-bit dtype")
       casts[where] = np.dtype(leaf.dtype).name
       return leaf.astype(to)
     out[item] = jax.tree_util.tree_map_with_path(one, tree)
