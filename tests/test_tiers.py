@@ -779,6 +779,17 @@ def test_a_run_that_ends_on_a_local_step_saves_it_to_the_persistent_tier(tmp_pat
     assert m.restore(25)["state"]["w"].tolist() == [25.0] * 3
 
 
+def _count_to(last, workdir, policy):
+  """A run from scratch whose state {"w"} counts the steps 1..last."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  with ofx.CheckpointCallback(workdir, policy) as ckpt:
+    state = ckpt.restore_or_init({"w": np.zeros(3)})
+    for step in range(1, last + 1):
+      state = {"w": state["w"] + 1}
+      ckpt.on_step_end(step, state)
+
+
 def test_a_new_run_in_an_emptied_workdir_never_resumes_the_old_runs_local_step(tmp_path):
   """rm -rf workdir, then the same command: the local tier (on /dev/shm, which outlives the
   job) still held the old run's step 25, and the new run resumed it instead of starting."""
@@ -787,11 +798,7 @@ def test_a_new_run_in_an_emptied_workdir_never_resumes_the_old_runs_local_step(t
   policy = ofx.CheckpointPolicy(local_directory=str(tmp_path / "shm"),
                                 local_save_interval_steps=5, save_interval_steps=20)
   workdir = str(tmp_path / "workdir")
-  with ofx.CheckpointCallback(workdir, policy) as ckpt:
-    state = ckpt.restore_or_init({"w": np.zeros(3)})
-    for step in range(1, 26):
-      state = {"w": state["w"] + 1}
-      ckpt.on_step_end(step, state)
+  _count_to(25, workdir, policy)
   with ofx.CheckpointCallback(workdir, policy) as ckpt:  # the same run goes on: local step 25
     ckpt.restore_or_init({"w": np.zeros(3)})
     assert ckpt.restored_step == 25
@@ -816,11 +823,7 @@ def test_a_step_another_writer_replaced_in_the_persistent_tier_is_not_resumed_fr
                                 save_interval_steps=15 if local_only else 20,
                                 save_final_step=not local_only)
   workdir = str(tmp_path / "workdir")
-  with ofx.CheckpointCallback(workdir, policy) as ckpt:
-    state = ckpt.restore_or_init({"w": np.zeros(3)})
-    for step in range(1, 21):
-      state = {"w": state["w"] + 1}
-      ckpt.on_step_end(step, state)
+  _count_to(20, workdir, policy)
   if not local_only:  # the run's own saves: the local copy of step 20 is the one resumed
     with caplog.at_level(logging.INFO, logger="orbax_flax"):
       with ofx.CheckpointCallback(workdir, policy) as ckpt:
