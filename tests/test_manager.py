@@ -348,3 +348,55 @@ def test_asking_the_policy_leaves_the_users_arrays_as_they_were(tmp_path):
     for step in range(1, 20):
       assert not mngr.save(step, {"state": {"x": x}})
   assert len(x.devices()) == 8 and len(x.sharding.device_set) == 8
+
+
+@pytest.mark.parametrize("shared", ["Checkpointer", "CheckpointManager"])
+def test_two_threads_sharing_one_saver_commit_only_their_own_bytes(tmp_path, shared):
+  """Two threads saving through one Checkpointer (save_async) or one manager (forced saves):
+  the wait for the previous save and the start of the next were not one step, so both ran on
+  the shared staging memory, and steps committed with the other thread's values (or failed
+  their checksums) with no error anywhere."""
+  items = lambda v: {"state": {"w": np.full(20_000, v, np.float32), "b": np.arange(10) + v}}  # noqa: E731
+  if shared == "Checkpointer":
+    saver = ofx.Checkpointer()
+    save = lambda s: saver.save_async(str(tmp_path / str(s)), items(s))  # noqa: E731
+    path = lambda s: str(tmp_path / str(s))  # noqa: E731
+  else:
+    saver = ofx.CheckpointManager(str(tmp_path))
+    save = lambda s: saver.save(s, items(s), force=True)  # noqa: E731
+    path = saver.step_path
+  raised = []
+
+  def worker(first):
+    for s in range(first, 40, 2):
+      try:
+        save(s)
+      except Exception as e:  # pylint: disable=broad-except
+        raised.append(e)
+
+  threads = [threading.Thread(target=worker, args=(k,)) for k in (0, 1)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  saver.wait()
+  saver.close()
+  assert not raised, raised
+  for s in range(40):
+    got = ofx.restore(path(s))["state"]
+    assert (got["w"] == s).all() and (got["b"] == np.arange(10) + s).all(), s
+
+
+def test_a_closed_manager_refuses_a_save_before_taking_the_directory(tmp_path):
+  """save() after close() took the writer lease (and started its refresh thread) before
+  the checkpointer refused: the lease stayed held, and every later manager of the
+  directory was refused as a second writer."""
+  with ofx.CheckpointManager(str(tmp_path)) as m:
+    m.save(0, {"state": {"w": np.zeros(3)}}, force=True)
+  with pytest.raises(RuntimeError, match="CheckpointManager.*is closed; create a new one"):
+    m.save(1, {"state": {"w": np.ones(3)}}, force=True)
+  m.close()
+  assert not any(t.name.startswith("orbax_flax-writer") for t in threading.enumerate())
+  with ofx.CheckpointManager(str(tmp_path)) as again:
+    again.save(1, {"state": {"w": np.ones(3)}}, force=True)
+  assert again.all_steps() == [0, 1]

@@ -132,6 +132,9 @@ class Checkpointer:
     self._own_snapshots: dict[int, Any] = {}  # buffer address -> weakref (host_snapshot)
     self._inflight: saving.AsyncSave | None = None
     self._lock = threading.Lock()
+    # Held by save, save_async (until it returns), prepare, wait and close: one caller at a
+    # time, also when threads share the checkpointer (its staging memory is one save's).
+    self._one_save = threading.Lock()
     self._closed = False
 
   # ------------------------------------------------------------------ state
@@ -170,17 +173,19 @@ class Checkpointer:
 
   def wait(self) -> None:
     """Blocks until the save in flight is committed; raises its error if nobody has seen it."""
-    self._finish_inflight()
+    with self._one_save:
+      self._finish_inflight()
 
   def close(self) -> None:
     """Waits for the save in flight, then releases the staging memory and threads."""
-    if self._closed:
-      return
-    try:
-      self._finish_inflight()
-    finally:
-      self._closed = True
-      self._staging.close()
+    with self._one_save:
+      if self._closed:
+        return
+      try:
+        self._finish_inflight()
+      finally:
+        self._closed = True
+        self._staging.close()
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -228,6 +233,10 @@ class Checkpointer:
       True
       1
     """
+    with self._one_save:
+      return self._prepare(items)
+
+  def _prepare(self, items: Mapping[str, Any]) -> int:
     self._check_open()
     if not self.keep_staging_memory or self.inflight is not None:
       return 0
@@ -256,15 +265,16 @@ class Checkpointer:
     packed small arrays are assembled in the staging memory (kept unless
     ``keep_staging_memory=False``). Arguments as for :func:`orbax_flax.save`.
     """
-    self._check_open()
-    self._finish_inflight()
-    plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype)
-    try:
-      saving.save(plan, run, handle, staging=self._staging, max_host_bytes=self.max_host_bytes,
-                  watchdog_seconds=self.watchdog_seconds)
-    finally:
-      self._after_save()
-    handle.wait()
+    with self._one_save:
+      self._check_open()
+      self._finish_inflight()
+      plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype)
+      try:
+        saving.save(plan, run, handle, staging=self._staging,
+                    max_host_bytes=self.max_host_bytes, watchdog_seconds=self.watchdog_seconds)
+      finally:
+        self._after_save()
+      handle.wait()
 
   def save_async(self, path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
                  custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None,
@@ -289,14 +299,16 @@ class Checkpointer:
     Returns:
       An :class:`AsyncSave`; ``wait()`` blocks until committed.
     """
-    self._check_open()
-    self._finish_inflight()
-    plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype, bind=False)
-    saving.save_async(plan, run, handle, host_transfer=self.host_transfer, staging=self._staging,
-                      max_host_bytes=self.max_host_bytes, watchdog_seconds=self.watchdog_seconds,
-                      cancellable=cancellable, keep=self._is_own_snapshot, on_end=self._after_save)
-    self._inflight = handle
-    return handle
+    with self._one_save:
+      self._check_open()
+      self._finish_inflight()
+      plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype, bind=False)
+      saving.save_async(plan, run, handle, host_transfer=self.host_transfer,
+                        staging=self._staging, max_host_bytes=self.max_host_bytes,
+                        watchdog_seconds=self.watchdog_seconds, cancellable=cancellable,
+                        keep=self._is_own_snapshot, on_end=self._after_save)
+      self._inflight = handle
+      return handle
 
   def _start(self, path: Any, items: Mapping[str, Any], overwrite: bool,
              custom_metadata: Mapping[str, Any] | None, dtype: Any, bind: bool = True):

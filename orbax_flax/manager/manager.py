@@ -101,6 +101,7 @@ class CheckpointManager:
     self._prepared = False  # staging memory prepared (or a save made): see prepare()
     self._inflight = InFlight()  # the save in flight, and the error it left
     self._completing = threading.Lock()  # held by _completed: one completion at a time
+    self._one_save = threading.Lock()  # held by save() and close(): one caller at a time
     self._events = EventLog()
     self._closed = False
     self._ckptr = checkpointer_lib.Checkpointer(**self.components.checkpointer)
@@ -218,7 +219,26 @@ class CheckpointManager:
       local_copy: the save id of the local tier's copy of these very items
         (:meth:`orbax_flax.tiers.local.LocalTier.save`'s), recorded with the step: a
         resume takes that local copy of the step only while this save is the step here.
+
+    Raises:
+      RuntimeError: the manager is closed (nothing is written).
     """
+    # One save at a time, also when threads share the manager: its staging memory, the save
+    # in flight and the step bookkeeping are one save's until it returns. close() waits too.
+    with self._one_save:
+      self._check_open()
+      return self._save(step, items, force=force, custom_metadata=custom_metadata,
+                        dtype=dtype, metrics=metrics, reason=reason,
+                        blocking_before=blocking_before, local_copy=local_copy)
+
+  def _check_open(self) -> None:
+    if self._closed:
+      raise RuntimeError(f"this CheckpointManager of {self._dir} is closed; create a new one")
+
+  def _save(self, step: int, items: Mapping[str, Any], *, force: bool,
+            custom_metadata: Mapping[str, Any] | None, dtype: Any,
+            metrics: Mapping[str, Any] | None, reason: str | None,
+            blocking_before: Mapping[str, float] | None, local_copy: str | None) -> bool:
     entered = time.perf_counter()
     self._inflight.raise_error()
     self._join_abandoned()
@@ -426,15 +446,17 @@ class CheckpointManager:
     self.registry.wait()
 
   def close(self) -> None:
-    """Waits for everything in flight, then releases the manager's threads."""
-    if self._closed:
-      return
-    try:
-      self.wait()
-    finally:
-      self._closed = True
-      self.registry.close()
-      self._ckptr.close()
+    """Waits for everything in flight, then releases the manager's threads and its writer
+    lease. A save another thread is starting is waited for first."""
+    with self._one_save:
+      if self._closed:
+        return
+      try:
+        self.wait()
+      finally:
+        self._closed = True
+        self.registry.close()
+        self._ckptr.close()
 
   def __enter__(self) -> CheckpointManager:
     return self
