@@ -400,3 +400,46 @@ def test_a_closed_manager_refuses_a_save_before_taking_the_directory(tmp_path):
   with ofx.CheckpointManager(str(tmp_path)) as again:
     again.save(1, {"state": {"w": np.ones(3)}}, force=True)
   assert again.all_steps() == [0, 1]
+
+
+def test_a_deletion_that_fails_on_a_full_disk_is_tried_again(tmp_path):
+  """The disk filled between a commit and the deletion of the step it made redundant: the
+  deletion failed (raised by wait(), as it should), but the step had left the listing and
+  no later deletion tried it again, so its whole checkpoint stayed on the disk for good:
+  the very space the next saves needed."""
+  from disks import small_disk  # pylint: disable=g-import-not-at-top
+  with small_disk(str(tmp_path / "disk"), size="4m") as disk:
+    filler, fill = os.path.join(disk, "filler"), [False]
+
+    class KeepLastFillingTheDisk:
+      """KeepLast(1); armed, another writer fills the disk as the rule runs."""
+      reads_metadata = False
+
+      def keep(self, steps):
+        if fill[0]:
+          fill[0] = False
+          st = os.statvfs(disk)
+          with open(filler, "wb") as f:
+            try:
+              f.write(b"\0" * (st.f_bavail * st.f_frsize))
+            except OSError:
+              pass
+        return {max(s.step for s in steps)}
+
+    d = os.path.join(disk, "run")
+    items = lambda v: {"state": {"w": np.full(100_000, v, np.float32)}}  # noqa: E731
+    with ofx.CheckpointManager(d, keep=[KeepLastFillingTheDisk()]) as m:
+      m.save(0, items(0), force=True)
+      m.wait()
+      fill[0] = True
+      with pytest.raises(ofx.StorageError):
+        m.save(1, items(1), force=True)
+        m.wait()
+      os.remove(filler)  # the space comes back; training goes on
+      for s in (2, 3):
+        m.save(s, items(s), force=True)
+        m.wait()
+      assert m.all_steps() == [3]
+    assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == ["3"]
+    assert not os.path.exists(os.path.join(d, ".readers"))  # no notice left behind
+    assert ofx.restore(os.path.join(d, "3"))["state"]["w"][0] == 3

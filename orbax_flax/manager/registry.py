@@ -150,7 +150,9 @@ class StepRegistry:
     self._deleting: set[int] = set()  # doomed here, deletion pending (re-checked when done)
     self._reading: dict[int, int] = {}  # steps a restore is reading: never deleted meanwhile
     self._deferred: set[int] = set()    # doomed while being read: deleted once read
-    self._leased: set[int] = set()      # doomed, but an evaluator's lease holds them
+    # Doomed, not deleted yet: an evaluator's lease holds them, or deleting them failed (a
+    # full disk) or was put off; tried again at the next deletion.
+    self._later: set[int] = set()
     self._infos: dict[int, policy_lib.StepInfo] = {}
     self._leftovers: list[step_dir.Leftover] = []
     self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-delete")
@@ -233,7 +235,7 @@ class StepRegistry:
       self._steps = set(steps) - self._deleting
       self._infos = {s: i for s, i in self._infos.items() if s in self._steps}
       self._leftovers = leftovers
-      self._leased &= self._steps | self._deleting
+      self._later &= self._steps | self._deleting
 
   def committed(self) -> list[int]:
     """Committed steps, ascending."""
@@ -368,7 +370,7 @@ class StepRegistry:
       doomed = step in self._deleting
       self._deleting.discard(step)
       self._deferred.discard(step)
-      self._leased.discard(step)
+      self._later.discard(step)
       return doomed
 
   def delete(self, steps: Iterable[int]) -> None:
@@ -380,7 +382,7 @@ class StepRegistry:
     """
     steps = sorted(steps)
     self._deletions = [f for f in self._deletions if not f.done() or f.exception() is not None]
-    if self._deletes and self._writer and (steps or self._leftovers or self._leased):
+    if self._deletes and self._writer and (steps or self._leftovers or self._later):
       self._deletions.append(self._deleter.submit(self._delete, steps))
 
   def _delete(self, steps: list[int]) -> None:
@@ -389,20 +391,31 @@ class StepRegistry:
     The manager's side of the reader-lease protocol (:mod:`orbax_flax.manager.leases`):
     announce, then read the leases, then uncommit, then withdraw the notice.
     """
-    steps = sorted(set(steps) | self._leased)
+    steps = sorted(set(steps) | self._later)
     if not steps:
       self.sweep()
       return
-    announced = time.monotonic()
-    leases.announce_deletion(self._dir, steps)
     try:
+      self._delete_now(steps)
+    except BaseException:
+      with self._lock:  # what is still doomed is tried again at the next deletion
+        self._later |= set(steps) & self._deleting
+      raise
+    self.sweep()
+
+  def _delete_now(self, steps: list[int]) -> None:
+    """One attempt of :meth:`_delete`; a failure leaves no notice behind (nor, where the
+    notice could not be written, a half-written one)."""
+    announced = time.monotonic()
+    try:
+      leases.announce_deletion(self._dir, steps)
       leased = leases.leased_steps(self._dir)
       if time.monotonic() - announced > leases.LEASE_SECONDS / 4:
         # So slow that a reader could take the notices for stale ones: try again later.
         log.warning("reading the reader leases of %s took %.0f s; deleting steps %s at a later"
                     " save", self._dir, time.monotonic() - announced, steps)
         with self._lock:
-          self._leased |= set(steps)
+          self._later |= set(steps)
         return
       for step in steps:
         with self.lock:  # the decision is re-checked where it is carried out
@@ -413,12 +426,12 @@ class StepRegistry:
               self._deferred.add(step)  # a restore is reading it: deleted when it is done
               continue
             if step in leased:  # an evaluator (checkpoints_iterator) is reading it
-              if step not in self._leased:
+              if step not in self._later:
                 log.info("step %d: not deleted yet, an evaluator holds a reader lease on it; it"
                          " is deleted at a later save", step)
-              self._leased.add(step)
+              self._later.add(step)
               continue
-            self._leased.discard(step)
+            self._later.discard(step)
           if self._lease is not None:
             self._lease.check()
           log.info("deleting checkpoint step %d (no keep rule keeps it)", step)
@@ -428,7 +441,6 @@ class StepRegistry:
     finally:
       # Deleted (uncommitted) or kept: either way readers may look at it again.
       leases.withdraw_deletion(self._dir, steps)
-    self.sweep()
 
   # ------------------------------------------------------------------ leftovers
 
