@@ -267,6 +267,66 @@ def test_a_manifest_link_is_refused(tmp_path, victim):
     ofx.restore(evil)
 
 
+def _bounded(read, limit=_HANG_S):
+  """What ``read()`` raised (None: it returned), or "hung" if it had not ended in ``limit`` s."""
+  out = []
+
+  def run():
+    try:
+      read()
+      out.append(None)
+    except Exception as e:  # pylint: disable=broad-except
+      out.append(e)
+
+  t = threading.Thread(target=run, daemon=True)
+  t.start()
+  t.join(limit)
+  return out[0] if out else "hung"
+
+
+def _release_fifo(path):
+  """Ends a read blocked on the FIFO ``path`` (a writer opens and closes it: end of file)."""
+  try:
+    os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+  except OSError:
+    pass  # no reader is blocked on it
+
+
+@pytest.mark.parametrize("where", ["manifest", "data file"])
+def test_a_fifo_inside_a_checkpoint_is_refused_not_read_forever(tmp_path, where):
+  """A FIFO in place of a step's _CHECKPOINT, or of a data file: restore, metadata, verify
+  and a manager's keep rules (which read step metadata) blocked forever in open(), where a
+  symbolic link at the same place is refused at once."""
+  d = str(tmp_path / "run")
+  with ofx.CheckpointManager(d) as m:
+    m.save(1, {"state": {"w": np.ones(1000, np.float32)}}, force=True)
+  step = os.path.join(d, "5")
+  shutil.copytree(os.path.join(d, "1"), step)
+  fifo = (os.path.join(step, "_CHECKPOINT") if where == "manifest"
+          else _data_files(step)[-1])
+  os.remove(fifo)
+  os.mkfifo(fifo)
+
+  def keep_best_save():
+    with ofx.CheckpointManager(d, ofx.CheckpointPolicy(best_metric="loss", keep_best=1)) as mm:
+      mm.save(9, {"state": {"w": np.zeros(1000, np.float32)}}, force=True,
+              metrics={"loss": 0.0})
+
+  reads = {"restore": lambda: ofx.restore(step), "verify": lambda: ofx.verify(step)}
+  if where == "manifest":
+    reads.update(metadata=lambda: ofx.metadata(step), keep_best_save=keep_best_save)
+  try:
+    for name, read in reads.items():
+      got = _bounded(read, limit=30)  # a FIFO's read ends at once or never
+      if name == "keep_best_save":  # the damaged step counts as having no metrics
+        assert got is None, got
+      else:
+        assert isinstance(got, ofx.errors.CheckpointFormatError), (name, got)
+        assert f"{fifo} is a FIFO" in str(got), (name, got)
+  finally:
+    _release_fifo(fifo)
+
+
 # ---------------------------------------------------------------------------
 # A database belongs to one item, process and checkpoint
 

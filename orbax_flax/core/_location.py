@@ -13,6 +13,7 @@ import errno
 import os
 import re
 import shutil
+import stat
 from typing import Any
 
 import tensorstore as ts
@@ -262,9 +263,10 @@ def read_key(loc: Location, key: str, context: ts.Context | None = None,
              max_bytes: int | None = None) -> bytes | None:
   """Reads one key (its first ``max_bytes`` if given); None when it is missing."""
   if loc.is_local:
-    # Plain reads are cheaper than a kvstore open for small local files.
+    # Plain reads are cheaper than a kvstore open for small local files. Opened without
+    # blocking, and read only if a plain file: a FIFO put in its place would block forever.
     try:
-      with open(os.path.join(loc.local_path, key), "rb") as f:
+      with open_plain(os.path.join(loc.local_path, key), str(loc)) as f:
         return f.read() if max_bytes is None else f.read(max_bytes)
     except (FileNotFoundError, NotADirectoryError):
       return None
@@ -276,6 +278,62 @@ def read_key(loc: Location, key: str, context: ts.Context | None = None,
       return read_key(loc, key, context)  # shorter than max_bytes
     raise storage_error(loc, f"reading {key!r}", e) from e
   return r.value if r.state == "value" else None
+
+
+def open_plain(path: str, inside: str) -> Any:
+  """``open(path, "rb")`` of a file of a local checkpoint (``inside`` says which), refused
+  unless a plain file: opened without blocking, so a FIFO put in its place is refused at
+  once rather than blocking the read forever. Missing: ``FileNotFoundError`` as ``open``.
+
+  Raises:
+    CheckpointFormatError: ``path`` is a FIFO, socket or device (see :func:`refuse_special`).
+  """
+  return os.fdopen(open_plain_fd(path, inside), "rb")
+
+
+def open_plain_fd(path: str, inside: str) -> int:
+  """:func:`open_plain`, as a file descriptor (for ``os.pread``); the caller closes it."""
+  fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+  try:
+    refuse_special(path, inside, os.fstat(fd).st_mode)
+    os.set_blocking(fd, True)
+  except BaseException:
+    os.close(fd)
+    raise
+  return fd
+
+
+def refuse_special(path: str, inside: str, mode: int | None = None) -> None:
+  """Refuses ``path`` (inside a local checkpoint: ``inside`` says where) unless it is a
+  plain file or directory, or is missing: a symbolic link would lead anywhere, and a FIFO,
+  socket or device would block a read forever or return what no save wrote. ``mode``: its
+  ``st_mode`` if known (of an open file), else it is ``lstat``-ed.
+
+  Raises:
+    CheckpointFormatError: naming the path, what it is, and the fix.
+  """
+  if mode is None:
+    try:
+      mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+      return
+  if stat.S_ISLNK(mode):
+    try:
+      target = os.readlink(path)
+    except OSError:
+      target = "?"
+    raise errors.CheckpointFormatError(
+        f"{path} is a symbolic link (to {target}) inside {inside}: a checkpoint reads only"
+        " its own files, never through a link (orbax_flax never writes one; the checkpoint"
+        " was crafted or assembled by hand). Copy the real files in place of the link, or"
+        " restore another checkpoint.")
+  if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+    kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode)
+            else "a device file")
+    raise errors.CheckpointFormatError(
+        f"{path} is {kind} inside {inside}, not a file a save writes: reading it could block"
+        " forever or return anything. Remove it (and copy the real file in its place), or"
+        " restore another checkpoint.")
 
 
 def write_key(loc: Location, key: str, data: bytes, context: ts.Context | None = None) -> None:

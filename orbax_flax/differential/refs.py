@@ -31,6 +31,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from orbax_flax.core import _location
 from orbax_flax.format import _manifest
 from orbax_flax.format import step_dir
 from orbax_flax import errors
@@ -73,7 +74,7 @@ def summary_of(path: str) -> Any:
   ``_CHECKPOINT`` manifest or, retired, its ``_RETIRED`` one; None if neither decodes."""
   for key in (_manifest.MANIFEST_KEY, step_dir.RETIRED_KEY):
     try:
-      with open(os.path.join(path, key), "rb") as f:
+      with _location.open_plain(os.path.join(path, key), path) as f:
         data = f.read(_manifest.SUMMARY_READ_BYTES)
         summary = _manifest.decode_summary(data, os.path.join(path, key))
         if summary is None:  # a long summary: read as far as its header says, then all

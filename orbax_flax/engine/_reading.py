@@ -204,7 +204,7 @@ class Reader:
       if at is None or at.inline is not None:
         return None if at is None else at.inline
       try:
-        with open(at.file, "rb") as f:
+        with _location.open_plain(at.file, str(self.loc)) as f:
           f.seek(at.offset)
           return f.read(min(at.length, 4096))  # (a longer one is no name this library writes)
       except OSError as e:

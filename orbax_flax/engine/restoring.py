@@ -110,14 +110,11 @@ def _manifest_bytes(loc: Location) -> bytes | None:
 
   Raises:
     CheckpointFormatError: a manifest larger than the cap (read no further than the cap), or
-      a symbolic link (a checkpoint reads only its own files).
+      a symbolic link (a checkpoint reads only its own files) or another special file.
   """
   where = f"{loc}/{_manifest.MANIFEST_KEY}"
-  if loc.is_local and os.path.islink(os.path.join(loc.local_path, _manifest.MANIFEST_KEY)):
-    raise errors.CheckpointFormatError(
-        f"{where} is a symbolic link (to"
-        f" {os.readlink(os.path.join(loc.local_path, _manifest.MANIFEST_KEY))}): a checkpoint"
-        " reads only its own files, never through a link; copy the real file in its place.")
+  if loc.is_local:  # a link would lead anywhere; a FIFO would block the read forever
+    _location.refuse_special(os.path.join(loc.local_path, _manifest.MANIFEST_KEY), str(loc))
   data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.MAX_MANIFEST_BYTES + 1)
   if data is not None and len(data) > _manifest.MAX_MANIFEST_BYTES:
     raise errors.CheckpointFormatError(

@@ -375,23 +375,10 @@ def check_no_links(root: str, db: str) -> None:
   path = top
   for part in parts:
     path = os.path.join(path, part)
-    _refuse_link(path, db)
+    _location.refuse_special(path, f"the checkpoint's database {db}")
   for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
     for name in dirnames + filenames:
-      _refuse_link(os.path.join(dirpath, name), db)
-
-
-def _refuse_link(path: str, db: str) -> None:
-  if os.path.islink(path):
-    try:
-      target = os.readlink(path)
-    except OSError:
-      target = "?"
-    raise errors.CheckpointFormatError(
-        f"{path} is a symbolic link (to {target}) inside the checkpoint's database {db}: a"
-        " checkpoint reads only its own files, never through a link (orbax_flax never writes"
-        " one; the checkpoint was crafted or assembled by hand). Copy the real files in place"
-        " of the link, or restore another checkpoint.")
+      _location.refuse_special(os.path.join(dirpath, name), f"the checkpoint's database {db}")
 
 
 def _check_extents(index: dict[bytes, Located], base: str) -> None:

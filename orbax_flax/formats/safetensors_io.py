@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from orbax_flax.core import _location
 from orbax_flax.core import _tree
 from orbax_flax import errors
 from orbax_flax.format import _manifest
@@ -90,7 +91,7 @@ def detect(path: str) -> bool:
 
 
 def _read_prefix(file: str, limit: int) -> bytes:
-  with open(file, "rb") as f:
+  with _location.open_plain(file, os.path.dirname(file)) as f:
     data = f.read(limit + 1)
   if len(data) > limit:
     raise errors.CheckpointFormatError(f"{file}: larger than {limit} bytes; not an index")
@@ -117,7 +118,7 @@ def read_index(directory: str) -> dict[str, str]:
 
 def read_header(file: str) -> tuple[dict[str, Any], int, int]:
   """The JSON header of one file, the offset where its data starts, and the file's size."""
-  with open(file, "rb") as f:
+  with _location.open_plain(file, os.path.dirname(file) or ".") as f:
     size = os.fstat(f.fileno()).st_size
     head = f.read(8)
     if len(head) < 8:

@@ -306,7 +306,7 @@ class WriterLease:
         fcntl.flock(fd, fcntl.LOCK_EX)  # released with the fd, and by the kernel at a kill
         path = os.path.join(root, WRITER)
         try:
-          with open(path, "rb") as f:
+          with _location.open_plain(path, root) as f:
             current = _decode(f.read())
         except FileNotFoundError:
           current = None

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from orbax_flax.core import _crc
+from orbax_flax.core import _location
 from orbax_flax.format import _layout
 from orbax_flax.format import _manifest
 from orbax_flax.engine import targets
@@ -192,7 +193,7 @@ class FileReader:
   (:func:`orbax_flax.tiers._exchange.shift_parts`): nothing larger than a round is held."""
 
   def __init__(self, path: str):
-    self._fd = os.open(path, os.O_RDONLY)
+    self._fd = _location.open_plain_fd(path, os.path.dirname(path))
     self.nbytes = os.fstat(self._fd).st_size
 
   def fill(self, row: np.ndarray, lo: int) -> None:
@@ -239,7 +240,7 @@ def read_blob(path: str, where: str) -> tuple[Manifest, Payload]:
   Raises:
     CheckpointCorruptedError: any byte is damaged; the message names the array.
   """
-  fd = os.open(path, os.O_RDONLY)
+  fd = _location.open_plain_fd(path, os.path.dirname(path))
   try:
     size = os.fstat(fd).st_size
     n = _header(os.pread(fd, HEAD, 0), size, where)

@@ -19,6 +19,7 @@ import shutil
 
 import numpy as np
 
+from orbax_flax.core import _location
 from orbax_flax.format import _manifest
 from orbax_flax.core import _progress
 from orbax_flax import errors
@@ -89,7 +90,7 @@ class StepDirectory:
       if not name.isdigit() or not os.path.exists(path):
         continue
       try:
-        with open(path, "rb") as f:
+        with _location.open_plain(path, self.root) as f:
           record = StepRecord.decode(f.read(1 << 16), path)
       except (OSError, errors.CheckpointCorruptedError) as e:
         damaged.append(f"step {name}: {e}")
