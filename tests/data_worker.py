@@ -39,11 +39,42 @@ class ShardIterator:
     self.next_index = s["next_index"]
 
 
+def rollback(workdir):
+  """Trains steps 1..10 (saving 5 and 10), rolls back to step 5, skips 3 batches (as after a
+  loss spike), trains 6..10 again (process 1 a little late to the save of 10), and prints
+  where each process's data stands."""
+  import time  # pylint: disable=g-import-not-at-top
+  me = jax.process_index()
+  it = ShardIterator(me, jax.process_count())
+  ckpt = ofx.CheckpointCallback(workdir, {"save_interval_steps": 5, "max_to_keep": 5})
+  state = ckpt.restore_or_init({"w": 0}, data_iterator=it)
+  for step in range(1, 11):
+    state = {"w": state["w"] + next(it)}
+    ckpt.on_step_end(step, state)
+  ckpt.manager.wait_for_save()
+  got = ckpt.manager.restore(5, {"state": None, "data": None})
+  state = got["state"]
+  it.set_state(got["data"]["processes"][me])
+  for _ in range(3):
+    next(it)
+  for step in range(6, 11):
+    state = {"w": state["w"] + next(it)}
+    if step == 10 and me == 1:
+      time.sleep(2)
+    ckpt.on_step_end(step, state)
+  print("POSITION", me, it.get_state()["next_index"], flush=True)
+  ckpt.close()
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--dir")
   p.add_argument("--global_state", action="store_true")
+  p.add_argument("--rollback", action="store_true")
   a = jobs.join(p)
+  if a.rollback:
+    rollback(a.dir)
+    return
   it = ShardIterator(jax.process_index(), jax.process_count(), a.global_state)
   ckpt = ofx.CheckpointCallback(a.dir, {"save_interval_steps": 5, "save_final_step": False})
   step = lambda s, b: ({"step": s["step"] + 1}, {})  # noqa: E731

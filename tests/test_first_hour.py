@@ -57,6 +57,20 @@ def test_per_process_data_states_never_land_on_another_process_count(tmp_path, i
   ckpt.close()
 
 
+def test_a_step_saved_again_after_a_rollback_holds_every_process_s_new_position(tmp_path):
+  """Two processes roll back from step 10 to 5, skip three batches and save step 10 again:
+  its data positions were gathered under the key of the first save of step 10, whose
+  rendezvous was complete already, so the late process's *old* position was saved."""
+  import re  # pylint: disable=g-import-not-at-top
+  r = jobs.run("data_worker.py", [f"--dir={tmp_path}", "--rollback"], 2, 1)
+  r.check()
+  actual = {int(p): int(i) for p, i in re.findall(r"POSITION (\d+) (\d+)", "".join(r.outputs))}
+  assert actual == {0: 13, 1: 13}, r.outputs
+  with ofx.CheckpointManager(str(tmp_path / "checkpoints")) as m:
+    saved = m.restore(10, {"data": None})["data"]["processes"]
+  assert [s["next_index"] for s in saved] == [13, 13]
+
+
 # ------------------------------------------------------------- 2. lossy dtype conversions
 
 

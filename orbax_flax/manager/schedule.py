@@ -89,6 +89,10 @@ class Schedule:
     self._last_time = clock()
     self._last_commit: float | None = None
     self._first = True
+    # The steps asked so far go up, except after a rollback: then a step number comes again,
+    # and its decisions (keys in the coordination service, complete once) need new keys. Every
+    # process asks for the same steps, so each counts the same rounds.
+    self._round, self._asked = 0, None
 
   @classmethod
   def of(cls, trigger: policy_lib.Trigger, *, key: str, clock: Callable[[], float] = time.time,
@@ -120,14 +124,18 @@ class Schedule:
     now = self._clock()
     with self._lock:
       first, self._first = self._first, False
+      if self._asked is not None and step < self._asked:
+        self._round += 1
+      self._asked = step
       state = policy_lib.SaveState(step, now, self._last_step, self._last_time, first,
                                    self._costs.median())
+      key = f"{self._key}/{self._round}"
     reason = self._steps(state) if self._steps is not None else None
     if reason is not None or (self._time is None and self._auto is None):
       return reason
     if not self._shared:
       return self._timed(state)
-    return _multihost.decide_per_step(f"{self._key}/time", step,
+    return _multihost.decide_per_step(f"{key}/time", step,
                                       lambda: self._timed(state) or "",
                                       timeout_s=self._timeout_s) or None
 
@@ -143,8 +151,9 @@ class Schedule:
     if self._if_busy != "skip" or reason in policy_lib.FORCED:
       return False
     if _multihost.process_count() > 1:  # every process must skip the same steps
-      busy = "1" in _multihost.all_gather(f"{self._key}/busy/{step}", "1" if busy else "0",
-                                          self._timeout_s)
+      with self._lock:
+        key = f"{self._key}/{self._round}/busy/{step}"
+      busy = "1" in _multihost.all_gather(key, "1" if busy else "0", self._timeout_s)
     if busy:
       log.info("skipping the %s save of step %d: the previous save is still being written",
                reason, step)

@@ -127,6 +127,9 @@ class DataPosition:
     self.iterator = iterator
     self._key, self._timeout_s = coordination_key, timeout_s
     self._after: tuple[int, Any] | None = None  # see mark()
+    # Gathers so far (every process makes the same): each has a key of its own, since a step
+    # may be saved twice in one job (after a rollback), and a rendezvous is complete once.
+    self._gathers = 0
 
   @classmethod
   def of(cls, iterator: Any, coordination_key: str,
@@ -175,7 +178,8 @@ class DataPosition:
       TypeError: the state holds something other than dicts, lists, str,
         bytes and numbers.
     """
-    states = _multihost.all_gather(f"{self._key}/data/{step}", _encode(state),
+    self._gathers += 1
+    states = _multihost.all_gather(f"{self._key}/data/{self._gathers}-{step}", _encode(state),
                                    timeout_s=self._timeout_s, what="gather the data positions")
     return {"processes": [_decode(s) for s in states], "global": self.is_global}
 
