@@ -10,6 +10,7 @@ Each step takes this process's batch from ``orbax_flax.data.ElasticIterator`` an
 """
 
 import argparse
+import collections
 import os
 import sys
 import time
@@ -36,12 +37,24 @@ def pipeline():
   return grain.MapDataset.mix([a, b], weights=[0.6, 0.4]).shuffle(seed=3).filter(keep)
 
 
+def ahead(batches, n):
+  """Reads ``n`` batches ahead of what it yields, as flax's prefetch_to_device does."""
+  queue = collections.deque()
+  for batch in batches:
+    queue.append(batch)
+    if len(queue) > n:
+      yield queue.popleft()
+  yield from queue
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--workdir")
   p.add_argument("--run", type=int)
   p.add_argument("--steps", type=int)
   p.add_argument("--pace", type=float, default=0.1, help="seconds a step (time for a SIGTERM)")
+  p.add_argument("--prefetched", action="store_true",
+                 help="read two batches ahead through ofx.Prefetched, as docs/training.md says")
   a = p.parse_args()
   launch.initialize_from_env(60, heartbeat_timeout_seconds=10)
   import jax  # pylint: disable=g-import-not-at-top
@@ -50,7 +63,8 @@ def main():
   import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
   from orbax_flax.data import ElasticIterator  # pylint: disable=g-import-not-at-top
 
-  it = ElasticIterator(pipeline(), GLOBAL_BATCH, read_options=grain.ReadOptions(num_threads=2))
+  source = ElasticIterator(pipeline(), GLOBAL_BATCH, read_options=grain.ReadOptions(num_threads=2))
+  it = ofx.Prefetched(source, lambda batches: ahead(batches, 2)) if a.prefetched else source
   cb = ofx.CheckpointCallback(a.workdir, {"save_interval_steps": 5,
                                           "coordination_timeout_seconds": 120})
   state = cb.restore_or_init({"step": jnp.zeros((), jnp.int32)}, data_iterator=it)
@@ -72,7 +86,7 @@ def main():
       break
     time.sleep(a.pace)
   cb.close()
-  it.close()
+  source.close()
   if not cb.preempted:
     print(f"DONE {step}", flush=True)
 

@@ -255,7 +255,7 @@ def test_the_data_package_imports_no_other_orbax_flax_layer():
 # ------------------------------------------------------------------------ real processes
 
 
-def _job(workdir, n, run, steps, sigterm_after=None):
+def _job(workdir, n, run, steps, sigterm_after=None, extra=()):
   """elastic_worker.py as ``n`` processes through ``python -m orbax_flax.launch``; with
   ``sigterm_after``, SIGTERM goes to the launcher once process 0 has taken that many steps."""
   import signal  # pylint: disable=g-import-not-at-top
@@ -267,7 +267,7 @@ def _job(workdir, n, run, steps, sigterm_after=None):
   env.pop("XLA_FLAGS")
   cmd = [sys.executable, "-m", "orbax_flax.launch", "-n", str(n), "--devices_per_process=1",
          "--", os.path.join(jobs.HERE, "elastic_worker.py"), f"--workdir={workdir}",
-         f"--run={run}", f"--steps={steps}"]
+         f"--run={run}", f"--steps={steps}", *extra]
   p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                        cwd=jobs.ROOT)
   out = ""
@@ -322,3 +322,20 @@ def test_processes_2_1_3_with_sigterm_between_deliver_every_record_once(tmp_path
     seen.update(batch["id"].tolist())
   assert max(seen.values()) == 1  # none twice
   assert sorted(seen) == all_ids(elastic_worker.pipeline())  # none skipped
+
+
+def test_an_elastic_source_read_ahead_through_prefetched_resumes_on_another_process_count(
+    tmp_path):
+  """docs/training.md: wrap a source read ahead (prefetch_to_device) in ofx.Prefetched. The
+  wrapper hid the source's elasticity (checkpoint_state_is_elastic, set_state_from_shards),
+  so a 2-process run's positions were refused on 1 process as per-process ones."""
+  workdir = tmp_path / "run"
+  first = _job(workdir, 2, 0, 6, extra=["--prefetched", "--pace=0"])
+  second = _job(workdir, 1, 1, 9, extra=["--prefetched", "--pace=0"])
+  assert _ended(first, "DONE") == {6} and _resumed(second) == {6} and _ended(second, "DONE") == {9}
+  seen = collections.Counter()
+  for run, procs in ((0, 2), (1, 1)):
+    for proc in range(procs):
+      for line in (workdir / "ledger" / f"run{run}-p{proc}.txt").read_text().split("\n"):
+        seen.update(int(x) for x in line.split()[1:])
+  assert max(seen.values()) == 1 and sum(seen.values()) == 9 * 12  # none twice, none lost

@@ -17,6 +17,8 @@ import collections
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from orbax_flax.training import resume
+
 
 class Prefetched:
   """An iterator over ``prefetch(source)`` whose state is what the loop consumed.
@@ -95,8 +97,28 @@ class Prefetched:
 
   @property
   def checkpoint_state_is_global(self) -> bool:
-    """The source's own answer: its position is one for every process (see ``DataPosition``)."""
-    return bool(self._stateful and getattr(self._source, "checkpoint_state_is_global", False))
+    """The source's answer: its position is one for every process (see ``DataPosition``)."""
+    return self._stateful and resume.state_is_global(self._source)
+
+  @property
+  def checkpoint_state_is_elastic(self) -> bool:
+    """The source's answer: it resumes from every old process's state on any process count
+    (:meth:`set_state_from_shards`; e.g. :class:`orbax_flax.data.ElasticIterator`)."""
+    return self._stateful and resume.state_is_elastic(self._source)
+
+  def set_state_from_shards(self, states: list[Any]) -> None:
+    """Hands every old process's state to the source (an elastic one), then reads ahead from
+    where the source then stands.
+
+    Raises:
+      TypeError: the source is not elastic (no ``set_state_from_shards``).
+    """
+    if not self.checkpoint_state_is_elastic:
+      raise TypeError(f"Prefetched.set_state_from_shards: the source"
+                      f" ({type(self._source).__name__}) is not elastic (it does not set"
+                      " checkpoint_state_is_elastic = True); use set_state(state)")
+    self._source.set_state_from_shards(list(states))
+    self._start(self._source.get_state())
 
   def get_state(self) -> Any:
     """The source's position after the last batch this iterator handed out."""

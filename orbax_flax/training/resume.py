@@ -80,6 +80,21 @@ _GLOBAL_STATE_TYPES = frozenset({
 })
 
 
+def state_is_global(iterator: Any) -> bool:
+  """Whether ``iterator``'s state is a position in the global data order, one for every
+  process: it says so (``checkpoint_state_is_global = True``), or it is grain's
+  ``ElasticIterator``."""
+  return (getattr(iterator, "checkpoint_state_is_global", False) is True
+          or any((c.__module__, c.__name__) in _GLOBAL_STATE_TYPES
+                 for c in type(iterator).__mro__))
+
+
+def state_is_elastic(iterator: Any) -> bool:
+  """Whether ``iterator`` resumes from every old process's state on any process count
+  (``checkpoint_state_is_elastic = True`` and ``set_state_from_shards(states)``)."""
+  return getattr(iterator, "checkpoint_state_is_elastic", False) is True
+
+
 class DataPosition:
   """A data iterator's position, saved with every step and restored on resume.
 
@@ -146,14 +161,12 @@ class DataPosition:
   @property
   def is_global(self) -> bool:
     """True if the iterator's state is a global position (see the class docstring)."""
-    return (getattr(self.iterator, "checkpoint_state_is_global", False) is True
-            or any((c.__module__, c.__name__) in _GLOBAL_STATE_TYPES
-                   for c in type(self.iterator).__mro__))
+    return state_is_global(self.iterator)
 
   @property
   def is_elastic(self) -> bool:
     """True if the iterator takes every old process's state (``set_state_from_shards``)."""
-    return getattr(self.iterator, "checkpoint_state_is_elastic", False) is True
+    return state_is_elastic(self.iterator)
 
   def get(self) -> Any:
     """The iterator's state now (the position after the last batch it gave)."""
