@@ -66,15 +66,46 @@ def rollback(workdir):
   ckpt.close()
 
 
+def uneven(workdir):
+  """Process 1 runs one step more than process 0 (its data lasted longer), then closes."""
+  ckpt = ofx.CheckpointCallback(workdir, {"save_interval_steps": 100,
+                                          "coordination_timeout_seconds": 60})
+  state = ckpt.restore_or_init({"w": 0})
+  for step in range(1, 4 + jax.process_index() + 1):
+    state = {"w": state["w"] + 1}
+    ckpt.on_step_end(step, state)
+  try:
+    ckpt.close()
+  except RuntimeError as e:
+    print("CLOSE FAILED", e, flush=True)
+
+
+def mismatched(workdir):
+  """Each process saves another step in what is one collective save."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  with ofx.CheckpointManager(workdir, ofx.CheckpointPolicy(coordination_timeout_seconds=60)) as m:
+    try:
+      m.save(4 + jax.process_index(), {"state": {"w": np.full(3, jax.process_index())}},
+             force=True)
+      m.wait()
+      print("SAVED", m.all_steps(), flush=True)
+    except Exception as e:  # pylint: disable=broad-except
+      print("SAVE FAILED", type(e).__name__, e, flush=True)
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--dir")
   p.add_argument("--global_state", action="store_true")
   p.add_argument("--rollback", action="store_true")
+  p.add_argument("--uneven", action="store_true")
+  p.add_argument("--mismatched", action="store_true")
   a = jobs.join(p)
-  if a.rollback:
-    rollback(a.dir)
-    return
+  modes = {"rollback": rollback, "uneven": uneven, "mismatched": mismatched}
+  for mode, run in modes.items():
+    if getattr(a, mode):
+      run(a.dir)
+      return
   it = ShardIterator(jax.process_index(), jax.process_count(), a.global_state)
   ckpt = ofx.CheckpointCallback(a.dir, {"save_interval_steps": 5, "save_final_step": False})
   step = lambda s, b: ({"step": s["step"] + 1}, {})  # noqa: E731

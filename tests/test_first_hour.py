@@ -71,6 +71,31 @@ def test_a_step_saved_again_after_a_rollback_holds_every_process_s_new_position(
   assert [s["next_index"] for s in saved] == [13, 13]
 
 
+def test_processes_that_end_at_different_steps_are_told_at_once(tmp_path):
+  """A finite data pass that ends one step later on one process (ElasticIterator with a
+  filter): each process's close() went to a final save of its own last step and waited
+  for the others there until the coordination timeout (600 s by default), with an error
+  that said nothing of why."""
+  r = jobs.run("data_worker.py", [f"--dir={tmp_path}", "--uneven"], 2, 1, timeout=50)
+  r.check()
+  for out in r.outputs:
+    assert ("CLOSE FAILED the processes ended the run at different steps (process 0: 4,"
+            " process 1: 5)") in out and "repeat() the dataset" in out, out[-3000:]
+  with ofx.CheckpointManager(str(tmp_path / "checkpoints")) as m:
+    assert m.all_steps() == []  # no final step of either length
+
+
+def test_a_save_where_processes_name_different_steps_commits_nothing(tmp_path):
+  """Process 0 saved step 4 and process 1 step 5 in what was one collective save: it
+  committed step 4, with process 1's shards of step 5 inside, and no error anywhere."""
+  r = jobs.run("data_worker.py", [f"--dir={tmp_path}", "--mismatched"], 2, 1, timeout=100)
+  r.check()
+  for out in r.outputs:  # each process is told why
+    assert "SAVE FAILED" in out and "process 0 saves '4' and process 1 saves '5'" in out, out
+  with ofx.CheckpointManager(str(tmp_path)) as m:
+    assert m.all_steps() == []
+
+
 # ------------------------------------------------------------- 2. lossy dtype conversions
 
 

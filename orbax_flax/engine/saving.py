@@ -696,7 +696,9 @@ class SaveRun:
             os.makedirs(where.local_path)
           except OSError as e:
             raise _location.storage_error(final, "creating the checkpoint directory", e) from e
-        _multihost.publish(f"{self.key}/gen", gen, timeout_s=self.timeout_s)
+        # With the name saved to: every process must save the same checkpoint (a process
+        # that names another, say one step ahead, fails the save on every process).
+        _multihost.publish(f"{self.key}/gen", f"{gen} {final.name}", timeout_s=self.timeout_s)
       except BaseException as e:
         if not isinstance(e, _multihost.CoordinationTimeoutError):
           _multihost.publish(f"{self.key}/gen", f"error: {e}", timeout_s=self.timeout_s)
@@ -706,6 +708,12 @@ class SaveRun:
                              waiting_for=f"process 0 to start the save to {final}", missing=[0])
       if gen.startswith("error: "):
         raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
+      gen, name = gen.split(" ", 1)
+      if name != final.name:
+        raise ValueError(
+            f"process 0 saves {name!r} and process {self.me} saves {final.name!r} in the same"
+            " save: every process of a job must save the same checkpoint (the same step) at"
+            " the same time; one that runs other steps than the others is a bug in the loop")
     self.gen, self.target = gen, where or target(final, gen)
     self._ctx = _tsio.context()
     self.hooks.agree(self.key, self.timeout_s)

@@ -400,6 +400,8 @@ class CheckpointCallback(callbacks.Callback):
       try:
         if save_final and self._last is not None and self.policy.save_final_step and not self.preempted:
           step, state = self._last
+          if jax.process_count() > 1:  # a final save needs every process at the same step
+            same_last_step(self.manager, step, self.policy.coordination_timeout_seconds)
           if not self.manager.has_step(step):
             self._save(step, state, self._last_metrics, "final")
       finally:
@@ -543,6 +545,26 @@ def resume_point(manager: CheckpointManager) -> str:
   if latest is None:
     return "No step is committed yet: a resume starts from scratch."
   return f"A resume continues from step {latest}, the last committed."
+
+
+def same_last_step(manager: CheckpointManager, step: int, timeout_s: float) -> None:
+  """Checks that every process ends its run at ``step`` (before a final save, which needs
+  them all there).
+
+  Raises:
+    RuntimeError: the processes ended at different steps, naming them and the fix.
+  """
+  ends = [int(s) for s in _multihost.all_gather(f"{manager.coordination_key}/end", str(step),
+                                                timeout_s=timeout_s, what="end the run")]
+  if len(set(ends)) > 1:
+    raise RuntimeError(
+        f"the processes ended the run at different steps ({', '.join(f'process {p}: {s}' for p, s in enumerate(ends))}),"
+        " so no final step is saved (the last committed is"
+        f" {manager.latest_step()}). Every process of a job must run the same steps: a"
+        " finite pass over the data that ends at different steps on different processes"
+        " does this (orbax_flax.data.ElasticIterator over a dataset with a filter yields"
+        " different numbers of batches per process): repeat() the dataset and stop at a"
+        " fixed number of steps.")
 
 
 def every_process_failed(manager: CheckpointManager, step: int) -> bool:
