@@ -74,11 +74,18 @@ def model_from_config(config) -> TransformerLM:
 
 
 def make_mesh(config) -> jax.sharding.Mesh:
-  """("data", "model") over every device of the job."""
-  n = jax.device_count()
-  model = config.model_parallel or (2 if n % 2 == 0 and n > 1 else 1)
-  if n % model:
-    raise ValueError(f"model_parallel={model} does not divide the {n} devices")
+  """("data", "model") over every device of the job, "model" within each process.
+
+  Each process reads its own rows of every batch (:func:`text_batches`), so the devices
+  that share rows (a "model" group) must be one process's: the default takes 2 of a
+  process's devices when it has an even number, else 1.
+  """
+  n, local = jax.device_count(), jax.local_device_count()
+  model = config.model_parallel or (2 if local % 2 == 0 and local > 1 else 1)
+  if local % model:
+    raise ValueError(f"model_parallel={model} does not divide the {local} devices of each"
+                     f" process: the devices of a model group must be one process's (each"
+                     f" process reads its own rows of the batch); choose a divisor of {local}")
   return jax.make_mesh((n // model, model), ("data", "model"),
                        axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
