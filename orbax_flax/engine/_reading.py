@@ -755,7 +755,8 @@ def _read_error(loc: Location, item: str, path: str, db: str, e: Exception) -> E
 
 
 class TempPool:
-  """Reused temporary buffers, at most ``limit`` bytes out at once (one larger alone).
+  """Reused temporary buffers, at most ``limit`` bytes out at once (one larger alone), and
+  as many kept for reuse (or the one larger).
 
   Every :meth:`get` is paired with a :meth:`put` on every path, errors
   included, so a wait in :meth:`get` lasts only as long as the reads holding
@@ -792,7 +793,11 @@ class TempPool:
       self._out -= n
       if buf is not None:
         self._free.append(buf)
-      while sum(b.nbytes for b in self._free) > self.limit and self._free:
+      # Kept: up to ``limit`` bytes, or the one buffer larger than it (a chunk larger than
+      # the budget, read alone): freed and allocated again at every read, its memory stayed
+      # in the allocator's per-thread arenas, many times over.
+      self._free.sort(key=lambda b: b.nbytes)
+      while len(self._free) > 1 and sum(b.nbytes for b in self._free) > self.limit:
         self._free.pop(0)
       self._cond.notify_all()
 
