@@ -245,6 +245,30 @@ def test_exception_in_a_callback_before_the_checkpoint_one_saves_the_data_positi
   leaves_equal(resumed, reference)
 
 
+def test_a_failing_get_state_makes_no_exception_save_without_the_data_position(tmp_path):
+  """The data iterator's get_state() raised at step 7: the exception save committed step 7
+  without a data position, and a resume (which only warned) trained steps 8.. on the data
+  from its start, though step 5 held a good position."""
+
+  class BrokenAt7(Dataset):
+    def get_state(self):
+      if self.i == 7:
+        raise OSError("the data service went away")
+      return super().get_state()
+
+  cfg = {"save_interval_steps": 5}
+  ckpt = ofx.CheckpointCallback(str(tmp_path), cfg)
+  with pytest.raises(OSError, match="data service"):
+    ofx.Trainer(linen_step, [ckpt]).fit(linen_state(), BrokenAt7(), num_steps=10)
+  assert ckpt.manager.all_steps() == [5]  # step 7's position is unknown: not saved
+  data = Dataset()
+  again = ofx.CheckpointCallback(str(tmp_path), cfg)
+  resumed = ofx.Trainer(linen_step, [again]).fit(linen_state(), data, num_steps=10)
+  reference = ofx.Trainer(linen_step, []).fit(linen_state(), Dataset(), num_steps=10)
+  assert again.restored_step == 5 and data.i == 10
+  leaves_equal(resumed, reference)
+
+
 def test_preemption_save_goes_ahead_after_an_earlier_background_save_failed(tmp_path):
   """Step 6's background save fails (the disk is full), space comes back, then SIGTERM: the
   preemption save raised step 6's old error instead of saving, and everything after the last

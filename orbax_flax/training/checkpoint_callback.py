@@ -377,15 +377,22 @@ class CheckpointCallback(callbacks.Callback):
       return
     if self.manager.has_step(step) or not every_process_failed(self.manager, step):
       return
-    (log.warning if interrupted else log.error)("%s; saving that step.%s",
-                                                failure(step, error), hint)
-    data_state = None if self._data is None else self._data.after(step)  # None: saved without
+    data_state = None if self._data is None else self._data.after(step)
     if data_state is None and self._data is not None and (self._last is None
                                                           or step > self._last[0]):
       # Step ``step`` was computed but this callback never saw it (a callback before it in a
       # Trainer raised): the iterator has given that step's batch and no other.
       self._data.mark(step)
       data_state = self._data.after(step)
+    if self._data is not None and not self._data.marked(step):
+      # The mark failed: get_state() raised at this step (perhaps the very error). Saved
+      # without its data position, a resume would train on the data from its start.
+      log.error("%s; not saving it: the data iterator's position after step %d is unknown"
+                " (its get_state() failed), and a save without it would make a resume replay"
+                " the data from its start. %s", failure(step, error), step, latest)
+      return
+    (log.warning if interrupted else log.error)("%s; saving that step.%s",
+                                                failure(step, error), hint)
     self._save(step, state, self._last_metrics, "exception", data_state)
 
   def on_train_end(self, step: int, state: Any) -> None:

@@ -176,6 +176,10 @@ class DataPosition:
     """Records the position now as where step ``step`` left the data (see :meth:`after`)."""
     self._after = (step, self.get())
 
+  def marked(self, step: int) -> bool:
+    """Whether :meth:`mark` recorded where step ``step`` left the data."""
+    return self._after is not None and self._after[0] == step
+
   def after(self, step: int) -> Any:
     """The position :meth:`mark` recorded for ``step``, or None.
 
