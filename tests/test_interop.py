@@ -5,6 +5,7 @@ import io
 import json
 import os
 import re
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -13,6 +14,8 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from safetensors.flax import save_file as flax_save_file
@@ -193,6 +196,40 @@ def test_orbax_empty_dicts_lists_and_nones_are_read_as_orbax_reads_them(tmp_path
   assert with_target["bn"] == {} and with_target["w"].tolist() == [0, 1]
   buf = io.StringIO()
   assert cli.main(["verify", path], out=buf) == 0, buf.getvalue()
+
+
+def test_orbax_empty_tuples_are_read_as_orbax_reads_them(tmp_path):
+  """orbax-checkpoint 0.12 records ``()`` (optax.MultiSteps' skip_state) as value type Tuple:
+  restore, metadata, verify, show and convert took it for a leaf of the old aggregate file
+  and called the checkpoint incomplete."""
+  import optax
+  from flax.training import train_state
+  model = _Model()
+  state = train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.key(0), jnp.ones((1, 8)))["params"],
+      tx=optax.MultiSteps(optax.adam(1e-3), 4))
+  tree = {"state": state, "nested": (((),), [()], {"a": ()}), "pair": (optax.EmptyState(),) * 2}
+  path = str(tmp_path / "run" / "100" / "default")
+  with ocp.StandardCheckpointer() as c:
+    c.save(path, tree)
+    theirs = c.restore(path)  # without a target: what orbax makes of the empty nodes
+  ours = ofx.restore(path)["default"]
+  assert ours["state"]["opt_state"]["skip_state"] == ()
+  assert theirs["state"]["opt_state"]["skip_state"] == ()
+  assert ours["nested"] == theirs["nested"] == [[()], [()], {"a": ()}]
+  assert ours["pair"] == theirs["pair"] == [None, None]
+  got = ofx.restore(path, {"default": {**tree, "state": ofx.abstract(state)}})["default"]
+  _same(got["state"], state)
+  assert got["state"].opt_state.skip_state == () and got["nested"] == tree["nested"]
+  assert ofx.metadata(path).format == "orbax-checkpoint"
+  ofx.verify(path)
+  for args in (["verify", path], ["show", path]):
+    buf = io.StringIO()
+    assert cli.main(args, out=buf) == 0, buf.getvalue()
+  ofx.convert(path, str(tmp_path / "ours"))
+  back = ofx.restore(str(tmp_path / "ours"), {"default": {**tree, "state": ofx.abstract(state)}})
+  _same(back["default"]["state"], state)
+  assert back["default"]["state"].opt_state.skip_state == ()
 
 
 def test_orbax_checkpoint_written_by_two_processes_restores_on_one_and_four(tmp_path):
@@ -552,3 +589,223 @@ def test_transpose_loads_torch_layout_weights_as_flax_kernels_shard_by_shard(tmp
   with pytest.raises(ofx.TreeMismatchError, match=r"norm_0/weight: Transpose axes \(1, 0\) are not"
                      r" a permutation of the 1 axes of shape \[8\]"):
     ofx.restore(f, transforms=[t.Transpose(r"model/norm_0/weight", axes=(1, 0))])
+
+
+def _keyed_state(seed):
+  import optax
+  from flax.training import train_state
+
+  class KeyedState(train_state.TrainState):
+    dropout_key: Any = None
+
+  model = _Model()
+  return KeyedState.create(apply_fn=model.apply, tx=optax.adam(1e-3),
+                           params=model.init(jax.random.key(seed), jnp.ones((1, 8)))["params"],
+                           dropout_key=jax.random.key(seed + 1))
+
+
+def _is_key(x):
+  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def test_orbax_typed_prng_keys_are_read_as_keys(tmp_path):
+  """orbax-checkpoint 0.12 stores a new-style PRNG key (jax.random.key) as its key data and
+  names its implementation in ``array_metadatas`` (``ext_metadata.random_key_impl``), and
+  restores a key; we read plain data, so a target holding a key (a dropout key, an NNX
+  Dropout's RNG stream) was refused and an orbax run with one could not be continued."""
+  mesh = _mesh()
+  keys = jax.device_put(jax.random.split(jax.random.key(3), 8), NamedSharding(mesh, P("x")))
+  tree = {"k": jax.random.key(1), "rbg": jax.random.key(2, impl="rbg"), "keys": keys,
+          "raw": jax.random.PRNGKey(4), "w": np.arange(3.0)}
+  path = str(tmp_path / "keys")
+  with ocp.StandardCheckpointer() as c:
+    c.save(path, tree)
+  other = _mesh((8,), ("a",))
+  target = {"k": ofx.abstract(tree["k"]), "rbg": ofx.abstract(tree["rbg"]),
+            "keys": jax.ShapeDtypeStruct((8,), keys.dtype, sharding=NamedSharding(other, P("a"))),
+            "raw": ofx.abstract(tree["raw"]), "w": np.zeros(3)}
+  got = ofx.restore(path, {"t": target})["t"]
+  for name in ("k", "rbg", "keys"):
+    assert _is_key(got[name]) and got[name].dtype == tree[name].dtype, name
+    np.testing.assert_array_equal(jax.random.key_data(got[name]), jax.random.key_data(tree[name]))
+  assert got["keys"].sharding == NamedSharding(other, P("a"))
+  assert not _is_key(got["raw"]) and got["raw"].tolist() == tree["raw"].tolist()
+  whole = ofx.restore(path)["default"]  # without a target too, as orbax restores them
+  assert _is_key(whole["k"]) and whole["rbg"].dtype == tree["rbg"].dtype
+  assert whole["keys"].shape == (8,)
+  arrays = {a.path: a for a in ofx.metadata(path).items["default"].arrays}
+  assert arrays["keys"].dtype == "key<threefry2x32>" and arrays["keys"].shape == (8,)
+  assert arrays["rbg"].dtype == "key<rbg>" and arrays["raw"].dtype == "uint32"
+  ofx.verify(path)
+  buf = io.StringIO()
+  assert cli.main(["show", path], out=buf) == 0 and "key<threefry2x32>[8]" in buf.getvalue()
+  ofx.convert(path, str(tmp_path / "ours"))  # into our format: still keys
+  converted = ofx.metadata(str(tmp_path / "ours")).items["default"].arrays
+  assert [a.dtype for a in converted if a.path == "k"] == ["key<threefry2x32>"]
+  with pytest.raises(ValueError, match="PRNG key arrays.*default/k"):
+    ofx.convert(path, str(tmp_path / "st"), format="safetensors")
+
+  # A TrainState with a dropout key, saved by a CheckpointManager run: read and continued.
+  state = _keyed_state(0)
+  run = str(tmp_path / "workdir")
+  with ocp.CheckpointManager(run) as mngr:
+    mngr.save(100, args=ocp.args.StandardSave(state))
+    mngr.wait_until_finished()
+  back = ofx.restore(os.path.join(run, "100", "default"), {"state": ofx.abstract(state)})["state"]
+  np.testing.assert_array_equal(jax.random.key_data(back.dropout_key),
+                                jax.random.key_data(state.dropout_key))
+  with ofx.CheckpointCallback(run, {"save_interval_steps": 10}) as ckpt:
+    resumed = ckpt.restore_or_init(_keyed_state(7))
+    assert ckpt.restored_step == 100
+  _same(resumed.params, state.params)
+  np.testing.assert_array_equal(jax.random.key_data(resumed.dropout_key),
+                                jax.random.key_data(state.dropout_key))
+
+  # The Flax NNX guide's pattern: orbax saves nnx.state(model), whose Dropout has an RNG stream.
+  from flax import nnx
+
+  class Net(nnx.Module):
+
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 4, rngs=rngs)
+      self.drop = nnx.Dropout(0.1, rngs=rngs)
+
+  net = Net(nnx.Rngs(0, dropout=1))
+  with ocp.StandardCheckpointer() as c:
+    c.save(str(tmp_path / "nnx"), nnx.state(net))
+  fresh = Net(nnx.Rngs(5, dropout=6))
+  nnx.update(fresh, ofx.restore(str(tmp_path / "nnx"), {"s": ofx.abstract(nnx.state(fresh))})["s"])
+  _same(jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.state(fresh)),
+        jax.tree.map(lambda x: jax.random.key_data(x) if _is_key(x) else x, nnx.state(net)))
+
+
+def _orbax_key_item(tmp_path):
+  path = str(tmp_path / "item")
+  with ocp.StandardCheckpointer() as c:
+    c.save(path, {"k": jax.random.key(1), "w": jnp.arange(3.0)})
+  return path, os.path.join(path, "array_metadatas", "process_0")
+
+
+def _with_entry(**fields):
+  def edit(doc):
+    for entry in doc["array_metadatas"]:
+      if entry["array_metadata"]["param_name"] == "k":
+        entry["array_metadata"].update(fields)
+    return json.dumps(doc)
+  return edit
+
+
+@pytest.mark.parametrize("edit,match", [
+    (_with_entry(ext_metadata={"random_key_impl": "threefry_9000"}),
+     r"array 'k': random_key_impl 'threefry_9000' is not a PRNG implementation jax knows.*"
+     r"threefry2x32.*jax.random.key\(0, impl='threefry_9000'\)"),
+    (_with_entry(ext_metadata={"random_key_impl": "rbg"}),  # rbg keys are 4 words, not 2
+     r"array 'k' holds uint32\[2\], not the key data of rbg keys \(uint32\[..., 4\]\)"),
+    (_with_entry(ext_metadata={"random_key_impl": 7}), r"random_key_impl is 7, not a string"),
+    (_with_entry(ext_metadata=["random_key_impl"]), r"ext_metadata is \['random_key_impl'\], not"),
+    (_with_entry(param_name=["k"]), r"param_name is \['k'\], not a string"),
+    (lambda doc: json.dumps({"array_metadatas": {"k": 1}}),
+     r"array_metadatas is \{'k': 1\}, not a list"),
+    (lambda doc: json.dumps({"array_metadatas": [7]}), r"entry 7 is not an object"),
+    (lambda doc: json.dumps({"array_metadatas": doc["array_metadatas"] * 2}).replace(
+        "threefry2x32", "rbg", 1), r"array 'k' is listed twice"),
+    (lambda doc: json.dumps(doc)[:-3], r"not valid JSON"),
+    (lambda doc: json.dumps(doc) + " " * 2000, r"larger than 1000 bytes"),
+])
+def test_orbax_array_metadatas_are_checked_before_keys_are_made(tmp_path, monkeypatch, edit,
+                                                                 match):
+  """``array_metadatas`` is input like any other file of a checkpoint: a crafted or damaged
+  one is refused naming the file, the array and the value, before anything is read."""
+  from orbax_flax.formats import orbax_checkpoint
+  monkeypatch.setattr(orbax_checkpoint, "_MAX_ARRAY_METADATAS_BYTES", 1000)
+  path, file = _orbax_key_item(tmp_path)
+  with open(file, encoding="utf-8") as f:
+    doc = json.load(f)
+  with open(file, "w", encoding="utf-8") as f:
+    f.write(edit(doc))
+  for read in (ofx.restore, ofx.metadata, ofx.verify):
+    with pytest.raises(ofx.errors.CheckpointFormatError, match=match) as e:
+      read(path)
+    assert "array_metadatas/process_0" in str(e.value)
+
+
+@pytest.mark.parametrize("which", ["array_metadatas", "array_metadatas/process_0"])
+def test_orbax_array_metadatas_behind_a_link_are_refused(tmp_path, which):
+  """A link in place of the directory or the file could lead anywhere: refused, not followed."""
+  path, _ = _orbax_key_item(tmp_path)
+  elsewhere = tmp_path / "elsewhere"
+  os.rename(os.path.join(path, which), elsewhere)
+  os.symlink(elsewhere, os.path.join(path, which))
+  for read in (ofx.restore, ofx.metadata):
+    with pytest.raises(ofx.errors.CheckpointFormatError, match="symbolic link"):
+      read(path)
+
+
+def test_orbax_keys_without_array_metadatas_are_their_key_data(tmp_path):
+  """Without the record (an older orbax, or a file removed), a key's data is what is there:
+  plain uint32 words, as orbax-checkpoint restores them then; an impl of null is no key."""
+  path, file = _orbax_key_item(tmp_path)
+  with open(file, encoding="utf-8") as f:
+    doc = json.load(f)
+  doc["array_metadatas"][0]["array_metadata"]["ext_metadata"] = {"random_key_impl": None}
+  with open(file, "w", encoding="utf-8") as f:
+    json.dump(doc, f)
+  assert ofx.restore(path)["default"]["k"].dtype == np.uint32
+  os.remove(file)
+  got = ofx.restore(path)["default"]
+  assert got["k"].dtype == np.uint32
+  assert got["k"].tolist() == jax.random.key_data(jax.random.key(1)).tolist()
+
+
+@pytest.fixture(scope="module")
+def orbax_key_item(tmp_path_factory):
+  path, file = _orbax_key_item(tmp_path_factory.mktemp("keys"))
+  with open(file, "rb") as f:
+    return path, file, f.read()
+
+
+_JSON_VALUES = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**64, 2**64), st.floats(),
+              st.text(max_size=6), st.sampled_from(["threefry2x32", "rbg", "unsafe_rbg",
+                                                    "philox2x32", "k", "w", "../k", ""])),
+    lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.sampled_from(
+        ["array_metadatas", "array_metadata", "param_name", "ext_metadata", "random_key_impl"]),
+        inner, max_size=3)), max_leaves=6)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(at=st.integers(0, 1000), value=st.one_of(st.none(), _JSON_VALUES),
+       cut=st.integers(-1200, 400))  # cut < 0: the whole file, with the value replaced
+def test_fuzz_orbax_array_metadatas(orbax_key_item, at, value, cut):
+  """Any one value of ``array_metadatas`` replaced, or the file cut short: a clean
+  CheckpointError, or the saved key data (as keys of the implementation the file then
+  names, or as plain words where it names none), never another value or a raw exception."""
+  path, file, original = orbax_key_item
+  doc = json.loads(original)
+  nodes, todo = [], [doc]
+  while todo:
+    node = todo.pop(0)
+    for k, v in (node.items() if isinstance(node, dict) else enumerate(node)):
+      nodes.append((node, k))
+      if isinstance(v, (dict, list)):
+        todo.append(v)
+  node, k = nodes[at % len(nodes)]
+  node[k] = value
+  data = json.dumps(doc).encode()
+  try:
+    with open(file, "wb") as f:
+      f.write(data if cut < 0 else original[:cut])
+    try:
+      got = ofx.restore(path)["default"]
+    except ofx.CheckpointError as e:
+      event(f"refused: {type(e).__name__}")
+      return
+  finally:
+    with open(file, "wb") as f:
+      f.write(original)
+  k = got["k"]
+  event("read back as keys" if _is_key(k) else "read back as words")
+  words = jax.random.key_data(k) if _is_key(k) else k
+  assert np.asarray(words).tolist() == jax.random.key_data(jax.random.key(1)).tolist()
+  assert not _is_key(got["w"]) and np.asarray(got["w"]).tolist() == [0.0, 1.0, 2.0]

@@ -225,3 +225,33 @@ def test_export_orbax_writes_empty_nodes_and_numpy_scalars_as_orbax_does(tmp_pat
   assert ours["py"] == theirs["py"] == 7
   back = ofx.restore(str(tmp_path / "ours"))["default"]
   assert back["bn"] == {} and back["ls"] == [] and back["f"].dtype == np.float32
+
+
+@pytest.mark.parametrize("opt", ["sgd", "chain_clip_scale", "inject_hyperparams_sgd",
+                                 "empty_tuple_and_empty_state"])
+def test_export_orbax_records_each_empty_node_of_a_subtree_as_orbax_does(tmp_path, opt):
+  """A subtree with no leaves but several empty nodes (optax.sgd's state
+  ``(EmptyState(), EmptyState())``) was written as one empty node; orbax-checkpoint 0.12
+  records each empty node (``opt_state.0``, ``opt_state.1``; ``()`` as ``Tuple``) and its
+  StandardCheckpointer refused to restore ours."""
+  model = nn.Dense(4)
+  params = model.init(jax.random.key(0), jnp.ones((1, 8)))
+  tx = {"sgd": optax.sgd(0.1),
+        "chain_clip_scale": optax.chain(optax.clip(1.0), optax.scale(0.1)),
+        "inject_hyperparams_sgd": optax.inject_hyperparams(optax.sgd)(learning_rate=0.1),
+        "empty_tuple_and_empty_state": optax.sgd(0.1)}[opt]
+  state = train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+  if opt == "empty_tuple_and_empty_state":
+    state = state.replace(opt_state=((), optax.EmptyState()))
+  ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+  ofx.export_orbax(ours, state)
+  with ocp.StandardCheckpointer() as c:
+    c.save(theirs, state)
+  read = lambda p: json.load(open(os.path.join(p, "_METADATA"), encoding="utf-8"))["tree_metadata"]
+  assert read(ours) == read(theirs)
+  target = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+  with ocp.StandardCheckpointer() as c:
+    got = c.restore(ours, target)
+  _same(got, state)
+  assert jax.tree.structure(got) == jax.tree.structure(state)
+  _same(ofx.restore(ours, {"state": ofx.abstract(state)})["state"], state)

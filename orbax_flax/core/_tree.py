@@ -303,7 +303,7 @@ def structure_from_paths(paths: list[Path], sequences: frozenset[Path] = frozens
                          empty: Mapping[Path, Any] = types.MappingProxyType({})
                          ) -> tuple[dict, list[int]]:
   """The structure of nested dicts (lists at ``sequences``) holding leaves at ``paths``, and
-  the empty nodes ``empty`` (path -> ``{}``, ``[]`` or None).
+  the empty nodes ``empty`` (path -> ``{}``, ``[]``, ``()`` or None).
 
   Returns:
     ``(structure, order)``: ``order[j]`` is the index into ``paths`` of the
@@ -343,7 +343,7 @@ def structure_from_paths(paths: list[Path], sequences: frozenset[Path] = frozens
       node[path[-1]] = None if container is None else type(container)()
 
   def build(node: Any, prefix: Path) -> Any:
-    if node is None or isinstance(node, (_Slot, list)):  # (a list here is an empty one)
+    if node is None or isinstance(node, (_Slot, list, tuple)):  # (an empty list or tuple)
       return node
     children = {k: build(v, prefix + (k,)) for k, v in node.items()}
     if prefix in sequences and sorted(children) == sorted(str(j) for j in range(len(children))):

@@ -10,7 +10,11 @@ What orbax-checkpoint writes, and what this module reads:
   named by its keys joined with ``.`` (``params.Dense_0.kernel``): inside the
   item's OCDBT database (``manifest.ocdbt``, the default) or in a directory of
   its own. Compression (zstd by default) is whatever the array's metadata
-  says; tensorstore decodes it. Scalars are 0-d arrays.
+  says; tensorstore decodes it. Scalars are 0-d arrays. A typed PRNG key array
+  (``jax.random.key``) is stored as its key data (``uint32``, trailing
+  dimensions per key) and named a key in ``array_metadatas/process_0`` (JSON:
+  per ``jax.Array`` its ``param_name`` and ``ext_metadata.random_key_impl``); it
+  is read as keys of that implementation, as orbax-checkpoint restores it.
 * **A step of a ``CheckpointManager``**: ``_CHECKPOINT_METADATA`` names the
   items (``ocp.args.Composite``) and their handlers; pytree items are read as
   above, JSON items (``JsonSave``) as values.
@@ -33,6 +37,7 @@ import os
 import re
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 import tensorstore as ts
 
@@ -48,8 +53,13 @@ DEFAULT_ITEM = "default"
 _PYTREE_METADATA = "_METADATA"
 _STEP_METADATA = "_CHECKPOINT_METADATA"
 _STRINGS = "_strings.json"
+# Written by every process, each listing every jax.Array; orbax reads the first it finds.
+_ARRAY_METADATAS = "array_metadatas/process_0"
+_MAX_ARRAY_METADATAS_BYTES = 64 << 20  # orbax writes ~200 B an array: 300,000 arrays
 _ARRAY_TYPES = ("jax.Array", "np.ndarray")
-_EMPTY_TYPES = {"None": None, "Dict": {}, "List": []}  # value_type -> the empty node it records
+# value_type -> the empty node orbax 0.12 records and reads back (a namedtuple's "NamedTuple",
+# written with its experimental rich types, reads as None without them, as orbax reads it)
+_EMPTY_TYPES = {"None": None, "Dict": {}, "List": [], "Tuple": (), "NamedTuple": None}
 _SEQUENCE, _DICT = 1, 2  # orbax's KeyType
 _SLAB_BYTES = 16 << 20
 
@@ -142,7 +152,7 @@ def read_tree_metadata(loc: Location) -> tuple[list[_Leaf], bool, bool] | None:
     if not isinstance(skip, bool):
       raise bad(key_text, f"skip_deserialize is {_checks.short(skip)}, not a boolean")
     if vm["value_type"] in _EMPTY_TYPES:
-      # None (optax.EmptyState() too), an empty dict or list (orbax 0.12): no leaf to read
+      # None (optax.EmptyState() too), an empty dict, list or tuple (orbax 0.12): no leaf to read
       leaves.append(_Leaf(tuple(keys), vm["value_type"], False))
       continue
     leaf = _Leaf(tuple(keys), vm["value_type"], skip)
@@ -151,6 +161,97 @@ def read_tree_metadata(loc: Location) -> tuple[list[_Leaf], bool, bool] | None:
       _checks.relative_name(".".join(leaf.path), where, f"the array name of leaf {key_text!r}")
     leaves.append(leaf)
   return leaves, flags[0], flags[1]
+
+
+class _KeyData(NamedTuple):
+  """What a PRNG implementation stores per key: ``impl``'s key data has ``shape`` and ``dtype``."""
+  impl: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+
+
+def read_array_metadatas(loc: Location) -> dict[str, _KeyData]:
+  """The PRNG key arrays a pytree item's ``array_metadatas`` names: array name -> its keys.
+
+  orbax-checkpoint writes ``array_metadatas/process_<i>`` from every process, each listing
+  every ``jax.Array`` it saved (``param_name``, the array's name; ``ext_metadata``, null or
+  an object whose ``random_key_impl`` names a typed key's implementation). Process 0's is
+  read (orbax reads the first it finds). Missing, or naming no key: no keys.
+
+  Checked: neither the directory nor the file is a symbolic link or other special file (a
+  local item); the file is at most ``_MAX_ARRAY_METADATAS_BYTES`` (not read beyond); it is
+  a JSON object whose ``array_metadatas`` is a list of ``{"array_metadata": {...}}``
+  objects, each ``param_name`` a string and ``ext_metadata`` null or an object; a
+  ``random_key_impl`` (null: no key) is a string naming a PRNG implementation jax knows;
+  no array is named with two implementations. Anything else raises CheckpointFormatError
+  naming the file, the array and the value. Names that are not arrays of the item are
+  left to the caller (orbax ignores them).
+
+  Example:
+    >>> import json, os, tempfile
+    >>> from orbax_flax.core._location import Location
+    >>> d = tempfile.mkdtemp(); os.makedirs(os.path.join(d, "array_metadatas"))
+    >>> doc = {"array_metadatas": [{"array_metadata": {"param_name": "rng", "write_shape": [2],
+    ...     "chunk_shape": [2], "ext_metadata": {"random_key_impl": "threefry2x32"}}}]}
+    >>> _ = open(os.path.join(d, "array_metadatas", "process_0"), "w").write(json.dumps(doc))
+    >>> read_array_metadatas(Location.parse(d))
+    {'rng': _KeyData(impl='threefry2x32', shape=(2,), dtype=dtype('uint32'))}
+  """
+  where = f"{loc}/{_ARRAY_METADATAS}"
+  if loc.is_local:  # a link would lead anywhere; a FIFO would block the read forever
+    for part in (os.path.dirname(_ARRAY_METADATAS), _ARRAY_METADATAS):
+      _location.refuse_special(os.path.join(loc.local_path, part), str(loc))
+  data = _location.read_key(loc, _ARRAY_METADATAS, max_bytes=_MAX_ARRAY_METADATAS_BYTES + 1)
+  if data is None:
+    return {}
+  if len(data) > _MAX_ARRAY_METADATAS_BYTES:
+    raise errors.CheckpointFormatError(
+        f"{where} is larger than {_MAX_ARRAY_METADATAS_BYTES} bytes, more than orbax-checkpoint"
+        " writes for any tree this reader accepts; damaged or crafted, it is not read")
+  doc = _checks.json_object(_checks.load_json(data, where), where)
+  entries = doc.get("array_metadatas", [])
+  if not isinstance(entries, list):
+    raise errors.CheckpointFormatError(f"{where}: array_metadatas is {_checks.short(entries)},"
+                                       " not a list; damaged or crafted")
+  impls: dict[str, str | None] = {}
+  for entry in entries:
+    meta = entry.get("array_metadata") if isinstance(entry, dict) else None
+    if not isinstance(meta, dict):
+      raise errors.CheckpointFormatError(f"{where}: entry {_checks.short(entry)} is not an object"
+                                         " {'array_metadata': {...}}; damaged or crafted")
+    name, ext = meta.get("param_name"), meta.get("ext_metadata")
+    if not isinstance(name, str):
+      raise errors.CheckpointFormatError(f"{where}: param_name is {_checks.short(name)}, not a"
+                                         " string; damaged or crafted")
+    if ext is not None and not isinstance(ext, dict):
+      raise errors.CheckpointFormatError(f"{where}: array {name!r}: ext_metadata is"
+                                         f" {_checks.short(ext)}, not an object or null")
+    impl = (ext or {}).get("random_key_impl")
+    if impl is not None and not isinstance(impl, str):
+      raise errors.CheckpointFormatError(f"{where}: array {name!r}: random_key_impl is"
+                                         f" {_checks.short(impl)}, not a string")
+    if impls.get(name, impl) != impl:
+      raise errors.CheckpointFormatError(
+          f"{where}: array {name!r} is listed twice, as {impls[name]!r} and {impl!r} keys;"
+          " damaged or crafted")
+    impls[name] = impl
+  known: dict[str, _KeyData] = {}
+  out = {}
+  for name, impl in impls.items():
+    if impl is None:
+      continue
+    if impl not in known:
+      try:
+        data = jax.eval_shape(lambda i=impl: jax.random.key_data(jax.random.key(0, impl=i)))
+      except (ValueError, TypeError, KeyError) as e:
+        raise errors.CheckpointFormatError(
+            f"{where}: array {name!r}: random_key_impl {_checks.short(impl)} is not a PRNG"
+            f" implementation jax knows ({str(e)[:300]}). Restore where jax knows it"
+            f" (jax.random.key(0, impl={impl!r}) must work there: the jax version and PRNG"
+            " implementations the run saved with), or the file is damaged.") from None
+      known[impl] = _KeyData(impl, tuple(data.shape), np.dtype(data.dtype))
+    out[name] = known[impl]
+  return out
 
 
 class _StepMetadata(NamedTuple):
@@ -340,12 +441,16 @@ def open_item(loc: Location) -> tuple[Item, str | None]:
       raise errors.CheckpointFormatError(f"{loc}/metadata: nested too deeply") from None
     return Item(structure, tuple(Value(tuple(p), _tree.encode_value(v)) for p, v in leaves)), None
   entries, ocdbt, zarr3 = found
+  keys = (read_array_metadatas(loc) if any(e.value_type == "jax.Array" and not e.skip_deserialize
+                                           for e in entries) else {})
+  # A sequence is known by its children's key type, empty nodes' too (optax.sgd's state is
+  # two empty nodes: orbax reads it back as [None, None]).
+  sequences = frozenset(tuple(k for k, _ in e.keys[:d]) for e in entries
+                        for d, (_, t) in enumerate(e.keys) if t == _SEQUENCE)
   empty = {tuple(e.path): _EMPTY_TYPES[e.value_type] for e in entries
            if e.value_type in _EMPTY_TYPES}
   entries = [e for e in entries if e.value_type not in _EMPTY_TYPES]
   try:
-    sequences = frozenset(tuple(k for k, _ in e.keys[:d]) for e in entries
-                          for d, (_, t) in enumerate(e.keys) if t == _SEQUENCE)
     structure, order = _tree.structure_from_paths([tuple(e.path) for e in entries], sequences,
                                                   empty)
   except errors.TreeMismatchError as e:
@@ -400,9 +505,18 @@ def open_item(loc: Location) -> tuple[Item, str | None]:
                                            f" has shape {list(shape)}")
       scalars.append((i, path, name, store.read()))
       continue
+    key = keys.get(name) if vtype == "jax.Array" else None
+    if key is not None and (len(shape) < len(key.shape) or dtype != key.dtype
+                            or shape[len(shape) - len(key.shape):] != key.shape):
+      raise errors.CheckpointFormatError(
+          f"{loc}/{_ARRAY_METADATAS}: array {name!r} holds {dtype}{list(shape)}, not the key data"
+          f" of {key.impl} keys ({key.dtype}[..., {', '.join(map(str, key.shape))}]); damaged"
+          " or crafted")
     recs[i] = Array(path=tuple(path), kind="array", shape=shape, dtype=dtype.name,
                     nbytes=math.prod(shape) * dtype.itemsize,
-                    sharding="zarr3" if zarr3 else "zarr", source=_Array(store, name))
+                    sharding="zarr3" if zarr3 else "zarr", source=_Array(store, name),
+                    key_impl=key.impl if key else None,
+                    key_shape=shape[:len(shape) - len(key.shape)] if key else None)
   for i, path, name, fut in scalars:
     value = opened(fut, name)
     recs[i] = Value(tuple(path), _tree.encode_value(np.asarray(value).item()))

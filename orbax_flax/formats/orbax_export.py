@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -53,17 +54,34 @@ def _keys(path: Any) -> list[dict[str, Any]]:
 
 
 def _is_empty(x: Any) -> bool:
-  """An empty node (None, optax.EmptyState(), {}, []): orbax records it as a leaf of its own
-  (:func:`_empty_type`)."""
-  return x is None or (jax.tree_util.tree_structure(x).num_leaves == 0)
+  """An empty node: a node with no children of its own (None, optax.EmptyState(), {}, [],
+  ``()``). orbax records each as a leaf (:func:`_empty_type`), also inside a subtree that
+  holds no leaves: optax.sgd's state ``(EmptyState(), EmptyState())`` is two empty nodes.
+
+  Example:
+    >>> import optax
+    >>> _is_empty(()), _is_empty(optax.EmptyState()), _is_empty((optax.EmptyState(),) * 2)
+    (True, True, False)
+  """
+  children = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)[0]
+  return not children
 
 
 def _empty_type(x: Any) -> str:
-  """The value type orbax-checkpoint 0.12 records for an empty node: ``Dict`` for ``{}``,
-  ``List`` for ``[]``, ``None`` for the others (None, optax.EmptyState())."""
-  if type(x) is dict:
-    return "Dict"
-  return "List" if type(x) is list else "None"
+  """The value type orbax-checkpoint 0.12 records for an empty node: ``List`` for ``[]``,
+  ``Tuple`` for ``()``, ``Dict`` for ``{}`` (any mapping), ``None`` for the others (None, an
+  empty namedtuple such as optax.EmptyState(), a dataclass node without fields).
+
+  Example:
+    >>> import optax
+    >>> [_empty_type(x) for x in ([], (), {}, None, optax.EmptyState())]
+    ['List', 'Tuple', 'Dict', 'None', 'None']
+  """
+  if isinstance(x, list):
+    return "List"
+  if isinstance(x, tuple):  # a namedtuple is "None" (orbax's default, without rich types)
+    return "None" if hasattr(type(x), "_fields") else "Tuple"
+  return "Dict" if isinstance(x, Mapping) else "None"
 
 
 def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[str, str]]:
