@@ -129,6 +129,36 @@ def test_overwrite_over_a_damaged_manifest_commits_and_cleans_up(store, bucket):
   assert len(gens) == 1, gens  # the old generation is gone
 
 
+def test_data_deleted_under_a_committed_manifest_is_an_error_never_zeros(store, bucket,
+                                                                       monkeypatch):
+  """A reader that had read the manifest and checked the databases, then found the chunks
+  gone (a keep rule or an overwrite removed that generation meanwhile): tensorstore read
+  the missing chunks as the fill value, and the restore returned all zeros, no error."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  from orbax_flax.core import _location  # pylint: disable=g-import-not-at-top
+  from orbax_flax.engine import _reading  # pylint: disable=g-import-not-at-top
+  from orbax_flax.format import _tsio  # pylint: disable=g-import-not-at-top
+  url = store.url(bucket, "gone")
+  ofx.save(url, {"state": _big(2, 7.0)})
+  loc = _location.Location.parse(url)
+  (db,) = {"/".join(k.split("/")[1:3]) for k in store.keys(bucket, "gone/state/")}
+  kv = ts.KvStore.open(_tsio.db_spec(loc, db), context=_tsio.context()).result()
+  chunks = [k for k in kv.list().result() if b"/c/" in k]
+  assert chunks
+  checked = _reading.Reader.stored_problems
+
+  def then_deleted(reader, arrays):  # the race, made certain: deleted right after the check
+    problems = checked(reader, arrays)
+    for key in chunks:  # the database, its identity and the arrays' metadata stay
+      kv.delete_range(ts.KvStore.KeyRange(key, key + b"\x00")).result()
+    return problems
+
+  monkeypatch.setattr(_reading.Reader, "stored_problems", then_deleted)
+  with pytest.raises(ofx.CheckpointCorruptedError):
+    got = ofx.restore(url)["state"]
+    raise AssertionError(f"restored {np.unique(got['w'])} from deleted data")
+
+
 def test_uncommitted_data_is_invisible(store, bucket):
   url = store.url(bucket, "unc")
   ofx.save(url, {"state": _state(1)})

@@ -525,6 +525,9 @@ class Reader:
             ctx: ts.Context) -> Any:
     spec = _tsio.array_spec(_tsio.db_spec(*self.homes.home(item, owner)), name, shape, dtype,
                             chunk)
+    # A chunk every save stores (all_chunks_stored) that is missing is damage, or data deleted
+    # or replaced under the read: an error, never zeros read in its place.
+    spec["fill_missing_data_reads"] = not self.manifest.all_chunks_stored
     return ts.open(spec, open=True, context=ctx)
 
   def _resolve(self, fut: Any, item: str, what: object, owner: int) -> Any:
