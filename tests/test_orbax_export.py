@@ -255,3 +255,14 @@ def test_export_orbax_records_each_empty_node_of_a_subtree_as_orbax_does(tmp_pat
   _same(got, state)
   assert jax.tree.structure(got) == jax.tree.structure(state)
   _same(ofx.restore(ours, {"state": ofx.abstract(state)})["state"], state)
+
+
+@pytest.mark.parametrize("export", ["export_orbax", "export_safetensors"])
+def test_an_export_to_an_object_store_url_is_refused_not_written_here(tmp_path, monkeypatch,
+                                                                     export):
+  """An export to s3://bucket/x said it wrote s3://bucket/x and wrote a local directory
+  named 's3:/bucket/x' under the working directory instead."""
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=r"writes files to a file system.*'s3://bucket/x' is not"):
+    getattr(ofx, export)("s3://bucket/x", {"w": np.ones(3, np.float32)})
+  assert os.listdir(tmp_path) == []

@@ -132,6 +132,26 @@ def inside(directory: str, name: Any, where: str, field: str) -> str:
   return full
 
 
+def local_directory(path: Any, what: str) -> str:
+  """``path`` made absolute, if it is a directory on a file system (local, or a shared
+  mount); an object-store URL or a kvstore spec is refused (``what`` writes files).
+
+  Raises:
+    ValueError: ``path`` is not a file-system path, naming it and the fix.
+
+  Example:
+    >>> local_directory("s3://bucket/model", "export_safetensors")
+    Traceback (most recent call last):
+    ...
+    ValueError: export_safetensors writes files to a file system (local, or a shared mount): 's3://bucket/model' is not one. Export to a local directory, then copy it to the store (with the store's own tools).
+  """
+  if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
+    raise ValueError(f"{what} writes files to a file system (local, or a shared mount):"
+                     f" {path!r} is not one. Export to a local directory, then copy it to the"
+                     " store (with the store's own tools).")
+  return os.path.abspath(path)
+
+
 def is_int(x: Any) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
 

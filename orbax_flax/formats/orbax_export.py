@@ -41,6 +41,7 @@ import tensorstore as ts
 from orbax_flax.core import _multihost
 from orbax_flax.engine import _selecting
 from orbax_flax.core import _tree
+from orbax_flax.formats import _checks
 from orbax_flax.formats import safetensors_export
 
 _HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
@@ -259,6 +260,7 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     >>> sorted(json.load(open(os.path.join(d, "_METADATA")))["tree_metadata"])
     ["('params', 'w')", "('step',)"]
   """
+  path = _checks.local_directory(path, "export_orbax")
   if select:
     tree = _selecting.pick(tree, select)
   if max_chunk_bytes <= 0:
@@ -268,7 +270,6 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     raise ValueError(f"step={step!r}; give a step number >= 0, or None for a lone item")
   if not item or "/" in item or item in (".", ".."):
     raise ValueError(f"item={item!r}; give a plain directory name such as 'default'")
-  path = os.path.abspath(path)
   final = path if step is None else os.path.join(path, str(step))
   if os.path.exists(final) and not overwrite:
     raise ValueError(f"{final} exists; pass overwrite=True to replace it (the old one stays"

@@ -26,6 +26,7 @@ from orbax_flax.format import _layout
 from orbax_flax.core import _multihost
 from orbax_flax.engine import _selecting
 from orbax_flax.core import _tree
+from orbax_flax.formats import _checks
 from orbax_flax.formats import _cbytes
 from orbax_flax.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, dtype_name
 
@@ -176,7 +177,7 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
                     f" {bad!r}; pass e.g. {{k: json.dumps(v)}} for other values")
   if max_shard_bytes <= 0:
     raise ValueError(f"max_shard_bytes={max_shard_bytes}; give a positive size such as 5 << 30")
-  path = os.path.abspath(path)
+  path = _checks.local_directory(path, "export_safetensors")
   if os.path.exists(path) and not overwrite:
     raise ValueError(f"{path} exists; pass overwrite=True to replace it (the old files stay"
                      " until the new ones are complete)")
