@@ -61,13 +61,22 @@ def cmd_list(directory: str, out) -> int:
     loc = sub
   rows = []
   damaged = 0
+  gone = []
   for step in steps:
     try:
       s = restoring.read_summary(loc.join(str(step)))
-    except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
+    except errors.CheckpointNotFoundError as e:
+      # Listed a moment ago: deleted since (a keep rule of the job that writes here) if
+      # it is listed no more, else a step without a manifest.
+      if step not in step_dir.list_steps(loc)[0]:
+        gone.append(step)
+        continue
       damaged += 1
-      state = "CORRUPTED" if isinstance(e, errors.CheckpointCorruptedError) else "NO MANIFEST"
-      rows.append([str(step), "?", state, "?", "?", "?", str(e)[:80]])
+      rows.append([str(step), "?", "NO MANIFEST", "?", "?", "?", str(e)[:80]])
+      continue
+    except errors.CheckpointCorruptedError as e:
+      damaged += 1
+      rows.append([str(step), "?", "CORRUPTED", "?", "?", "?", str(e)[:80]])
       continue
     try:  # a differential step whose borrowed data is gone (a base removed by hand)
       for b in s.bases:
@@ -90,7 +99,10 @@ def cmd_list(directory: str, out) -> int:
     if all(r[4] in ("-", "?") for r in rows):  # no differential step: no column
       header, rows = header[:4] + header[5:], [r[:4] + r[5:] for r in rows]
     print(_table(header, rows), file=out)
-    print(f"\n{len(steps)} committed step(s) in {loc}; latest {steps[-1]}", file=out)
+    print(f"\n{len(rows)} committed step(s) in {loc}; latest {rows[-1][0]}", file=out)
+  if gone:
+    print(f"deleted while listed (a keep rule of the job writing here): step(s)"
+          f" {', '.join(map(str, gone))}", file=out)
   retired = step_dir.retired_dirs(loc.local_path) if loc.is_local else []
   if retired:
     print(f"retired, not steps: {', '.join(retired)}: data of deleted steps that kept"
@@ -100,8 +112,8 @@ def cmd_list(directory: str, out) -> int:
           " in progress becomes a step when it commits; if no job writes here, it was"
           " interrupted, and the next training job here removes it.", file=out)
   if damaged:
-    print(f"{damaged} step(s) cannot be read; `python -m orbax_flax verify {loc}/STEP` tells"
-          " more", file=out)
+    print(f"{damaged} step(s) cannot be read; `python -m orbax_flax verify {loc.join('STEP')}`"
+          " tells more", file=out)
     return EXIT_CORRUPT
   return EXIT_OK
 
