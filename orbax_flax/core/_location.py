@@ -142,6 +142,14 @@ class Location:
 # Retries of object-store requests: transient errors are retried with backoff
 # for about 20 s, then reported. A kvstore spec dict may override this with
 # its own "context" member.
+#
+# tensorstore gives its HTTP requests no deadline (google/tensorstore#291): a store that
+# stops answering mid-request (its port open, nothing sent back) held a save or a restore
+# for as long as it stayed silent. curl's low-speed watchdog ends such an attempt (then it
+# is retried, and reported, as any failure); tensorstore reads it from the environment when
+# its first HTTP request is made, so it is set here, as a default the user's own wins over.
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", "15")
+os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
 _RETRIES = {"max_retries": 6, "initial_delay": "0.5s", "max_delay": "5s"}
 
 

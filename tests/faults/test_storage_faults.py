@@ -60,3 +60,49 @@ def test_training_stops_or_goes_on_when_the_disk_fills(tmp_path, on_save_error, 
     else:
       assert reached == 5 and "CHECKPOINT SAVE FAILED, training goes on" in caplog.text
       assert ofx.CheckpointManager(disk).all_steps() == [5]  # saving works again once it fits
+
+
+# ------------------------------------------------------------ a store that stops answering
+
+
+@pytest.mark.skipif(os.environ.get("ORBAX_FLAX_FAULTS") != "long",
+                    reason="about a minute of waiting on a stalled server: ORBAX_FLAX_FAULTS=long")
+def test_a_store_that_stops_answering_fails_the_save_and_the_restore_in_bounded_time(
+    s3_server, s3_bucket):
+  """The S3 server stops answering (SIGSTOP: its port stays open, nothing replies):
+  tensorstore's requests have no deadline of their own, and a save and a restore waited
+  minutes per attempt (130 s here with one retry; a reviewer saw over 90 s with the
+  default retries). curl's low-speed watchdog, set by default, ends each attempt after
+  15 s without a byte, and the retries then report the store."""
+  import signal  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  url = lambda name: s3_server.spec(s3_bucket, name, max_retries=1)  # noqa: E731
+  ofx.save(url("a"), {"s": {"x": np.arange(1000)}})
+  results = {}
+
+  def call(name, fn):
+    start = time.monotonic()
+    try:
+      fn()
+      results[name] = ("returned", time.monotonic() - start)
+    except Exception as e:  # pylint: disable=broad-except
+      results[name] = (e, time.monotonic() - start)
+
+  os.killpg(s3_server.proc.pid, signal.SIGSTOP)
+  try:
+    threads = [threading.Thread(target=call, args=("restore", lambda: ofx.restore(url("a"))),
+                                daemon=True),
+               threading.Thread(target=call, args=("save", lambda: ofx.save(
+                   url("b"), {"s": {"x": np.arange(1000)}})), daemon=True)]
+    for t in threads:
+      t.start()
+    deadline = time.monotonic() + 75  # two attempts of about 15 s each, and the cleanup's
+    for t in threads:                 # (without the watchdog: about 125 s)
+      t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), f"still waiting on the silent store: {results}"
+  finally:
+    os.killpg(s3_server.proc.pid, signal.SIGCONT)
+  for name, (outcome, _) in results.items():
+    assert isinstance(outcome, ofx.StorageError), (name, outcome)
+    assert s3_bucket in str(outcome), (name, outcome)
