@@ -549,8 +549,17 @@ class Reader:
       p.deliver(lo, data, self._lock)
 
   def _read_with_tensorstore(self, fills: Sequence[Fill]) -> None:
-    """Tensorstore reads (object stores): every chunk checked, copied into ``out``."""
-    ctx = _tsio.context()
+    """Tensorstore reads (object stores): every chunk checked, copied into ``out``.
+
+    Each window's destinations are within the budget; the chunks tensorstore fetches for
+    them are held in memory, with their decoded copies, until copied, so the store's
+    concurrent requests are bounded too: as many as the budget holds twice (one at least).
+    """
+    chunk = max((math.prod(f.rec.chunk_shape) * f.rec.np_stored_dtype.itemsize
+                 for f in fills), default=1)
+    requests = {"limit": max(1, min(32, self.temps.limit // max(2 * chunk, 1)))}
+    ctx = _tsio.context({"s3_request_concurrency": requests,
+                         "gcs_request_concurrency": requests})
     stores = {}
     for f in fills:
       for owner in set(f.rec.owners):

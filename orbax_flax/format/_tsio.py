@@ -56,12 +56,13 @@ def stored_dtype(dtype: np.dtype) -> str:
   return f"uint{8 * dtype.itemsize}"
 
 
-def context() -> ts.Context:
-  """A fresh tensorstore context: no chunk cache, parallel I/O."""
+def context(extra: dict[str, Any] | None = None) -> ts.Context:
+  """A fresh tensorstore context: no chunk cache, parallel I/O (plus ``extra`` resources)."""
   return ts.Context({
       **_location.context_spec(),
       "cache_pool": {"total_bytes_limit": 0},
       "file_io_concurrency": {"limit": 64},  # deep queues help cold reads
+      **(extra or {}),
   })
 
 
