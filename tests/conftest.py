@@ -8,11 +8,15 @@ devices exist run there too (libtpu warns at start-up)::
     tests/test_engine.py::test_every_dtype_round_trips_bitwise \
     tests/test_engine.py::test_64_bit_dtypes_with_x64 \
     tests/test_engine.py::test_a_64_bit_device_target_with_x64_off_is_a_checked_conversion \
+    tests/test_engine.py::test_a_64_bit_save_dtype_for_device_arrays_with_x64_off_is_refused \
     tests/test_differential.py -k "not multiprocess and not another_mesh"
 
-(143 passed, 5 skipped on one TPU v5e chip, 2026-12-06, after the review fixes: weakly
-typed steps restored weakly typed, parked differential re-saves; benchmarks/README.md). The
-others expect the 8 CPU devices, or start processes of their own on the CPU.
+(144 passed, 5 skipped on one TPU v5e chip, 2026-12-06, after the eighth session's fixes;
+benchmarks/README.md). The others expect the 8 CPU devices, or start processes of their own
+on the CPU. On the lent chip's machine, which has jax: ``pip install --no-index --index-url
+file:///opt/pypi/simple flax optax orbax-checkpoint hypothesis safetensors psutil``, the
+wheels of ``.whl-tpu/`` with ``--no-deps --target /tmp/ofx-site``, and
+``PYTHONPATH=/tmp/ofx-site:$PWD:$PYTHONPATH`` (its own entry holds what jax needs).
 """
 
 import os
