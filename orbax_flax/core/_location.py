@@ -38,6 +38,9 @@ class Location:
       '/tmp/ckpt'
       >>> Location.parse("s3://bucket/runs/1").spec("_CHECKPOINT")["path"]
       'runs/1/_CHECKPOINT'
+      >>> url = Location.parse("s3://bucket/exp%231")   # the key prefix exp#1/
+      >>> url.spec()["path"], str(url), Location.parse(str(url)) == url
+      ('exp#1/', 's3://bucket/exp%231/', True)
     """
     if isinstance(path, Location):
       return path
@@ -126,7 +129,9 @@ class Location:
     d = self._spec
     if d.get("driver") in ("s3", "gcs") and "bucket" in d:
       scheme = "s3" if d["driver"] == "s3" else "gs"
-      return f"{scheme}://{d['bucket']}/{d['path']}"
+      # As a URL parses back to the same key: what a URL reads otherwise stays escaped.
+      path = d["path"].replace("%", "%25").replace("#", "%23").replace("?", "%3F")
+      return f"{scheme}://{d['bucket']}/{path}"
     return str(d)
 
   def __repr__(self) -> str:
