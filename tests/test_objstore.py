@@ -224,6 +224,20 @@ def test_a_training_run_in_a_percent_encoded_prefix_saves_and_resumes(store, buc
   assert all(k.startswith("exp#1/") for k in store.keys(bucket)), store.keys(bucket)
 
 
+def test_a_save_into_a_managers_directory_of_steps_is_refused(store, bucket):
+  """ofx.save("s3://b/run", ...) (a step number forgotten) committed a _CHECKPOINT at the
+  root of a manager's run, among its steps, even without overwrite; a local directory
+  of steps is refused."""
+  url = store.url(bucket, "run")
+  with ofx.CheckpointManager(url) as m:
+    m.save(1, {"s": {"x": np.arange(3)}}, force=True)
+  before = store.keys(bucket)
+  for overwrite in (False, True):
+    with pytest.raises(ofx.CheckpointExistsError, match="directory of steps"):
+      ofx.save(url, {"s": {"x": np.arange(4)}}, overwrite=overwrite)
+  assert store.keys(bucket) == before
+
+
 def test_uncommitted_data_is_invisible(store, bucket):
   url = store.url(bucket, "unc")
   ofx.save(url, {"state": _state(1)})

@@ -208,10 +208,17 @@ def check_destination(loc: Location, overwrite: bool) -> None:
         raise errors.CheckpointExistsError(
             f"a checkpoint already exists at {p}; pass overwrite=True to replace it or"
             " choose another path.")
-  elif not overwrite and _location.read_key(loc, _manifest.MANIFEST_KEY) is not None:
-    raise errors.CheckpointExistsError(
-        f"a checkpoint already exists at {loc}; pass overwrite=True to replace it or"
-        " choose another path.")
+  else:
+    if _location.list_keys(loc.join(step_dir.INDEX)):  # one small listing, empty as a rule
+      raise errors.CheckpointExistsError(
+          f"{loc} is a CheckpointManager's directory of steps (it has a step index,"
+          f" {step_dir.INDEX}/), not a checkpoint; refusing to write there (even with"
+          " overwrite=True). Save to a step of it (its manager's save), or choose another"
+          " path.")
+    if not overwrite and _location.read_key(loc, _manifest.MANIFEST_KEY) is not None:
+      raise errors.CheckpointExistsError(
+          f"a checkpoint already exists at {loc}; pass overwrite=True to replace it or"
+          " choose another path.")
 
 
 def pack_pieces(item: str, size: int, sources: list[Source]) -> list[Piece]:
