@@ -47,11 +47,13 @@ def cmd_list(directory: str, out) -> int:
   from orbax_flax.core._location import Location
   from orbax_flax.differential import refs
   loc = Location.parse(directory)
-  steps, leftovers = step_dir.list_steps(loc)
+  # Every key of an object store, not its step index: the index names committed steps
+  # only, and a listing is to show the interrupted saves too.
+  steps, leftovers = step_dir.list_steps(loc, full=True)
   if not steps and not leftovers:
     sub = loc.join("checkpoints")  # a workdir: CheckpointCallback keeps its steps there
     try:
-      steps, leftovers = step_dir.list_steps(sub)
+      steps, leftovers = step_dir.list_steps(sub, full=True)
     except (OSError, errors.CheckpointError):
       pass
     if not steps and not leftovers:
@@ -68,7 +70,7 @@ def cmd_list(directory: str, out) -> int:
     except errors.CheckpointNotFoundError as e:
       # Listed a moment ago: deleted since (a keep rule of the job that writes here) if
       # it is listed no more, else a step without a manifest.
-      if step not in step_dir.list_steps(loc)[0]:
+      if step not in step_dir.list_steps(loc, full=True)[0]:
         gone.append(step)
         continue
       damaged += 1

@@ -238,6 +238,25 @@ def test_a_save_into_a_managers_directory_of_steps_is_refused(store, bucket):
   assert store.keys(bucket) == before
 
 
+def test_an_interrupted_save_is_listed_beside_indexed_steps(store, bucket):
+  """Once a directory has a step index, `list` and a manager's leftovers() after reload()
+  read only the index, and an interrupted save (data, no manifest) was reported nowhere,
+  where docs/cli.md and manager.md say both report it."""
+  import io  # pylint: disable=g-import-not-at-top
+  from orbax_flax import cli  # pylint: disable=g-import-not-at-top
+  url = store.url(bucket, "run")
+  with ofx.CheckpointManager(url) as m:
+    for step in (1, 2):
+      m.save(step, {"s": {"x": np.arange(3)}}, force=True)
+  store.put(bucket, "run/3/s/p0-0123456789abcdef/manifest.ocdbt", b"half a save")
+  out = io.StringIO()
+  assert cli.cmd_list(url, out) == 0
+  assert "not committed: 3/" in out.getvalue() and "latest 2" in out.getvalue(), out.getvalue()
+  with ofx.CheckpointManager(url) as m:
+    m.reload()
+    assert [l.name for l in m.leftovers()] == ["3/"] and m.all_steps() == [1, 2]
+
+
 def test_uncommitted_data_is_invisible(store, bucket):
   url = store.url(bucket, "unc")
   ofx.save(url, {"state": _state(1)})

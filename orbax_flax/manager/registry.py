@@ -234,7 +234,8 @@ class StepRegistry:
     with self._lock:
       self._steps = set(steps) - self._deleting
       self._infos = {s: i for s, i in self._infos.items() if s in self._steps}
-      self._leftovers = leftovers
+      if full or self._dir.is_local:  # an object store's step index names no leftovers
+        self._leftovers = leftovers
       self._later &= self._steps | self._deleting
 
   def committed(self) -> list[int]:
