@@ -1,5 +1,6 @@
 """The training plugin in-process: hooks, Linen and NNX states, iterators, errors."""
 
+import logging
 import os
 import re
 import signal
@@ -267,6 +268,24 @@ def test_a_failing_get_state_makes_no_exception_save_without_the_data_position(t
   reference = ofx.Trainer(linen_step, []).fit(linen_state(), Dataset(), num_steps=10)
   assert again.restored_step == 5 and data.i == 10
   leaves_equal(resumed, reference)
+
+
+def test_data_that_runs_out_ends_the_run_with_its_final_save(tmp_path, caplog):
+  """Trainer.fit over a finite iterator shorter than num_steps: the StopIteration was taken
+  as a training failure (logged at ERROR, an "exception" save) and raised to the caller."""
+
+  class Five(Dataset):
+    def __next__(self):
+      if self.i == 5:
+        raise StopIteration
+      return super().__next__()
+
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 100})
+  with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+    state = ofx.Trainer(linen_step, [ckpt]).fit(linen_state(), Five(), num_steps=10)
+  assert int(state.step) == 5 and "the data ran out after step 5" in caplog.text
+  assert ckpt.manager.all_steps() == [5] and ckpt.manager.step_info(5).reason == "final"
+  assert "training failed" not in caplog.text
 
 
 def test_preemption_save_goes_ahead_after_an_earlier_background_save_failed(tmp_path):

@@ -128,7 +128,8 @@ class Trainer:
 
     Returns:
       The final state; training stops early when a callback asks (e.g. after
-      a preemption save).
+      a preemption save), or when ``data`` runs out (a WARNING says so; the run
+      ends as at ``num_steps``, with its final save).
     """
     for cb in self.callbacks:
       state = cb.on_train_start(state, data)
@@ -139,7 +140,12 @@ class Trainer:
       step = restored[0] if restored else 0
     try:
       while step < num_steps:
-        batch = next(data)
+        try:
+          batch = next(data)
+        except StopIteration:  # a finite dataset: its end is no training failure
+          log.warning("the data ran out after step %d, before num_steps=%d: training ends"
+                      " there", step, num_steps)
+          break
         state, metrics = self.train_step(state, batch)
         step += 1
         stop = False
