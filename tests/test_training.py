@@ -221,6 +221,17 @@ def test_exception_saves_last_good_state_and_reraises(tmp_path):
   assert off.manager.all_steps() == [4]
 
 
+def _resumes_as_an_uninterrupted_run(workdir, cfg, from_step):
+  """A resume in ``workdir`` continues from ``from_step`` to step 10, on the data where that
+  step left it: the state equals an uninterrupted run's."""
+  data = Dataset()
+  again = ofx.CheckpointCallback(str(workdir), cfg)
+  resumed = ofx.Trainer(linen_step, [again]).fit(linen_state(), data, num_steps=10)
+  reference = ofx.Trainer(linen_step, []).fit(linen_state(), Dataset(), num_steps=10)
+  assert again.restored_step == from_step and data.i == 10
+  leaves_equal(resumed, reference)
+
+
 def test_exception_in_a_callback_before_the_checkpoint_one_saves_the_data_position(tmp_path):
   """A user's callback listed first raises at step 7: the checkpoint callback never saw step 7,
   and its exception save of step 7 went without the data position, so a resume trained
@@ -238,12 +249,7 @@ def test_exception_in_a_callback_before_the_checkpoint_one_saves_the_data_positi
     ofx.Trainer(linen_step, [LossCheck(), ckpt]).fit(linen_state(), Dataset(), num_steps=10)
   assert ckpt.manager.all_steps() == [5, 7]
   assert "data" in ofx.metadata(ckpt.manager.step_path(7)).items
-  data = Dataset()
-  again = ofx.CheckpointCallback(str(tmp_path), cfg)
-  resumed = ofx.Trainer(linen_step, [again]).fit(linen_state(), data, num_steps=10)
-  reference = ofx.Trainer(linen_step, []).fit(linen_state(), Dataset(), num_steps=10)
-  assert again.restored_step == 7 and data.i == 10
-  leaves_equal(resumed, reference)
+  _resumes_as_an_uninterrupted_run(tmp_path, cfg, from_step=7)
 
 
 def test_a_failing_get_state_makes_no_exception_save_without_the_data_position(tmp_path):
@@ -262,12 +268,7 @@ def test_a_failing_get_state_makes_no_exception_save_without_the_data_position(t
   with pytest.raises(OSError, match="data service"):
     ofx.Trainer(linen_step, [ckpt]).fit(linen_state(), BrokenAt7(), num_steps=10)
   assert ckpt.manager.all_steps() == [5]  # step 7's position is unknown: not saved
-  data = Dataset()
-  again = ofx.CheckpointCallback(str(tmp_path), cfg)
-  resumed = ofx.Trainer(linen_step, [again]).fit(linen_state(), data, num_steps=10)
-  reference = ofx.Trainer(linen_step, []).fit(linen_state(), Dataset(), num_steps=10)
-  assert again.restored_step == 5 and data.i == 10
-  leaves_equal(resumed, reference)
+  _resumes_as_an_uninterrupted_run(tmp_path, cfg, from_step=5)
 
 
 def test_data_that_runs_out_ends_the_run_with_its_final_save(tmp_path, caplog):
