@@ -257,6 +257,42 @@ def test_an_interrupted_save_is_listed_beside_indexed_steps(store, bucket):
     assert [l.name for l in m.leftovers()] == ["3/"] and m.all_steps() == [1, 2]
 
 
+@pytest.mark.parametrize("then", ["overwritten", "deleted"])
+@pytest.mark.parametrize("where", ["store", "local"])
+def test_a_checkpoint_overwritten_or_deleted_while_it_is_read(store, bucket, tmp_path,
+                                                             monkeypatch, where, then):
+  """An overwrite committed (or a keep rule deleted the checkpoint) between a reader's check
+  of the databases and its reads: the restore raised CheckpointCorruptedError ("checkpoint
+  data is corrupted ... restore another") for an intact checkpoint (before aebfc9c, on
+  object stores, it returned zeros). An overwritten one is read again from its new
+  manifest; a deleted one is CheckpointNotFoundError, saying so."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  from orbax_flax.engine import _reading  # pylint: disable=g-import-not-at-top
+  url = store.url(bucket, "ow") if where == "store" else str(tmp_path / "ow")
+  ofx.save(url, {"state": _big(2, 1.0)})
+  checked, pending = _reading.Reader.stored_problems, [then]
+
+  def and_then(reader, arrays):  # the race, made certain: right after the check
+    problems = checked(reader, arrays)
+    if pending.pop() if pending else None:
+      if then == "overwritten":
+        ofx.save(url, {"state": _big(2, 2.0)}, overwrite=True)
+      elif where == "local":
+        shutil.rmtree(url)
+      else:
+        for key in store.keys(bucket, "ow/"):
+          store.delete(bucket, key)
+    return problems
+
+  monkeypatch.setattr(_reading.Reader, "stored_problems", and_then)
+  if then == "deleted":
+    with pytest.raises(ofx.CheckpointNotFoundError, match="deleted while it was read"):
+      ofx.restore(url)
+    return
+  got = ofx.restore(url)["state"]
+  assert (got["w"] == 2.0).all() and (got["b"] == 2.0).all()  # the new version, whole
+
+
 def test_uncommitted_data_is_invisible(store, bucket):
   url = store.url(bucket, "unc")
   ofx.save(url, {"state": _state(1)})

@@ -26,6 +26,7 @@ across processes is read split over them, then gathered with collectives.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -49,6 +50,8 @@ from orbax_flax.engine import transforms as transforms_lib
 from orbax_flax.core._location import Location
 from orbax_flax.format._manifest import Array, Manifest, Summary
 from orbax_flax.formats import orbax_checkpoint
+
+log = logging.getLogger("orbax_flax")
 
 TMP_MARKER = step_dir.TMP_MARKER
 
@@ -266,11 +269,51 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
                     f" abstract_state}}) or None; got {type(target).__name__}")
   options = dict(partial=partial, allow_lossy_casts=allow_lossy_casts, transforms=transforms,
                  max_host_bytes=max_host_bytes or 0, progress=progress, casts=casts)
-  if read_once and target is not None:
-    read_target = _read_once_target(dict(target), None if transforms else manifest)
-    out = _restore_opened(loc, manifest, read_target, **options)
-    return _reshard_like(out, {k: target[k] for k in out})
-  return _restore_opened(loc, manifest, target, **options)
+  for attempt in range(_REPLACED_RETRIES + 1):
+    try:
+      if read_once and target is not None:
+        read_target = _read_once_target(dict(target), None if transforms else manifest)
+        out = _restore_opened(loc, manifest, read_target, **options)
+        return _reshard_like(out, {k: target[k] for k in out})
+      return _restore_opened(loc, manifest, target, **options)
+    except (errors.CheckpointCorruptedError, errors.StorageError) as e:
+      now = _changed_under_read(loc, manifest, e)
+      if now is None or attempt == _REPLACED_RETRIES:
+        raise
+      log.info("%s was replaced while it was read (an overwrite); reading the new one", loc)
+      manifest = now
+  raise AssertionError("unreachable")
+
+
+# A checkpoint overwritten while it is read is read again, from its new manifest, this often.
+_REPLACED_RETRIES = 2
+
+
+def _changed_under_read(loc: Location, manifest: Manifest, error: BaseException
+                        ) -> Manifest | None:
+  """After a failed read of our own checkpoint: its new manifest if an overwrite replaced
+  it meanwhile (a new generation: read it instead), None if it is the one that was read
+  (the failure stands).
+
+  Raises:
+    CheckpointNotFoundError: the checkpoint was deleted while it was read (by a keep rule
+      of the job that writes there, say): no damage, and nothing read is returned.
+  """
+  if manifest.format != _manifest.FORMAT:
+    return None
+  try:
+    data = _manifest_bytes(loc)
+  except errors.CheckpointError:
+    return None
+  if data is None:
+    raise errors.CheckpointNotFoundError(
+        f"{loc} was deleted while it was read (a keep rule of the job that writes there?);"
+        " nothing read from it is returned. Restore a step that is still committed.") from error
+  try:
+    now = _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
+  except errors.CheckpointError:
+    return None
+  return now if now.generation != manifest.generation else None
 
 
 def _restore_opened(loc: Location, manifest: Manifest, target: Mapping[str, Any] | None, *,
