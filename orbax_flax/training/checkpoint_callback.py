@@ -583,6 +583,8 @@ def every_process_failed(manager: CheckpointManager, step: int) -> bool:
                           timeout_s=FAILED_AGREEMENT_S)
     return True
   except TimeoutError:
-    log.error("training failed after step %d on this process but not on every process within"
-              " %g s; no exception save (it needs all of them)", step, FAILED_AGREEMENT_S)
+    log.error("training failed after step %d on this process, and not every process stopped"
+              " at that step within %g s (the others are still training, or stopped at"
+              " another step: a Ctrl-C reaches each between steps); no exception save (it"
+              " needs all of them at one step)", step, FAILED_AGREEMENT_S)
     return False
