@@ -251,7 +251,7 @@ class Reader:
         name, per = _layout.PACKED, {owner: n}
       else:
         name, per = rec.name, collections.Counter(rec.owners)
-        chunk_bytes = math.prod(rec.chunk_shape) * rec.np_stored_dtype.itemsize
+        chunk_bytes = rec.chunk_nbytes
         if rec.np_stored_dtype.name in _SUB_BYTE:
           chunk_bytes = -1  # stored packed by tensorstore: lengths not compared
       for owner, n in per.items():
@@ -555,8 +555,7 @@ class Reader:
     them are held in memory, with their decoded copies, until copied, so the store's
     concurrent requests are bounded too: as many as the budget holds twice (one at least).
     """
-    chunk = max((math.prod(f.rec.chunk_shape) * f.rec.np_stored_dtype.itemsize
-                 for f in fills), default=1)
+    chunk = max((f.rec.chunk_nbytes for f in fills), default=1)
     requests = {"limit": max(1, min(32, self.temps.limit // max(2 * chunk, 1)))}
     ctx = _tsio.context({"s3_request_concurrency": requests,
                          "gcs_request_concurrency": requests})

@@ -269,7 +269,8 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
                     f" abstract_state}}) or None; got {type(target).__name__}")
   options = dict(partial=partial, allow_lossy_casts=allow_lossy_casts, transforms=transforms,
                  max_host_bytes=max_host_bytes or 0, progress=progress, casts=casts)
-  for attempt in range(_REPLACED_RETRIES + 1):
+  retries = _REPLACED_RETRIES
+  while True:
     try:
       if read_once and target is not None:
         read_target = _read_once_target(dict(target), None if transforms else manifest)
@@ -278,11 +279,10 @@ def restore(path: Any, target: Mapping[str, Any] | None = None, *, partial: bool
       return _restore_opened(loc, manifest, target, **options)
     except (errors.CheckpointCorruptedError, errors.StorageError) as e:
       now = _changed_under_read(loc, manifest, e)
-      if now is None or attempt == _REPLACED_RETRIES:
+      if now is None or not retries:
         raise
       log.info("%s was replaced while it was read (an overwrite); reading the new one", loc)
-      manifest = now
-  raise AssertionError("unreachable")
+      manifest, retries = now, retries - 1
 
 
 # A checkpoint overwritten while it is read is read again, from its new manifest, this often.

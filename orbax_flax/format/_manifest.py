@@ -166,6 +166,11 @@ class Array:
     return _tree.dtype_from_name(self.stored_dtype)
 
   @functools.cached_property
+  def chunk_nbytes(self) -> int:
+    """The bytes of one stored chunk (before tensorstore's codecs)."""
+    return math.prod(self.chunk_shape) * self.np_stored_dtype.itemsize
+
+  @functools.cached_property
   def is_packed(self) -> bool:
     return self.packed_offset is not None
 

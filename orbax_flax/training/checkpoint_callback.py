@@ -564,8 +564,9 @@ def same_last_step(manager: CheckpointManager, step: int, timeout_s: float) -> N
   ends = [int(s) for s in _multihost.all_gather(f"{manager.coordination_key}/end", str(step),
                                                 timeout_s=timeout_s, what="end the run")]
   if len(set(ends)) > 1:
+    each = ", ".join(f"process {p}: {s}" for p, s in enumerate(ends))
     raise RuntimeError(
-        f"the processes ended the run at different steps ({', '.join(f'process {p}: {s}' for p, s in enumerate(ends))}),"
+        f"the processes ended the run at different steps ({each}),"
         " so no final step is saved (the last committed is"
         f" {manager.latest_step()}). Every process of a job must run the same steps: a"
         " finite pass over the data that ends at different steps on different processes"
