@@ -129,6 +129,46 @@ def test_a_64_bit_device_target_with_x64_off_is_a_checked_conversion(ckpt_dir):
   assert all(not c[3] for c in casts)  # each reported as losing information
 
 
+def test_casts_numpy_calls_safe_but_that_round_are_refused(ckpt_dir):
+  """int64/uint64 -> float64 and int8 -> float8_e4m3fn are "safe" to numpy and ml_dtypes but
+  round (2**53 + 1, 17): they were done without allow_lossy_casts and reported as exact."""
+  state = {"big": np.array([2**53 + 1, 5], np.int64), "ubig": np.array([2**64 - 1], np.uint64),
+           "q": np.array([17, 19, 127], np.int8), "ok": np.array([-2**31, 7], np.int32)}
+  ofx.save(ckpt_dir, {"s": state})
+  f8 = ml_dtypes.float8_e4m3fn
+  sharding = NamedSharding(_mesh(), P())
+  target = {"s": {"big": np.zeros(2, np.float64), "ubig": np.zeros(1, np.float64),
+                  "q": jax.ShapeDtypeStruct((3,), f8, sharding=sharding),
+                  "ok": np.zeros(2, np.float64)}}
+  with pytest.raises(ofx.TreeMismatchError) as e:
+    ofx.restore(ckpt_dir, target)
+  assert sorted(d.split(":")[0] for d in e.value.differences) == ["s/big", "s/q", "s/ubig"]
+  casts = []
+  got = ofx.restore(ckpt_dir, target, allow_lossy_casts=True, casts=casts)["s"]
+  assert {c[0]: c[3] for c in casts} == {"s/big": False, "s/ubig": False, "s/q": False,
+                                         "s/ok": True}
+  assert np.asarray(got["ok"]).tolist() == [-2**31, 7]  # int32 -> float64 is exact
+  assert np.asarray(got["q"]).astype(np.float32).tolist() == [16, 20, 128]
+
+
+def test_a_python_scalar_restores_into_any_dtype_that_holds_its_value(ckpt_dir):
+  """TrainState.create's step is the Python int 0 until a jitted step runs; a target from
+  jax.eval_shape asks for int32. It was judged as int64 and refused as losing information."""
+  ofx.save(ckpt_dir, {"s": {"step": 0, "big": 2**40, "lr": 0.5, "x": 0.1}})
+  sharding = NamedSharding(_mesh(), P())
+  i32 = lambda: jax.ShapeDtypeStruct((), np.int32, sharding=sharding, weak_type=True)  # noqa: E731
+  f32 = jax.ShapeDtypeStruct((), np.float32, sharding=sharding)
+  target = {"s": {"step": i32(), "big": i32(), "lr": f32, "x": f32}}
+  with pytest.raises(ofx.TreeMismatchError) as e:
+    ofx.restore(ckpt_dir, target)
+  assert sorted(d.split(":")[0] for d in e.value.differences) == ["s/big", "s/x"]
+  del target["s"]["big"], target["s"]["x"]
+  got = ofx.restore(ckpt_dir, target, partial=True)["s"]
+  assert got["step"].dtype == np.int32 and int(got["step"]) == 0 and got["step"].weak_type
+  assert got["lr"].dtype == np.float32 and float(got["lr"]) == 0.5
+  assert int(jax.jit(lambda s: s + 1)(got["step"])) == 1
+
+
 def test_a_64_bit_save_dtype_for_device_arrays_with_x64_off_is_refused(ckpt_dir):
   """x64 off: save(..., dtype="float64") of a jax.Array left it float32 (astype cannot make
   64-bit device arrays) and recorded a cast that never happened; numpy leaves were cast."""

@@ -30,6 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -554,7 +555,12 @@ def _want(item: str, rec: Record, leaf: Any, where: _Where, diffs: list[str],
   if saved_kind == "value":
     value = rec.decoded()
     if shape == () and isinstance(value, (bool, int, float, complex, np.generic)) and not is_key_dtype(dtype):
-      if dtype is not None:
+      if dtype is not None and isinstance(value, (bool, int, float, complex)):
+        # A Python scalar (a TrainState's step before any jitted step) is weakly typed: its
+        # value decides, not the int64/float64 numpy would give it.
+        if not _value_cast_ok(value, np.dtype(dtype), where, allow_lossy, diffs, casts):
+          return None
+      elif dtype is not None:
         source = np.asarray(value).dtype
         if not _cast_ok(source, np.dtype(dtype), where, allow_lossy, diffs, casts):
           return None
@@ -605,12 +611,16 @@ def _want(item: str, rec: Record, leaf: Any, where: _Where, diffs: list[str],
               weak=sharding is not None and bool(getattr(leaf, "weak_type", False)))
 
 
+@functools.lru_cache(maxsize=256)  # a few dtype pairs; asked once per leaf of every restore
 def lossless(saved: np.dtype, target: np.dtype) -> bool:
   """True if every value of ``saved`` converts to ``target`` exactly.
 
-  numpy's "safe" casting, which knows the ml_dtypes types: int8 -> float32 or
-  bfloat16 -> float32 are exact; float -> int, float32 -> bfloat16 or
-  int64 -> float32 are not.
+  numpy's "safe" casting (which knows the ml_dtypes types) first, then checked
+  value by value, because "safe" is not always exact: numpy calls int64 ->
+  float64 safe (2**53 + 1 rounds) and ml_dtypes calls int8 -> float8_e4m3fn
+  safe (17 rounds to 16). A type of at most 16 bits is checked on every value
+  it has (a round trip through ``target``); a wider integer against the
+  mantissa of a float ``target``.
 
   Example:
     >>> import ml_dtypes
@@ -618,13 +628,43 @@ def lossless(saved: np.dtype, target: np.dtype) -> bool:
     (True, False)
     >>> lossless(np.dtype("float32"), np.dtype(ml_dtypes.bfloat16))
     False
+    >>> lossless(np.dtype("int64"), np.dtype("float64")), lossless(np.dtype("int32"), np.dtype("float64"))
+    (False, True)
+    >>> lossless(np.dtype("int8"), np.dtype(ml_dtypes.float8_e4m3fn))
+    False
   """
   if saved == target:
     return True
   try:
-    return bool(np.can_cast(saved, target, casting="safe"))
+    if not np.can_cast(saved, target, casting="safe"):
+      return False
   except TypeError:
     return False
+  if saved.kind == "b" or saved.itemsize <= 2:
+    values = _every_value(saved)
+    with np.errstate(all="ignore"):
+      back = values.astype(target).astype(saved)
+    if saved.kind in "biu":
+      return bool(np.array_equal(back, values))
+    same = back.view(f"u{saved.itemsize}") == values.view(f"u{saved.itemsize}")
+    nan = np.isnan(values.astype(np.float32)) & np.isnan(back.astype(np.float32))
+    return bool(np.all(same | nan))
+  if saved.kind in "iu" and target.kind in "fc":
+    bits = 8 * saved.itemsize - (saved.kind == "i")  # the magnitude's bits
+    return bits <= ml_dtypes.finfo(target).nmant + 1 if target.kind == "f" else (
+        bits <= np.finfo(target).nmant + 1)
+  return True
+
+
+def _every_value(dtype: np.dtype) -> np.ndarray:
+  """Every value a dtype of at most 16 bits holds (each bit pattern of a float)."""
+  if dtype.kind == "b":
+    return np.array([False, True])
+  if dtype.kind in "iu":
+    info = ml_dtypes.iinfo(dtype)
+    return np.arange(int(info.min), int(info.max) + 1).astype(dtype)
+  bits = ml_dtypes.finfo(dtype).bits if dtype.kind == "f" else 8 * dtype.itemsize
+  return np.arange(1 << bits, dtype=np.uint16).astype(f"u{dtype.itemsize}").view(dtype)
 
 
 def _cast_ok(saved: np.dtype, target: np.dtype, where: _Where, allow_lossy: bool, diffs: list[str],
@@ -640,6 +680,26 @@ def _cast_ok(saved: np.dtype, target: np.dtype, where: _Where, allow_lossy: bool
     return False
   if casts is not None:
     casts.append((str(where), str(saved), str(target), exact))
+  return True
+
+
+def _value_cast_ok(value: bool | int | float | complex, target: np.dtype, where: _Where,
+                   allow_lossy: bool, diffs: list[str], casts: list | None) -> bool:
+  """Like :func:`_cast_ok` for a saved Python scalar: exact when its value converts exactly."""
+  try:
+    with np.errstate(all="ignore"):
+      back = np.asarray(value, dtype=target).item()
+    exact = back == value or (value != value and back != back)  # noqa: PLR0124  (NaN)
+  except (OverflowError, ValueError, TypeError):
+    exact = False
+  saved = type(value).__name__
+  if not exact and not allow_lossy:
+    diffs.append(f"{where}: the Python {saved} {value!r} in checkpoint, {target} in target:"
+                 f" {_LOSSY}; pass allow_lossy_casts=True (checkpoint.allow_lossy_casts for a"
+                 " resume) to convert anyway, or restore as saved and cast yourself")
+    return False
+  if casts is not None:
+    casts.append((str(where), saved, str(target), exact))
   return True
 
 
