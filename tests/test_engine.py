@@ -399,3 +399,19 @@ def test_metadata_without_data(ckpt_dir):
   assert meta.items["rng"].arrays[0].dtype == "key<threefry2x32>"
   assert meta.custom == {"note": "hello"} and meta.device_count == 8 and meta.process_count == 1
   assert "params/w" in str(meta)
+
+
+def test_a_host_offloaded_target_restores_into_its_memory_kind(ckpt_dir):
+  """Optimizer moments offloaded to pinned host memory: a restore onto the state read every
+  byte, then failed in JAX ("Memory kind mismatch"): each shard was put in device memory."""
+  mesh = _mesh()
+  state = {"w": jax.device_put(np.ones(16, np.float32), NamedSharding(mesh, P("model"))),
+           "mu": jax.device_put(np.arange(16.0, dtype=np.float32),
+                                NamedSharding(mesh, P("model"), memory_kind="pinned_host"))}
+  ofx.save(ckpt_dir, {"state": state})
+  got = ofx.restore(ckpt_dir, {"state": ofx.abstract(state)})["state"]
+  assert got["mu"].sharding == state["mu"].sharding  # pinned_host, as the target
+  assert got["w"].sharding == state["w"].sharding
+  _assert_same(got["mu"], np.asarray(state["mu"]))
+  moved = jax.jit(lambda w, mu: w + jax.device_put(mu, state["w"].sharding))(got["w"], got["mu"])
+  assert np.asarray(moved).tolist() == (np.arange(16.0) + 1).tolist()

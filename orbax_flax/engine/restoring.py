@@ -442,12 +442,18 @@ def assemble(wants: list[targets.Want], datas: dict[int, list[np.ndarray]]) -> l
       out[i] = boxes[0]
     else:
       n = 0
+      kind = w.sharding.memory_kind  # host-offloaded ("pinned_host") targets land there
       for devices, data in zip(w.boxes.values(), boxes):
         for j, device in enumerate(devices):
           # The first device may use the buffer in place (zero-copy on CPU when
           # aligned); the others get copies, so donating one cannot change another.
           values.append(data)
-          devices_.append(device if w.committed else None)
+          if not w.committed:
+            devices_.append(None)
+          elif kind is None or kind == device.default_memory().kind:
+            devices_.append(device)
+          else:
+            devices_.append(jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
           alias.append(j == 0)
           n += 1
       sharded.append((i, n))
