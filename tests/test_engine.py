@@ -415,3 +415,21 @@ def test_a_host_offloaded_target_restores_into_its_memory_kind(ckpt_dir):
   _assert_same(got["mu"], np.asarray(state["mu"]))
   moved = jax.jit(lambda w, mu: w + jax.device_put(mu, state["w"].sharding))(got["w"], got["mu"])
   assert np.asarray(moved).tolist() == (np.arange(16.0) + 1).tolist()
+
+
+@pytest.mark.parametrize("budget", [0, 1024, 1 << 20])
+def test_a_converting_restore_onto_another_layout_is_exact_under_any_budget(ckpt_dir, budget):
+  """With a budget a converted array is read a stored chunk at a time, each piece converted
+  into its place: every box of another sharding must come out as the saved values."""
+  mesh = _mesh()
+  x = np.arange(37 * 24, dtype=np.int16).reshape(37, 24) - 400
+  saved = jax.make_array_from_callback(x.shape, NamedSharding(mesh, P(None, "model")),
+                                       lambda i: x[i])
+  ofx.save(ckpt_dir, {"s": {"x": saved, "h": x[:5]}})
+  target = {"s": {"x": jax.ShapeDtypeStruct(x.shape, np.float32,
+                                            sharding=NamedSharding(mesh, P(None, "data"))),
+                  "h": np.zeros((5, 24), np.float64)}}
+  got = ofx.restore(ckpt_dir, target, max_host_bytes=budget)["s"]
+  assert got["x"].dtype == np.float32 and got["x"].sharding == target["s"]["x"].sharding
+  np.testing.assert_array_equal(np.asarray(got["x"]), x.astype(np.float32))
+  np.testing.assert_array_equal(got["h"], x[:5].astype(np.float64))

@@ -82,6 +82,16 @@ def test_a_budget_below_one_chunk_holds_one_chunk_not_many(saved):
   assert r["extra"] - r["restored"] <= MB + r["largest_chunk"] + SLACK, r
 
 
+def test_a_restore_that_converts_dtypes_stays_within_the_budget(saved):
+  """float32 saved, float64 wanted (exact): each array was read whole in float32, then
+  converted, so the budget bound nothing: a whole float32 copy of an array beside the result."""
+  d, _ = saved
+  budget = 16
+  r = run("restore_cast", d, budget_mb=budget)
+  assert r["restored"] == 2 * r["state"], r
+  assert r["extra"] - r["restored"] <= budget * MB + r["largest_chunk"] + SLACK, r
+
+
 def test_conversion_streams_array_by_array(saved):
   """Our checkpoint and orbax-checkpoint's, each to safetensors: about one array at a time."""
   d, _ = saved

@@ -406,14 +406,20 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[targets.Want],
       raise errors.CheckpointCorruptedError("\n  ".join(problems.values()))
   out: list[Any] = [None] * len(wants)
   for window in _windows(wants, max_host_bytes):
+    # With a budget, a converted array is read a chunk at a time into its final dtype
+    # (else the whole array would be held in both dtypes at once).
+    pieces = {i for i in window if max_host_bytes and _cast_in_pieces(wants[i])}
     # Each array's boxes, 64-byte aligned in one mapping of its own: JAX's CPU client
     # adopts aligned buffers without a copy, and each restored array frees its memory alone.
-    buffers = _staging.fresh_groups([[(_layout.box_shape(b), wants[i].rec.np_dtype)
+    buffers = _staging.fresh_groups([[(_layout.box_shape(b), wants[i].dtype if i in pieces
+                                       else wants[i].rec.np_dtype)
                                       for b in wants[i].boxes] for i in window])
     datas = {id(wants[i]): bufs for i, bufs in zip(window, buffers)}
-    requests = [(wants[i].item, wants[i].rec, b, buf)
-                for i in window for b, buf in zip(wants[i].boxes, datas[id(wants[i])])]
+    requests = [(wants[i].item, wants[i].rec, b, buf) for i in window if i not in pieces
+                for b, buf in zip(wants[i].boxes, datas[id(wants[i])])]
     _reading.read_requests(reader, requests, progress)
+    _read_cast_pieces(reader, [(wants[i], datas[id(wants[i])]) for i in sorted(pieces)],
+                      max_host_bytes, progress)
     for i in window:
       w = wants[i]
       with np.errstate(over="ignore", invalid="ignore"):  # a lossy cast was asked for
@@ -421,6 +427,37 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[targets.Want],
     for i, value in zip(window, assemble([wants[i] for i in window], datas)):
       out[i] = value
   return out
+
+
+def _cast_in_pieces(w: targets.Want) -> bool:
+  """Whether ``w`` converts a stored array of ours read chunk by chunk (not packed, not a
+  transform's or a foreign format's)."""
+  rec = w.rec
+  return (np.dtype(w.dtype) != rec.np_dtype and isinstance(rec, Array) and bool(rec.owners)
+          and rec.chunk_shape is not None and not rec.is_packed and not rec.reads_itself)
+
+
+def _read_cast_pieces(reader: Any, cast: list[tuple[targets.Want, list[np.ndarray]]],
+                      budget: int, progress: Any) -> None:
+  """Reads converted arrays one stored chunk per piece, into temporary memory of at most
+  ``budget`` bytes at a time (one chunk if larger), each piece converted into its final buffer."""
+  pieces = []  # (want, final buffer, where the piece lies in it, the piece's box)
+  for w, finals in cast:
+    grid = _layout.Chunking(w.rec.shape, w.rec.chunk_shape)
+    for box, final in zip(w.boxes, finals):
+      for flat in grid.chunks_in_box(box):
+        piece = _layout.intersect(grid.chunk_box(flat), box)
+        pieces.append((w, final, _layout.relative(piece, box), piece))
+  sizes = [math.prod(_layout.box_shape(p)) * w.rec.np_dtype.itemsize for w, _, _, p in pieces]
+  for batch in _layout.split_by_size(sizes, budget):
+    temps = [np.empty(_layout.box_shape(pieces[j][3]), pieces[j][0].rec.np_dtype) for j in batch]
+    _reading.read_requests(reader, [(pieces[j][0].item, pieces[j][0].rec, pieces[j][3], t)
+                                    for j, t in zip(batch, temps)], progress)
+    with np.errstate(over="ignore", invalid="ignore"):  # a lossy cast was asked for
+      for j, t in zip(batch, temps):
+        _, final, where, _ = pieces[j]
+        final[where] = t
+    del temps
 
 
 def assemble(wants: list[targets.Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:
