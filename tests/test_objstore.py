@@ -6,6 +6,7 @@ The servers' own APIs (``store.keys``, ``store.put``...) look behind the
 library's back.
 """
 
+import dataclasses
 import os
 import threading
 import time
@@ -476,3 +477,73 @@ def test_differential_checkpoints_read_through_references_and_are_refused_as_tar
   assert got["w"].tobytes() == w.tobytes() and (got["b"] == 1).all()
   assert all(g.tobytes() == s.tobytes() for g, s in zip(got["small"], small))
   assert ofx.verify(store.url(bucket, "run/1")) == w.nbytes + 3 * 256 + 32
+
+
+@pytest.fixture(scope="module")
+def orbax_run(tmp_path_factory):
+  """An orbax-checkpoint CheckpointManager run (steps 10 and 20), written once on disk."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  logging.getLogger("absl").setLevel(logging.ERROR)
+  local = str(tmp_path_factory.mktemp("orbax-run"))
+  with ocp.CheckpointManager(local) as m:
+    for step in (10, 20):
+      m.save(step, args=ocp.args.StandardSave({"w": np.full(16, step, np.float32),
+                                               "step": np.int32(step)}))
+    m.wait_until_finished()
+  return local
+
+
+def _upload(store, bucket, local, prefix):
+  """Copies an orbax-checkpoint run to ``prefix`` as gsutil would, with the commit_success.txt
+  orbax writes itself on an object store; returns the keys it put."""
+  for d, _, files in os.walk(local):
+    for f in files:
+      with open(os.path.join(d, f), "rb") as fh:
+        store.put(bucket, f"{prefix}/{os.path.relpath(os.path.join(d, f), local)}", fh.read())
+  for step in (10, 20):
+    store.put(bucket, f"{prefix}/{step}/commit_success.txt", b"")
+  return store.keys(bucket, prefix + "/")
+
+
+def test_an_orbax_checkpoint_run_on_an_object_store_is_refused_never_swept(store, bucket,
+                                                                          orbax_run):
+  """An orbax-checkpoint run in <workdir>/checkpoints on an object store: restore_or_init
+  refuses it as it does locally, and a manager there never takes its step prefixes for
+  leftovers of its own (a sweep at or below its latest step deleted every one of its keys);
+  the directory the error names continues it, leaving it as it is."""
+  keys = _upload(store, bucket, orbax_run, "run/checkpoints")
+  url = store.url(bucket, "run")
+  fresh = {"w": np.zeros(16, np.float32), "step": np.int32(0)}
+  policy = ofx.CheckpointPolicy(save_interval_steps=10, max_to_keep=1, async_save=False,
+                                save_on_preemption=False)
+  with pytest.raises(ofx.CheckpointExistsError, match=r"orbax-checkpoint run \(step\(s\) 10, 20\)"
+                     r".*checkpoint.directory=\S*run/checkpoints_orbax_flax"):
+    ofx.CheckpointCallback(url, policy).restore_or_init(fresh)
+  with ofx.CheckpointManager(f"{url}/checkpoints", policy) as mngr:  # its own step 30
+    assert mngr.leftovers() == []
+    mngr.save(30, {"state": fresh}, force=True)
+  with ofx.CheckpointManager(f"{url}/checkpoints", policy) as mngr:  # sweeps at its start
+    assert mngr.all_steps() == [30] and mngr.leftovers() == []
+  assert set(keys) <= set(store.keys(bucket, "run/checkpoints/"))
+  policy = dataclasses.replace(policy, directory=f"{url}/checkpoints_orbax_flax")
+  with ofx.CheckpointCallback(url, policy) as ckpt:
+    state = ckpt.restore_or_init(fresh)
+    assert ckpt.restored_step == 20 and int(state["step"]) == 20
+    ckpt.on_step_end(30, {"w": state["w"] + 1, "step": np.int32(30)})
+  assert set(keys) <= set(store.keys(bucket, "run/checkpoints/"))
+
+
+def test_an_orbax_checkpoint_run_in_an_object_store_workdir_is_continued(store, bucket,
+                                                                        orbax_run):
+  """As locally: its newest step, the whole state, with nothing of orbax_flax's there."""
+  keys = _upload(store, bucket, orbax_run, "run")
+  policy = ofx.CheckpointPolicy(save_interval_steps=10, async_save=False,
+                                save_on_preemption=False)
+  with ofx.CheckpointCallback(store.url(bucket, "run"), policy) as ckpt:
+    state = ckpt.restore_or_init({"w": np.zeros(16, np.float32), "step": np.int32(0)})
+    assert ckpt.restored_step == 20 and int(state["step"]) == 20
+    np.testing.assert_array_equal(state["w"], np.full(16, 20, np.float32))
+    ckpt.on_step_end(21, state)
+  assert set(keys) <= set(store.keys(bucket, "run/"))
+  assert ckpt.manager.all_steps() == [21]

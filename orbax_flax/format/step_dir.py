@@ -10,7 +10,14 @@ local directories only). A committed step that others borrow from and that a
 new save of its number replaces is *parked* there for the save, its
 ``_CHECKPOINT`` kept: retired once the new save commits, moved back if it does
 not (:func:`settle_parked` after a crash). Anything else carrying a step number
-is a leftover of an interrupted save or delete.
+is a leftover of an interrupted save or delete, except another library's steps:
+a step prefix holding a key that only another library writes there
+(:data:`FOREIGN_MARKERS`: orbax-checkpoint's commit marker, step metadata and
+pytree metadata) is never a leftover of ours, on an object store as on a file
+system (where a leftover is always an ``.ofx-tmp-`` name): nothing sweeps or
+removes it. On an object store it is not a step either (a step has our
+manifest); the callback's resume refuses to write beside it
+(:func:`orbax_flax.training.resume.refuse_foreign_steps`).
 
 On an object store a listing names every key of every step (tensorstore lists
 without a delimiter: thousands of data files a step on a large job), so the
@@ -51,6 +58,12 @@ RETIRED_KEY = "_RETIRED"  # a retired step's manifest (its _CHECKPOINT renamed):
 RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
 INDEX = "_steps"  # on object stores: one empty key per committed step
 TIMELINE = ".timeline"  # the timeline of a directory's run before its first step commits
+# Key names that orbax-checkpoint writes inside a step and orbax_flax never does (ours are
+# _CHECKPOINT, manifest.ocdbt and d/<hash>): its commit marker on object stores, its step
+# metadata, and its pytree item's metadata and shardings (an unfinished or half-deleted step of
+# it holds these). A step prefix holding one, at any depth, is another library's step.
+FOREIGN_MARKERS = frozenset({"commit_success.txt", "_CHECKPOINT_METADATA", "_METADATA",
+                             "_sharding"})
 
 
 def retired_name(directory: str, generation: str) -> str:
@@ -175,6 +188,13 @@ def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Le
 
   On an object store the step index is listed when it has entries, and then
   no leftovers are reported; ``full=True`` lists every key (to find leftovers).
+  A step prefix holding another library's step (:data:`FOREIGN_MARKERS`) and
+  no manifest of ours is neither a step nor a leftover there.
+
+  Example:
+    >>> import tempfile
+    >>> list_steps(Location.parse(tempfile.mkdtemp()))
+    ([], [])
   """
   steps, leftovers = [], []
   if loc.is_local:
@@ -202,16 +222,23 @@ def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Le
       return [s for s in indexed if _location.read_key(
           loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None], []
   keys = _location.list_keys(loc)
-  committed, prefixes = set(), set()
+  committed, prefixes, foreign = set(), set(), set()
   for k in keys:
     head, _, rest = k.partition("/")
     if _is_step(head):
       prefixes.add(head)
       if rest == _manifest.MANIFEST_KEY:
         committed.add(head)
+      elif _is_foreign(rest):
+        foreign.add(head)
   steps = sorted(int(h) for h in committed)
-  leftovers = [Leftover(h + "/", int(h)) for h in sorted(prefixes - committed, key=int)]
+  leftovers = [Leftover(h + "/", int(h)) for h in sorted(prefixes - committed - foreign, key=int)]
   return steps, leftovers
+
+
+def _is_foreign(key: str) -> bool:
+  """Whether ``key`` (inside a step) is one only another library writes (FOREIGN_MARKERS)."""
+  return key.rpartition("/")[2] in FOREIGN_MARKERS
 
 
 def index(loc: Location, step: int) -> None:
@@ -247,7 +274,8 @@ def remove(loc: Location, name: str) -> bool:
   """Removes a leftover (a directory or a key prefix) entirely.
 
   On an object store a prefix whose manifest exists by now (its save committed
-  since the listing) is left alone: it is no leftover any more.
+  since the listing), or that holds another library's step
+  (:data:`FOREIGN_MARKERS`), is left alone: it is no leftover of ours.
 
   Returns:
     False if a local leftover is still there (a local removal ignores errors: it
@@ -257,8 +285,9 @@ def remove(loc: Location, name: str) -> bool:
     path = os.path.join(loc.local_path, name)
     remove_local(path)
     return not os.path.lexists(path)
-  if _location.read_key(loc.join(name.rstrip("/")), _manifest.MANIFEST_KEY,
-                        max_bytes=1) is None:
+  prefix = loc.join(name.rstrip("/"))
+  if (_location.read_key(prefix, _manifest.MANIFEST_KEY, max_bytes=1) is None
+      and not any(_is_foreign(k) for k in _location.list_keys(prefix))):
     _location.delete_prefix(loc, name)
   return True
 

@@ -18,8 +18,9 @@ What orbax-checkpoint writes, and what this module reads:
 * **A step of a ``CheckpointManager``**: ``_CHECKPOINT_METADATA`` names the
   items (``ocp.args.Composite``) and their handlers; pytree items are read as
   above, JSON items (``JsonSave``) as values.
-* **A run directory**: numbered step directories; :func:`steps` lists the
-  committed ones (``commit_success.txt`` or ``_CHECKPOINT_METADATA``).
+* **A run directory**: numbered step directories (on an object store, key
+  prefixes); :func:`steps` lists the committed ones (``commit_success.txt``, which
+  orbax writes last where it cannot rename, or ``_CHECKPOINT_METADATA``).
 * **flax's legacy checkpoints** (``flax.training.checkpoints``): a directory
   of ``checkpoint_<N>`` entries, each an orbax pytree item (or, before orbax, a
   msgpack file this module does not read); :func:`legacy_steps` lists them.
@@ -52,6 +53,7 @@ FORMAT = "orbax-checkpoint"
 DEFAULT_ITEM = "default"
 _PYTREE_METADATA = "_METADATA"
 _STEP_METADATA = "_CHECKPOINT_METADATA"
+_COMMIT = "commit_success.txt"  # a committed step (where orbax cannot rename: object stores)
 _STRINGS = "_strings.json"
 # Written by every process, each listing every jax.Array; orbax reads the first it finds.
 _ARRAY_METADATAS = "array_metadatas/process_0"
@@ -306,15 +308,33 @@ def detect(loc: Location) -> bool:
 
 
 def steps(loc: Location) -> list[int]:
-  """The committed steps of an orbax-checkpoint run directory (local), oldest first."""
-  if not loc.is_local or not os.path.isdir(loc.local_path):
-    return []
-  out = []
-  for name in os.listdir(loc.local_path):
-    full = os.path.join(loc.local_path, name)
-    if name.isdigit() and (os.path.exists(os.path.join(full, "commit_success.txt"))
-                           or os.path.exists(os.path.join(full, _STEP_METADATA))):
-      out.append(int(name))
+  """The committed steps of an orbax-checkpoint run directory, oldest first.
+
+  A step is ``<step>/`` holding ``commit_success.txt`` or ``_CHECKPOINT_METADATA``:
+  a directory on a file system, a key prefix on an object store (one listing of
+  ``loc``). A prefix that cannot be listed (a bucket that does not exist) holds
+  none: the caller's own read of it says why.
+
+  Example:
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> os.makedirs(os.path.join(d, "20")); open(os.path.join(d, "20", _COMMIT), "w").close()
+    >>> os.makedirs(os.path.join(d, "30", "default"))   # unfinished: no marker
+    >>> steps(Location.parse(d))
+    [20]
+  """
+  if loc.is_local:
+    if not os.path.isdir(loc.local_path):
+      return []
+    return sorted(int(name) for name in os.listdir(loc.local_path)
+                  if _is_step(name) and any(
+                      os.path.exists(os.path.join(loc.local_path, name, marker))
+                      for marker in (_COMMIT, _STEP_METADATA)))
+  out = set()
+  for key in _keys(loc):
+    head, _, rest = key.partition("/")
+    if _is_step(head) and rest in (_COMMIT, _STEP_METADATA):
+      out.add(int(head))
   return sorted(out)
 
 
@@ -322,14 +342,29 @@ _LEGACY = re.compile(r"checkpoint_(\d+)")  # flax.training.checkpoints' default 
 
 
 def legacy_steps(loc: Location) -> list[tuple[int, str]]:
-  """``(step, name)`` of flax's legacy ``checkpoint_<N>`` entries (local), oldest first.
+  """``(step, name)`` of flax's legacy ``checkpoint_<N>`` entries, oldest first.
 
   Temporary entries (``checkpoint_40.orbax-checkpoint-tmp-...``) are not listed.
+  On an object store an entry is a key prefix (an orbax pytree) or a key (a
+  msgpack file).
   """
-  if not loc.is_local or not os.path.isdir(loc.local_path):
+  if loc.is_local:
+    names = set(os.listdir(loc.local_path)) if os.path.isdir(loc.local_path) else set()
+  else:
+    names = {key.partition("/")[0] for key in _keys(loc)}
+  return sorted((int(m.group(1)), name) for name in names if (m := _LEGACY.fullmatch(name)))
+
+
+def _is_step(name: str) -> bool:
+  return name.isascii() and name.isdigit()
+
+
+def _keys(loc: Location) -> list[str]:
+  """Every key under the object-store prefix ``loc``; none if it cannot be listed."""
+  try:
+    return _location.list_keys(loc)
+  except errors.StorageError:
     return []
-  return sorted((int(m.group(1)), name) for name in os.listdir(loc.local_path)
-                if (m := _LEGACY.fullmatch(name)))
 
 
 class _Array:

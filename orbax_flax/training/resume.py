@@ -898,22 +898,19 @@ class PreviousRun(NamedTuple):
         run's ``<workdir>/checkpoints`` passed as the workdir).
     """
     loc = Location.parse(workdir)
-    if not loc.is_local:
-      refuse_checkpoints_dir(loc, directory)
-      return None
     seen = []
-    for candidate in (loc.local_path, os.path.join(loc.local_path, "checkpoints"), directory):
-      if candidate in seen or not os.path.isdir(candidate):
+    for candidate in (loc, loc.join("checkpoints"), Location.parse(directory)):
+      if candidate in seen or (candidate.is_local and not os.path.isdir(candidate.local_path)):
         continue
-      seen.append(candidate)
-      ocp = orbax_checkpoint.steps(Location.parse(candidate))
+      seen.append(candidate)  # (on an object store: one listing of each)
+      ocp = orbax_checkpoint.steps(candidate)
       if ocp:
-        return cls("orbax-checkpoint", candidate, tuple(ocp),
-                   os.path.join(candidate, str(ocp[-1])))
-      legacy = orbax_checkpoint.legacy_steps(Location.parse(candidate))
+        return cls("orbax-checkpoint", str(candidate), tuple(ocp),
+                   str(candidate.join(str(ocp[-1]))))
+      legacy = orbax_checkpoint.legacy_steps(candidate)
       if legacy:
-        return cls("flax", candidate, tuple(s for s, _ in legacy),
-                   os.path.join(candidate, legacy[-1][1]))
+        return cls("flax", str(candidate), tuple(s for s, _ in legacy),
+                   str(candidate.join(legacy[-1][1])))
     refuse_checkpoints_dir(loc, directory)
     return None
 
@@ -930,7 +927,7 @@ class PreviousRun(NamedTuple):
       CheckpointFormatError: a flax msgpack file, which orbax_flax does not read.
       TreeMismatchError: a step of several items, none of them ``default`` or ``state``.
     """
-    if os.path.isfile(self.path):
+    if self._is_file():
       raise self.refusal("its newest step is a flax msgpack file, which orbax_flax does not"
                          " read; restore it with flax.training.checkpoints.restore_checkpoint"
                          " and save that state with ofx.save(..., {'state': state})",
@@ -942,6 +939,13 @@ class PreviousRun(NamedTuple):
       raise self.refusal(f"its steps hold the items {names}, and none is 'default' or 'state',"
                          " so the one holding the training state is not known")
     return item
+
+  def _is_file(self) -> bool:
+    """Whether the newest step is one file (a flax msgpack checkpoint), not a directory."""
+    loc = Location.parse(self.path)
+    if loc.is_local:
+      return os.path.isfile(loc.local_path)
+    return _location.read_key(Location.parse(self.directory), loc.name, max_bytes=1) is not None
 
   def refusal(self, problem: str, kind: type = errors.TreeMismatchError) -> Exception:
     """The error that refuses to continue this run, with the lines to write instead."""
@@ -974,23 +978,26 @@ def refuse_checkpoints_dir(workdir: Location, directory: str) -> None:
 
 
 def refuse_foreign_steps(directory: str, steps: list[int]) -> None:
-  """Raises if every step listed in ``directory`` is an orbax-checkpoint step, none ours."""
+  """Raises if ``directory`` holds an orbax-checkpoint run and none of its listed ``steps``
+  is ours (a local listing counts that run's steps and any stray step directory beside them;
+  an object store's lists only ours, so it is looked at for that run's steps itself)."""
   loc = Location.parse(directory)
-  if not steps or not loc.is_local or any(
-      _location.read_key(loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None
-      for s in reversed(steps)):
+  if any(_location.read_key(loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None
+         for s in reversed(steps)):
     return  # (one small read when the newest step is ours, as it is at every resume)
-  if set(orbax_checkpoint.steps(loc)) != set(steps):
+  foreign = orbax_checkpoint.steps(loc)
+  if not foreign or (loc.is_local and set(foreign) != set(steps)):
     return
-  elsewhere = os.path.join(os.path.dirname(directory.rstrip("/")), "checkpoints_orbax_flax")
+  elsewhere = loc.sibling("checkpoints_orbax_flax")
+  newest = loc.join(str(foreign[-1]))
   raise errors.CheckpointExistsError(
-      f"{directory} holds an orbax-checkpoint run (step(s) {_steps_text(steps)}), and orbax_flax"
+      f"{loc} holds an orbax-checkpoint run (step(s) {_steps_text(foreign)}), and orbax_flax"
       " would write its own steps among that library's. Give this run's checkpoints a directory"
       f" of their own with --config.checkpoint.directory={elsewhere}"
-      f" (CheckpointPolicy(directory={elsewhere!r})): the run then continues the orbax-checkpoint"
-      f" run from step {steps[-1]} (the whole state), and leaves its steps as they are. To take"
-      " only its params instead:"
-      f" --config.checkpoint.init_from={os.path.join(directory, str(steps[-1]))}.")
+      f" (CheckpointPolicy(directory={str(elsewhere)!r})): the run then continues the"
+      f" orbax-checkpoint run from step {foreign[-1]} (the whole state), and leaves its steps as"
+      " they are. To take only its params instead:"
+      f" --config.checkpoint.init_from={newest}.")
 
 
 def _steps_text(steps: Any) -> str:
