@@ -300,3 +300,27 @@ def test_device_sh_installs_every_package_the_benchmark_imports():
   assert imported, "the benchmark's imports were not found: the pattern above is out of date"
   missing = imported - {m.split(".")[0] for m in listed}
   assert not missing, f"benchmarks/device.sh does not check or install {sorted(missing)}"
+
+
+def test_every_ofx_attribute_path_the_docs_write_resolves_in_a_fresh_process():
+  """The docs' code runs in this process, where the engine's modules are imported already:
+  ``t = ofx.engine.transforms`` (docs/interop.md) ran here and was an AttributeError in a
+  user's fresh script. Each ``ofx.a.b...`` the docs, the README and the docstrings write is
+  looked up in a new interpreter that has only imported orbax_flax (``ofx.a`` alone goes
+  through the package's own lazy lookup)."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  texts = FILES + sorted(glob.glob(os.path.join(ROOT, "orbax_flax", "**", "*.py"), recursive=True))
+  chains = set()
+  for path in texts:
+    with open(path) as f:
+      chains |= set(re.findall(r"\bofx((?:\.[A-Za-z_]\w*)+)", f.read()))
+  assert ".CheckpointPolicy.from_config" in chains  # the scan finds them
+  bad = []
+  for chain in sorted(c for c in chains if c.count(".") > 1):
+    code = ("import functools, orbax_flax as ofx\n"
+            f"functools.reduce(getattr, {chain.strip('.').split('.')!r}, ofx)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       check=False, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    if r.returncode:
+      bad.append(f"ofx{chain}: " + (r.stderr.strip().splitlines() or ["?"])[-1])
+  assert not bad, bad

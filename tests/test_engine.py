@@ -433,3 +433,16 @@ def test_a_converting_restore_onto_another_layout_is_exact_under_any_budget(ckpt
   assert got["x"].dtype == np.float32 and got["x"].sharding == target["s"]["x"].sharding
   np.testing.assert_array_equal(np.asarray(got["x"]), x.astype(np.float32))
   np.testing.assert_array_equal(got["h"], x[:5].astype(np.float64))
+
+
+def test_a_misspelt_dtype_name_is_refused_naming_it_before_anything_is_written(tmp_path):
+  """save(dtype="bf16") and transforms.Cast("w", "bf16") raised AttributeError from ml_dtypes
+  ("module 'ml_dtypes' has no attribute 'bf16'"), naming neither the argument nor the fix."""
+  path = str(tmp_path / "c")
+  with pytest.raises(ValueError, match="dtype 'bf16' is not a name.*'bfloat16'"):
+    ofx.save(path, {"s": {"w": np.ones(3, np.float32)}}, dtype="bf16")
+  assert not os.path.exists(path)
+  ofx.save(path, {"s": {"w": np.ones(3, np.float32)}})
+  with pytest.raises(ValueError, match="dtype 'bf16' is not a name"):
+    ofx.restore(path, {"s": {"w": np.zeros(3, np.float16)}},
+                transforms=[ofx.transforms.Cast("w", "bf16")])

@@ -112,11 +112,25 @@ def flatten(tree: Any) -> list[tuple[Path, Any]]:
 
 @functools.lru_cache(maxsize=256)  # a few names; asked once per leaf of every restore
 def dtype_from_name(name: str) -> np.dtype:
-  """``np.dtype`` that also knows ml_dtypes names (bfloat16, int4, ...)."""
+  """``np.dtype`` that also knows ml_dtypes names (bfloat16, int4, ...).
+
+  Example:
+    >>> dtype_from_name("bfloat16").name
+    'bfloat16'
+    >>> dtype_from_name("bf16")
+    Traceback (most recent call last):
+    ...
+    ValueError: dtype 'bf16' is not a name numpy or ml_dtypes knows; write one such as 'float32', 'bfloat16', 'float16', 'int8' or 'float8_e4m3fn'
+  """
   try:
     return np.dtype(name)
   except TypeError:
+    pass
+  try:
     return np.dtype(getattr(ml_dtypes, name))
+  except (AttributeError, TypeError):
+    raise ValueError(f"dtype {name!r} is not a name numpy or ml_dtypes knows; write one such as"
+                     " 'float32', 'bfloat16', 'float16', 'int8' or 'float8_e4m3fn'") from None
 
 
 def is_supported_dtype(dtype: np.dtype) -> bool:

@@ -32,7 +32,7 @@ Example:
   >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
   >>> ofx.save(path, {"p": {"layers_0": {"w": np.zeros(3, np.float32)},
   ...                        "layers_1": {"w": np.ones(3, np.float32)}}})
-  >>> t = ofx.engine.transforms
+  >>> t = ofx.transforms
   >>> out = ofx.restore(path, {"p": {"layers": {"w": np.zeros((2, 3), np.float32)}}},
   ...                   transforms=[t.Stack(r"layers_(?P<i>\\d+)/(.*)", r"layers/\\2")])
   >>> out["p"]["layers"]["w"].tolist()
@@ -233,7 +233,7 @@ class Transpose(Transform):
     >>> import numpy as np, orbax_flax as ofx, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
     >>> ofx.save(path, {"m": {"up": {"weight": np.arange(6.0).reshape(2, 3)}}})
-    >>> t = ofx.engine.transforms
+    >>> t = ofx.transforms
     >>> out = ofx.restore(path, {"m": {"up": {"kernel": np.zeros((3, 2))}}}, transforms=[
     ...     t.Rename(r"(.*)/weight", r"\\1/kernel"), t.Transpose(r".*/kernel")])
     >>> out["m"]["up"]["kernel"].tolist()
