@@ -183,6 +183,22 @@ def test_an_orbax_checkpoint_run_in_the_checkpoints_directory_is_refused_with_th
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["20", "40"]  # left alone
 
 
+def test_an_orbax_checkpoint_run_beside_a_stray_step_directory_is_still_refused(tmp_path):
+  """A half-deleted orbax step (5/ holding only default/_sharding) beside the run's steps: still
+  CheckpointExistsError, not its healthy steps called damaged (CANNOT RESUME FROM STEP 40)."""
+  workdir = str(tmp_path / "run")
+  checkpoints = os.path.join(workdir, "checkpoints")
+  _ocp_run(checkpoints, "manager")
+  os.makedirs(os.path.join(checkpoints, "5", "default"))
+  with open(os.path.join(checkpoints, "5", "default", "_sharding"), "w") as f:
+    f.write("{}")
+  with pytest.raises(ofx.CheckpointExistsError,
+                     match=r"orbax-checkpoint run \(step\(s\) 20, 40\).*checkpoint.directory="):
+    ofx.CheckpointCallback(workdir, _policy(save_interval_steps=10)).restore_or_init(
+        _trained_state(0))
+  assert sorted(os.listdir(checkpoints)) == ["20", "40", "5"]
+
+
 def test_another_runs_state_that_does_not_fit_is_refused_with_init_from(tmp_path):
   workdir = str(tmp_path / "run")
   _ocp_run(workdir, "manager")

@@ -986,8 +986,8 @@ def refuse_foreign_steps(directory: str, steps: list[int]) -> None:
          for s in reversed(steps)):
     return  # (one small read when the newest step is ours, as it is at every resume)
   foreign = orbax_checkpoint.steps(loc)
-  if not foreign or (loc.is_local and set(foreign) != set(steps)):
-    return
+  if not foreign:
+    return  # (a stray step directory beside that run's steps changes nothing)
   elsewhere = loc.sibling("checkpoints_orbax_flax")
   newest = loc.join(str(foreign[-1]))
   raise errors.CheckpointExistsError(
