@@ -363,6 +363,9 @@ def test_two_threads_sharing_one_saver_commit_only_their_own_bytes(tmp_path, sha
     path = lambda s: str(tmp_path / str(s))  # noqa: E731
   else:
     saver = ofx.CheckpointManager(str(tmp_path))
+    for s in range(40):  # committed first: the threads re-save them (a new step below the
+      saver.save(s, items(-1 - s), force=True)  # newest one would be refused)
+    saver.wait()
     save = lambda s: saver.save(s, items(s), force=True)  # noqa: E731
     path = saver.step_path
   raised = []
@@ -443,3 +446,26 @@ def test_a_deletion_that_fails_on_a_full_disk_is_tried_again(tmp_path):
     assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == ["3"]
     assert not os.path.exists(os.path.join(d, ".readers"))  # no notice left behind
     assert ofx.restore(os.path.join(d, "3"))["state"]["w"][0] == 3
+
+
+def test_a_new_step_below_the_newest_is_refused_before_writing_unless_rolled_back(tmp_path):
+  """A run started over in a finished run's directory (no restore) saved steps below the old
+  latest: each save returned True and committed, and max_to_keep deleted it at once, with no
+  word; a resume then restored the old run."""
+  d = str(tmp_path)
+  policy = ofx.CheckpointPolicy(save_interval_steps=10, max_to_keep=2)
+  run(d, policy, range(1, 51))
+  assert on_disk(d) == [40, 50]
+  before = sorted(os.listdir(d))
+  with ofx.CheckpointManager(d, policy) as mngr:
+    assert not any(mngr.save(s, {"state": state(s)}) for s in range(1, 10))  # not due: fine
+    with pytest.raises(ValueError, match=r"step 10 is below the newest step 50 of .*no rollback"
+                       r".*Nothing was written\. .*restore it first.*a new directory.*delete the"
+                       r" newer step\(s\) \[40, 50\] first"):
+      mngr.save(10, {"state": state(10)})
+    assert sorted(os.listdir(d)) == before  # no lease, no sweep, no step
+    assert mngr.save(50, {"state": state(-50)}, force=True)  # a re-save replaces it in place
+    mngr.restore(40)  # a rollback: its run saves below the newest, as before
+    assert mngr.save(30, {"state": state(30)}, force=True)
+    mngr.wait()
+    assert mngr.all_steps() == [30, 40] == on_disk(d)

@@ -164,7 +164,7 @@ def test_a_second_manager_sweeps_nothing_a_writer_is_writing(tmp_path):
   evaluator = ofx.CheckpointManager(d)  # while step 6 is written
   assert evaluator.all_steps() == [5, 10]
   with pytest.raises(ofx.WriterConflictError, match="writer already"):
-    evaluator.save(7, big(7), force=True)
+    evaluator.save(11, big(11), force=True)  # (a step below 10 is refused earlier)
   evaluator.close()
   m.wait()
   assert (np.asarray(ofx.restore(os.path.join(d, "6"))["state"]["w"]) == 6).all()

@@ -222,6 +222,8 @@ class CheckpointManager:
 
     Raises:
       RuntimeError: the manager is closed (nothing is written).
+      ValueError: ``step`` is a new step below the newest step here while this manager has
+        not restored an older one (no rollback); nothing is written.
     """
     # One save at a time, also when threads share the manager: its staging memory, the save
     # in flight and the step bookkeeping are one save's until it returns. close() waits too.
@@ -252,6 +254,7 @@ class CheckpointManager:
         self.prepare(items)
       return False
     self._prepared = True
+    self._refuse_below_newest(step)  # before anything is written, like a second writer
     self._become_writer()  # before anything is written: a second writer is refused here
     if self._inflight.saving(step):
       if not self._rollback.abandons(step):
@@ -301,6 +304,27 @@ class CheckpointManager:
     else:
       handle.add_done_callback(functools.partial(self._completed, save))
     return True
+
+  def _refuse_below_newest(self, step: int) -> None:
+    """Raises unless a save of ``step`` keeps the directory's order: a new step number below
+    the newest step (committed, or being saved) is a rollback's save only after a restore of
+    an older step (:class:`~orbax_flax.manager.registry.Rollback`). A forced re-save of a
+    committed step replaces it where it is."""
+    if self._rollback.active() or step in self.registry:
+      return
+    newer = [s for s in (*self.registry.committed(), self._inflight.started_step())
+             if s is not None and s > step]
+    if not newer:
+      return
+    newest = max(newer)
+    raise ValueError(
+        f"step {step} is below the newest step {newest} of {self._dir}, and this manager has"
+        f" not restored an older step (no rollback): its keep rules would rank step {step} as"
+        f" older than {newest} (max_to_keep deletes it first) and a resume would restore"
+        f" {newest}, not it. Nothing was written. To go back to an earlier step, restore it"
+        " first (manager.restore(step), which starts a new run from it) and save from there;"
+        " to start a new run from scratch, give it a new directory; or delete the newer"
+        f" step(s) {registry_lib.short(sorted(newer))} first.")
 
   def _completed(self, save: _Save, handle: saving.AsyncSave | None = None) -> None:
     """The one path by which the end of a save comes back to the manager, once per save.
