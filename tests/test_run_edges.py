@@ -3,6 +3,7 @@ mistyped metric names (issue 28)."""
 
 import logging
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -181,6 +182,28 @@ def test_an_orbax_checkpoint_run_in_the_checkpoints_directory_is_refused_with_th
     state = ckpt.restore_or_init(fresh)
   assert ckpt.restored_step == 40 and int(state.step) == 40
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["20", "40"]  # left alone
+
+
+def test_the_refusals_params_only_line_works_as_printed(tmp_path):
+  """The CheckpointExistsError's line for taking only the params, followed as printed (every
+  --config.checkpoint flag on it), fine-tunes from step 40; before, it named init_from alone,
+  which the same error refused again (the directory still held that run)."""
+  workdir = str(tmp_path / "run")
+  checkpoints = os.path.join(workdir, "checkpoints")
+  _ocp_run(checkpoints, "manager")
+  with pytest.raises(ofx.CheckpointExistsError) as e:
+    ofx.CheckpointCallback(workdir, _policy(save_interval_steps=10)).restore_or_init(
+        _trained_state(0))
+  line = str(e.value).split("To take only its params instead")[1]
+  flags = dict(re.findall(r"--config\.checkpoint\.(\w+)=(\S+)", line))
+  assert sorted(flags) == ["directory", "init_from"], line
+  config = {"save_interval_steps": 10, "save_on_preemption": False, **flags}
+  with ofx.CheckpointCallback(workdir, config) as ckpt:
+    state = ckpt.restore_or_init(_trained_state(0))
+  assert ckpt.restored_step is None and int(state.step) == 0  # fine-tuning: params only
+  np.testing.assert_array_equal(state.params["params"]["kernel"],
+                                _trained_state(40).params["params"]["kernel"])
+  assert sorted(os.listdir(checkpoints)) == ["20", "40"]  # left alone
 
 
 def test_an_orbax_checkpoint_run_beside_a_stray_step_directory_is_still_refused(tmp_path):

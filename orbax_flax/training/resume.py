@@ -997,7 +997,9 @@ def refuse_foreign_steps(directory: str, steps: list[int]) -> None:
       f" (CheckpointPolicy(directory={str(elsewhere)!r})): the run then continues the"
       f" orbax-checkpoint run from step {foreign[-1]} (the whole state), and leaves its steps as"
       " they are. To take only its params instead:"
-      f" --config.checkpoint.init_from={newest}.")
+      f" --config.checkpoint.directory={elsewhere} --config.checkpoint.init_from={newest}"
+      f" (CheckpointPolicy(directory={str(elsewhere)!r}, init_from={str(newest)!r}); both:"
+      " init_from alone would still write among that run's steps).")
 
 
 def _steps_text(steps: Any) -> str:
