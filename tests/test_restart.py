@@ -83,6 +83,23 @@ def test_the_restart_is_logged_in_one_line_and_written_beside_the_save_timings(t
   assert saves  # the save timings go to the same writer
 
 
+def test_restore_or_init_called_again_times_the_last_restore(tmp_path):
+  """A second restore_or_init (a retry) times its own restore: before, the first call's end was
+  kept, so restart/restore_s came out negative by the time between the calls."""
+  import time  # pylint: disable=g-import-not-at-top
+  _save_steps(str(tmp_path))
+  writer = jobs.RecordingWriter()
+  with ofx.CheckpointCallback(str(tmp_path), dict(save_interval_steps=2, **_QUIET),
+                              writer=writer) as ckpt:
+    ckpt.restore_or_init(_state(seed=1))
+    time.sleep(0.5)
+    state = ckpt.restore_or_init(_state(seed=1))
+    ckpt.on_step_end(5, _train_step(state))
+  (parts,) = [s for _, s in writer.scalars if "restart/restore_s" in s]
+  assert parts["restart/restore_s"] >= 0 and parts["restart/first_step_s"] >= 0, parts
+  assert parts["restart/startup_s"] >= 0.5, parts  # the time between the calls is start-up
+
+
 def test_a_background_restore_gives_the_saved_values_and_trains(tmp_path, caplog):
   saved = _save_steps(str(tmp_path))
   template = _state(seed=1)

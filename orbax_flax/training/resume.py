@@ -735,8 +735,11 @@ class RestartClock:
     return clock
 
   def restore_began(self, background: bool = False) -> None:
-    """The restore starts (``background``: on a thread, joined later by the caller)."""
+    """The restore starts (``background``: on a thread, joined later by the caller); a restore
+    begun again (a retry) starts the measurement of the restore and first step over."""
     self.began, self.background = self._clock(), background
+    self.restored_at = self.joined_at = self.finished_at = self.step = None
+    self.timing_first_step = False
     if self.cache_dir is not None and not self._listening:
       jax.monitoring.register_event_listener(self._on_event)
       self._listening = True
