@@ -69,8 +69,10 @@ def test_the_restart_is_logged_in_one_line_and_written_beside_the_save_timings(t
       ckpt.on_step_end(6, _train_step(state))
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restart from")]
   assert len(lines) == 1, lines  # once, at the first step
-  assert re.match(r"restart from step 4: process start to restore [\d.]+ s \(imports, JAX, model"
-                  r" init\), restore [\d.]+ s, first train step [\d.]+ s \(compile and run\),"
+  # (Not the process's first callback: its start-up counts from its construction. A process's
+  # first counts from the process's start: _run's workers.)
+  assert re.match(r"restart from step 4: callback built to restore [\d.]+ s \([^)]*\), restore"
+                  r" [\d.]+ s, first train step [\d.]+ s \(compile and run\),"
                   r" [\d.]+ s in all$", lines[0]), lines[0]
   restart = [s for step, s in writer.scalars if "restart/restore_s" in s]
   assert len(restart) == 1 and writer.scalars[0][0] == 5
@@ -98,6 +100,26 @@ def test_restore_or_init_called_again_times_the_last_restore(tmp_path):
   (parts,) = [s for _, s in writer.scalars if "restart/restore_s" in s]
   assert parts["restart/restore_s"] >= 0 and parts["restart/first_step_s"] >= 0, parts
   assert parts["restart/startup_s"] >= 0.5, parts  # the time between the calls is start-up
+
+
+def test_a_later_run_in_the_process_times_its_start_from_its_callback(tmp_path, caplog):
+  """Only a process's first callback counts from the process's start: a later run (a sweep, a
+  notebook) counted the runs before it as its start-up; it counts from its construction, and its
+  line says so."""
+  import time  # pylint: disable=g-import-not-at-top
+  _save_steps(str(tmp_path))  # an earlier run in this process
+  writer, template = jobs.RecordingWriter(), _state(seed=1)
+  built = time.time()
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    with ofx.CheckpointCallback(str(tmp_path), dict(save_interval_steps=2, **_QUIET),
+                                writer=writer) as ckpt:
+      ckpt.on_step_end(5, _train_step(ckpt.restore_or_init(template)))
+      lived = time.time() - built
+  (parts,) = [s for _, s in writer.scalars if "restart/startup_s" in s]
+  assert 0 <= parts["restart/startup_s"] <= parts["restart/total_s"] <= lived, (parts, lived)
+  (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("restart from")]
+  assert re.match(r"restart from step 4: callback built to restore [\d.]+ s \(a later run in this"
+                  r" process: timed from its CheckpointCallback, not from process start\)", line), line
 
 
 def test_a_background_restore_gives_the_saved_values_and_trains(tmp_path, caplog):
@@ -157,6 +179,7 @@ def _run(workdir, steps, devices, *flags):
   result = json.loads(r.stdout.split("RESULT ", 1)[1])
   line = [l for l in r.stderr.splitlines() if "first train step" in l]
   assert len(line) == 1, r.stderr[-4000:]
+  assert re.search(r"process start to restore [\d.]+ s \(imports, JAX, model init\)", line[0])
   hits = re.search(r"compile cache: (\d+) hits?, (\d+) miss", line[0])
   assert hits, line[0]
   return result, int(hits.group(1)), int(hits.group(2))

@@ -74,7 +74,9 @@ class CheckpointCallback(callbacks.Callback):
       ``checkpoint/blocking_copy_s`` (the snapshot); ``checkpoint/total_s``,
       ``checkpoint/bytes``); and at the first step after ``restore_or_init``
       the restart's parts (``restart/startup_s``, ``restart/restore_s``,
-      ``restart/first_step_s``, ``restart/total_s``), also logged in one line.
+      ``restart/first_step_s``, ``restart/total_s``), also logged in one line;
+      start-up counts from the process's start for its first callback, from
+      the callback's construction for a later one.
     clock: wall-time source for time-based policies (tests pass a fake).
   """
 

@@ -692,11 +692,19 @@ _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits",
                  "/jax/compilation_cache/compile_requests_use_cache": "requests"}
 
 
+# Taken (never released) by the process's first RestartClock.start: only that clock counts
+# from the process's start. A later run in the same process (a sweep, a notebook) started long
+# after it; its clock counts from its callback's construction. Process-wide, as the start is.
+_PROCESS_START = threading.Lock()
+
+
 class RestartClock:
   """The parts of a start or restart: start-up, restore, first train step.
 
-  ``started`` is the process's start (from ``/proc``; None where unknown),
-  :meth:`restore_began` and :meth:`restored` bracket the restore, and
+  ``started`` is where start-up began: the process's start (from ``/proc``;
+  None where unknown) for the process's first callback, else that callback's
+  construction (``from_process_start`` False: a later run in the same
+  process), :meth:`restore_began` and :meth:`restored` bracket the restore, and
   :meth:`first_step_done` ends the clock (the first train step computed).
   The compile cache's hits and misses in between are counted from JAX's
   monitoring events (every compile that asks the cache, and every hit).
@@ -710,9 +718,11 @@ class RestartClock:
     ['restart/first_step_s', 'restart/restore_s', 'restart/total_s']
   """
 
-  def __init__(self, started: float | None = None, clock: Callable[[], float] = time.time):
+  def __init__(self, started: float | None = None, clock: Callable[[], float] = time.time,
+               from_process_start: bool = True):
     self._clock = clock
     self.started = started
+    self.from_process_start = from_process_start
     self.began: float | None = None
     self.restored_at: float | None = None
     self.joined_at: float | None = None
@@ -728,8 +738,12 @@ class RestartClock:
 
   @classmethod
   def start(cls, workdir: str, compilation_cache: bool) -> RestartClock:
-    """The clock of this process (from its start), with the compile cache on if asked."""
-    clock = cls(started=process_start_time())
+    """The clock of a callback built now, with the compile cache on if asked: from the
+    process's start for the process's first, else from now."""
+    if _PROCESS_START.acquire(blocking=False):
+      clock = cls(started=process_start_time())
+    else:
+      clock = cls(started=time.time(), from_process_start=False)
     if compilation_cache:
       clock.cache_dir = enable_compilation_cache(workdir)
     return clock
@@ -791,7 +805,8 @@ class RestartClock:
     return None not in (self.began, self.restored_at, self.finished_at)
 
   def parts(self) -> dict[str, float]:
-    """Seconds of each part measured: ``startup`` (process start to the restore's start),
+    """Seconds of each part measured: ``startup`` (process start, or for a later run in the
+    process its callback's construction, to the restore's start),
     ``restore``, ``joined`` (a background restore: its start to the caller's ``join()``
     returning), ``first_step`` (the caller had the state to the first step computed) and
     ``total``."""
@@ -815,8 +830,11 @@ class RestartClock:
     p = self.parts()
     what = f"restart from step {self.step}" if self.step is not None else "start (nothing to resume)"
     bits = []
-    if "startup" in p:
+    if "startup" in p and self.from_process_start:
       bits.append(f"process start to restore {p['startup']:.2f} s (imports, JAX, model init)")
+    elif "startup" in p:
+      bits.append(f"callback built to restore {p['startup']:.2f} s (a later run in this process:"
+                  " timed from its CheckpointCallback, not from process start)")
     bits.append(f"restore {p.get('restore', 0.0):.2f} s" + (
         f" (in the background, joined after {p['joined']:.2f} s)" if "joined" in p else ""))
     cache = ""
