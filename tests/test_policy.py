@@ -67,6 +67,59 @@ def test_keep_rules(rules, steps, deleted):
   assert P.to_delete(steps, rules) == deleted
 
 
+@pytest.mark.parametrize("build,error,match", [
+    # A user's spelling of "min" was read as "max": the best steps were deleted.
+    (lambda: P.KeepBest("val_loss", "Min", 1), ValueError,
+     r"KeepBest.mode='Min': must be one of 'min', 'max'\.$"),
+    (lambda: P.KeepBest("loss", "minimize"), ValueError, r"KeepBest.mode='minimize'"),
+    (lambda: P.KeepBest("loss", missing="drop"), ValueError,
+     r"KeepBest.missing='drop': must be one of 'worst', 'keep'"),
+    (lambda: P.KeepBest("", "min", 1), ValueError, r"KeepBest.metric='': must be the name"),
+    (lambda: P.KeepBest("loss", "min", 0), ValueError, r"KeepBest.n=0: must be >= 1"),
+])
+def test_keep_best_checks_its_mode_and_missing_when_built(build, error, match):
+  with pytest.raises(error, match=match):
+    build()
+
+
+def test_keep_best_and_the_policy_check_the_mode_alike():
+  with pytest.raises(ValueError, match=r"best_mode='Min': must be one of 'min', 'max'\.$"):
+    CheckpointPolicy(best_mode="Min")
+  assert P.KeepBest("loss", "max").mode == "max"
+
+
+@pytest.mark.parametrize("build,error,match", [
+    # Accepted, a step written, then a bare ZeroDivisionError naming neither rule nor fix.
+    (lambda: P.KeepEvery(0), ValueError, r"KeepEvery.period=0: must be >= 1 \(.*leave the rule"),
+    (lambda: P.KeepOnePer(0), ValueError, r"KeepOnePer.seconds=0: must be a finite number > 0"),
+    (lambda: P.KeepOnePer(float("inf")), ValueError, r"KeepOnePer.seconds=inf"),
+    (lambda: P.EveryNSteps(0), ValueError, r"EveryNSteps.n=0: must be >= 1 \(save every n steps"),
+    (lambda: P.KeepLast(0), ValueError, r"KeepLast.n=0: must be >= 1"),
+    (lambda: P.KeepLast(2.5), TypeError, r"KeepLast.n=2.5: must be an integer, got float"),
+    (lambda: P.EveryNSteps(True), TypeError, r"EveryNSteps.n=True: must be an integer"),
+    (lambda: P.EveryNSeconds(-1.0), ValueError, r"EveryNSeconds.seconds=-1.0: must be a finite"
+     r" number > 0 \(to save every step, use EveryNSteps\(1\)\)"),
+    (lambda: P.EveryNSeconds("60"), TypeError, r"EveryNSeconds.seconds='60': must be a number"),
+    (lambda: P.YoungDaly(0.0), ValueError, r"YoungDaly.mtbf_seconds=0.0: must be a finite number"
+     r" > 0 \(the job's mean time between failures"),
+    (lambda: P.YoungDaly(3600.0, -1.0), ValueError, r"YoungDaly.assumed_cost_seconds=-1.0"),
+    (lambda: P.OnSteps(frozenset({5, -1})), ValueError, r"OnSteps.steps=-1: must be >= 0"),
+    (lambda: P.OnSteps(5), TypeError, r"OnSteps.steps=5: must be a set of steps"),
+    (lambda: P.any_of(P.EveryNSteps(5), 10), TypeError, r"any_of: 10 is not a trigger"),
+])
+def test_triggers_and_keep_rules_check_their_counts_when_built(build, error, match):
+  with pytest.raises(error, match=match):
+    build()
+
+
+def test_checked_rules_keep_their_values_as_plain_numbers():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  assert P.OnSteps([3, 7]).steps == frozenset({3, 7})
+  n = P.EveryNSteps(np.int64(5)).n
+  assert n == 5 and type(n) is int  # pylint: disable=unidiomatic-typecheck
+  assert P.KeepOnePer(60).seconds == 60.0 and P.YoungDaly(3600).interval(2.0) == 120.0
+
+
 def test_best_step():
   steps = infos(1, 2, 3, metric=[0.5, 0.1, None])
   assert P.best_step(steps, "loss", "min") == 2

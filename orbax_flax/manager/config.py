@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import signal
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -340,16 +339,12 @@ def _check(p: CheckpointPolicy) -> None:
     if fixed is not value:
       object.__setattr__(p, f.name, fixed)
   for name in ("save_interval_steps", "max_to_keep", "keep_period", "keep_best", "max_host_bytes"):
-    if getattr(p, name) < 0:
-      _fail(name, getattr(p, name), "must be >= 0 (0 turns it off)")
+    policy_lib.check_int(name, getattr(p, name), 0, " (0 turns it off)")
   for name in ("save_interval_seconds", "keep_time_interval_seconds", "preemption_grace_seconds",
                "watchdog_seconds"):
-    v = getattr(p, name)
-    if v < 0 or not math.isfinite(v):
-      _fail(name, v, "must be a finite number >= 0 (0 turns it off)")
+    policy_lib.check_number(name, getattr(p, name), 0, note=" (0 turns it off)")
   _check_choice("save_interval", p.save_interval, ("", "auto"))
-  if p.local_save_interval_steps < 0:
-    _fail("local_save_interval_steps", p.local_save_interval_steps, "must be >= 0 (0: off)")
+  policy_lib.check_int("local_save_interval_steps", p.local_save_interval_steps, 0, " (0: off)")
   if p.local_save_interval_steps and not p.local_directory:
     _fail("local_save_interval_steps", p.local_save_interval_steps, "needs local_directory,"
           " a fast local directory such as /dev/shm/ckpt")
@@ -360,23 +355,19 @@ def _check(p: CheckpointPolicy) -> None:
   if p.local_save_interval == "auto" and not p.mtbf_seconds:
     _fail("local_save_interval", p.local_save_interval, "needs mtbf_seconds, the job's mean"
           " time between failures (e.g. mtbf_seconds=86400 for about one failure a day)")
-  if p.local_max_to_keep < 1:
-    _fail("local_max_to_keep", p.local_max_to_keep, "must be >= 1")
-  if p.replicas < 0:
-    _fail("replicas", p.replicas, "must be >= 0 (0: no peer copies)")
-  if p.mtbf_seconds < 0 or not math.isfinite(p.mtbf_seconds):
-    _fail("mtbf_seconds", p.mtbf_seconds, "must be a finite number of seconds >= 0")
+  policy_lib.check_int("local_max_to_keep", p.local_max_to_keep, 1)
+  policy_lib.check_int("replicas", p.replicas, 0, " (0: no peer copies)")
+  policy_lib.check_number("mtbf_seconds", p.mtbf_seconds, 0, note=" (seconds; 0: none given)")
   if p.save_interval == "auto" and not p.mtbf_seconds:
     _fail("save_interval", p.save_interval, "needs mtbf_seconds, the job's mean time between"
           " failures (e.g. mtbf_seconds=86400 for about one failure a day)")
-  if p.coordination_timeout_seconds <= 0 or not math.isfinite(p.coordination_timeout_seconds):
-    _fail("coordination_timeout_seconds", p.coordination_timeout_seconds,
-          "must be a finite number of seconds > 0 (e.g. 600)")
+  policy_lib.check_number("coordination_timeout_seconds", p.coordination_timeout_seconds, 0,
+                          above=True, note=" (seconds, e.g. 600)")
   bad = [s for s in p.save_on_steps if s < 0]
   if bad:
     _fail("save_on_steps", p.save_on_steps, f"steps must be >= 0, got {bad}")
-  _check_choice("best_mode", p.best_mode, ("min", "max"))
-  _check_choice("best_missing", p.best_missing, ("worst", "keep"))
+  _check_choice("best_mode", p.best_mode, policy_lib.MODES)
+  _check_choice("best_missing", p.best_missing, policy_lib.MISSING)
   _check_choice("if_busy", p.if_busy, ("wait", "skip"))
   _check_choice("on_unreadable_checkpoint", p.on_unreadable_checkpoint, ("fallback", "raise"))
   _check_choice("on_save_error", p.on_save_error, ("raise", "warn"))
@@ -419,13 +410,8 @@ def _dry_run(triggers: Triggers, num_steps: int, seconds_per_step: float,
       yield step, now[0], reason
 
 
-def _fail(name: str, value: Any, problem: str):
-  raise ValueError(f"{name}={value!r}: {problem}.")
-
-
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-  if value not in choices:
-    _fail(name, value, f"must be one of {', '.join(repr(c) for c in choices)}")
+_fail = policy_lib.fail  # the checks of the policy's fields are the rules' own
+_check_choice = policy_lib.check_choice
 
 
 def _signal_name(v: Any) -> Any:
@@ -445,12 +431,9 @@ def _check_type(name: str, annotation: str, value: Any) -> Any:
   def bad(what: str):
     raise TypeError(f"{name}={value!r}: must be {what}, got {type(value).__name__}.")
   if annotation == "int":
-    if isinstance(value, bool) or not isinstance(value, int):
-      bad("an integer")
+    return policy_lib.check_int(name, value)
   elif annotation == "float":
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-      bad("a number")
-    return float(value)
+    return policy_lib.check_number(name, value)
   elif annotation == "bool":
     if not isinstance(value, bool):
       bad("True or False")

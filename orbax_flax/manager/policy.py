@@ -3,8 +3,11 @@
 A *trigger* looks at a :class:`SaveState` (the step, the time now, the last
 save) and returns the reason to save, or None. A *keep rule* looks at the
 committed steps and returns the ones it keeps. Both are frozen dataclasses;
-combine triggers with :func:`any_of` and rules with :func:`to_delete`. The checks
-of what a save is given (:func:`as_step`, :func:`check_metrics`) are pure too.
+combine triggers with :func:`any_of` and rules with :func:`to_delete`. Each checks
+its arguments when built (with :func:`check_int`, :func:`check_number` and
+:func:`check_choice`, the checks :class:`~orbax_flax.CheckpointPolicy` uses for its
+fields). The checks of what a save is given (:func:`as_step`, :func:`check_metrics`)
+are pure too.
 What has state (the last save, recent save costs, the clock) is the
 :class:`~orbax_flax.manager.schedule.Schedule` around the triggers.
 
@@ -35,6 +38,73 @@ REASONS = ("interval", "time", "auto", "scheduled", "first", "final", "forced", 
            "exception")
 # The reasons of saves made whatever the triggers say (they never skip, and replace a committed step).
 FORCED = ("forced", "final", "preemption", "exception")
+MODES = ("min", "max")         # how a metric ranks: KeepBest.mode, CheckpointPolicy.best_mode
+MISSING = ("worst", "keep")    # a step without the metric: KeepBest.missing, best_missing
+
+
+def fail(name: str, value: object, problem: str) -> None:
+  """Raises the ``ValueError`` of a bad setting: ``"<name>=<value>: <problem>."``."""
+  raise ValueError(f"{name}={value!r}: {problem}.")
+
+
+def check_choice(name: str, value: object, choices: Sequence[str]) -> str:
+  """``value`` if it is one of ``choices`` (exactly: "Min" is not "min"), else raises.
+
+  Raises:
+    ValueError: naming the setting, the value and the choices.
+
+  Example:
+    >>> check_choice("KeepBest.mode", "Min", MODES)
+    Traceback (most recent call last):
+    ...
+    ValueError: KeepBest.mode='Min': must be one of 'min', 'max'.
+  """
+  if not isinstance(value, str) or value not in choices:
+    fail(name, value, f"must be one of {', '.join(repr(c) for c in choices)}")
+  return value  # type: ignore[return-value]
+
+
+def check_int(name: str, value: object, minimum: int | None = None, note: str = "") -> int:
+  """``value`` as an int (numpy integers too, never a bool), at least ``minimum``.
+
+  Raises:
+    TypeError: not an integer.
+    ValueError: below ``minimum`` (``note``, e.g. the fix, follows the bound).
+
+  Example:
+    >>> check_int("KeepEvery.period", 0, 1, " (the period of the steps kept forever)")
+    Traceback (most recent call last):
+    ...
+    ValueError: KeepEvery.period=0: must be >= 1 (the period of the steps kept forever).
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name}={value!r}: must be an integer, got {type(value).__name__}.")
+  if minimum is not None and value < minimum:
+    fail(name, value, f"must be >= {minimum}{note}")
+  return int(value)
+
+
+def check_number(name: str, value: object, minimum: float | None = None, *,
+                 above: bool = False, note: str = "") -> float:
+  """``value`` as a float: a finite number at least ``minimum`` (greater, with ``above``).
+
+  Raises:
+    TypeError: not a number.
+    ValueError: infinite, NaN or out of bounds (``note`` follows the bound).
+
+  Example:
+    >>> check_number("EveryNSeconds.seconds", 0, 0, above=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: EveryNSeconds.seconds=0: must be a finite number > 0.
+  """
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                    np.floating)):
+    raise TypeError(f"{name}={value!r}: must be a number, got {type(value).__name__}.")
+  if minimum is not None and (not math.isfinite(value) or value < minimum
+                              or (above and value == minimum)):
+    fail(name, value, f"must be a finite number {'>' if above else '>='} {minimum:g}{note}")
+  return float(value)
 
 
 def as_step(step: object) -> int:
@@ -99,6 +169,10 @@ class EveryNSteps:
   reads_clock: ClassVar[bool] = False
   n: int
 
+  def __post_init__(self):
+    _set(self, "n", check_int("EveryNSteps.n", self.n, 1, " (save every n steps; to save only"
+                              " when asked, pass no trigger)"))
+
   def __call__(self, s: SaveState) -> str | None:
     return "interval" if s.step % self.n == 0 else None
 
@@ -108,6 +182,10 @@ class EveryNSeconds:
   """Saves once ``seconds`` of wall time passed since the last save."""
   reads_clock: ClassVar[bool] = True
   seconds: float
+
+  def __post_init__(self):
+    _set(self, "seconds", check_number("EveryNSeconds.seconds", self.seconds, 0, above=True,
+                                       note=" (to save every step, use EveryNSteps(1))"))
 
   def __call__(self, s: SaveState) -> str | None:
     return "time" if s.now - s.last_time >= self.seconds else None
@@ -138,6 +216,14 @@ class YoungDaly:
   mtbf_seconds: float
   assumed_cost_seconds: float = 1.0
 
+  def __post_init__(self):
+    _set(self, "mtbf_seconds", check_number(
+        "YoungDaly.mtbf_seconds", self.mtbf_seconds, 0, above=True, note=" (the job's mean"
+        " time between failures, e.g. 86400 for about one a day)"))
+    _set(self, "assumed_cost_seconds", check_number(
+        "YoungDaly.assumed_cost_seconds", self.assumed_cost_seconds, 0,
+        note=" (a save's cost until one is measured)"))
+
   def interval(self, save_cost: float | None) -> float:
     cost = self.assumed_cost_seconds if save_cost is None else save_cost
     return young_daly_interval(cost, self.mtbf_seconds)
@@ -148,9 +234,16 @@ class YoungDaly:
 
 @dataclasses.dataclass(frozen=True)
 class OnSteps:
-  """Saves at an explicit set of steps."""
+  """Saves at an explicit set of steps (any iterable of steps, kept as a frozenset)."""
   reads_clock: ClassVar[bool] = False
   steps: frozenset[int]
+
+  def __post_init__(self):
+    if isinstance(self.steps, (str, bytes)) or not hasattr(self.steps, "__iter__"):
+      raise TypeError(f"OnSteps.steps={self.steps!r}: must be a set of steps, e.g."
+                      " OnSteps(frozenset({100, 500})).")
+    _set(self, "steps", frozenset(check_int("OnSteps.steps", s, 0, " (steps are non-negative)")
+                                  for s in self.steps))
 
   def __call__(self, s: SaveState) -> str | None:
     return "scheduled" if s.step in self.steps else None
@@ -169,6 +262,13 @@ class FirstStep:
 class AnyOf:
   """The first reason any of ``triggers`` gives."""
   triggers: tuple[Trigger, ...]
+
+  def __post_init__(self):
+    _set(self, "triggers", tuple(self.triggers))
+    for t in self.triggers:
+      if not callable(t):
+        raise TypeError(f"any_of: {t!r} is not a trigger (a callable of a SaveState, e.g."
+                        " EveryNSteps(100)).")
 
   @property
   def reads_clock(self) -> bool:
@@ -221,8 +321,12 @@ class KeepLast:
   reads_metadata: ClassVar[bool] = False
   n: int
 
+  def __post_init__(self):
+    _set(self, "n", check_int("KeepLast.n", self.n, 1, " (to keep every step, pass no keep"
+                              " rule that deletes)"))
+
   def keep(self, steps: Sequence[StepInfo]) -> set[int]:
-    return {s.step for s in sorted(steps, key=lambda s: s.step)[-self.n:]} if self.n > 0 else set()
+    return {s.step for s in sorted(steps, key=lambda s: s.step)[-self.n:]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,6 +334,10 @@ class KeepEvery:
   """Keeps every step that is a multiple of ``period``, forever."""
   reads_metadata: ClassVar[bool] = False
   period: int
+
+  def __post_init__(self):
+    _set(self, "period", check_int("KeepEvery.period", self.period, 1, " (the steps kept forever"
+                                   " are its multiples; to protect none, leave the rule out)"))
 
   def keep(self, steps: Sequence[StepInfo]) -> set[int]:
     return {s.step for s in steps if s.step % self.period == 0}
@@ -250,6 +358,14 @@ class KeepBest:
   mode: str = "min"
   n: int = 1
   missing: str = "worst"
+
+  def __post_init__(self):
+    if not isinstance(self.metric, str) or not self.metric:
+      fail("KeepBest.metric", self.metric, "must be the name of a metric the saves record,"
+           " e.g. 'loss'")
+    check_choice("KeepBest.mode", self.mode, MODES)
+    _set(self, "n", check_int("KeepBest.n", self.n, 1, " (how many of the best steps to keep)"))
+    check_choice("KeepBest.missing", self.missing, MISSING)
 
   def keep(self, steps: Sequence[StepInfo]) -> set[int]:
     scored = [s for s in steps if _finite(s.metrics.get(self.metric))]
@@ -272,11 +388,20 @@ class KeepOnePer:
   reads_metadata: ClassVar[bool] = True
   seconds: float
 
+  def __post_init__(self):
+    _set(self, "seconds", check_number("KeepOnePer.seconds", self.seconds, 0, above=True,
+                                       note=" (the length of the window of wall time)"))
+
   def keep(self, steps: Sequence[StepInfo]) -> set[int]:
     first: dict[int, StepInfo] = {}
     for s in sorted(steps, key=lambda s: (s.time, s.step)):
       first.setdefault(math.floor(s.time / self.seconds), s)
     return {s.step for s in first.values()}
+
+
+def _set(obj: object, name: str, value: object) -> None:
+  """Sets a field of a frozen rule to its checked value (an int for a numpy integer)."""
+  object.__setattr__(obj, name, value)
 
 
 def _finite(x: object) -> bool:
