@@ -169,6 +169,40 @@ def test_the_compilation_cache_refuses_an_object_store_workdir():
     ofx.CheckpointCallback("s3://bucket/run", dict(compilation_cache=True))
 
 
+_TWO_RUNS = r"""
+import shutil, sys
+import jax, jax.numpy as jnp, orbax_flax as ofx
+policy = ofx.CheckpointPolicy(save_interval_steps=1, compilation_cache=True)
+for workdir, n in zip(sys.argv[1:], (4, 5)):   # a sweep: one run after another, own workdirs
+  with ofx.CheckpointCallback(workdir, policy) as ckpt:
+    s = ckpt.restore_or_init({"w": jnp.zeros((n,)), "step": jnp.int32(0)})
+    ckpt.on_step_end(1, jax.jit(lambda s: {"w": jnp.sin(s["w"]) + n, "step": s["step"] + 1})(s))
+  print("CACHE", jax.config.jax_compilation_cache_dir, flush=True)
+  if n == 4:
+    shutil.rmtree(workdir)   # the first run's workdir gone, as a sweep's temporary ones go
+"""
+
+
+def test_a_second_run_in_one_process_caches_in_its_own_workdir(tmp_path):
+  """compilation_cache=True in two runs of one process (a sweep): JAX opens its cache once, so
+  the second run's programs went to the first run's workdir (gone here: JAX warned at every
+  compile) with a WARNING blaming a cache directory the user never set. The cache orbax_flax set
+  itself follows the run."""
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  env = jobs.env_for(1)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the test session's shared cache: not this one
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # cache even these small programs
+  r = subprocess.run([sys.executable, "-c", _TWO_RUNS, a, b], env=env, capture_output=True,
+                     text=True, timeout=240, check=False)
+  assert r.returncode == 0, r.stderr[-4000:]
+  dirs = [l.split(" ", 1)[1] for l in r.stdout.splitlines() if l.startswith("CACHE ")]
+  assert [d.startswith(os.path.join(w, "compilation_cache", "jax-")) for d, w in zip(dirs, (a, b))
+          ] == [True, True], dirs
+  assert os.listdir(dirs[1]), "the second run cached nothing in its own workdir"
+  assert "already set" not in r.stderr and "Error writing persistent compilation cache" not in (
+      r.stderr), r.stderr[-4000:]
+
+
 def _run(workdir, steps, devices, *flags):
   env = jobs.env_for(devices)
   env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the test session's shared cache: not this one

@@ -259,7 +259,8 @@ def test_imports_go_down_the_layers():
 
 # The private JAX APIs orbax_flax uses, as they appear in source; every one of them is used in
 # orbax_flax/core/_multihost.py only (its section "the private JAX APIs orbax_flax uses").
-_JAX_PRIVATE = ("jax._src", "._addressable_device_assignment", "._device_assignment")
+_JAX_PRIVATE = ("jax._src", "._addressable_device_assignment", "._device_assignment",
+                "experimental.compilation_cache")
 _JAX_PRIVATE_HOME = "orbax_flax.core._multihost"
 
 
@@ -301,6 +302,16 @@ def test_the_private_jax_apis_we_use_still_exist():
     array = jax.device_put(np.zeros(2 * len(jax.devices())), sharding)
     assert got == [s.device for s in array.addressable_shards], (
         f"{where}: _addressable_device_assignment is no longer the order of addressable_shards")
+  # jax.experimental.compilation_cache.compilation_cache.reset_cache: JAX's cache, opened once
+  # a process, opened again at the next compile (tests/test_restart.py: a second run in one
+  # process caches in its own workdir).
+  from jax._src import compilation_cache  # pylint: disable=g-import-not-at-top
+  try:
+    _multihost.reset_compilation_cache()
+  except (ImportError, AttributeError) as e:
+    pytest.fail(f"{where}: jax.experimental.compilation_cache.compilation_cache.reset_cache ({e})")
+  assert not compilation_cache._cache_initialized, (  # pylint: disable=protected-access
+      f"{where}: reset_cache no longer makes JAX open its compilation cache again")
 
 
 def test_the_modules_of_the_flat_layout_are_aliases_of_where_their_code_is_now():

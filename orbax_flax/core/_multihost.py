@@ -197,6 +197,16 @@ def weak_typed(x: jax.Array) -> jax.Array:
                                   committed=x.committed)
 
 
+def reset_compilation_cache() -> None:
+  """Makes JAX open its persistent compilation cache again, at ``jax_compilation_cache_dir`` as
+  it is then, at its next compile. JAX opens the cache once, at a process's first compile, and
+  keeps it whatever the setting says afterwards. ``reset_cache`` of
+  ``jax.experimental.compilation_cache.compilation_cache`` (``jax._src.compilation_cache``):
+  experimental, outside JAX's compatibility promise."""
+  from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=g-import-not-at-top
+  compilation_cache.reset_cache()
+
+
 def publish(key: str, value: str, *, timeout_s: float) -> None:
   """Sets ``key`` for every process to read (waits at most ``timeout_s`` for the service)."""
   c = client()

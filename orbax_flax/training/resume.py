@@ -596,6 +596,12 @@ def compilation_cache_dir(workdir: str) -> str:
   return os.path.join(workdir, CACHE_DIR, key)
 
 
+# The cache directories enable_compilation_cache set itself, in this process: a later run (a
+# sweep, a notebook) moves JAX's cache from them to its own workdir, where a directory the user
+# set is kept. Process-wide, as JAX's setting is.
+_CACHES_SET: set[str] = set()
+
+
 def enable_compilation_cache(workdir: str) -> str:
   """Points JAX's persistent compilation cache at this job's directory under ``workdir``.
 
@@ -603,7 +609,9 @@ def enable_compilation_cache(workdir: str) -> str:
   there (and written there, by process 0 only, as JAX does, if it took at least
   ``jax_persistent_cache_min_compile_time_secs`` to compile, 1 s by default).
   A cache directory the user set already (``JAX_COMPILATION_CACHE_DIR`` or
-  ``jax.config``) is kept, with a WARNING, and returned.
+  ``jax.config``) is kept, with a WARNING, and returned; one that an earlier
+  run in this process set here is replaced (JAX's cache, opened once a
+  process, is reopened at the next compile).
 
   Returns:
     The cache directory in use.
@@ -619,15 +627,20 @@ def enable_compilation_cache(workdir: str) -> str:
         f" as NFS or GCSFuse), not {workdir!r}: JAX's compilation cache is a directory of files"
         f" that every process reads. Set compilation_cache=False, or point JAX at a filesystem"
         f" cache yourself with the JAX_COMPILATION_CACHE_DIR environment variable.")
-  path = compilation_cache_dir(loc.local_path)
+  path = os.path.abspath(compilation_cache_dir(loc.local_path))
   current = jax.config.jax_compilation_cache_dir
-  if current and os.path.abspath(current) != os.path.abspath(path):
+  if current and os.path.abspath(current) == path:
+    return path
+  if current and os.path.abspath(current) not in _CACHES_SET:
     log.warning(
         "compilation_cache=True: JAX's compilation cache is already set to %s (by"
         " JAX_COMPILATION_CACHE_DIR or jax.config); keeping it, not using %s", current, path)
     return current
   os.makedirs(path, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", path)
+  if current:  # an earlier run's, set here: JAX would keep writing there
+    _multihost.reset_compilation_cache()
+  _CACHES_SET.add(path)
   return path
 
 
