@@ -469,3 +469,27 @@ def test_a_new_step_below_the_newest_is_refused_before_writing_unless_rolled_bac
     assert mngr.save(30, {"state": state(30)}, force=True)
     mngr.wait()
     assert mngr.all_steps() == [30, 40] == on_disk(d)
+
+
+def test_save_refuses_a_mistyped_best_metric_with_did_you_mean_before_writing(tmp_path, caplog):
+  """best_metric="val_acc" while the loop reports "val_accuracy": only the callback checked,
+  so keep_best silently kept the newest steps and deleted the best one."""
+  d = str(tmp_path / "run")
+  policy = ofx.CheckpointPolicy(save_interval_steps=1, keep_best=1, best_metric="val_acc",
+                                best_mode="max")
+  with ofx.CheckpointManager(d, policy) as mngr:
+    with pytest.raises(ValueError, match=r"best_metric='val_acc' is not among the metrics"
+                       r" reported \(loss, val_accuracy\); did you mean 'val_accuracy'\?"):
+      mngr.save(1, {"state": state(1)}, metrics={"val_accuracy": 0.95, "loss": 0.1})
+  assert not os.path.exists(d) or on_disk(d) == []
+  # Reported only on some steps (eval steps): a WARNING, once, and the best step is kept.
+  policy = ofx.CheckpointPolicy(save_interval_steps=1, keep_best=1, best_metric="val_accuracy",
+                                best_mode="max")
+  with ofx.CheckpointManager(d, policy) as mngr:
+    for step, m in ((1, {"loss": 1.0}), (2, {"loss": 0.5, "val_accuracy": 0.9}),
+                    (3, {"loss": 0.4}), (4, {"loss": 0.3, "val_accuracy": 0.5})):
+      assert mngr.save(step, {"state": state(step)}, metrics=m)
+    mngr.wait()
+    assert mngr.all_steps() == [2, 4]
+  said = [r.getMessage() for r in caplog.records if "val_accuracy" in r.getMessage()]
+  assert len(said) == 1 and "only on some steps" in said[0], said

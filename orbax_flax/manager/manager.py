@@ -103,6 +103,7 @@ class CheckpointManager:
     self._completing = threading.Lock()  # held by _completed: one completion at a time
     self._one_save = threading.Lock()  # held by save() and close(): one caller at a time
     self._events = EventLog()
+    self._metric_names: frozenset | None = None  # the metric names last checked for best_metric
     self._closed = False
     self._ckptr = checkpointer_lib.Checkpointer(**self.components.checkpointer)
     self.registry = registry_lib.StepRegistry(self._dir,
@@ -211,7 +212,11 @@ class CheckpointManager:
       force: save even if the policy would not.
       custom_metadata: JSON-serialisable data recorded with the step.
       dtype: convert arrays before writing, as for :func:`orbax_flax.save`.
-      metrics: scalar metrics to record (jax scalars are fetched only when a save happens).
+      metrics: scalar metrics to record (jax scalars are fetched only when a save happens),
+        checked at every call as the training callback checks them
+        (:func:`~orbax_flax.manager.policy.check_step_metrics`): without the policy's
+        ``best_metric`` while a reported name is close to it, the call raises; with nothing
+        close, a WARNING says so once.
       reason: the reason to record ("final", "preemption", ...); implies force.
       blocking_before: seconds the caller's thread already spent on this save, counted in
         the reported blocking time (:class:`SaveEvent`): ``"items"`` (building them),
@@ -222,6 +227,9 @@ class CheckpointManager:
 
     Raises:
       RuntimeError: the manager is closed (nothing is written).
+      TypeError: a metric is not a scalar number.
+      ValueError: ``metrics`` lack the policy's ``best_metric`` and name one close to it (a
+        typo: "did you mean"); nothing is written.
       ValueError: ``step`` is a new step below the newest step here while this manager has
         not restored an older one (no rollback); nothing is written.
     """
@@ -246,6 +254,11 @@ class CheckpointManager:
     self._join_abandoned()
     before = checked_before(blocking_before)
     step = policy_lib.as_step(step)
+    if metrics is not None:  # the callback's check: a mistyped best_metric raises here
+      self._metric_names, warning = policy_lib.check_step_metrics(
+          metrics, self.policy.best_metric, self._metric_names)
+      if warning:
+        log.warning("%s", warning)
     if reason is not None and reason not in policy_lib.REASONS:
       raise ValueError(f"reason must be one of {policy_lib.REASONS}, got {reason!r}")
     decided = reason or ("forced" if force else None) or self.should_save(step)
