@@ -157,6 +157,20 @@ def test_a_background_restore_raises_its_error_at_join(tmp_path):
     assert ckpt.restored_step == 4 and int(state["step"]) == 4
 
 
+def test_close_waits_for_a_pending_restore_and_join_then_says_the_callback_closed(tmp_path):
+  """close() with a restore_or_init_async restore pending returned at once, the restore read on
+  through the closed manager, and join() raised "this Checkpointer is closed" (a Checkpointer
+  the user never made). close() waits for it; join() says what happened."""
+  _save_steps(str(tmp_path))
+  ckpt = ofx.CheckpointCallback(str(tmp_path), dict(save_interval_steps=2, **_QUIET))
+  pending = ckpt.restore_or_init_async(_state(seed=1))
+  ckpt.close()
+  assert pending.done()
+  with pytest.raises(RuntimeError, match=r"the CheckpointCallback was closed while this restore"
+                     r" was pending.*restore_or_init_async"):
+    pending.join()
+
+
 def test_nothing_to_resume_joins_the_state_passed_in(tmp_path):
   template = _state()
   with ofx.CheckpointCallback(str(tmp_path), dict(save_interval_steps=2, **_QUIET)) as ckpt:

@@ -141,6 +141,7 @@ class CheckpointCallback(callbacks.Callback):
     shapes and shardings), then ``state = pending.join()`` (docs/training.md). Until then
     ``state`` and ``data_iterator`` belong to the restore: do not run, donate or advance them.
     The checks and signal handlers run here; the restore's errors are raised by ``join()``.
+    :meth:`close` waits for a restore not joined yet; its ``join()`` then raises.
     """
     self._begin_restore(state, data_iterator, background=True)
     self._pending = resume.PendingRestore(lambda: self._resume.restore(state, self._data),
@@ -406,6 +407,7 @@ class CheckpointCallback(callbacks.Callback):
       return
     self._closed = True
     try:
+      self._close_pending()
       try:
         if save_final and self._last is not None and self.policy.save_final_step and not self.preempted:
           step, state = self._last
@@ -424,8 +426,24 @@ class CheckpointCallback(callbacks.Callback):
       if self._watcher is not None:
         self._watcher.close()
 
+  def _close_pending(self) -> None:
+    """A restore_or_init_async restore not joined yet: waited for (it reads through the manager
+    about to close), and its join() then says the callback closed."""
+    pending, self._pending = self._pending, None
+    if pending is None:
+      return
+    error = pending.close(
+        "the CheckpointCallback was closed while this restore was pending, so its state is not"
+        " taken (the callback's manager is gone): join() a restore_or_init_async restore before"
+        " close() or the end of the `with` block, or restore again with a new CheckpointCallback")
+    if error is not None:
+      log.warning("a restore_or_init_async restore pending at close() had failed, and was never"
+                  " joined: %s: %s", type(error).__name__, error)
+
   def close(self) -> None:
-    """Saves the final step (if the policy wants it) and waits for every save."""
+    """Saves the final step (if the policy wants it) and waits for every save; a
+    :meth:`restore_or_init_async` restore not joined yet is waited for, and its ``join()``
+    then raises, saying the callback was closed."""
     self._close(save_final=True)
 
   def __enter__(self) -> CheckpointCallback:

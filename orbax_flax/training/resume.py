@@ -664,6 +664,7 @@ class PendingRestore:
     self._result: Any = None
     self._error: BaseException | None = None
     self._joined = False
+    self._closed: str | None = None  # why join() raises (its owner closed before it was joined)
     self._thread = threading.Thread(target=self._work, name="ofx-restore", daemon=True)
     self._thread.start()
 
@@ -692,6 +693,8 @@ class PendingRestore:
     self._thread.join(timeout)
     if self._thread.is_alive():
       raise TimeoutError(f"the restore is still running after {timeout} s")
+    if self._closed is not None:
+      raise RuntimeError(self._closed) from self._error
     if self._error is not None:
       raise self._error
     if not self._joined:
@@ -699,6 +702,16 @@ class PendingRestore:
       if self._on_done is not None:
         self._result = self._on_done(self._result)
     return self._result
+
+  def close(self, why: str) -> BaseException | None:
+    """Waits for the restore to end (as long as the restore itself takes), then, unless it was
+    joined, makes :meth:`join` raise ``RuntimeError(why)``: its owner is closing. Returns the
+    restore's error, if it failed and was never joined."""
+    self._thread.join()
+    if self._joined:
+      return None
+    self._closed = why
+    return self._error
 
 
 _CACHE_EVENTS = {"/jax/compilation_cache/cache_hits": "hits",
