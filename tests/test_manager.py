@@ -493,3 +493,33 @@ def test_save_refuses_a_mistyped_best_metric_with_did_you_mean_before_writing(tm
     assert mngr.all_steps() == [2, 4]
   said = [r.getMessage() for r in caplog.records if "val_accuracy" in r.getMessage()]
   assert len(said) == 1 and "only on some steps" in said[0], said
+
+
+def test_should_save_then_save_agree_and_asking_twice_gives_one_answer(tmp_path):
+  """The Orbax idiom `if mngr.should_save(step): mngr.save(step, items)` lost the save of
+  save_first_step: should_save() consumed the first step, and save() asked again and heard
+  None."""
+  policy = ofx.CheckpointPolicy(save_first_step=True, save_interval_steps=1000, async_save=False)
+  said = []
+  with ofx.CheckpointManager(str(tmp_path / "a"), policy) as mngr:
+    for step in range(501, 506):  # a resumed run: its first step is 501
+      reason = mngr.should_save(step)
+      assert mngr.should_save(step) == reason
+      if reason:
+        said.append((step, reason))
+        assert mngr.save(step, {"state": state(step)})
+    assert said == [(501, "first")] and mngr.all_steps() == [501]
+    assert mngr.step_info(501).reason == "first"
+  # A clock that moves between the question and the save does not change the answer.
+  clock = FakeClock(start=0.0)
+  trigger = ofx.EveryNSeconds(10.0)
+  with ofx.CheckpointManager(str(tmp_path / "b"), trigger=trigger, clock=clock) as mngr:
+    clock.t = 9.0
+    assert mngr.should_save(1) is None
+    clock.t = 11.0
+    assert not mngr.save(1, {"state": state(1)})  # as it said: not due
+    assert mngr.should_save(2) == "time"
+    clock.t = 12.0
+    assert mngr.should_save(2) == "time" and mngr.save(2, {"state": state(2)})
+    mngr.wait()
+    assert mngr.all_steps() == [2] and mngr.should_save(3) is None

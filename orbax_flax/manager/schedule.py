@@ -93,6 +93,9 @@ class Schedule:
     # and its decisions (keys in the coordination service, complete once) need new keys. Every
     # process asks for the same steps, so each counts the same rounds.
     self._round, self._asked = 0, None
+    # (step, reason) of the last question, until a save or restore (saved()) or another step:
+    # asking again about that step gives the same answer (should_save(step), then save(step)).
+    self._answer: tuple[int, str | None] | None = None
 
   @classmethod
   def of(cls, trigger: policy_lib.Trigger, *, key: str, clock: Callable[[], float] = time.time,
@@ -120,24 +123,35 @@ class Schedule:
     return None if self._auto is None else self._auto.interval(self.cost())
 
   def due(self, step: int) -> str | None:
-    """The reason ``step`` is saved, or None. Call it on every process, every step."""
+    """The reason ``step`` is saved, or None. Call it on every process, every step.
+
+    Asking again about the step asked last gives the same answer (the first step stays the
+    first, the clock is not read again) until a save or restore of it (:meth:`saved`).
+    """
     now = self._clock()
     with self._lock:
+      if self._answer is not None and self._answer[0] == step:
+        return self._answer[1]
+      self._answer = None
       first, self._first = self._first, False
-      if self._asked is not None and step < self._asked:
+      if self._asked is not None and step <= self._asked:  # again after a save or a rollback
         self._round += 1
       self._asked = step
       state = policy_lib.SaveState(step, now, self._last_step, self._last_time, first,
                                    self._costs.median())
       key = f"{self._key}/{self._round}"
     reason = self._steps(state) if self._steps is not None else None
-    if reason is not None or (self._time is None and self._auto is None):
-      return reason
-    if not self._shared:
-      return self._timed(state)
-    return _multihost.decide_per_step(f"{key}/time", step,
-                                      lambda: self._timed(state) or "",
-                                      timeout_s=self._timeout_s) or None
+    if reason is None and (self._time is not None or self._auto is not None):
+      if not self._shared:
+        reason = self._timed(state)
+      else:
+        reason = _multihost.decide_per_step(f"{key}/time", step,
+                                            lambda: self._timed(state) or "",
+                                            timeout_s=self._timeout_s) or None
+    with self._lock:
+      if self._asked == step:
+        self._answer = (step, reason)
+    return reason
 
   def _timed(self, state: policy_lib.SaveState) -> str | None:
     reason = self._time(state) if self._time is not None else None
@@ -164,6 +178,7 @@ class Schedule:
     now = self._clock() if now is None else now
     with self._lock:
       self._last_step, self._last_time = step, now
+      self._answer = None  # what is due is asked afresh
 
   def record(self, step: int, seconds: float) -> None:
     """A save of ``step`` committed after ``seconds``, the whole save blocking (the local tier)."""
