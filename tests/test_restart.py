@@ -157,6 +157,23 @@ def test_a_background_restore_raises_its_error_at_join(tmp_path):
     assert ckpt.restored_step == 4 and int(state["step"]) == 4
 
 
+def test_on_step_end_after_a_failed_background_restore_says_it_failed(tmp_path):
+  """After join() raised the restore's error, on_step_end said the restore "was not joined"; it
+  still refuses (nothing was restored), naming the failure and what to call."""
+  _save_steps(str(tmp_path))
+  wrong = dict(_state(), w=jnp.zeros((64, 16), jnp.float32))  # another shape than saved
+  with ofx.CheckpointCallback(str(tmp_path), dict(save_interval_steps=2, **_QUIET)) as ckpt:
+    pending = ckpt.restore_or_init_async(wrong)
+    with pytest.raises(ValueError, match="shape") as failed:
+      pending.join()
+    with pytest.raises(RuntimeError, match=r"(?s)restore_or_init_async restore failed: nothing was"
+                       r" restored.*call restore_or_init again.*TreeMismatchError: .*shape") as e:
+      ckpt.on_step_end(1, wrong)
+    assert e.value.__cause__ is failed.value
+    state = ckpt.restore_or_init(_state())  # as it says
+    ckpt.on_step_end(5, _train_step(state))
+
+
 def test_close_waits_for_a_pending_restore_and_join_then_says_the_callback_closed(tmp_path):
   """close() with a restore_or_init_async restore pending returned at once, the restore read on
   through the closed manager, and join() raised "this Checkpointer is closed" (a Checkpointer

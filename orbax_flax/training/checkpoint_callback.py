@@ -243,6 +243,13 @@ class CheckpointCallback(callbacks.Callback):
       self._check_open()
     step = policy_lib.as_step(step)
     if self._pending is not None:
+      failed = self._pending.error()
+      if failed is not None:
+        raise RuntimeError(
+            "on_step_end after the restore_or_init_async restore failed: nothing was restored,"
+            " so there is no state to train on; fix the cause and call restore_or_init again (or"
+            " restore_or_init_async, then join()). The restore's error:"
+            f" {type(failed).__name__}: {failed}") from failed
       raise RuntimeError("on_step_end before the restore_or_init_async restore was joined: train"
                          " on the state that its join() returns")
     if self._restart.timing_first_step:  # once: its line and scalars, the step computed

@@ -680,6 +680,10 @@ class PendingRestore:
     """Whether the restore has finished (successfully or not)."""
     return not self._thread.is_alive()
 
+  def error(self) -> BaseException | None:
+    """The restore's error, once it has failed (:meth:`join` raises it); else None."""
+    return None if self._thread.is_alive() else self._error
+
   def join(self, timeout: float | None = None) -> Any:
     """Waits for the restore and returns the state (the restored one, or the one passed in).
 
@@ -696,6 +700,7 @@ class PendingRestore:
     if self._closed is not None:
       raise RuntimeError(self._closed) from self._error
     if self._error is not None:
+      self._joined = True  # (its caller has the error)
       raise self._error
     if not self._joined:
       self._joined = True
