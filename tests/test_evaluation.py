@@ -187,6 +187,28 @@ def test_evaluator_beside_a_live_training_job_with_max_to_keep_1(tmp_path):
   assert evaluated[-1] == 40
 
 
+def test_an_evaluators_manager_built_before_the_steps_restores_each_yielded_step(tmp_path):
+  """restore(step) checked the listing taken when the manager was built: every step the
+  iterator yielded was 'not a committed checkpoint ... committed steps: []'."""
+  d = str(tmp_path / "ckpts")
+  evaluator = ofx.CheckpointManager(d)  # built once, before the trainer saves anything
+  restored = []
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=1)) as trainer:
+    for step in (1, 2):
+      trainer.save(step, {"s": {"w": np.full(2, step)}})
+    trainer.wait()
+    for step in ofx.checkpoints_iterator(d, timeout=0):
+      restored.append(int(evaluator.restore(step)["s"]["w"][0]))
+    trainer.save(3, {"s": {"w": np.full(2, 3)}})
+    trainer.wait()
+    assert int(evaluator.restore(3)["s"]["w"][0]) == 3
+  assert restored == [1, 2]
+  with pytest.raises(ofx.CheckpointNotFoundError, match=r"step 7 is not a committed checkpoint"
+                     r" .*committed steps: \[1, 2, 3\]"):
+    evaluator.restore(7)
+  evaluator.close()
+
+
 # ------------------------------------------------------------------ save_interval="auto"
 
 

@@ -509,10 +509,16 @@ class CheckpointManager:
   # -------------------------------------------------------------------- restoring
 
   def _resolve(self, step: int | None) -> int:
-    step = self.latest_step() if step is None else step
-    if step is None:
+    """``step`` (default: the latest), listed here: a step another job committed since the
+    last listing (an evaluator's manager, built before the trainer's saves) is found by
+    listing the directory again, once."""
+    known = self.latest_step() if step is None else step if step in self.registry else None
+    if known is None:
+      self.registry.reload()
+      known = self.latest_step() if step is None else step
+    if known is None:
       raise errors.CheckpointNotFoundError(f"no committed checkpoint in {self._dir}")
-    return step
+    return known
 
   def restore(self, step: int | None = None, target: Mapping[str, Any] | None = None, *,
               partial: bool = False, allow_lossy_casts: bool = False, transforms: Any = None,
@@ -531,7 +537,9 @@ class CheckpointManager:
     budget); ``read_once=None``: the policy's ``read_once_restore``.
 
     Raises:
-      CheckpointNotFoundError: there is no such step (or no step at all).
+      CheckpointNotFoundError: there is no such step (or no step at all), also once the
+        directory is listed again (a step committed since the last listing, by another
+        job, is found).
     """
     self._inflight.raise_error()
     self._join_abandoned()
