@@ -200,6 +200,20 @@ def test_the_compilation_cache_refuses_an_object_store_workdir():
     ofx.CheckpointCallback("s3://bucket/run", dict(compilation_cache=True))
 
 
+def test_an_object_store_workdir_keeps_a_cache_directory_the_user_set(tmp_path):
+  """The refusal above says to point JAX_COMPILATION_CACHE_DIR at a filesystem; done so, with
+  compilation_cache=True kept, the same refusal came again. That directory is kept (a WARNING
+  says so), as on a filesystem workdir."""
+  cache = str(tmp_path / "cache")
+  code = ("import jax, orbax_flax as ofx\n"
+          "ofx.CheckpointCallback('memory://run', dict(compilation_cache=True)).close()\n"
+          "print('CACHE', jax.config.jax_compilation_cache_dir)\n")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                     env=jobs.env_for(1, {"JAX_COMPILATION_CACHE_DIR": cache}), check=False)
+  assert r.returncode == 0, r.stderr[-4000:]
+  assert f"CACHE {cache}" in r.stdout and f"already set to {cache}" in r.stderr, r.stderr[-4000:]
+
+
 _TWO_RUNS = r"""
 import shutil, sys
 import jax, jax.numpy as jnp, orbax_flax as ofx

@@ -617,25 +617,27 @@ def enable_compilation_cache(workdir: str) -> str:
     The cache directory in use.
 
   Raises:
-    ValueError: ``workdir`` is not on a filesystem (an object store URL): JAX's
-      cache is a directory of files.
+    ValueError: ``workdir`` is not on a filesystem (an object store URL) and
+      the user set no cache directory: JAX's cache is a directory of files.
   """
   loc = Location.parse(workdir)
-  if not loc.is_local:
+  path = os.path.abspath(compilation_cache_dir(loc.local_path)) if loc.is_local else None
+  current = jax.config.jax_compilation_cache_dir
+  if current and os.path.abspath(current) == path:
+    return path
+  if current and os.path.abspath(current) not in _CACHES_SET:  # the user's: kept, first
+    log.warning(
+        "compilation_cache=True: JAX's compilation cache is already set to %s (by"
+        " JAX_COMPILATION_CACHE_DIR or jax.config); keeping it, not using %s", current,
+        path or f"the workdir {workdir} (not on a filesystem)")
+    return current
+  if path is None:
     raise ValueError(
         f"compilation_cache=True needs a workdir on a filesystem (local, or a shared mount such"
         f" as NFS or GCSFuse), not {workdir!r}: JAX's compilation cache is a directory of files"
         f" that every process reads. Set compilation_cache=False, or point JAX at a filesystem"
-        f" cache yourself with the JAX_COMPILATION_CACHE_DIR environment variable.")
-  path = os.path.abspath(compilation_cache_dir(loc.local_path))
-  current = jax.config.jax_compilation_cache_dir
-  if current and os.path.abspath(current) == path:
-    return path
-  if current and os.path.abspath(current) not in _CACHES_SET:
-    log.warning(
-        "compilation_cache=True: JAX's compilation cache is already set to %s (by"
-        " JAX_COMPILATION_CACHE_DIR or jax.config); keeping it, not using %s", current, path)
-    return current
+        f" cache yourself with the JAX_COMPILATION_CACHE_DIR environment variable (kept, with"
+        f" compilation_cache=True or False).")
   os.makedirs(path, exist_ok=True)
   jax.config.update("jax_compilation_cache_dir", path)
   if current:  # an earlier run's, set here: JAX would keep writing there
