@@ -13,6 +13,7 @@ import pytest
 
 import jobs
 import orbax_flax as ofx
+from disks import small_disk
 from orbax_flax.manager import policy as policy_lib
 
 
@@ -185,6 +186,44 @@ def test_evaluator_beside_a_live_training_job_with_max_to_keep_1(tmp_path):
     assert p.wait(timeout=120) == 0
   assert len(evaluated) >= 5 and evaluated == sorted(set(evaluated)), evaluated
   assert evaluated[-1] == 40
+
+
+def _tree(root):
+  """Every path under ``root`` with its size and mtime: what a reader must not change."""
+  out = {}
+  for where, dirs, files in os.walk(root):
+    for name in dirs + files:
+      st = os.stat(os.path.join(where, name))
+      out[os.path.relpath(os.path.join(where, name), root)] = (st.st_size, st.st_mtime_ns)
+  return out
+
+
+def _read_only_steps(disk):
+  """Steps 1 and 2 in ``<disk>/ckpts``, then ``disk`` remounted read-only (chmod would not stop
+  root, who runs the tests)."""
+  d = os.path.join(disk, "ckpts")
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=1)) as m:
+    for step in (1, 2):
+      m.save(step, {"s": {"w": np.full(2, step)}})
+  subprocess.run(["mount", "-o", "remount,ro", disk], check=True)
+  return d
+
+
+def test_an_iterator_that_may_not_write_reads_without_a_lease_after_one_warning(tmp_path, caplog):
+  """The reader lease could not be written in a read-only directory (a read-only mount, a
+  viewer role on a bucket): the iterator died with StorageError at its first step, while
+  ofx.restore read the same step fine."""
+  with small_disk(str(tmp_path / "disk"), "4m") as disk:
+    d = _read_only_steps(disk)
+    before = _tree(disk)
+    with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+      seen = [(step, int(ofx.restore(os.path.join(d, str(step)))["s"]["w"][0]))
+              for step in ofx.checkpoints_iterator(d, timeout=0)]
+    assert seen == [(1, 1), (2, 2)]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "cannot write a reader lease" in warned[0], warned
+    assert "not protected from the training job's keep rules" in warned[0]
+    assert _tree(disk) == before
 
 
 def test_an_evaluators_manager_built_before_the_steps_restores_each_yielded_step(tmp_path):

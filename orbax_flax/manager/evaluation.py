@@ -8,7 +8,8 @@ small file ``<directory>/.readers/<step>-<token>``. A training job's
 deletes it at a later save once the lease is gone. A lease not refreshed for
 an hour (``leases.LEASE_SECONDS``) is ignored (an evaluator that died holding
 one); the iterator refreshes its lease from a background thread while the
-caller works, so a long evaluation keeps its step. The protocol between the
+caller works, so a long evaluation keeps its step (an iterator that may not
+write there reads without leases, after a WARNING). The protocol between the
 lease and a manager's deletions, and why it is safe, is in
 :mod:`orbax_flax.manager.leases`: this module is its reader's side.
 """
@@ -44,7 +45,10 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   and again if the timeout ends the wait). The yielded step stays readable
   until the caller asks for the next one: restore it with
   ``orbax_flax.restore(f"{directory}/{step}", ...)`` or a manager's
-  ``restore(step)``.
+  ``restore(step)``. That takes a reader lease, written in the directory; with
+  read-only access (a read-only mount, a viewer role on a bucket) the iterator
+  logs one WARNING and goes on without leases: a step is then not protected
+  from the training job's keep rules while it is read.
 
   Args:
     directory: the directory of steps (a manager's directory, e.g.
@@ -71,6 +75,7 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   last = start_after
   last_yield = None
   warned_absent = False
+  leasing = True  # False once a lease cannot be written (read-only access)
   while True:
     waited_since = clock()
     step = None
@@ -106,7 +111,18 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
         sleep(pause)
     # The reader's side of the protocol (orbax_flax.manager.leases): lease first, then
     # look for a deletion notice, then check that the step is still committed.
-    lease = leases.Lease(loc, step)
+    lease = None
+    if leasing:
+      try:
+        lease = leases.Lease(loc, step)
+      except errors.StorageError as e:  # read-only access: a reader changes nothing
+        leasing = False
+        log.warning("checkpoints_iterator: cannot write a reader lease in %s (%s); reading"
+                    " without leases from now on, so a step is not protected from the training"
+                    " job's keep rules while it is read (a step deleted meanwhile fails its"
+                    " restore with CheckpointNotFoundError). Give this job write access to %s"
+                    " for leases, or keep more steps there (max_to_keep).", loc, e,
+                    loc.join(leases.READERS))
     try:
       if leases.deletion_announced(loc, step):
         log.info("checkpoints_iterator: step %d is being deleted by the training job's retention"
@@ -123,7 +139,8 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
       last, last_yield = step, clock()
       yield step
     finally:
-      lease.release()
+      if lease is not None:
+        lease.release()
 
 
 def _absent(loc: Location, steps: list[int], leftovers: list[Any]) -> str | None:
