@@ -461,6 +461,27 @@ def test_init_from_another_run_params_only(tmp_path):
   bad.close()
 
 
+@pytest.mark.parametrize("init_from", ["{}", "{}:params=params"])  # load and load_parts
+def test_init_from_with_allow_lossy_casts_fine_tunes_a_bfloat16_model(tmp_path, caplog, init_from):
+  """A bfloat16 model fine-tuned from a float32 run with allow_lossy_casts=True: the policy's
+  flag reached the resume's restore but not init_from's, which refused, naming the flag already
+  set. Every dtype change is logged, as a resume logs them."""
+  donor = linen_state(seed=5)
+  with ofx.CheckpointCallback(str(tmp_path / "donor"), {"save_interval_steps": 1}) as ckpt:
+    ckpt.on_step_end(1, ckpt.restore_or_init(donor))
+  bf16 = linen_state(seed=1)
+  bf16 = bf16.replace(params=jax.tree.map(lambda x: x.astype(jnp.bfloat16), bf16.params))
+  config = {"init_from": init_from.format(tmp_path / "donor")}
+  with pytest.raises(ofx.TreeMismatchError, match="allow_lossy_casts"):
+    ofx.CheckpointCallback(str(tmp_path / "refused"), config).restore_or_init(bf16)
+  with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+    with ofx.CheckpointCallback(str(tmp_path / "fine"), dict(config, allow_lossy_casts=True)) as fine:
+      state = fine.restore_or_init(bf16)
+  leaves_equal(state.params, jax.tree.map(lambda x: x.astype(jnp.bfloat16), donor.params))
+  assert re.search(r"converted from float32 \(checkpoint\) to bfloat16 \(this run's state\),"
+                   r" losing information \(allow_lossy_casts\) \(and 3 more", caplog.text), caplog.text
+
+
 _PURE_JAX_LOOP = """
 import sys
 import jax.numpy as jnp

@@ -12,15 +12,18 @@ Flax Gemma example's ``model`` item. Without a selector: our ``params`` item;
 for orbax-checkpoint, its only item, else ``default`` or ``state``, and that
 item's ``params`` subtree when it has one.
 
-A target that does not match raises ``TreeMismatchError`` listing every
-difference, the checkpoint's items with their top-level keys and example key
-paths of the chosen item, and the ``init_from`` to write.
+Dtypes convert as in a resume: a conversion that loses information (float32
+saved, a bfloat16 model) only with the policy's ``allow_lossy_casts``, and
+every change made is logged. A target that does not match raises
+``TreeMismatchError`` listing every difference, the checkpoint's items with
+their top-level keys and example key paths of the chosen item, and the
+``init_from`` to write.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 from orbax_flax.engine import _selecting
 from orbax_flax.core import _tree
@@ -33,8 +36,8 @@ from orbax_flax.format._manifest import Manifest
 from orbax_flax.formats import orbax_checkpoint
 
 
-def load(text: str, name: str, target: Any,
-         ckptr: checkpointer.Checkpointer) -> tuple[Any, Location]:
+def load(text: str, name: str, target: Any, ckptr: checkpointer.Checkpointer, *,
+         allow_lossy_casts: bool = False, casts: list | None = None) -> tuple[Any, Location]:
   """What ``init_from=text`` names, restored into ``target``; and the step it came from.
 
   Args:
@@ -44,6 +47,10 @@ def load(text: str, name: str, target: Any,
     target: the restore target (shapes, dtypes, shardings of this run).
     ckptr: the checkpointer that restores it (the run's, with its watchdog,
       progress output and host-memory budget).
+    allow_lossy_casts: the policy's: converting to a dtype that loses
+      information (float32 saved, a bfloat16 model) is allowed.
+    casts: a list that receives every dtype change made (as
+      :func:`orbax_flax.restore`'s ``casts``), for the log.
 
   Raises:
     CheckpointNotFoundError: nothing committed where ``text`` points.
@@ -53,11 +60,19 @@ def load(text: str, name: str, target: Any,
   path, selector = _selecting.split(text)
   source = _checkpoint_in(path, text)
   _, manifest = restoring.open_manifest(source)
+  cast = _Casts(allow_lossy_casts, casts)
   if selector:
-    return _take(text, source, manifest, selector, target, ckptr), source
+    return _take(text, source, manifest, selector, target, ckptr, cast), source
   if manifest.format == "orbax-checkpoint":
-    return _from_orbax_checkpoint(text, source, manifest, name, target, ckptr), source
-  return _take(text, source, manifest, name, target, ckptr), source
+    return _from_orbax_checkpoint(text, source, manifest, name, target, ckptr, cast), source
+  return _take(text, source, manifest, name, target, ckptr, cast), source
+
+
+class _Casts(NamedTuple):
+  """What a restore of ``init_from`` may convert (the policy's flag) and where it lists what it
+  converted."""
+  allow_lossy: bool = False
+  made: list | None = None
 
 
 def several(text: str) -> bool:
@@ -71,7 +86,8 @@ def several(text: str) -> bool:
   return "," in selector or "=" in selector
 
 
-def load_parts(text: str, targets: dict[str, Any], ckptr: checkpointer.Checkpointer
+def load_parts(text: str, targets: dict[str, Any], ckptr: checkpointer.Checkpointer, *,
+               allow_lossy_casts: bool = False, casts: list | None = None
                ) -> tuple[dict[tuple[str, ...], Any], Location]:
   """Several parts of a checkpoint (``"<ckpt>:params,train_state/batch_stats"``), each restored
   into the same part of this run's state; ``dst=src`` takes ``src`` into ``dst``
@@ -81,6 +97,7 @@ def load_parts(text: str, targets: dict[str, Any], ckptr: checkpointer.Checkpoin
     text: the policy's ``init_from``.
     targets: this run's items as restore targets.
     ckptr: the checkpointer that restores them.
+    allow_lossy_casts, casts: as :func:`load`.
 
   Returns:
     ``({destination key path: restored subtree}, the step it came from)``.
@@ -100,7 +117,8 @@ def load_parts(text: str, targets: dict[str, Any], ckptr: checkpointer.Checkpoin
       raise ValueError(f"init_from={text!r}: {'/'.join(dst)!r} is not a part of this run's state"
                        f" ({e}); name a destination among its items {sorted(targets)}, as"
                        " dst=<item>/<sub/tree>") from None
-    out[dst] = _take(text, source, manifest, "/".join(src), target, ckptr)
+    out[dst] = _take(text, source, manifest, "/".join(src), target, ckptr,
+                     _Casts(allow_lossy_casts, casts))
   return out, source
 
 
@@ -167,7 +185,7 @@ def _init_from_mismatch(text: str, source: Location, manifest: Manifest, problem
 
 
 def _take(text: str, source: Location, manifest: Manifest, selector: str, target: Any,
-          ckptr: checkpointer.Checkpointer) -> Any:
+          ckptr: checkpointer.Checkpointer, cast: _Casts) -> Any:
   """``init_from`` with a selector: the named item's subtree, restored into ``target``."""
   item, _, sub = selector.partition("/")
   under = tuple(k for k in sub.split("/") if k)
@@ -185,7 +203,8 @@ def _take(text: str, source: Location, manifest: Manifest, selector: str, target
   for k in reversed(under):
     wanted = {k: wanted}
   try:
-    out = ckptr.restore(source, {item: wanted}, partial=True)[item]
+    out = ckptr.restore(source, {item: wanted}, partial=True,
+                        allow_lossy_casts=cast.allow_lossy, casts=cast.made)[item]
   except errors.TreeMismatchError as e:
     raise _init_from_mismatch(text, source, manifest,
                               f"this run's state does not match {'/'.join((item,) + under)} of"
@@ -203,7 +222,7 @@ def _shown(e: errors.TreeMismatchError) -> str:
 
 
 def _from_orbax_checkpoint(text: str, source: Location, manifest: Manifest, name: str,
-                           target: Any, ckptr: checkpointer.Checkpointer) -> Any:
+                           target: Any, ckptr: checkpointer.Checkpointer, cast: _Casts) -> Any:
   """``init_from`` an orbax-checkpoint step: the params (or whole state) from its state item.
 
   The item is the only one, else ``default`` or ``state``; the params are its
@@ -217,4 +236,5 @@ def _from_orbax_checkpoint(text: str, source: Location, manifest: Manifest, name
                               " model is not known")
   paths = [r.path for r in manifest.items[item].leaves]
   nested = name == "params" and any(p and p[0] == "params" for p in paths)
-  return _take(text, source, manifest, f"{item}/params" if nested else item, target, ckptr)
+  return _take(text, source, manifest, f"{item}/params" if nested else item, target, ckptr,
+               cast)

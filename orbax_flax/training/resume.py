@@ -428,23 +428,28 @@ class Resume:
     name = "params" if "params" in items else "state"
     target = _targets({name: items[name]})[name]
     p = self._policy  # a restore like any other: the run's watchdog, progress and memory budget
+    casts: list = []  # the dtype changes made (allow_lossy_casts), logged as a resume logs them
     with checkpointer.Checkpointer(max_host_bytes=p.max_host_bytes,
                                    coordination_timeout_seconds=p.coordination_timeout_seconds,
                                    coordination_key=f"{self._manager.coordination_key}/init_from",
                                    watchdog_seconds=p.watchdog_seconds) as ckptr:
-      items[name], source = init_from.load(p.init_from, name, target, ckptr)
+      items[name], source = init_from.load(p.init_from, name, target, ckptr,
+                                           allow_lossy_casts=p.allow_lossy_casts, casts=casts)
+    _log_casts(casts, "init_from")
     _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)", name, source,
                   self._manager.directory)
     return state_items.from_items(state, items)
 
   def _init_parts(self, state: Any, items: dict[str, Any]) -> Any:
     """``init_from`` naming several parts (params and batch_stats): each into its place."""
-    p = self._policy
+    p, casts = self._policy, []
     with checkpointer.Checkpointer(max_host_bytes=p.max_host_bytes,
                                    coordination_timeout_seconds=p.coordination_timeout_seconds,
                                    coordination_key=f"{self._manager.coordination_key}/init_from",
                                    watchdog_seconds=p.watchdog_seconds) as ckptr:
-      parts, source = init_from.load_parts(p.init_from, _targets(items), ckptr)
+      parts, source = init_from.load_parts(p.init_from, _targets(items), ckptr,
+                                           allow_lossy_casts=p.allow_lossy_casts, casts=casts)
+    _log_casts(casts, "init_from")
     for dst, value in parts.items():
       items[dst[0]] = _selecting.put(items[dst[0]], dst[1:], value)
     _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)",
@@ -505,9 +510,9 @@ def _targets(items: dict[str, Any]) -> dict[str, Any]:
   return {k: targets.of_arrays(v) for k, v in items.items()}
 
 
-def _log_casts(casts: list) -> None:
+def _log_casts(casts: list, what: str = "resume") -> None:
   for line in targets.cast_lines(casts):  # one line per kind of change, not one per leaf
-    log.warning("resume: %s", line)
+    log.warning("%s: %s", what, line)
 
 
 def _resume_mismatch(e: errors.TreeMismatchError, directory: Any) -> errors.TreeMismatchError:
