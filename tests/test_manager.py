@@ -523,3 +523,34 @@ def test_should_save_then_save_agree_and_asking_twice_gives_one_answer(tmp_path)
     assert mngr.should_save(2) == "time" and mngr.save(2, {"state": state(2)})
     mngr.wait()
     assert mngr.all_steps() == [2] and mngr.should_save(3) is None
+
+
+def test_a_manager_that_only_lists_and_restores_writes_nothing_without_write_access(tmp_path,
+                                                                                  caplog):
+  """Its start-up sweep took the writer lease, so a manager over a directory it may read but
+  not write raised StorageError from __init__ (and one over a missing directory created it),
+  while ofx.restore read the same step fine."""
+  import logging  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  from disks import small_disk  # pylint: disable=g-import-not-at-top
+  missing = tmp_path / "not-yet"
+  with ofx.CheckpointManager(str(missing)) as reader:
+    assert reader.all_steps() == []
+  assert not missing.exists()
+  with small_disk(str(tmp_path / "disk"), "4m") as disk:
+    d = os.path.join(disk, "ckpts")
+    with ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=1)) as m:
+      for step in (1, 2):
+        m.save(step, {"state": state(step)})
+    shutil.copytree(os.path.join(d, "1"), os.path.join(d, "1.ofx-tmp-0123456789abcdef"))
+    subprocess.run(["mount", "-o", "remount,ro", disk], check=True)
+    before = sorted(os.listdir(d))
+    with caplog.at_level(logging.INFO, logger="orbax_flax"):
+      with ofx.CheckpointManager(d) as reader:
+        assert reader.all_steps() == [1, 2]
+        np.testing.assert_array_equal(reader.restore(2)["state"]["w"], state(2)["w"])
+        np.testing.assert_array_equal(reader.restore(1)["state"]["w"], state(1)["w"])
+        with pytest.raises(ofx.StorageError, match=f"{d}.*read-only"):
+          reader.save(3, {"state": state(3)}, force=True)  # saving fails, and says why
+    assert "may not write here" in caplog.text and "start-up sweep is skipped" in caplog.text
+    assert sorted(os.listdir(d)) == before  # the leftover stays: nothing was written

@@ -83,7 +83,11 @@ class CheckpointManager:
   holds it raises :class:`~orbax_flax.errors.WriterConflictError` naming it. A
   manager that only restores and lists (an evaluator's) saves and deletes no
   step; at its start, on process 0 and when no writer holds the directory, it
-  sweeps the leftovers of interrupted saves under a short writer lease.
+  sweeps the leftovers of interrupted saves under a short writer lease. Over a
+  directory that does not exist, or that this process may not write (a
+  read-only mount, a viewer role on a bucket), it creates and writes nothing
+  (the sweep is skipped, at INFO); a save there fails with
+  :class:`~orbax_flax.errors.StorageError` naming the directory.
   """
 
   def __init__(self, directory: Any, policy: CheckpointPolicy | None = None, *,

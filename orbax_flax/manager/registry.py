@@ -15,7 +15,9 @@ pins, so that choosing a base and deleting it never interleave). The invariant:
 
 The registry changes storage only while its process is the directory's one
 writer (:class:`~orbax_flax.manager.leases.WriterLease`): from the first save on, or
-for the few seconds of a start-up sweep when no writer is there. A manager
+for the few seconds of a start-up sweep when no writer is there (none where the
+directory does not exist, or where this process may not write: a reader with
+read-only access writes nothing). A manager
 that only restores and lists (an evaluator's) saves and deletes no step: its
 start-up sweep removes only leftovers of interrupted saves. Where steps are
 (committed, deleted, their state on disk) is recorded on storage itself by
@@ -36,6 +38,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
 import threading
 import time
 import uuid
@@ -170,12 +173,18 @@ class StepRegistry:
                   self._dir, len(self._leftovers), ", ".join(l.name for l in self._leftovers[:5]))
     if not self._deletes or self._writer:
       return
+    if self._dir.is_local and not os.path.isdir(self._dir.local_path):
+      return  # nothing to sweep; and a reader creates nothing
     lease = leases.WriterLease(self._dir, purpose="sweep")
     try:
       lease.acquire(wait_s=0)
     except errors.WriterConflictError:
       log.info("%s: another job writes here; this manager reads and sweeps nothing until it"
                " saves", self._dir)
+      return
+    except errors.StorageError as e:  # read-only access: a reader changes nothing
+      log.info("%s: this process may not write here (%s); the start-up sweep is skipped. This"
+               " manager lists and restores; a save would fail the same way.", self._dir, e)
       return
     try:
       self._tidy()
