@@ -30,18 +30,34 @@ def test_iterator_yields_each_step_once_in_order(tmp_path):
   assert list(ofx.checkpoints_iterator(d, timeout=0, start_after=3)) == [7]
 
 
-def test_iterator_timeout_fn_keeps_waiting_until_told(tmp_path):
+def test_iterator_timeout_fn_keeps_waiting_until_it_says_no_step_will_come(tmp_path):
+  """Orbax's and TensorFlow's meaning: True ends the iterator, False waits again (the
+  opposite meaning made an evaluator ported from Orbax wait forever once training was done)."""
   t = [0.0]
   calls = []
 
-  def timeout_fn():
+  def trainer_done():  # done at the third timeout
     calls.append(t[0])
-    return len(calls) < 3
+    return len(calls) >= 3
 
   out = list(ofx.checkpoints_iterator(str(tmp_path), timeout=5, poll_interval=1,
-                                      timeout_fn=timeout_fn, clock=lambda: t[0],
+                                      timeout_fn=trainer_done, clock=lambda: t[0],
                                       sleep=lambda s: t.__setitem__(0, t[0] + s)))
   assert out == [] and len(calls) == 3 and calls[-1] >= 15
+
+
+def test_iterator_timeout_fn_true_ends_after_the_steps_committed_by_then(tmp_path):
+  d = str(tmp_path)
+  ofx.save(os.path.join(d, "1"), {"s": {"w": np.ones(2)}})
+  assert list(ofx.checkpoints_iterator(d, timeout=0, timeout_fn=lambda: True)) == [1]
+
+  def last_step_then_done():  # the trainer's last step commits just before it is done
+    if not os.path.exists(os.path.join(d, "2")):
+      ofx.save(os.path.join(d, "2"), {"s": {"w": np.ones(2)}})
+    return True
+
+  assert list(ofx.checkpoints_iterator(d, timeout=0, start_after=1,
+                                       timeout_fn=last_step_then_done)) == [2]
 
 
 def test_iterator_on_a_directory_that_does_not_exist_yet_says_so(tmp_path, caplog):
@@ -177,7 +193,7 @@ def test_evaluator_beside_a_live_training_job_with_max_to_keep_1(tmp_path):
   evaluated = []
   try:
     for step in ofx.checkpoints_iterator(d, timeout=2, poll_interval=0.02,
-                                         timeout_fn=lambda: not os.path.exists(d + ".done")):
+                                         timeout_fn=lambda: os.path.exists(d + ".done")):
       time.sleep(0.1)  # a slow evaluation: retention would have deleted the step by now
       w = ofx.restore(os.path.join(d, str(step)))["s"]["w"]
       assert (w == step).all()

@@ -57,8 +57,10 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
     min_interval: at least this many seconds between two yields.
     poll_interval: seconds between listings.
     start_after: yield only steps newer than this one.
-    timeout_fn: called at a timeout; return True to keep waiting (e.g. while
-      the training job is alive), False to stop.
+    timeout_fn: called at each timeout (as in Orbax and TensorFlow): True means
+      no new step will come (e.g. the training job has finished), and the
+      iterator ends once it has yielded the steps committed by then; False
+      keeps waiting, for another ``timeout``. None: the first timeout ends it.
     clock, sleep: injectable for tests.
 
   Yields:
@@ -76,6 +78,7 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   last_yield = None
   warned_absent = False
   leasing = True  # False once a lease cannot be written (read-only access)
+  finished = False  # timeout_fn() said no new step will come: end once none is left
   while True:
     waited_since = clock()
     step = None
@@ -86,6 +89,10 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
         step = newer[0]
         break
       absent = _absent(loc, steps, leftovers)
+      if finished:  # timeout_fn() said no new step will come, and none had come since
+        _stopping(loc, absent, "as timeout_fn() says no new step will come",
+                  f"timeout_fn() says no new step will come to {loc}")
+        return
       if absent and not warned_absent:
         warned_absent = True
         log.warning("checkpoints_iterator: %s %s; waiting for a training job to save its first"
@@ -93,16 +100,14 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
                     " <workdir>/checkpoints.", loc, absent,
                     "no timeout" if timeout is None else f"timeout {timeout:g} s")
       if timeout is not None and clock() - waited_since >= timeout:
-        if timeout_fn is not None and timeout_fn():
-          waited_since = clock()
+        if timeout_fn is not None:
+          if timeout_fn():
+            finished = True  # listed once more: a step committed just before is yielded
+          else:
+            waited_since = clock()  # another timeout's wait
           continue
-        if absent:
-          log.warning("checkpoints_iterator: stopping after waiting %g s: %s still %s (nothing"
-                      " was ever saved there; is it the manager's directory, e.g."
-                      " <workdir>/checkpoints?)", timeout, loc, absent)
-        else:
-          log.info("checkpoints_iterator: stopping: no new step in %s for %g s (the timeout)",
-                   loc, timeout)
+        _stopping(loc, absent, f"after waiting {timeout:g} s",
+                  f"no new step in {loc} for {timeout:g} s (the timeout)")
         return
       sleep(poll_interval)
     if last_yield is not None and min_interval:
@@ -141,6 +146,16 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
     finally:
       if lease is not None:
         lease.release()
+
+
+def _stopping(loc: Location, absent: str | None, when: str, why: str) -> None:
+  """Logs that the iterator ends (``why``), as a WARNING if nothing was ever saved in ``loc``."""
+  if absent:
+    log.warning("checkpoints_iterator: stopping %s: %s still %s (nothing was ever saved"
+                " there; is it the manager's directory, e.g. <workdir>/checkpoints?)", when, loc,
+                absent)
+  else:
+    log.info("checkpoints_iterator: stopping: %s", why)
 
 
 def _absent(loc: Location, steps: list[int], leftovers: list[Any]) -> str | None:
