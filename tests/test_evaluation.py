@@ -91,6 +91,26 @@ def test_iterator_on_a_directory_that_does_not_exist_yet_says_so(tmp_path, caplo
   assert len(warned) == 1 and "does not exist yet" in warned[0], warned  # and not at the end
 
 
+def test_iterator_on_a_workdir_names_its_checkpoints_directory(tmp_path, caplog):
+  """checkpoints_iterator(workdir) waited forever without a word: the WARNING that names
+  <workdir>/checkpoints was given only when the directory did not exist."""
+  workdir = str(tmp_path / "run")
+  for step in (1, 2):
+    ofx.save(os.path.join(workdir, "checkpoints", str(step)), {"s": {"w": np.ones(2)}})
+  t = [0.0]
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    out = list(ofx.checkpoints_iterator(workdir, timeout=5, poll_interval=1, clock=lambda: t[0],
+                                        sleep=lambda s: t.__setitem__(0, t[0] + s)))
+  assert out == []
+  warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  inner = os.path.join(workdir, "checkpoints")
+  assert len(warned) == 2, warned  # when it starts waiting (not every poll), and at the end
+  assert f"{workdir} holds no step, but {inner} does: is it a workdir?" in warned[0]
+  assert f"pass the directory the manager saves to: {inner}." in warned[0]
+  assert f"stopping after waiting 5 s: {workdir} still holds no step, but {inner}" in warned[1]
+  assert list(ofx.checkpoints_iterator(inner, timeout=0)) == [1, 2]
+
+
 def test_a_held_step_is_not_deleted_by_retention(tmp_path, caplog):
   d = str(tmp_path / "ckpts")
   mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=1, max_to_keep=1,

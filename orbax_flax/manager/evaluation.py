@@ -42,7 +42,9 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   A step the training job's retention deleted (or is deleting) before the
   iterator reached it is skipped with a log line. A directory that does not
   exist yet is waited for like an empty one, with a WARNING that says so (once,
-  and again if the timeout ends the wait). The yielded step stays readable
+  and again if the timeout ends the wait); so is one that holds no step while
+  its ``checkpoints/`` does (a workdir), the WARNING naming
+  ``<directory>/checkpoints``. The yielded step stays readable
   until the caller asks for the next one: restore it with
   ``orbax_flax.restore(f"{directory}/{step}", ...)`` or a manager's
   ``restore(step)``. That takes a reader lease, written in the directory; with
@@ -79,6 +81,7 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   warned_absent = False
   leasing = True  # False once a lease cannot be written (read-only access)
   finished = False  # timeout_fn() said no new step will come: end once none is left
+  nested = False  # the directory holds no step and its checkpoints/ does (a workdir)
   while True:
     waited_since = clock()
     step = None
@@ -89,16 +92,24 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
         step = newer[0]
         break
       absent = _absent(loc, steps, leftovers)
+      if absent is None and not steps and (nested or _holds_steps(loc.join("checkpoints"))):
+        nested = True  # a workdir: its steps are in checkpoints/
+        absent = f"holds no step, but {loc.join('checkpoints')} does"
       if finished:  # timeout_fn() said no new step will come, and none had come since
         _stopping(loc, absent, "as timeout_fn() says no new step will come",
                   f"timeout_fn() says no new step will come to {loc}")
         return
       if absent and not warned_absent:
         warned_absent = True
-        log.warning("checkpoints_iterator: %s %s; waiting for a training job to save its first"
-                    " step there (%s). Pass the directory the manager saves to, e.g."
-                    " <workdir>/checkpoints.", loc, absent,
-                    "no timeout" if timeout is None else f"timeout {timeout:g} s")
+        waiting = "no timeout" if timeout is None else f"timeout {timeout:g} s"
+        if nested:
+          log.warning("checkpoints_iterator: %s %s: is it a workdir? Waiting for steps in %s"
+                      " itself (%s); pass the directory the manager saves to: %s.", loc,
+                      absent, loc, waiting, loc.join("checkpoints"))
+        else:
+          log.warning("checkpoints_iterator: %s %s; waiting for a training job to save its"
+                      " first step there (%s). Pass the directory the manager saves to, e.g."
+                      " <workdir>/checkpoints.", loc, absent, waiting)
       if timeout is not None and clock() - waited_since >= timeout:
         if timeout_fn is not None:
           if timeout_fn():
@@ -156,6 +167,14 @@ def _stopping(loc: Location, absent: str | None, when: str, why: str) -> None:
                 absent)
   else:
     log.info("checkpoints_iterator: stopping: %s", why)
+
+
+def _holds_steps(loc: Location) -> bool:
+  """Whether ``loc`` holds a committed step (False where it cannot be listed)."""
+  try:
+    return bool(step_dir.list_steps(loc)[0])
+  except (OSError, errors.StorageError):
+    return False
 
 
 def _absent(loc: Location, steps: list[int], leftovers: list[Any]) -> str | None:
