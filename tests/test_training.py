@@ -482,6 +482,45 @@ def test_init_from_with_allow_lossy_casts_fine_tunes_a_bfloat16_model(tmp_path, 
                    r" losing information \(allow_lossy_casts\) \(and 3 more", caplog.text), caplog.text
 
 
+class Deep(nn.Module):
+  layers: int
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(self.layers):
+      x = nn.Dense(8)(x)
+    return x
+
+
+def deep_state(layers, seed):
+  model = Deep(layers)
+  return train_state.TrainState.create(
+      apply_fn=model.apply, params=model.init(jax.random.key(seed), jnp.ones((1, 8))),
+      tx=optax.sgd(0.1))
+
+
+def test_init_from_refuses_a_model_that_lacks_layers_of_the_part_it_takes(tmp_path):
+  """init_from a 4-layer run into a 2-layer model (a num_layers slip) took Dense_0 and Dense_1
+  and dropped Dense_2 and Dense_3 without a word: the part taken is compared strictly, and only
+  what lies outside it (the optimizer state, other subtrees) is left out."""
+  donor = deep_state(4, seed=1)
+  with ofx.CheckpointCallback(str(tmp_path / "donor"), {"save_interval_steps": 1}) as ckpt:
+    ckpt.on_step_end(1, ckpt.restore_or_init(donor))
+  source = str(tmp_path / "donor")
+  with pytest.raises(ofx.TreeMismatchError, match=r"subset of the checkpoint \(4 key\(s\) left out") as e:
+    ofx.CheckpointCallback(str(tmp_path / "a"), {"init_from": source}).restore_or_init(
+        deep_state(2, seed=2))
+  assert sorted(e.value.differences) == [
+      f"params/params/Dense_{i}/{k}: in checkpoint, not in target" for i in (2, 3)
+      for k in ("bias", "kernel")]
+  # One layer named: the other layers lie outside what is taken.
+  part = "params/params/Dense_1"
+  with ofx.CheckpointCallback(str(tmp_path / "b"), {"init_from": f"{source}:{part}={part}"}) as b:
+    state = b.restore_or_init(deep_state(2, seed=2))
+  leaves_equal(state.params["params"]["Dense_1"], donor.params["params"]["Dense_1"])
+  leaves_equal(state.params["params"]["Dense_0"], deep_state(2, seed=2).params["params"]["Dense_0"])
+
+
 _PURE_JAX_LOOP = """
 import sys
 import jax.numpy as jnp

@@ -14,14 +14,16 @@ item's ``params`` subtree when it has one.
 
 Dtypes convert as in a resume: a conversion that loses information (float32
 saved, a bfloat16 model) only with the policy's ``allow_lossy_casts``, and
-every change made is logged. A target that does not match raises
-``TreeMismatchError`` listing every difference, the checkpoint's items with
-their top-level keys and example key paths of the chosen item, and the
-``init_from`` to write.
+every change made is logged. The part taken is compared strictly (a leaf of it
+the target lacks is a difference); what lies outside it is left out. A target
+that does not match raises ``TreeMismatchError`` listing every difference, the
+checkpoint's items with their top-level keys and example key paths of the
+chosen item, and the ``init_from`` to write.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, NamedTuple
 
@@ -30,6 +32,7 @@ from orbax_flax.core import _tree
 from orbax_flax.engine import checkpointer
 from orbax_flax import errors
 from orbax_flax.engine import restoring
+from orbax_flax.engine import targets as targets_lib
 from orbax_flax.format import step_dir
 from orbax_flax.core._location import Location
 from orbax_flax.format._manifest import Manifest
@@ -203,6 +206,7 @@ def _take(text: str, source: Location, manifest: Manifest, selector: str, target
   for k in reversed(under):
     wanted = {k: wanted}
   try:
+    _check_selected(source, manifest, item, under, wanted, cast)
     out = ckptr.restore(source, {item: wanted}, partial=True,
                         allow_lossy_casts=cast.allow_lossy, casts=cast.made)[item]
   except errors.TreeMismatchError as e:
@@ -213,6 +217,22 @@ def _take(text: str, source: Location, manifest: Manifest, selector: str, target
   for k in under:
     out = out[k]
   return out
+
+
+def _check_selected(source: Location, manifest: Manifest, item: str, under: tuple[str, ...],
+                    wanted: Any, cast: _Casts) -> None:
+  """Compares the selected part (``item``/``under``) with ``wanted`` strictly, reading no
+  data: a leaf of the checkpoint under it that the target lacks is a difference too (a model
+  configured with fewer layers), where the restore, partial, leaves out what lies outside it.
+
+  Raises:
+    TreeMismatchError: every difference, by key path.
+  """
+  saved = manifest.items[item]
+  inside = dataclasses.replace(saved, leaves=tuple(
+      r for r in saved.leaves if r.path[:len(under)] == under))
+  targets_lib.match_target(dataclasses.replace(manifest, items={item: inside}), {item: wanted},
+                           allow_lossy_casts=cast.allow_lossy, source=str(source))
 
 
 def _shown(e: errors.TreeMismatchError) -> str:
