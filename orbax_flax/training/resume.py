@@ -601,12 +601,6 @@ def compilation_cache_dir(workdir: str) -> str:
   return os.path.join(workdir, CACHE_DIR, key)
 
 
-# The cache directories enable_compilation_cache set itself, in this process: a later run (a
-# sweep, a notebook) moves JAX's cache from them to its own workdir, where a directory the user
-# set is kept. Process-wide, as JAX's setting is.
-_CACHES_SET: set[str] = set()
-
-
 def enable_compilation_cache(workdir: str) -> str:
   """Points JAX's persistent compilation cache at this job's directory under ``workdir``.
 
@@ -615,8 +609,8 @@ def enable_compilation_cache(workdir: str) -> str:
   ``jax_persistent_cache_min_compile_time_secs`` to compile, 1 s by default).
   A cache directory the user set already (``JAX_COMPILATION_CACHE_DIR`` or
   ``jax.config``) is kept, with a WARNING, and returned; one that an earlier
-  run in this process set here is replaced (JAX's cache, opened once a
-  process, is reopened at the next compile).
+  run in this process set here (:func:`_set_for_a_run`) is replaced (JAX's
+  cache, opened once a process, is reopened at the next compile).
 
   Returns:
     The cache directory in use.
@@ -630,7 +624,7 @@ def enable_compilation_cache(workdir: str) -> str:
   current = jax.config.jax_compilation_cache_dir
   if current and os.path.abspath(current) == path:
     return path
-  if current and os.path.abspath(current) not in _CACHES_SET:  # the user's: kept, first
+  if current and not _set_for_a_run(current):  # the user's: kept, first
     log.warning(
         "compilation_cache=True: JAX's compilation cache is already set to %s (by"
         " JAX_COMPILATION_CACHE_DIR or jax.config); keeping it, not using %s", current,
@@ -647,8 +641,24 @@ def enable_compilation_cache(workdir: str) -> str:
   jax.config.update("jax_compilation_cache_dir", path)
   if current:  # an earlier run's, set here: JAX would keep writing there
     _multihost.reset_compilation_cache()
-  _CACHES_SET.add(path)
   return path
+
+
+def _set_for_a_run(current: str) -> bool:
+  """Whether JAX's cache directory ``current`` is one :func:`enable_compilation_cache` set for
+  a run (an earlier one in this process: a sweep, a notebook), not the user's. JAX's setting
+  itself says so, with no record kept here: it is the directory of this process's JAX, backend
+  and devices under some workdir, and not the one JAX_COMPILATION_CACHE_DIR names.
+
+  Example:
+    >>> _set_for_a_run(compilation_cache_dir("/runs/a")), _set_for_a_run("/my/jax/cache")
+    (True, False)
+  """
+  current = os.path.abspath(current)
+  named = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+  workdir = os.path.dirname(os.path.dirname(current))
+  return (current == os.path.abspath(compilation_cache_dir(workdir))
+          and not (named and os.path.abspath(named) == current))
 
 
 class PendingRestore:
