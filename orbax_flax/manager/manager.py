@@ -329,8 +329,8 @@ class CheckpointManager:
     committed step replaces it where it is."""
     if self._rollback.active() or step in self.registry:
       return
-    newer = [s for s in (*self.registry.committed(), self._inflight.started_step())
-             if s is not None and s > step]
+    newer = {s for s in (*self.registry.committed(), self._inflight.started_step())
+             if s is not None and s > step}
     if not newer:
       return
     newest = max(newer)
