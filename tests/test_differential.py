@@ -471,3 +471,32 @@ def test_a_changed_small_array_rewrites_about_one_packed_chunk_not_the_buffer(tm
     with open(os.path.join(path, "_CHECKPOINT"), "rb") as f:
       stored = json.loads(f.read().split(b"\n")[1])["stored_bytes"]
     assert stored["own"] == (12 << 20 if step == 0 else 4 << 20), (step, stored)
+
+
+def _retired_dirs(root):
+  """The retired data beside the checkpoints in ``root`` (``<name>.ofx-base-<gen>``), each
+  checked to be retired (its manifest ``_RETIRED``, no ``_CHECKPOINT``)."""
+  aside = sorted(n for n in os.listdir(root) if ".ofx-base-" in n)
+  for n in aside:
+    assert os.path.exists(os.path.join(root, n, "_RETIRED")), n
+    assert not os.path.exists(os.path.join(root, n, "_CHECKPOINT")), n
+  return aside
+
+
+def test_an_overwrite_keeps_what_siblings_of_any_name_and_the_new_checkpoint_borrow(tmp_path):
+  """Checkpointer(differential=True) saving a, b, then a again (overwrite=True): b and the new
+  a borrow w from the old a. Its borrowers were looked for among all-digit names only, so the
+  overwrite deleted the old a, and neither a nor b restored."""
+  root = str(tmp_path)
+  w = np.random.default_rng(3).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB: chunked
+  states = {"a": {"w": w, "c": np.full(64, 2)}, "b": {"w": w, "c": np.full(64, 1)}}
+  with ofx.Checkpointer(differential=True) as ck:
+    ck.save(os.path.join(root, "a"), {"s": {"w": w, "c": np.full(64, 0)}})
+    ck.save(os.path.join(root, "b"), {"s": states["b"]})
+    ck.save(os.path.join(root, "a"), {"s": states["a"]}, overwrite=True)  # base b
+  for name, want in states.items():
+    path = os.path.join(root, name)
+    got = ofx.restore(path)["s"]
+    assert got["w"].tobytes() == w.tobytes() and got["c"].tolist() == want["c"].tolist(), name
+    assert ofx.verify(path) > 0
+  assert [n.split(".")[0] for n in _retired_dirs(root)] == ["a"]  # the old a, retired

@@ -103,8 +103,15 @@ def generation_of(path: str) -> str | None:
 
 
 def borrowers(loc: Location, generation: str) -> list[str]:
-  """The committed sibling steps of the local checkpoint ``loc`` whose manifests borrow
-  data of ``generation`` (decoded ``bases``), by name.
+  """The checkpoints beside the local checkpoint ``loc``, and ``loc`` itself, whose committed
+  manifests borrow data of ``generation`` (decoded ``bases``), by name.
+
+  Every sibling holding a ``_CHECKPOINT`` counts, whatever its name (a
+  :class:`orbax_flax.Checkpointer` names its checkpoints freely; a step parked for a
+  re-save counts too), and so does the checkpoint at ``loc`` (after an overwrite, the
+  new one: it may borrow what the one it replaced held, through its base). One whose
+  manifest cannot be decoded counts too, named ``"<name> (unreadable)"``: what it
+  references is unknown, so the data is kept.
 
   Example:
     >>> import tempfile
@@ -113,14 +120,18 @@ def borrowers(loc: Location, generation: str) -> list[str]:
   """
   root = os.path.dirname(loc.local_path)
   try:
-    names = sorted(n for n in os.listdir(root) if n.isascii() and n.isdigit() and n != loc.name)
+    names = sorted(os.listdir(root))
   except OSError:
     return []
   out = []
   for name in names:
+    if not os.path.isfile(os.path.join(root, name, _manifest.MANIFEST_KEY)):
+      continue  # no checkpoint of ours, a retired one, or gone meanwhile
     summary = summary_of(os.path.join(root, name))
-    if summary is not None and os.path.exists(os.path.join(root, name, _manifest.MANIFEST_KEY)) \
-        and any(b.generation == generation for b in summary.bases):
+    if summary is None:
+      if os.path.isfile(os.path.join(root, name, _manifest.MANIFEST_KEY)):
+        out.append(f"{name} (unreadable)")
+    elif any(b.generation == generation for b in summary.bases):
       out.append(name)
   return out
 
