@@ -500,3 +500,24 @@ def test_an_overwrite_keeps_what_siblings_of_any_name_and_the_new_checkpoint_bor
     assert got["w"].tobytes() == w.tobytes() and got["c"].tolist() == want["c"].tolist(), name
     assert ofx.verify(path) > 0
   assert [n.split(".")[0] for n in _retired_dirs(root)] == ["a"]  # the old a, retired
+
+
+@pytest.mark.parametrize("names", [("ckpt.1", "ckpt.2"), ("run:1", "run:2"), ("a b", "ü")])
+def test_a_sibling_whose_name_a_reference_cannot_hold_is_never_a_base(tmp_path, names, caplog):
+  """The format references a base by a plain name (letters, digits, ``_``, ``-``): a save next
+  to ``ckpt.1`` borrowed from it anyway and committed a manifest the reader refuses, and a
+  ``:`` in the name broke the base's token (ValueError on every later save). Such a save is
+  full, and says why."""
+  root = str(tmp_path)
+  w = np.random.default_rng(4).standard_normal((512, 1024)).astype(np.float32)
+  with ofx.Checkpointer(differential=True) as ck:
+    ck.save(os.path.join(root, names[0]), {"s": {"w": w, "c": np.full(64, 0)}})
+    with caplog.at_level("INFO", logger="orbax_flax"):
+      ck.save(os.path.join(root, names[1]), {"s": {"w": w, "c": np.full(64, 1)}})
+  assert any("saving in full" in r.getMessage() and names[0] in r.getMessage()
+             for r in caplog.records if r.levelname == "INFO"), caplog.text
+  for i, name in enumerate(names):
+    got = ofx.restore(os.path.join(root, name))["s"]
+    assert got["w"].tobytes() == w.tobytes() and got["c"].tolist() == [i] * 64
+  with open(os.path.join(root, names[1], "_CHECKPOINT"), "rb") as f:
+    assert json.loads(f.read().split(b"\n")[1])["stored_bytes"]["borrowed"] == 0

@@ -3,8 +3,8 @@
 The save's :class:`orbax_flax.engine.saving.SaveRun` calls, in its background phase:
 
 1. :meth:`Differ.agree` once the generation is agreed: process 0 picks the
-   base (the step it was given, if it is still committed and a sibling of the
-   new checkpoint), pins it and what it references (retention keeps them until
+   base (the step it was given, if it is still committed, a sibling of the
+   new checkpoint and named as a reference can name it), pins it and what it references (retention keeps them until
    this save ends), and tells the others; every process then uses that base.
 2. :meth:`Differ.select` for every batch about to be written: hashes each
    block (:mod:`.hashing`, on threads, the GIL released) and drops the blocks
@@ -39,6 +39,7 @@ from orbax_flax import errors
 from orbax_flax.engine import _reading
 from orbax_flax.engine import restoring
 from orbax_flax.format import _layout
+from orbax_flax.format import _manifest
 from orbax_flax.core._location import Location
 from orbax_flax.differential import hashing
 from orbax_flax.differential import refs
@@ -122,11 +123,16 @@ class Differ:
     else:
       self.token = _multihost.fetch(f"{key}/diff-base", timeout_s, missing=[0],
                                     waiting_for="process 0 to choose the differential base")
-    self.turn = int(self.token.split(":")[2]) if self.token else 0
+    self.turn = int(self.token.rsplit(":", 2)[2]) if self.token else 0
 
   def _pick(self) -> str:
     base = self.base
     if base is None or base == self.loc or base.sibling(self.loc.name) != self.loc:
+      return ""
+    if not _manifest.BASE_DIR.match(base.name):
+      log.info("differential save to %s: saving in full, not borrowing from %s: a reference"
+               " names its base by a plain name (letters, digits, '_', '-'; docs/format.md),"
+               " which %r is not", self.loc, base, base.name)
       return ""
     with self.pins.lock:
       try:
@@ -145,7 +151,7 @@ class Differ:
     """The agreed base: its manifest (references expanded), steps and array records; or None."""
     if not self.token:
       return None
-    name, gen, _ = self.token.split(":")
+    name, gen, _ = self.token.rsplit(":", 2)
     try:
       at = refs.locate_step(self.loc, name, gen)
       manifest = restoring.read_manifest(at)
