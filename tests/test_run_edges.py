@@ -97,6 +97,25 @@ def test_a_best_metric_reported_only_on_eval_steps_warns_once_and_ranks(tmp_path
   assert ckpt.manager.best_step() == 20 and 20 in ckpt.manager.all_steps()
 
 
+def test_a_save_without_the_best_metric_does_not_warn_a_second_time(tmp_path, caplog):
+  """The manager's save checks metrics too (for users of the manager alone); the callback's
+  check and its save's kept two memories, so a saved step without the eval metric warned
+  again."""
+  policy = _policy(save_interval_steps=10, max_to_keep=2, keep_best=1,
+                   best_metric="eval_accuracy", best_mode="max")
+  with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+    with ofx.CheckpointCallback(str(tmp_path), policy) as ckpt:
+      state = ckpt.restore_or_init({"w": jnp.zeros(4)})
+      for step in range(1, 31):
+        metrics = {"loss": 1.0 / step}
+        if step == 20:
+          metrics["eval_accuracy"] = 0.5
+        ckpt.on_step_end(step, state, metrics)
+  said = [r.getMessage() for r in caplog.records if "eval_accuracy" in r.getMessage()]
+  assert len(said) == 1 and "only on some steps" in said[0], said
+  assert ckpt.manager.best_step() == 20
+
+
 # -- a run that arrives from another library, or from a slip of the workdir ------------------
 
 def _trained_state(step):

@@ -194,6 +194,24 @@ class CheckpointManager:
 
   # -------------------------------------------------------------------- saving
 
+  def check_metrics(self, metrics: Mapping[str, Any]) -> None:
+    """Checks one step's metrics as :meth:`save` does, whether or not the step is saved.
+
+    Each is a scalar number; the policy's ``best_metric`` among them, or a
+    ValueError where a reported name is close to it (a typo: "did you mean"),
+    or one WARNING for this manager where none is (eval metrics reported only
+    on eval steps are legitimate). The training callback calls it at every
+    step that reports metrics (:func:`~orbax_flax.manager.policy.check_step_metrics`).
+
+    Raises:
+      TypeError: a metric that is not a scalar number.
+      ValueError: ``best_metric`` is not reported and a reported name is close to it.
+    """
+    self._metric_names, warning = policy_lib.check_step_metrics(
+        metrics, self.policy.best_metric, self._metric_names)
+    if warning:
+      log.warning("%s", warning)
+
   def should_save(self, step: int) -> str | None:
     """The reason the policy saves ``step``, or None. Call it on every process: a time-based
     decision is process 0's, shared (see :class:`~orbax_flax.manager.schedule.Schedule`)."""
@@ -258,11 +276,8 @@ class CheckpointManager:
     self._join_abandoned()
     before = checked_before(blocking_before)
     step = policy_lib.as_step(step)
-    if metrics is not None:  # the callback's check: a mistyped best_metric raises here
-      self._metric_names, warning = policy_lib.check_step_metrics(
-          metrics, self.policy.best_metric, self._metric_names)
-      if warning:
-        log.warning("%s", warning)
+    if metrics is not None:  # a mistyped best_metric raises here, before anything is written
+      self.check_metrics(metrics)
     if reason is not None and reason not in policy_lib.REASONS:
       raise ValueError(f"reason must be one of {policy_lib.REASONS}, got {reason!r}")
     decided = reason or ("forced" if force else None) or self.should_save(step)

@@ -110,7 +110,6 @@ class CheckpointCallback(callbacks.Callback):
     self._closed = False
     self._built: tuple[float, float, float] | None = None  # _items: (start, items_s, data_s)
     self._state_checked = False     # the state's leaves, checked once (restore_or_init or step 1)
-    self._metric_names: frozenset | None = None  # the metric names last checked for best_metric
 
   def restore_or_init(self, state: Any, *, data_iterator: Any = None) -> Any:
     """Resumes from the latest committed step, resharded onto ``state``'s shardings.
@@ -297,10 +296,7 @@ class CheckpointCallback(callbacks.Callback):
       state_items.check(state)
       self._state_checked = True
     if metrics is not None:
-      self._metric_names, warning = policy_lib.check_step_metrics(
-          metrics, self.policy.best_metric, self._metric_names)
-      if warning:
-        log.warning("%s", warning)
+      self.manager.check_metrics(metrics)
 
   def _save_preemption(self, step: int, state: Any, metrics: Any, data_state: Any,
                        data_s: float) -> None:
