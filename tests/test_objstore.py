@@ -520,12 +520,12 @@ def test_an_orbax_checkpoint_run_on_an_object_store_is_refused_never_swept(store
   with pytest.raises(ofx.CheckpointExistsError, match=r"orbax-checkpoint run \(step\(s\) 10, 20\)"
                      r".*checkpoint.directory=\S*run/checkpoints_orbax_flax"):
     ofx.CheckpointCallback(url, policy).restore_or_init(fresh)
-  with ofx.CheckpointManager(f"{url}/checkpoints", policy) as mngr:  # its own step 30
-    assert mngr.leftovers() == []
-    mngr.save(30, {"state": fresh}, force=True)
-  with ofx.CheckpointManager(f"{url}/checkpoints", policy) as mngr:  # sweeps at its start
-    assert mngr.all_steps() == [30] and mngr.leftovers() == []
-  assert set(keys) <= set(store.keys(bucket, "run/checkpoints/"))
+  with ofx.CheckpointManager(f"{url}/checkpoints", policy) as mngr:  # reads; never writes there
+    assert mngr.all_steps() == [] and mngr.leftovers() == []  # (a start sweeps no leftovers)
+    with pytest.raises(ofx.CheckpointExistsError,
+                       match=r"holds orbax-checkpoint steps \[10, 20\].*Nothing was written"):
+      mngr.save(30, {"state": fresh}, force=True)
+  assert sorted(keys) == sorted(store.keys(bucket, "run/checkpoints/"))
   policy = dataclasses.replace(policy, directory=f"{url}/checkpoints_orbax_flax")
   with ofx.CheckpointCallback(url, policy) as ckpt:
     state = ckpt.restore_or_init(fresh)

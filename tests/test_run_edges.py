@@ -383,3 +383,24 @@ def test_a_restored_dropout_key_on_the_mesh_needs_auto_axes_as_the_readme_says(t
     with pytest.raises(Exception, match="must be scalar or have the same sharding") as e:
       step(state, x)
     assert type(e.value).__name__ == "ShardingTypeError"  # not exported by jax
+
+
+@pytest.mark.parametrize("save_step", [40, 20])
+def test_a_bare_manager_refuses_to_write_among_an_orbax_checkpoint_runs_steps(tmp_path, save_step):
+  """ofx.CheckpointManager put where an ocp.CheckpointManager saved (a port that kept the
+  directory): it listed that run's steps as its own and its keep rules deleted them (or a
+  save of the same number went into one). It reads them; it refuses to write there."""
+  directory = str(tmp_path / "ckpts")
+  _ocp_run(directory, "manager")
+  before = sorted(os.path.relpath(os.path.join(d, f), directory)
+                  for d, _, fs in os.walk(directory) for f in fs)
+  with ofx.CheckpointManager(directory, ofx.CheckpointPolicy(max_to_keep=1,
+                                                             async_save=False)) as m:
+    with pytest.raises(ofx.CheckpointExistsError, match=r"holds orbax-checkpoint steps \[20, 40\]"
+                       r".*Nothing was written"):
+      m.save(save_step, {"state": {"w": np.ones(3, np.float32)}}, force=True)
+    got = m.restore(40)  # reading is fine
+  assert int(np.asarray(got["default"]["step"] if "default" in got else got["state"]["step"])) == 40
+  after = sorted(os.path.relpath(os.path.join(d, f), directory)
+                 for d, _, fs in os.walk(directory) for f in fs)
+  assert after == before

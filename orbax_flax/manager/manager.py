@@ -48,6 +48,7 @@ from orbax_flax.manager import policy as policy_lib
 from orbax_flax.manager import registry as registry_lib
 from orbax_flax.engine import restoring
 from orbax_flax.engine import saving
+from orbax_flax.formats import orbax_checkpoint
 from orbax_flax.core._location import Location
 from orbax_flax.manager.config import CheckpointPolicy
 from orbax_flax.manager.schedule import Schedule
@@ -429,8 +430,10 @@ class CheckpointManager:
       return
     problem = ""
     if _multihost.process_index() == 0:
+      problem = _foreign_steps(self._dir)
       try:
-        self.registry.become_writer()
+        if not problem:
+          self.registry.become_writer()
       except errors.WriterConflictError as e:
         problem = str(e)
     if _multihost.process_count() > 1:
@@ -439,6 +442,8 @@ class CheckpointManager:
                                      self.policy.coordination_timeout_seconds)
       if not problem and _multihost.process_index() != 0:
         self.registry.become_writer()  # (no lease of its own: process 0 holds the job's)
+    if problem.startswith(_FOREIGN):
+      raise errors.CheckpointExistsError(problem[len(_FOREIGN):])
     if problem:
       raise errors.WriterConflictError(problem)
     # Only the writer adds steps: what is here now is all a plain manager's deletions must
@@ -820,3 +825,23 @@ def _mesh_of(items: Mapping[str, Any]) -> dict[str, int] | None:
     if isinstance(sharding, jax.sharding.NamedSharding):
       return {str(k): int(v) for k, v in sharding.mesh.shape.items()}
   return None
+
+
+_FOREIGN = "foreign: "  # how process 0's refusal of another library's steps reaches the others
+
+
+def _foreign_steps(directory: Location) -> str:
+  """Why a manager may not write ``directory`` (prefixed :data:`_FOREIGN`), or "": it holds
+  orbax-checkpoint steps, which a listing of steps would count as ours (a file system) or
+  whose prefix a save of the same number would write into (an object store), and which keep
+  rules would then delete."""
+  foreign = orbax_checkpoint.steps(directory)
+  if not foreign:
+    return ""
+  newest = directory.join(str(foreign[-1]))
+  return (f"{_FOREIGN}{directory} holds orbax-checkpoint steps {registry_lib.short(foreign)}:"
+          " a manager writing here would take them for steps of its own, and its keep rules"
+          " would delete them. Nothing was written. Save to a directory of your own; to"
+          f" continue that run there, restore its newest step (ofx.restore({str(newest)!r},"
+          " target)) and save it as the new directory's first step (the training callback"
+          " continues such a run by itself: docs/training.md).")
