@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -226,3 +227,26 @@ def test_list_beside_a_job_whose_keep_rule_deletes_a_step_is_no_corruption(tmp_p
   assert cli.cmd_list(str(tmp_path), out) == 0, out.getvalue()
   text = out.getvalue()
   assert "deleted while listed" in text and "latest 3" in text and "NO MANIFEST" not in text
+
+
+@pytest.mark.parametrize("fmt", ["orbax_flax", "safetensors", "orbax"])
+def test_convert_onto_a_step_others_borrow_from_keeps_their_data(tmp_path, fmt):
+  """`convert DIR/0 DIR/0 --overwrite` onto a step that later differential steps borrow from:
+  to safetensors or orbax the old step was deleted, and steps 1 and 2, still listed, no longer
+  restored. Its data is retired (``0.ofx-base-<generation>``), as the engine's overwrite does."""
+  root = str(tmp_path / "run")
+  w = np.random.default_rng(5).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB: chunked
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(differential=True, async_save=False)) as m:
+    for step in range(3):
+      m.save(step, {"s": {"w": w, "c": np.full(64, step, np.int32)}}, force=True)
+  step0 = os.path.join(root, "0")
+  rc, out = run("convert", step0, step0, f"--format={fmt}", "--overwrite")
+  assert rc == 0, out
+  assert [x.tobytes() for x in jax.tree.leaves(ofx.restore(step0)) if np.shape(x) == w.shape] \
+      == [w.tobytes()]  # step 0 is the converted one
+  for step in (1, 2):
+    got = ofx.restore(os.path.join(root, str(step)))["s"]
+    assert got["w"].tobytes() == w.tobytes() and got["c"].tolist() == [step] * 64, step
+  aside = [n for n in os.listdir(root) if ".ofx-" in n]
+  assert len(aside) == 1 and aside[0].startswith("0.ofx-base-"), aside
+  assert os.path.exists(os.path.join(root, aside[0], "_RETIRED"))

@@ -32,5 +32,6 @@ May import: ``core``, ``format``, ``engine`` (its low layers: ``_reading``,
 ``restoring``), ``errors``. Still imported back by the engine, one level with it:
 the Checkpointer builds a :class:`.differ.Differential` when asked, the reader
 finds a differential checkpoint's bases through :mod:`.refs`, an overwrite of a
-step others borrow from keeps its data (``saving``), and verify hashes chunks.
+step others borrow from keeps its data (``saving``, and the exports of ``formats``: one
+function, :func:`.refs.dispose_replaced`), and verify hashes chunks.
 """

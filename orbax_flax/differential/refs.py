@@ -16,7 +16,9 @@ borrowed them in turn), in the same parent directory, and the chunk lives in
 that step's database of the same process, under the same array name and chunk
 coordinates. A retired step (deleted by retention while referenced) keeps its
 data in place, its ``_CHECKPOINT`` renamed ``_RETIRED``; only when a new step
-of the same number is saved does it move aside, to ``<dir>.ofx-base-<generation>``.
+of the same number is saved does it move aside, to ``<dir>.ofx-base-<generation>``,
+as does a checkpoint others borrow from that an overwrite replaces
+(:func:`dispose_replaced`).
 
 The one decoder (:mod:`orbax_flax.format._manifest`) checks these fields and
 folds each reference into the owner number the reader uses (``home *
@@ -26,6 +28,7 @@ its owner alone (:class:`Homes`).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -37,6 +40,7 @@ from orbax_flax.format import step_dir
 from orbax_flax import errors
 from orbax_flax.core._location import Location
 
+log = logging.getLogger("orbax_flax")
 BASES = "bases"
 CHUNK_HASH = "chunk_hash"
 CHUNK_BASE = "chunk_base"
@@ -134,6 +138,45 @@ def borrowers(loc: Location, generation: str) -> list[str]:
     elif any(b.generation == generation for b in summary.bases):
       out.append(name)
   return out
+
+
+def dispose_replaced(final: Location, old: str) -> None:
+  """Disposes of the data of the local checkpoint that a save, a conversion or an export to
+  ``final`` replaced, now a directory of its own at ``old`` beside it (its manifest still
+  ``_CHECKPOINT``).
+
+  The one way every overwrite disposes of what it replaced (the engine's commit, with or
+  without an atomic exchange, and the exports of :mod:`orbax_flax.formats`): removed, unless
+  a checkpoint beside it, or the new one at ``final``, borrows its data (:func:`borrowers`);
+  then it is *retired* where their references look for it, ``<final>.ofx-base-<generation>``
+  (:func:`locate_step`): moved there whole first (a crash then leaves it parked, its
+  manifest kept, which the directory's next writer retires:
+  :func:`orbax_flax.format.step_dir.settle_parked`), then its manifest renamed ``_RETIRED``. A
+  manager's sweep removes it once nothing borrows from it. Something that is not a
+  checkpoint of ours (no generation) is removed; a link is never followed.
+
+  Raises:
+    OSError: the storage refused to move it (the new checkpoint is committed regardless).
+  """
+  gen = generation_of(old)
+  users = borrowers(final, gen) if gen is not None else []
+  if not users:
+    step_dir.remove_local(old)
+    return
+  parent = os.path.dirname(final.local_path)
+  aside = os.path.join(parent, step_dir.retired_name(final.name, gen))
+  if os.path.abspath(old) != os.path.abspath(aside):
+    os.rename(old, aside)
+    _location.fsync_dir(parent)
+  if not os.path.islink(aside):  # (a link is retired by its name alone)
+    try:
+      os.rename(os.path.join(aside, _manifest.MANIFEST_KEY),
+                os.path.join(aside, step_dir.RETIRED_KEY))
+      _location.fsync_dir(aside)
+    except FileNotFoundError:
+      pass  # retired already
+  log.info("%s overwritten; its previous data stays as %s: %s borrow from it", final,
+           os.path.basename(aside), ", ".join(users))
 
 
 def holds_generation(path: str, generation: str) -> bool:

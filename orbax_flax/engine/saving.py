@@ -70,7 +70,6 @@ from orbax_flax.core import _staging
 from orbax_flax.format import _layout
 from orbax_flax.format import _manifest
 from orbax_flax.format import _tsio
-from orbax_flax.format import step_dir
 from orbax_flax.differential import refs
 from orbax_flax import errors
 from orbax_flax.core._location import Location
@@ -1083,27 +1082,9 @@ def _commit_local(plan: _planning.Plan, gen: str, target: Location, data: bytes)
                                        " nothing was overwritten.")
   if _location.exchange(tmp, dst):
     _location.fsync_dir(os.path.dirname(dst))
-    _dispose_replaced(final, tmp)  # tmp now holds the old checkpoint
+    refs.dispose_replaced(final, tmp)  # tmp now holds the old checkpoint
     return
   _replace_in_place(tmp, dst, gen, data)
-
-
-def _dispose_replaced(final: Location, old: str) -> None:
-  """Removes the checkpoint an overwrite replaced, now at ``old``; unless sibling steps
-  borrow its data (differential saves): then it is kept as retired data,
-  ``<name>.ofx-base-<generation>``, where their references find it (and the manager's
-  sweep removes it once nothing borrows from it)."""
-  gen = refs.generation_of(old)
-  users = refs.borrowers(final, gen) if gen is not None else []
-  if not users:
-    shutil.rmtree(old, ignore_errors=True)
-    return
-  aside = os.path.join(os.path.dirname(final.local_path), step_dir.retired_name(final.name, gen))
-  os.rename(os.path.join(old, _manifest.MANIFEST_KEY), os.path.join(old, step_dir.RETIRED_KEY))
-  os.rename(old, aside)
-  _location.fsync_dir(os.path.dirname(aside))
-  log.info("%s overwritten; its previous data stays as %s: step(s) %s borrow from it",
-           final, os.path.basename(aside), ", ".join(users))
 
 
 def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:

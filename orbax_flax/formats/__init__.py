@@ -19,7 +19,9 @@ checkpoints, and import only the engine's primitives (``_reading``,
 :mod:`orbax_flax.engine.transforms` (restore-time renames, stacking, casts) and
 :mod:`orbax_flax.engine.converting` (``convert``).
 
-May import: ``core``, ``format``, the engine's primitives, ``errors``.
+May import: ``core``, ``format``, the engine's primitives, ``errors``; and
+:mod:`orbax_flax.differential.refs`, so that an export over one of our checkpoints disposes
+of it as every overwrite does (kept while differential steps borrow from it).
 """
 
 from __future__ import annotations

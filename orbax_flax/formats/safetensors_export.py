@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import struct
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -23,9 +24,12 @@ import numpy as np
 
 from orbax_flax import errors
 from orbax_flax.format import _layout
+from orbax_flax.core import _location
 from orbax_flax.core import _multihost
 from orbax_flax.engine import _selecting
 from orbax_flax.core import _tree
+from orbax_flax.core._location import Location
+from orbax_flax.differential import refs
 from orbax_flax.formats import _checks
 from orbax_flax.formats import _cbytes
 from orbax_flax.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, dtype_name
@@ -300,18 +304,23 @@ def agree_on_stage(key: str, where: str, stage: str, error: str, timeout_s: floa
 
 
 def commit_dir(tmp: str, path: str) -> None:
-  """Renames ``tmp`` to ``path``; an existing ``path`` is moved aside first, then removed."""
+  """Renames the finished ``tmp`` to ``path``; what was at ``path`` goes as every replaced
+  checkpoint goes (:func:`orbax_flax.differential.refs.dispose_replaced`): removed, or kept
+  as retired data while later differential steps borrow from it.
+
+  The two are swapped atomically where the file system can, so that a reader of ``path``
+  finds the old one or the new one; elsewhere the old one is moved aside first, to
+  ``<path>.ofx-old-<random>``."""
   parent = os.path.dirname(path)
   old = None
-  if os.path.exists(path):
-    old = path + ".ofx-old"
-    shutil.rmtree(old, ignore_errors=True)
-    os.rename(path, old)
-  os.rename(tmp, path)
-  fd = os.open(parent, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+  if os.path.lexists(path):
+    if _location.exchange(tmp, path):
+      old = tmp  # now holds what was at path
+    else:
+      old = f"{path}.ofx-old-{uuid.uuid4().hex[:8]}"
+      os.rename(path, old)
+  if old != tmp:
+    os.rename(tmp, path)
+  _location.fsync_dir(parent)
   if old:
-    shutil.rmtree(old, ignore_errors=True)
+    refs.dispose_replaced(Location.parse(path), old)
