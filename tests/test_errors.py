@@ -140,6 +140,43 @@ def test_overwrite_without_atomic_exchange(tmp_path, monkeypatch):
   assert "gone" not in os.listdir(path) and os.listdir(tmp_path) == ["ckpt"]
 
 
+@pytest.mark.parametrize("how", ["convert", "save", "checkpointer"])
+def test_overwrite_without_atomic_exchange_keeps_what_others_borrow(tmp_path, monkeypatch, how):
+  """Where paths cannot be swapped (NFS), an overwrite of step 0, which differential steps 1
+  and 2 borrow from (``convert 0 0 --overwrite``, ``save(..., overwrite=True)``), deleted
+  every database of the old generation: 1 and 2, still listed, no longer restored. So did a
+  Checkpointer's overwrite of ``a`` whose new data borrows from the old ``a`` through ``b``."""
+  monkeypatch.setattr(_location, "exchange", lambda a, b: False)
+  root = str(tmp_path / "run")
+  w = np.random.default_rng(6).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB: chunked
+  state = lambda i: {"s": {"w": w, "c": np.full(64, i, np.int32)}}  # noqa: E731
+  if how == "checkpointer":
+    names = {"a": 2, "b": 1}
+    with ofx.Checkpointer(differential=True) as ck:
+      ck.save(os.path.join(root, "a"), state(0))
+      ck.save(os.path.join(root, "b"), state(1))
+      ck.save(os.path.join(root, "a"), state(2), overwrite=True)  # base b: borrows the old a
+  else:
+    names = {"1": 1, "2": 2}
+    with ofx.CheckpointManager(root, ofx.CheckpointPolicy(differential=True,
+                                                          async_save=False)) as m:
+      for step in range(3):
+        m.save(step, state(step), force=True)
+    step0 = os.path.join(root, "0")
+    if how == "convert":
+      ofx.convert(step0, step0, dtype="bfloat16", overwrite=True)
+    else:
+      ofx.save(step0, state(10), overwrite=True)
+    assert ofx.restore(step0)["s"]["c"].tolist() == [10 if how == "save" else 0] * 64
+  for name, i in names.items():
+    got = ofx.restore(os.path.join(root, name))["s"]
+    assert got["w"].tobytes() == w.tobytes() and got["c"].tolist() == [i] * 64, name
+  aside = [n for n in os.listdir(root) if ".ofx-" in n]
+  assert len(aside) == 1 and ".ofx-base-" in aside[0], aside  # the old data, retired
+  assert sorted(os.listdir(os.path.join(root, aside[0]))) == ["_RETIRED", "s"]
+  assert all(d.endswith(aside[0][-16:]) for d in os.listdir(os.path.join(root, aside[0], "s")))
+
+
 def test_failed_overwrite_keeps_the_old_checkpoint(ckpt_dir):
   ofx.save(ckpt_dir, {"s": {"x": np.arange(4)}})
   before = _tree_files(ckpt_dir)

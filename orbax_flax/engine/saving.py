@@ -1084,17 +1084,23 @@ def _commit_local(plan: _planning.Plan, gen: str, target: Location, data: bytes)
     _location.fsync_dir(os.path.dirname(dst))
     refs.dispose_replaced(final, tmp)  # tmp now holds the old checkpoint
     return
-  _replace_in_place(tmp, dst, gen, data)
+  _replace_in_place(final, tmp, dst, gen, data)
 
 
-def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:
+def _replace_in_place(final: Location, tmp: str, dst: str, gen: str, manifest: bytes) -> None:
   """Overwrites a local checkpoint where paths cannot be swapped atomically (NFS).
 
   The new generation's databases move into the old checkpoint next to the old
   ones (new names: nothing is replaced), then one atomic ``os.replace`` of the
   manifest switches from the old generation to the new. Killed before that, the
-  old checkpoint is intact; after it, the new one is complete.
+  old checkpoint is intact; after it, the new one is complete. Then the old
+  generation's databases (and items the new one lacks) move into ``tmp`` beside
+  the old manifest, and that old checkpoint goes as the exchange's does
+  (:func:`orbax_flax.differential.refs.dispose_replaced`: removed, or retired while
+  steps borrow from it).
   """
+  with _location.open_plain(os.path.join(dst, _manifest.MANIFEST_KEY), dst) as f:
+    old_manifest = f.read()
   items = [i for i in os.listdir(tmp) if os.path.isdir(os.path.join(tmp, i))]
   for item in items:
     os.makedirs(os.path.join(dst, item), exist_ok=True)
@@ -1105,17 +1111,22 @@ def _replace_in_place(tmp: str, dst: str, gen: str, manifest: bytes) -> None:
   _location.write_local_durably(staged, manifest)
   os.replace(staged, os.path.join(dst, _manifest.MANIFEST_KEY))
   _location.fsync_dir(dst)
-  # Committed; the rest removes the old generation (and items the new one lacks).
+  # Committed; the rest gathers the old checkpoint in tmp (emptied above) and disposes of it.
+  staged = os.path.join(tmp, f"{_manifest.MANIFEST_KEY}{TMP_MARKER}{gen}")
+  _location.write_local_durably(staged, old_manifest)
+  os.replace(staged, os.path.join(tmp, _manifest.MANIFEST_KEY))
   for item in os.listdir(dst):
     path = os.path.join(dst, item)
-    if not os.path.isdir(path):
+    if not os.path.isdir(path) or os.path.islink(path):
       continue
     for db in os.listdir(path):
       if not db.endswith(f"-{gen}"):
-        shutil.rmtree(os.path.join(path, db), ignore_errors=True)
+        os.makedirs(os.path.join(tmp, item), exist_ok=True)
+        os.rename(os.path.join(path, db), os.path.join(tmp, item, db))
     if item not in items and not os.listdir(path):
       os.rmdir(path)
-  shutil.rmtree(tmp, ignore_errors=True)
+  _location.fsync_dir(dst)
+  refs.dispose_replaced(final, tmp)
 
 
 def _databases(items: Any, process_count: int, gen: str) -> list[str]:
