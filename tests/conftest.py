@@ -9,14 +9,19 @@ devices exist run there too (libtpu warns at start-up)::
     tests/test_engine.py::test_64_bit_dtypes_with_x64 \
     tests/test_engine.py::test_a_64_bit_device_target_with_x64_off_is_a_checked_conversion \
     tests/test_engine.py::test_a_64_bit_save_dtype_for_device_arrays_with_x64_off_is_refused \
+    tests/test_engine.py::test_a_host_offloaded_target_restores_into_its_memory_kind \
+    tests/test_engine.py::test_a_converting_restore_onto_another_layout_is_exact_under_any_budget \
+    tests/test_engine.py::test_casts_numpy_calls_safe_but_that_round_are_refused \
+    tests/test_engine.py::test_a_python_scalar_restores_into_any_dtype_that_holds_its_value \
     tests/test_differential.py -k "not multiprocess and not another_mesh"
 
-(144 passed, 5 skipped on one TPU v5e chip, 2026-12-06, after the eighth session's fixes;
+(155 passed, 5 skipped on one TPU v5e chip, 2026-12-06, after the ninth session's fixes;
 benchmarks/README.md). The others expect the 8 CPU devices, or start processes of their own
-on the CPU. On the lent chip's machine, which has jax: ``pip install --no-index --index-url
-file:///opt/pypi/simple flax optax orbax-checkpoint hypothesis safetensors psutil``, the
-wheels of ``.whl-tpu/`` with ``--no-deps --target /tmp/ofx-site``, and
-``PYTHONPATH=/tmp/ofx-site:$PWD:$PYTHONPATH`` (its own entry holds what jax needs).
+on the CPU. On the lent chip's machine, which has jax: ``pip install --no-index --find-links
+/opt/pypi/files flax optax orbax-checkpoint hypothesis safetensors psutil`` (``--no-index``
+ignores an ``--index-url``), the wheels of ``.whl-tpu/`` with ``--no-deps --target
+/tmp/ofx-site``, and ``PYTHONPATH=/tmp/ofx-site:$PWD:$PYTHONPATH`` (its own entry holds what
+jax needs).
 """
 
 import os
