@@ -177,6 +177,25 @@ def test_overwrite_without_atomic_exchange_keeps_what_others_borrow(tmp_path, mo
   assert all(d.endswith(aside[0][-16:]) for d in os.listdir(os.path.join(root, aside[0], "s")))
 
 
+def test_a_destination_that_vanishes_while_it_is_checked_is_a_clear_error(tmp_path, monkeypatch):
+  """A save's check of its path raised a raw FileNotFoundError when the directory there went
+  away mid-check (another process of the job moved it aside)."""
+  path = str(tmp_path / "ckpt")
+  os.makedirs(path)  # an empty directory: a save may write there
+  listdir = os.listdir
+
+  def moved_meanwhile(p="."):
+    if os.fspath(p) == path:
+      os.rename(path, path + ".elsewhere")
+    return listdir(p)
+
+  monkeypatch.setattr(os, "listdir", moved_meanwhile)
+  with pytest.raises(ofx.StorageError, match="moved or removed while this save checked it"):
+    ofx.save(path, {"s": {"x": np.arange(4)}})
+  monkeypatch.undo()
+  assert sorted(os.listdir(tmp_path)) == ["ckpt.elsewhere"]  # nothing written
+
+
 def test_failed_overwrite_keeps_the_old_checkpoint(ckpt_dir):
   ofx.save(ckpt_dir, {"s": {"x": np.arange(4)}})
   before = _tree_files(ckpt_dir)

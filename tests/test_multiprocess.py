@@ -57,3 +57,13 @@ def test_replicated_writes_are_balanced(tmp_path):
   # Restore on one process: every value matches.
   restored = ofx.restore(path)
   np.testing.assert_array_equal(restored["state"]["big_rep"].shape, (512, 1024))
+
+
+def test_a_rollback_resave_of_a_borrowed_step_waits_for_every_process(tmp_path):
+  """Two processes, differential saves, the rollback (every process restores step 1, then saves
+  it again; step 2 borrows from 1): process 0 moved step 1 aside as soon as its save began,
+  while process 1, a second behind, still restored it ("does not exist") or planned its save
+  (a raw FileNotFoundError). Process 0 now moves it once every process has come to the save."""
+  res = jobs.run("diff_worker.py", ["--mode=rollback", f"--path={tmp_path / 'ckpt'}"], 2, 2,
+                 timeout=120).check()
+  assert all(f"ROLLBACK {i} OK" in out for i, out in enumerate(res.outputs)), res.outputs

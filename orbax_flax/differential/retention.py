@@ -20,6 +20,8 @@ stale in a crash; each decision reads the summaries (a few KB each) again.
   retires it once the new save commits, and moves it back if the save fails or
   is cancelled, so that a failed save removes nothing; after a crash the
   directory's next writer does either (:func:`orbax_flax.format.step_dir.settle_parked`).
+  In a job of several processes, process 0 moves it only once every process has come to
+  the save (none still restores the step or plans its save), and tells them where it went.
 * :func:`sweep`: removes retired data whose generation nothing references any
   more (a retired step directory is deleted like a step: renamed to a
   leftover first, so a sweep killed halfway leaves debris the manager removes).
@@ -37,6 +39,7 @@ from typing import Any
 
 from orbax_flax.core import _location
 from orbax_flax.core import _multihost
+from orbax_flax import errors
 from orbax_flax.engine import restoring
 from orbax_flax.format import step_dir
 from orbax_flax.core._location import Location
@@ -44,6 +47,7 @@ from orbax_flax.differential import differ
 from orbax_flax.differential import refs
 
 log = logging.getLogger("orbax_flax")
+_FAILED = "failed: "  # process 0's word when it could not make room
 
 
 def delete_step(root: Location, step: int, pins: differ.Pins) -> None:
@@ -104,6 +108,11 @@ class Referenced:
   before a save of a step number others reference (:func:`make_room`), and
   :meth:`sweep` removes retired data nothing references any more.
 
+  In a job of several processes, process 0 alone moves a step's directory aside, and only
+  once every process has come to the save (a rendezvous through the coordination service,
+  each wait within ``timeout_s``): none is still restoring the step or planning the save
+  when it moves, and every process then learns where it went before it plans.
+
   Args:
     setting: the checkpointer's differential setting (its pins, and the base it
       names before each save); None for a manager whose saves are plain, over a
@@ -111,13 +120,20 @@ class Referenced:
       (:func:`orbax_flax.manager.registry.holds_references`).
     lock: with ``setting`` None, the lock to use (the registry's, whose plain
       retention this one replaces).
+    key: a prefix in the coordination service for the rendezvous before each save, the
+      same on every process (the manager's key and a suffix).
+    timeout_s: how long a process waits for the others there (the policy's
+      ``coordination_timeout_seconds``).
   """
 
-  def __init__(self, setting: differ.Differential | None, lock: Any = None):
+  def __init__(self, setting: differ.Differential | None, lock: Any = None, *, key: str,
+               timeout_s: float):
     self._setting = setting
     self._pins = setting.pins if setting is not None else differ.Pins(lock)
     self.lock = self._pins.lock  # with the pins: choosing a base and deleting never interleave
     self._parked: dict[int, str] = {}  # step -> where it is parked for the save in flight
+    self._key, self._timeout_s = key, timeout_s
+    self._saves = 0  # rendezvous so far: each save's keys are its own
 
   def before_save(self, root: Location, step: int, committed: list[int], overwrite: bool) -> bool:
     """Names the base (the latest other committed step) and makes room (:func:`make_room`).
@@ -126,10 +142,48 @@ class Referenced:
       base = max((s for s in committed if s != step), default=None)
       self._setting.set_base(None if base is None else root.join(str(base)))
     with self.lock:
-      aside = make_room(root, step, self._pins)
-      if aside is not None and step_dir.is_parked(aside):
+      if _multihost.process_count() == 1 or not root.is_local:
+        aside = make_room(root, step, self._pins)
+      else:
+        aside = self._make_room_together(root, step)
+      if aside is not None and _multihost.process_index() == 0 and step_dir.is_parked(aside):
         self._parked[step] = aside
     return aside is None and overwrite
+
+  def _make_room_together(self, root: Location, step: int) -> str | None:
+    """:func:`make_room` in a job of several processes: every process comes to the save of
+    ``step`` first; then process 0 makes room and tells the others where the directory went
+    (or why it could not move it: then every process raises)."""
+    self._saves += 1
+    key, timeout_s = f"{self._key}/{self._saves}", self._timeout_s
+    _multihost.all_gather(f"{key}/here", "", timeout_s,
+                          what=f"come to the save of step {step} (none reads or plans it any"
+                               " more, so that process 0 may move its directory aside)")
+    aside, word = None, ""
+    if _multihost.process_index() == 0:
+      try:
+        aside = make_room(root, step, self._pins)
+      except BaseException as e:
+        try:  # the others wait for a word: they raise too
+          _multihost.publish(f"{key}/room", f"{_FAILED}{type(e).__name__}: {e}",
+                             timeout_s=timeout_s)
+        except Exception as told:  # pylint: disable=broad-except  # e is what is raised
+          log.warning("could not tell the other processes that the save of step %d did not"
+                      " start (%s); they give up after the coordination timeout", step, told)
+        raise
+      word = aside or ""
+    try:
+      word = _multihost.broadcast(f"{key}/room", word, timeout_s)
+    except BaseException:
+      if aside is not None and step_dir.is_parked(aside):  # nobody saves: put the step back
+        step_dir.unpark(root.local_path, aside)
+      raise
+    _multihost.leave(key, timeout_s=timeout_s)
+    if word.startswith(_FAILED):
+      raise errors.StorageError(f"the save of step {step} of {root} did not start: process 0"
+                                f" could not make room for it ({word[len(_FAILED):]}); nothing"
+                                " was written.")
+    return word or None
 
   def after_save(self, root: Location, step: int, committed: bool) -> None:
     """The manager's save of ``step`` ended: a step parked for it (:func:`make_room`) is
@@ -167,6 +221,8 @@ def make_room(root: Location, step: int, pins: differ.Pins) -> str | None:
   ``_CHECKPOINT`` kept, so that it can come back should the new save not commit
   (:meth:`Referenced.after_save`); retired data there moves aside as it is. A
   step that is a link is retired (the link moved aside; nothing is changed through it).
+  In a job of several processes only process 0 calls it, once every process has come to
+  the save (:meth:`Referenced.before_save`).
 
   Returns:
     Where the directory went, if it was moved aside (the new save then overwrites
@@ -178,8 +234,6 @@ def make_room(root: Location, step: int, pins: differ.Pins) -> str | None:
   with pins.lock:
     committed = os.path.exists(os.path.join(path, "_CHECKPOINT"))
     if committed:
-      if _multihost.process_index() != 0:
-        return None  # process 0 decides (and parks); the others' plans accept either outcome
       keep = restoring.referenced_generations(root, exclude=step)
       gen = refs.generation_of(path)
       if gen is None or (keep is not None and gen not in keep | pins.live()):
@@ -199,8 +253,6 @@ def make_room(root: Location, step: int, pins: differ.Pins) -> str | None:
     try:
       os.rename(path, aside)
       _location.fsync_dir(root.local_path)
-    except FileNotFoundError:
-      pass  # another process of the job moved it first
     except OSError as e:
       raise _location.storage_error(root, f"moving the data of step {step} aside", e) from e
     return aside

@@ -37,6 +37,7 @@ import functools
 import json
 import math
 import os
+import stat
 import time
 import types
 from collections.abc import Mapping, Sequence
@@ -189,18 +190,33 @@ def check_items(items: Any) -> None:
 
 
 def check_destination(loc: Location, overwrite: bool) -> None:
-  """Refuses to write where a checkpoint or foreign data already is."""
+  """Refuses to write where a checkpoint or foreign data already is.
+
+  Raises:
+    CheckpointExistsError: a checkpoint (without ``overwrite``), a file or foreign data is there.
+    StorageError: the directory there vanished while it was checked (something else
+      changes the path meanwhile).
+  """
   if loc.is_local:
     p = loc.local_path
     if TMP_MARKER in loc.name:
       raise ValueError(f"{p}: names containing {TMP_MARKER!r} are reserved for"
                        " in-progress saves; choose another name.")
     if os.path.exists(p):
-      if not os.path.isdir(p):
+      try:
+        is_dir = stat.S_ISDIR(os.stat(p).st_mode)
+        committed = is_dir and os.path.exists(os.path.join(p, _manifest.MANIFEST_KEY))
+        foreign = is_dir and not committed and bool(os.listdir(p))
+      except FileNotFoundError as e:  # (it existed a moment ago)
+        raise errors.StorageError(
+            f"{p} was moved or removed while this save checked it: something else changes"
+            " this path at the same time (another job writing here, or a process of this job"
+            " not saving in step with the others). Nothing was written; save again once"
+            " nothing else changes it.") from e
+      if not is_dir:
         raise errors.CheckpointExistsError(
             f"{p} exists and is a file, not a checkpoint; choose another path.")
-      committed = os.path.exists(os.path.join(p, _manifest.MANIFEST_KEY))
-      if not committed and os.listdir(p):
+      if foreign:
         raise errors.CheckpointExistsError(
             f"{p} exists, is not empty and is not an orbax_flax checkpoint; refusing to"
             " write there (even with overwrite=True). Choose another path or remove it.")

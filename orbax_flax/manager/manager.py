@@ -127,7 +127,8 @@ class CheckpointManager:
     never deleted; else the plain delete, until this manager becomes the writer of a
     directory that holds differential data already (:meth:`_become_writer`)."""
     if self._ckptr.differential is not None:
-      return referenced.Referenced(self._ckptr.differential)
+      return referenced.Referenced(self._ckptr.differential, key=f"{self._key}/room",
+                                   timeout_s=self.policy.coordination_timeout_seconds)
     return registry_lib.Retention()
 
   @property
@@ -450,7 +451,9 @@ class CheckpointManager:
     # respect. Another job (or a run with differential saves on) may have left steps that
     # reference each other's bytes; then a referenced step is retired, never deleted.
     if self._ckptr.differential is None and registry_lib.holds_references(self._dir):
-      self.registry.use_retention(referenced.Referenced(None, lock=self.registry.lock))
+      self.registry.use_retention(referenced.Referenced(
+          None, lock=self.registry.lock, key=f"{self._key}/room",
+          timeout_s=self.policy.coordination_timeout_seconds))
 
   def prepare(self, items: Mapping[str, Any]) -> int:
     """Prepares in the background the staging memory of the first async save of ``items`` (see
