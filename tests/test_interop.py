@@ -343,6 +343,27 @@ def test_export_refuses_bad_input_before_writing(tmp_path):
   np.testing.assert_array_equal(load_file(os.path.join(d, "model.safetensors"))["a"], np.zeros(2))
 
 
+@pytest.mark.parametrize("fmt", ["safetensors", "orbax"])
+def test_a_failed_export_leaves_nothing_behind(tmp_path, fmt):
+  """``convert`` of a damaged checkpoint to safetensors or orbax fails, naming the damage;
+  it left its unfinished ``<dst>.ofx-tmp-export`` directory behind (an earlier export at
+  ``dst`` stays as it was)."""
+  src, dst = str(tmp_path / "src"), str(tmp_path / "out")
+  w = np.random.default_rng(8).standard_normal((512, 1024)).astype(np.float32)
+  ofx.save(src, {"s": {"w": w}})
+  ofx.convert(src, dst, format=fmt)
+  data = [os.path.join(d, f) for d, _, fs in os.walk(src) for f in fs
+          if os.path.basename(d) == "d" and os.path.getsize(os.path.join(d, f)) > 100_000]
+  with open(data[0], "r+b") as f:  # bytes of the array's chunk: its CRC-32C fails now
+    f.seek(50_000)
+    f.write(b"\xff" * 64)
+  with pytest.raises(RuntimeError, match="failed.*nothing was committed(.|\n)*Corrupted"):
+    ofx.convert(src, dst, format=fmt, overwrite=True)
+  assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+  got = [x for x in jax.tree.leaves(ofx.restore(dst)) if np.shape(x) == w.shape]
+  assert [x.tobytes() for x in got] == [w.tobytes()]
+
+
 def test_export_from_two_processes_writes_owned_shards(tmp_path):
   d = str(tmp_path / "export")
   res = jobs.run("interop_worker.py", ["--mode=export", f"--path={d}"], 2, 4).check()

@@ -280,7 +280,8 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
   me = _multihost.process_index()
 
   def agree(stage: str, error: str) -> None:
-    safetensors_export.agree_on_stage(key, final, stage, error, coordination_timeout_seconds)
+    safetensors_export.agree_on_stage(key, final, stage, error, coordination_timeout_seconds,
+                                      tmp)
 
   context = ts.Context()
   error = ""

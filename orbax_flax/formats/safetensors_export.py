@@ -12,6 +12,7 @@ every process can write.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import struct
@@ -34,6 +35,7 @@ from orbax_flax.formats import _checks
 from orbax_flax.formats import _cbytes
 from orbax_flax.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, dtype_name
 
+log = logging.getLogger("orbax_flax")
 _TMP = ".ofx-tmp-export"
 
 
@@ -194,7 +196,7 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
   me = _multihost.process_index()
 
   def agree(stage: str, error: str) -> None:
-    agree_on_stage(key, path, stage, error, coordination_timeout_seconds)
+    agree_on_stage(key, path, stage, error, coordination_timeout_seconds, tmp)
 
   where_of: dict[int, tuple[str, int]] = {}
   headers = []
@@ -292,13 +294,18 @@ def owned_boxes(value: Any, me: int):
     yield tuple((0, s) for s in value.shape), value
 
 
-def agree_on_stage(key: str, where: str, stage: str, error: str, timeout_s: float) -> None:
+def agree_on_stage(key: str, where: str, stage: str, error: str, timeout_s: float,
+                   tmp: str | None = None) -> None:
   """Every process reports ``stage`` of an export to ``where`` done (``error`` "") or failed;
-  raises on every process, naming each failure, if any process failed."""
+  raises on every process, naming each failure, if any process failed. Then process 0
+  removes the export's unfinished directory ``tmp`` first: every process has reported, so
+  none writes there any more."""
   results = _multihost.all_gather(f"{key}/{stage}", error, timeout_s,
                                   what=f"finish export stage {stage!r}")
   failed = [f"process {i}: {e}" for i, e in enumerate(results) if e]
   if failed:
+    if tmp is not None and _multihost.process_index() == 0:
+      shutil.rmtree(tmp, ignore_errors=True)
     raise RuntimeError(f"export to {where} failed ({stage}); nothing was committed:\n  "
                        + "\n  ".join(failed))
 
@@ -310,7 +317,12 @@ def commit_dir(tmp: str, path: str) -> None:
 
   The two are swapped atomically where the file system can, so that a reader of ``path``
   finds the old one or the new one; elsewhere the old one is moved aside first, to
-  ``<path>.ofx-old-<random>``."""
+  ``<path>.ofx-old-<random>`` (and back, should the new one not move in).
+
+  Raises:
+    OSError: nothing was committed (``tmp`` is still the new one, ``path`` the old one).
+    Once committed, a failure (to fsync, or to dispose of the old one) is logged, not raised.
+  """
   parent = os.path.dirname(path)
   old = None
   if os.path.lexists(path):
@@ -320,7 +332,16 @@ def commit_dir(tmp: str, path: str) -> None:
       old = f"{path}.ofx-old-{uuid.uuid4().hex[:8]}"
       os.rename(path, old)
   if old != tmp:
-    os.rename(tmp, path)
-  _location.fsync_dir(parent)
-  if old:
-    refs.dispose_replaced(Location.parse(path), old)
+    try:
+      os.rename(tmp, path)
+    except OSError:
+      if old is not None:
+        os.rename(old, path)
+      raise
+  try:  # committed: what follows never makes the export a failure (tmp may be the old one)
+    _location.fsync_dir(parent)
+    if old:
+      refs.dispose_replaced(Location.parse(path), old)
+  except OSError as e:
+    log.warning("%s: exported; making the rename durable or disposing of what it replaced"
+                " (%s) failed: %s", path, os.path.basename(old or path), e)
