@@ -6,6 +6,7 @@ mesh, two processes, a flipped element, every dtype, and manifests whose
 references point outside the checkpoint or at steps that do not exist.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -521,3 +522,22 @@ def test_a_sibling_whose_name_a_reference_cannot_hold_is_never_a_base(tmp_path, 
     assert got["w"].tobytes() == w.tobytes() and got["c"].tolist() == [i] * 64
   with open(os.path.join(root, names[1], "_CHECKPOINT"), "rb") as f:
     assert json.loads(f.read().split(b"\n")[1])["stored_bytes"]["borrowed"] == 0
+
+
+def test_a_retired_step_is_named_retired_by_restore_and_show(tmp_path):
+  """Restoring or showing a step that retention retired (kept only for the bytes later steps
+  borrow) said "a save in progress or interrupted?"."""
+  root = str(tmp_path / "ckpt")
+  w = np.random.default_rng(9).standard_normal((512, 1024)).astype(np.float32)
+  with ofx.CheckpointManager(root, ofx.CheckpointPolicy(max_to_keep=1, differential=True)) as m:
+    for step in range(2):
+      m.save(step, {"s": {"w": w, "step": step}}, force=True)
+    m.wait()
+  assert os.path.exists(os.path.join(root, "0", "_RETIRED"))
+  with pytest.raises(errors.CheckpointNotFoundError, match="is retired data") as e:
+    ofx.restore(os.path.join(root, "0"))
+  assert "in progress" not in str(e.value) and "for them (now: 1)" in str(e.value)
+  out = io.StringIO()
+  with contextlib.redirect_stderr(out):
+    assert cli.main(["show", os.path.join(root, "0")], out=out) == 2
+  assert "is retired data" in out.getvalue(), out.getvalue()

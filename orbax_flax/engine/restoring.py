@@ -46,6 +46,7 @@ from orbax_flax.core import _tree
 from orbax_flax import errors
 from orbax_flax import formats
 from orbax_flax.format import step_dir
+from orbax_flax.differential import refs
 from orbax_flax.engine import transforms as transforms_lib
 from orbax_flax.core._location import Location
 from orbax_flax.format._manifest import Array, Manifest, Summary
@@ -65,6 +66,15 @@ def _not_found(loc: Location) -> errors.CheckpointNotFoundError:
   if loc.is_local and not os.path.exists(loc.local_path):
     return errors.CheckpointNotFoundError(
         f"no orbax_flax checkpoint at {loc}: the path does not exist.")
+  if loc.is_local and os.path.isfile(os.path.join(loc.local_path, step_dir.RETIRED_KEY)):
+    gen = refs.generation_of(loc.local_path)
+    users = refs.borrowers(loc, gen) if gen is not None else []
+    return errors.CheckpointNotFoundError(
+        f"{loc} is retired data, not a checkpoint: the step was deleted by a keep rule (or"
+        " replaced) while later differential steps borrowed bytes from it, so only those"
+        " bytes are kept, for them" + (f" (now: {', '.join(users)})" if users else "") +
+        f". Restore a committed step (python -m orbax_flax list"
+        f" {os.path.dirname(loc.local_path)}).")
   return errors.CheckpointNotFoundError(f"no orbax_flax checkpoint at {loc}: {_what_is_there(loc)}")
 
 
