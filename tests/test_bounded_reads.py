@@ -446,6 +446,31 @@ def test_verify_checks_a_differential_saves_content_hashes(tmp_path):
     ofx.verify(path)
 
 
+def test_verify_checks_the_content_hashes_of_a_differential_saves_packed_arrays(tmp_path):
+  """The same for small arrays, packed into one buffer per item and process: another item's
+  packed chunk (CRC-32C and all) written over this one's passed verify, which compared the
+  recorded content hashes of chunked arrays only, not of packed pieces."""
+  path = str(tmp_path / "c")
+  a, b = np.arange(1024, dtype=np.float32), np.arange(1024, dtype=np.float32) * -1
+  ckptr = ofx.Checkpointer(differential=True)
+  ckptr.save(path, {"a": {"w": a}, "b": {"w": b}})
+  ckptr.close()
+  assert ofx.verify(path) == 2 * a.nbytes
+  gen = _manifest(path)[0]["generation"]
+  src = _value_at(f"{path}/b/p0-{gen}", b"packed/c/0")
+  dst = _value_at(f"{path}/a/p0-{gen}", b"packed/c/0")
+  assert src[2] == dst[2]
+  with open(src[0], "rb") as f:
+    f.seek(src[1])
+    data = f.read(src[2])
+  with open(dst[0], "r+b") as f:
+    f.seek(dst[1])
+    f.write(data)
+  with pytest.raises(ofx.errors.CheckpointCorruptedError,
+                     match="item 'a', the packed small arrays .* not the bytes the manifest"):
+    ofx.verify(path)
+
+
 def test_verify_lists_every_item_whose_database_is_not_its_own(tmp_path):
   """Three items, two databases swapped and the third intact: verify names both, not only
   the first it meets."""

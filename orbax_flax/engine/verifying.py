@@ -20,6 +20,7 @@ from orbax_flax.engine import restoring
 from orbax_flax.core._location import Location
 from orbax_flax.format._manifest import Array, Manifest
 from orbax_flax.differential import hashing
+from orbax_flax.differential import refs
 
 _BATCH_BYTES = 256 << 20
 
@@ -89,12 +90,12 @@ def _verify(loc: Location, manifest: Manifest, reader: _reading.Reader) -> int:
         bad[item, rec.name] = str(e)
   problems: list[str] = list(bad.values())
   verified = 0
-  for batch, nbytes in _batches(manifest, set(bad)):
+  for batch, nbytes, hashes in _batches(manifest, set(bad)):
     try:
       reader.read([f for f in batch if isinstance(f, _reading.Fill)],
                   [f for f in batch if isinstance(f, _reading.PackedFill)])
       verified += nbytes
-      problems += _content_problems(loc, batch)
+      problems += _content_problems(loc, batch, hashes)
     except errors.CheckpointCorruptedError as e:
       if len(batch) > 1:  # find every damaged one
         for f in batch:
@@ -112,16 +113,24 @@ def _verify(loc: Location, manifest: Manifest, reader: _reading.Reader) -> int:
   return verified
 
 
-def _content_problems(loc: Location, batch: list[Any]) -> list[str]:
-  """Chunks read intact whose bytes are not those the manifest recorded (``chunk_hash``).
+def _content_problems(loc: Location, batch: list[Any], hashes: dict[int, str]) -> list[str]:
+  """Blocks read intact whose bytes are not those the manifest recorded: a chunk's
+  ``chunk_hash``, or a packed piece's hash (``hashes``: ``id(fill)`` -> the recorded hash).
 
-  A differential save records each chunk's content hash (xxh3-128). A chunk's
+  A differential save records each block's content hash (xxh3-128). A chunk's
   CRC-32C covers only its bytes: a chunk, data file or database put in the
   place of another passes it, but not this comparison.
   """
   out = []
   for f in batch:
-    if not isinstance(f, _reading.Fill) or not f.rec.chunk_hash:
+    if isinstance(f, _reading.PackedFill):
+      if id(f) in hashes and hashing.block_hash(f.dests[0][1]) != hashes[id(f)]:
+        out.append(f"checkpoint data is corrupted: item {f.item!r}, the packed small arrays"
+                   f" [{f.lo}, {f.hi}) of process {refs.split(f.owner)[1]} ({f.name}) in {loc}:"
+                   " their bytes pass their CRC-32C but are not the bytes the manifest"
+                   " recorded (packed_pieces): other bytes were put in their place.")
+      continue
+    if not f.rec.chunk_hash:
       continue
     chunking = _layout.Chunking(f.rec.shape, f.rec.chunk_shape)
     (c,) = chunking.chunks_in_box(f.box)
@@ -135,7 +144,8 @@ def _content_problems(loc: Location, batch: list[Any]) -> list[str]:
 
 COVERAGE = {
     "orbax_flax": ("every chunk's CRC-32C, the manifest's SHA-256s, each database's identity"
-                   " and, for differential saves, every chunk's recorded content hash"),
+                   " and, for differential saves, the recorded content hash of every chunk"
+                   " and every piece of packed small arrays"),
     "orbax-checkpoint": ("every array's chunks are present and decode (orbax-checkpoint stores no"
                          " checksums of its own; compressed chunks fail to decode when damaged)"),
     "safetensors": ("every tensor's byte range is inside its file and readable (safetensors"
@@ -169,12 +179,19 @@ def _verify_foreign(loc: Location, manifest: Manifest) -> int:
 
 
 def _batches(manifest: Manifest, skip: set[tuple[str, str]] = frozenset()):
-  """Fills for every stored chunk, in batches of about ``_BATCH_BYTES`` (buffers included).
+  """Fills for every stored chunk, in batches of about ``_BATCH_BYTES`` (buffers included):
+  ``(fills, array bytes, hashes)``, ``hashes`` the content hashes its packed fills are to
+  have (``id(fill)`` -> hash).
 
-  ``skip``: ``(item, array name)`` already reported (a packed one skips its buffer).
+  ``skip``: ``(item, array name)`` already reported (a packed one skips its buffer). The
+  packed buffers of a differential save are read piece by piece (``packed_pieces``: each
+  from the step that holds it, into a buffer, to compare its recorded hash; the pieces tile
+  the buffer, so every chunk holding this step's bytes is read); other packed buffers chunk
+  by chunk.
   """
   batch: list[Any] = []
-  used = 0
+  hashes: dict[int, str] = {}
+  used = nbytes = 0  # buffer bytes, array bytes
   for item, saved in manifest.items.items():
     packed: dict[int, list[Array]] = {}
     skipped = {r.owners[0] for r in saved.leaves if isinstance(r, Array) and r.is_packed
@@ -194,23 +211,42 @@ def _batches(manifest: Manifest, skip: set[tuple[str, str]] = frozenset()):
         out = np.empty(_layout.box_shape(box), stored)
         batch.append(_reading.Fill(item, rec, box, out))
         used += out.nbytes
+        nbytes += out.nbytes
         if used >= _BATCH_BYTES:
-          yield batch, used
-          batch, used = [], 0
-    for owner, recs in packed.items():
-      size = saved.packed[owner]
-      chunk = _layout.pack_chunk_bytes(size)
-      for lo in range(0, size, chunk):
-        hi = min(size, lo + chunk)
-        names = [r.path_text for r in recs
-                 if r.packed_offset < hi and r.packed_offset + r.nbytes > lo]
-        if not names:  # a chunk of another step's buffer that holds none of this step's arrays
-          continue
-        name = _reading.packed_names(names)
-        batch.append(_reading.PackedFill(item, owner, lo, hi, np.dtype(np.uint8), (hi - lo,), [], name))
-        used += hi - lo
-        if used >= _BATCH_BYTES:
-          yield batch, used
-          batch, used = [], 0
+          yield batch, nbytes, hashes
+          batch, hashes, used, nbytes = [], {}, 0, 0
+    for owner, lo, hi, expected in _packed_blocks(saved, packed):
+      names = [r.path_text for r in packed[owner]
+               if r.packed_offset < hi and r.packed_offset + r.nbytes > lo]
+      if not names:  # a chunk of another step's buffer that holds none of this step's arrays
+        continue
+      name = _reading.packed_names(names)
+      dests = [] if expected is None else [((), np.empty(hi - lo, np.uint8))]
+      fill = _reading.PackedFill(item, owner, lo, hi, np.dtype(np.uint8), (hi - lo,), dests, name)
+      batch.append(fill)
+      if expected is not None:
+        hashes[id(fill)] = expected
+      used += (hi - lo) * (1 if expected is None else 2)  # (a chunk read, and its buffer)
+      nbytes += hi - lo
+      if used >= _BATCH_BYTES:
+        yield batch, nbytes, hashes
+        batch, hashes, used, nbytes = [], {}, 0, 0
   if batch:
-    yield batch, used
+    yield batch, nbytes, hashes
+
+
+def _packed_blocks(saved: Any, packed: dict[int, list[Array]]):
+  """``(owner, lo, hi, hash or None)`` of the blocks of the packed buffers ``packed`` names
+  (expanded owner -> its arrays): a differential save's recorded pieces, else the chunks."""
+  for owner in packed:
+    home, process = refs.split(owner)
+    pieces = saved.packed_pieces.get(process)
+    if pieces:
+      for lo, hi, base, expected in pieces:
+        if base + 1 == home:
+          yield owner, lo, hi, expected
+      continue
+    size = saved.packed[owner]
+    chunk = _layout.pack_chunk_bytes(size)
+    for lo in range(0, size, chunk):
+      yield owner, lo, min(size, lo + chunk), None
