@@ -146,7 +146,9 @@ class Referenced:
         aside = make_room(root, step, self._pins)
       else:
         aside = self._make_room_together(root, step)
-      if aside is not None and _multihost.process_index() == 0 and step_dir.is_parked(aside):
+      if _multihost.process_index() != 0:
+        return overwrite  # process 0 commits; a plan here accepts the path either way
+      if aside is not None and step_dir.is_parked(aside):
         self._parked[step] = aside
     return aside is None and overwrite
 
