@@ -423,42 +423,24 @@ def _value_at(db: str, key: bytes) -> tuple[str, int, int]:
   raise KeyError(key)
 
 
-def test_verify_checks_a_differential_saves_content_hashes(tmp_path):
+@pytest.mark.parametrize("n, key, says", [
+    (1 << 20, b"a0/c/0", "not the bytes the manifest recorded"),
+    # Small arrays, packed into one buffer per item and process: verify compared the recorded
+    # content hashes of chunked arrays only, not of packed pieces.
+    (1024, b"packed/c/0", "item 'a', the packed small arrays .* not the bytes the manifest")])
+def test_verify_checks_a_differential_saves_content_hashes(tmp_path, n, key, says):
   """Another chunk's bytes (CRC-32C and all) written over a chunk of the same size: its
   checksum passes and its database is the right one, but a differential save recorded each
   chunk's content hash, and verify compares it."""
   path = str(tmp_path / "c")
-  a, b = np.arange(1 << 20, dtype=np.float32), np.arange(1 << 20, dtype=np.float32) * -1
-  ckptr = ofx.Checkpointer(differential=True)
-  ckptr.save(path, {"a": {"w": a}, "b": {"w": b}})
-  ckptr.close()
-  gen = _manifest(path)[0]["generation"]
-  src = _value_at(f"{path}/b/p0-{gen}", b"a0/c/0")
-  dst = _value_at(f"{path}/a/p0-{gen}", b"a0/c/0")
-  assert src[2] == dst[2]
-  with open(src[0], "rb") as f:
-    f.seek(src[1])
-    data = f.read(src[2])
-  with open(dst[0], "r+b") as f:
-    f.seek(dst[1])
-    f.write(data)
-  with pytest.raises(ofx.errors.CheckpointCorruptedError, match="not the bytes the manifest recorded"):
-    ofx.verify(path)
-
-
-def test_verify_checks_the_content_hashes_of_a_differential_saves_packed_arrays(tmp_path):
-  """The same for small arrays, packed into one buffer per item and process: another item's
-  packed chunk (CRC-32C and all) written over this one's passed verify, which compared the
-  recorded content hashes of chunked arrays only, not of packed pieces."""
-  path = str(tmp_path / "c")
-  a, b = np.arange(1024, dtype=np.float32), np.arange(1024, dtype=np.float32) * -1
+  a, b = np.arange(n, dtype=np.float32), np.arange(n, dtype=np.float32) * -1
   ckptr = ofx.Checkpointer(differential=True)
   ckptr.save(path, {"a": {"w": a}, "b": {"w": b}})
   ckptr.close()
   assert ofx.verify(path) == 2 * a.nbytes
   gen = _manifest(path)[0]["generation"]
-  src = _value_at(f"{path}/b/p0-{gen}", b"packed/c/0")
-  dst = _value_at(f"{path}/a/p0-{gen}", b"packed/c/0")
+  src = _value_at(f"{path}/b/p0-{gen}", key)
+  dst = _value_at(f"{path}/a/p0-{gen}", key)
   assert src[2] == dst[2]
   with open(src[0], "rb") as f:
     f.seek(src[1])
@@ -466,8 +448,7 @@ def test_verify_checks_the_content_hashes_of_a_differential_saves_packed_arrays(
   with open(dst[0], "r+b") as f:
     f.seek(dst[1])
     f.write(data)
-  with pytest.raises(ofx.errors.CheckpointCorruptedError,
-                     match="item 'a', the packed small arrays .* not the bytes the manifest"):
+  with pytest.raises(ofx.errors.CheckpointCorruptedError, match=says):
     ofx.verify(path)
 
 
