@@ -159,6 +159,15 @@ def corpus(config) -> grain.MapDataset:
   return grain.MapDataset.range(2**40).map(record)
 
 
+def check_batch_size(config) -> None:
+  """Raises ValueError unless each process can take an equal share of every batch."""
+  n = jax.process_count()
+  if config.batch_size % n:
+    raise ValueError(f"batch_size={config.batch_size} must be a multiple of the {n} processes:"
+                     " each process puts an equal share of the batch on its devices; set"
+                     f" --config.batch_size={max(n, config.batch_size // n * n)}")
+
+
 def text_batches(config, mesh: jax.sharding.Mesh, ledger=None) -> ElasticIterator:
   """The corpus read through ``orbax_flax.data.ElasticIterator``: global token batches.
 
@@ -169,10 +178,7 @@ def text_batches(config, mesh: jax.sharding.Mesh, ledger=None) -> ElasticIterato
   count: every record is trained on once. ``ledger(ids)``, if given, is told
   the ids of this process's records of each batch.
   """
-  n = jax.process_count()
-  if config.batch_size % n:
-    raise ValueError(f"batch_size={config.batch_size} must be a multiple of the {n} processes:"
-                     " each process puts an equal share of the batch on its devices")
+  check_batch_size(config)
   sharding = NamedSharding(mesh, P("data", None))
   shape = (config.batch_size, config.seq_len + 1)
 

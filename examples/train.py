@@ -122,6 +122,7 @@ def train_and_evaluate(config, workdir: str) -> int:
   import lm  # pylint: disable=g-import-not-at-top
   import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
 
+  lm.check_batch_size(config)  # before anything is written to the workdir
   mesh = lm.make_mesh(config)
   logging.info("process %d/%d, %d devices, mesh %s", jax.process_index(), jax.process_count(),
                jax.device_count(), dict(mesh.shape))

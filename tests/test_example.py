@@ -189,3 +189,14 @@ def test_a_warm_restart_loads_the_compiled_init_and_train_step(tmp_path):
   for program in ("init", "step"):
     assert hit.format(program) in second, (program, second[-5000:])
   assert re.search(r"restart from step 2: .*compile cache: [1-9]\d* hits?, 0 misses", second)
+
+
+def test_a_batch_the_processes_cannot_share_is_refused_before_anything_is_written(tmp_path):
+  workdir = tmp_path / "run"
+  cmd, env = command(workdir, 10, n=2, devices=1, extra=["--config.batch_size=3"])
+  p = subprocess.run(cmd, env=env, cwd=jobs.ROOT, capture_output=True, text=True, timeout=300)
+  out = p.stdout + p.stderr
+  assert p.returncode != 0, out[-3000:]
+  assert "batch_size=3 must be a multiple of the 2 processes" in out, out[-3000:]
+  assert not workdir.exists() or not any(workdir.iterdir()), sorted(workdir.rglob("*"))
+  assert "--config.batch_size=2" in out  # the fix, named
