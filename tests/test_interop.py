@@ -5,6 +5,8 @@ import io
 import json
 import os
 import re
+import subprocess
+import sys
 from typing import Any
 
 import flax.linen as nn
@@ -347,7 +349,8 @@ def test_export_refuses_bad_input_before_writing(tmp_path):
 def test_a_failed_export_leaves_nothing_behind(tmp_path, fmt):
   """``convert`` of a damaged checkpoint to safetensors or orbax fails, naming the damage;
   it left its unfinished ``<dst>.ofx-tmp-export`` directory behind (an earlier export at
-  ``dst`` stays as it was)."""
+  ``dst`` stays as it was). The failure was a RuntimeError of gathered text, which
+  ``python -m orbax_flax convert`` showed as a traceback."""
   src, dst = str(tmp_path / "src"), str(tmp_path / "out")
   w = np.random.default_rng(8).standard_normal((512, 1024)).astype(np.float32)
   ofx.save(src, {"s": {"w": w}})
@@ -357,8 +360,16 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path, fmt):
   with open(data[0], "r+b") as f:  # bytes of the array's chunk: its CRC-32C fails now
     f.seek(50_000)
     f.write(b"\xff" * 64)
-  with pytest.raises(RuntimeError, match="failed.*nothing was committed(.|\n)*Corrupted"):
+  with pytest.raises(ofx.errors.CheckpointCorruptedError,
+                     match="failed.*nothing was committed(.|\n)*Corrupted"):
     ofx.convert(src, dst, format=fmt, overwrite=True)
+  assert sorted(os.listdir(tmp_path)) == ["out", "src"]
+  # The command line says it in one error and exits 1 (corruption), with no traceback.
+  r = subprocess.run([sys.executable, "-m", "orbax_flax", "convert", src, dst, f"--format={fmt}",
+                      "--overwrite"], capture_output=True, text=True, env=jobs.env_for(1),
+                     cwd=jobs.ROOT, check=False)
+  assert r.returncode == 1, (r.returncode, r.stderr[-3000:])
+  assert r.stderr.startswith("CORRUPTED: export to") and "Traceback" not in r.stderr, r.stderr
   assert sorted(os.listdir(tmp_path)) == ["out", "src"]
   got = [x for x in jax.tree.leaves(ofx.restore(dst)) if np.shape(x) == w.shape]
   assert [x.tobytes() for x in got] == [w.tobytes()]

@@ -77,6 +77,10 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
   Raises:
     ValueError: an unknown format, or a selector that names nothing (the
       message lists the keys there); raised before anything is written.
+    CheckpointCorruptedError: a source array failed its checksum while it was
+      read (the export stops; nothing is committed, ``dst`` stays as it was).
+    StorageError: writing failed on some process (e.g. the disk is full);
+      nothing is committed.
   """
   if format not in FORMATS:
     raise ValueError(f"format={format!r}; use one of {', '.join(map(repr, FORMATS))}")

@@ -252,6 +252,10 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     ValueError: a leaf orbax cannot hold (PRNG keys: export their key data),
       two leaves with one stored name, or the directory exists without
       ``overwrite``; raised before anything is written.
+    CheckpointCorruptedError: a source array failed its checksum while it was
+      read (the export stops; nothing is committed, ``dst`` stays as it was).
+    StorageError: writing failed on some process (e.g. the disk is full);
+      nothing is committed.
 
   Example:
     >>> import numpy as np, orbax_flax as ofx, tempfile, os, json

@@ -132,6 +132,10 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
   Raises:
     ValueError: a leaf safetensors cannot hold, two leaves with one name, or
       ``path`` exists without ``overwrite``; raised before anything is written.
+    CheckpointCorruptedError: a source array failed its checksum while it was
+      read (the export stops; nothing is committed, ``dst`` stays as it was).
+    StorageError: writing failed on some process (e.g. the disk is full);
+      nothing is committed.
 
   Example:
     >>> import numpy as np, orbax_flax as ofx, tempfile, os
@@ -306,8 +310,13 @@ def agree_on_stage(key: str, where: str, stage: str, error: str, timeout_s: floa
   if failed:
     if tmp is not None and _multihost.process_index() == 0:
       shutil.rmtree(tmp, ignore_errors=True)
-    raise RuntimeError(f"export to {where} failed ({stage}); nothing was committed:\n  "
-                       + "\n  ".join(failed))
+    # The failures came as text (``TypeName: message``): a damaged source is corruption
+    # (``verify`` names it), anything else the storage's failure.
+    damaged = any(e.startswith(("CheckpointCorruptedError", "CheckpointFormatError"))
+                  for e in results if e)
+    cls = errors.CheckpointCorruptedError if damaged else errors.StorageError
+    raise cls(f"export to {where} failed ({stage}); nothing was committed:\n  "
+              + "\n  ".join(failed))
 
 
 def commit_dir(tmp: str, path: str) -> None:
