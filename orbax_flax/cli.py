@@ -8,7 +8,7 @@
 
 show, verify and convert read every format restore reads: orbax_flax, orbax-checkpoint, safetensors.
 
-Exit codes: 0 fine, 1 corruption found, 2 no such checkpoint or bad usage.
+Exit codes: 0 fine, 1 corruption found, 2 no such checkpoint, bad usage or a storage failure.
 """
 
 # pylint: disable=g-import-not-at-top  # the commands' imports: see below
