@@ -13,7 +13,11 @@
 Tiny models and synthetic data; every resume runs the user's step afterwards.
 """
 
+import collections
 import functools
+import queue
+import threading
+import time
 from typing import Any
 
 import flax.linen as nn
@@ -236,6 +240,70 @@ def test_prefetched_counts_a_source_without_a_position():
   class Global(Batches):  # a position in the global order: resumes on any process count
     checkpoint_state_is_global = True
   assert ofx.Prefetched(Global(1), lambda it: it).checkpoint_state_is_global
+
+
+def test_prefetched_around_a_background_thread_resumes_at_the_next_batch(tmp_path):
+  """A read-ahead on a thread of its own (docs/training.md: "a background queue"). The
+  wrapper started one when it was built, and the resume's ``set_state`` a second; the
+  first thread went on taking batches from the source, so the resumed run skipped some
+  (e.g. trained on 13, 14, 17, 18, 19 instead of 10-14)."""
+
+  class Source:  # a loader with a position, a few ms a batch
+    def __init__(self):
+      self.i, self.lock = 0, threading.Lock()
+
+    def __iter__(self):
+      return self
+
+    def __next__(self):
+      with self.lock:
+        time.sleep(0.005)
+        self.i += 1
+        return self.i - 1
+
+    def get_state(self):
+      return {"i": self.i}
+
+    def set_state(self, state):
+      self.i = state["i"]
+
+  class BackgroundQueue:  # like prefetch_generator.BackgroundGenerator
+    def __init__(self, it):
+      self.q = queue.Queue(4)
+      threading.Thread(target=lambda: [self.q.put(x) for x in it], daemon=True).start()
+
+    def __iter__(self):
+      return self
+
+    def __next__(self):
+      return self.q.get(timeout=60)
+
+  def run(num_steps):
+    data, seen = ofx.Prefetched(Source(), BackgroundQueue), []
+    with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 5}) as ckpt:
+      state = ckpt.restore_or_init({"w": jnp.zeros(()), "step": jnp.int32(0)},
+                                   data_iterator=data)
+      for step in range(int(state["step"]), num_steps):
+        seen.append(next(data))
+        state = {"w": state["w"] + seen[-1], "step": state["step"] + 1}
+        ckpt.on_step_end(step + 1, state)
+    return seen, float(state["w"])
+
+  assert run(10) == (list(range(10)), 45.0)
+  assert run(15) == (list(range(10, 15)), 105.0)  # trains on from batch 10, as one run would
+
+  # A set_state in the middle of a run: the read-ahead it replaces takes no more batches.
+  def ahead(it):  # a generator reading 3 ahead
+    buffered = collections.deque()
+    for x in it:
+      buffered.append(x)
+      if len(buffered) > 3:
+        yield buffered.popleft()
+  source = Source()
+  data = ofx.Prefetched(source, ahead)
+  assert [next(data) for _ in range(3)] == [0, 1, 2] and source.i == 6
+  data.set_state({"i": 1})
+  assert [next(data) for _ in range(4)] == [1, 2, 3, 4] and data.get_state() == {"i": 5}
 
 
 def test_init_from_takes_params_and_batch_stats_at_once(tmp_path):

@@ -6,7 +6,8 @@ checkpoint that forwards ``source.get_state()`` then records a position a few
 batches *past* the last one trained on, and a resume silently skips them.
 :class:`Prefetched` wraps the source and the prefetching: its ``get_state()``
 is the source's position right after the last batch the loop took out, and
-``set_state`` moves the source there and starts the read-ahead again. A source
+``set_state`` moves the source there and starts the read-ahead again (at the next
+``next()``). A source
 without ``get_state`` is counted: its position is the number of batches
 consumed, and ``set_state`` skips that many batches of a fresh source.
 """
@@ -62,35 +63,54 @@ class Prefetched:
           " a function returning a fresh iterator (the position is then a count of batches)")
     self._source = source
     self._prefetch = prefetch
-    self._start(source.get_state() if self._stateful else 0)
-
-  def _start(self, state: Any) -> None:
-    """Reads ahead from ``state``: the source there, and a new prefetching iterator."""
+    self._state = source.get_state() if self._stateful else 0
+    self._it: Iterator[Any] | None = None  # the read-ahead, started by the first next()
     self._after: collections.deque = collections.deque()  # source state after each batch read
-    self._state = state
+    self._generation = 0  # of the read-ahead: one that a set_state replaced reads no more
+
+  def _start(self) -> None:
+    """Reads ahead from ``self._state``: the source there, and a new prefetching iterator.
+
+    Started by the first ``next()``, not when built or restored: a read-ahead that runs on
+    a thread of its own (a background queue) cannot be stopped, and one started before
+    ``set_state`` would move the source under the restored position.
+    """
+    self._generation += 1
+    self._after = collections.deque()
     if self._stateful:
-      self._source.set_state(state)
+      self._source.set_state(self._state)
       it = self._source
     else:
       it = iter(self._source())
-      for _ in range(state):
+      for _ in range(self._state):
         next(it)
-    self._it = iter(self._prefetch(self._reading(it)))
+    self._it = iter(self._prefetch(self._reading(it, self._after, self._generation)))
 
-  def _reading(self, it: Iterator[Any]) -> Iterator[Any]:
+  def _reading(self, it: Iterator[Any], after: collections.deque,
+               generation: int) -> Iterator[Any]:
+    """The source's batches, each with its position in ``after``; ends once a ``set_state``
+    started another read-ahead (then its source position belongs to the new one)."""
     count = self._state if not self._stateful else None
-    for batch in it:
+    while generation == self._generation:
+      try:
+        batch = next(it)
+      except StopIteration:
+        return
+      if generation != self._generation:
+        return
       if self._stateful:
-        self._after.append(self._source.get_state())
+        after.append(self._source.get_state())
       else:
         count += 1
-        self._after.append(count)
+        after.append(count)
       yield batch
 
   def __iter__(self) -> Prefetched:
     return self
 
   def __next__(self) -> Any:
+    if self._it is None:
+      self._start()
     batch = next(self._it)
     self._state = self._after.popleft()  # the position right after the batch handed out
     return batch
@@ -118,7 +138,7 @@ class Prefetched:
                       f" ({type(self._source).__name__}) is not elastic (it does not set"
                       " checkpoint_state_is_elastic = True); use set_state(state)")
     self._source.set_state_from_shards(list(states))
-    self._start(self._source.get_state())
+    self._restart_at(self._source.get_state())
 
   def get_state(self) -> Any:
     """The source's position after the last batch this iterator handed out."""
@@ -129,4 +149,10 @@ class Prefetched:
     if not self._stateful and (isinstance(state, bool) or not isinstance(state, int) or state < 0):
       raise ValueError(f"Prefetched.set_state({state!r}): a counted source's state is the"
                        " number of batches consumed (an int >= 0)")
-    self._start(state)
+    self._restart_at(state)
+
+  def _restart_at(self, state: Any) -> None:
+    """The next ``next()`` reads ahead from ``state``; the current read-ahead reads no more."""
+    self._generation += 1
+    self._it = None
+    self._state = state
