@@ -471,6 +471,21 @@ def test_a_new_step_below_the_newest_is_refused_before_writing_unless_rolled_bac
     assert mngr.all_steps() == [30, 40] == on_disk(d)
 
 
+def test_a_manager_built_before_another_run_wrote_refuses_a_step_below_its_newest(tmp_path):
+  """The check ran against the listing taken when the manager was built: another run saved
+  10, 20, 30 after that, the late manager's save(1) returned True, and max_to_keep deleted
+  step 1 at once."""
+  d = str(tmp_path)
+  policy = ofx.CheckpointPolicy(max_to_keep=2)
+  late = ofx.CheckpointManager(d, policy)  # built first, e.g. at the program's start
+  run(d, ofx.CheckpointPolicy(save_interval_steps=10, max_to_keep=3), range(1, 31))
+  with pytest.raises(ValueError, match=r"step 1 is below the newest step 30 of .*no rollback"):
+    late.save(1, {"state": state(1)}, force=True)
+  late.close()
+  assert on_disk(d) == [10, 20, 30]
+  assert ofx.restore(os.path.join(d, "30"))["state"]["w"].tolist() == state(30)["w"].tolist()
+
+
 def test_save_refuses_a_mistyped_best_metric_with_did_you_mean_before_writing(tmp_path, caplog):
   """best_metric="val_acc" while the loop reports "val_accuracy": only the callback checked,
   so keep_best silently kept the newest steps and deleted the best one."""

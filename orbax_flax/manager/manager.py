@@ -290,6 +290,9 @@ class CheckpointManager:
     self._prepared = True
     self._refuse_below_newest(step)  # before anything is written, like a second writer
     self._become_writer()  # before anything is written: a second writer is refused here
+    # Again against the listing the writer took under its lease: another job may have saved
+    # newer steps since this manager listed the directory (only its lease is written then).
+    self._refuse_below_newest(step)
     if self._inflight.saving(step):
       if not self._rollback.abandons(step):
         log.warning("step %d is being saved already in %s; not saving it again", step, self._dir)
