@@ -127,8 +127,9 @@ class ManagerModel(RuleBasedStateMachine):
   def _save(self, step: int, changed: float, force: bool) -> None:
     tag = self._next_tag()
     if not self.mngr.save(step, _items(tag, changed), force=force):
-      # Documented: a step whose save is still in flight is not saved again.
-      assert step == self.last_started, (step, self.last_started)
+      # Documented: a step whose save is still in flight is not saved again, unless forced
+      # (then the save in flight is waited for and replaced).
+      assert not force and step == self.last_started, (step, self.last_started)
       return
     self.last_started = step
     self.writing = True

@@ -471,6 +471,21 @@ def test_a_new_step_below_the_newest_is_refused_before_writing_unless_rolled_bac
     assert mngr.all_steps() == [30, 40] == on_disk(d)
 
 
+def test_a_forced_save_of_a_step_still_being_saved_replaces_it(tmp_path):
+  """save(5, new, force=True) while the async save of step 5 was in flight returned False
+  with a warning and kept the old values; the same call after the commit replaced them."""
+  d = str(tmp_path)
+  old = {"state": {"w": np.random.default_rng(0).standard_normal(1 << 22).astype(np.float32)}}
+  new = {"state": {"w": np.random.default_rng(1).standard_normal(1 << 22).astype(np.float32)}}
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(async_save=True)) as mngr:
+    assert mngr.save(5, old, force=True) and mngr.inflight_step() == 5
+    assert not mngr.save(5, new)  # not forced: the step being saved is not saved again
+    assert mngr.save(5, new, force=True)
+  with ofx.CheckpointManager(d) as mngr:
+    assert mngr.all_steps() == [5]
+    assert mngr.restore(5)["state"]["w"].tobytes() == new["state"]["w"].tobytes()
+
+
 def test_a_manager_built_before_another_run_wrote_refuses_a_step_below_its_newest(tmp_path):
   """The check ran against the listing taken when the manager was built: another run saved
   10, 20, 30 after that, the late manager's save(1) returned True, and max_to_keep deleted

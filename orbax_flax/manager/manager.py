@@ -294,10 +294,12 @@ class CheckpointManager:
     # newer steps since this manager listed the directory (only its lease is written then).
     self._refuse_below_newest(step)
     if self._inflight.saving(step):
-      if not self._rollback.abandons(step):
+      if not self._rollback.abandons(step) and decided != "forced":
         log.warning("step %d is being saved already in %s; not saving it again", step, self._dir)
         return False
-      self._inflight.finish()  # the abandoned run's save of this step: replaced once it ends
+      # The abandoned run's save of this step, or one that force=True replaces (with what
+      # it is given now, as it replaces a committed step): replaced once it ends.
+      self._inflight.finish()
     overwrite = self._rollback.replaces(step, forced=decided in policy_lib.FORCED
                                         and reason != "final")
     if overwrite is None or self._schedule.skips(step, decided, self.inflight_step() is not None):
