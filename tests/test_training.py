@@ -415,6 +415,98 @@ def test_misuse_is_reported(tmp_path):
     ofx.Trainer(linen_step, [ckpt]).fit(state, Dataset(), 4)
 
 
+_FAILED_START = """
+import os, signal, sys, time
+import jax.numpy as jnp
+import orbax_flax as ofx
+
+class FailingStart(ofx.Callback):
+  def on_train_start(self, state, data):
+    raise ValueError("the eval set is missing")
+
+step = lambda s, b: ({"w": s["w"] + b, "step": s["step"] + 1}, {})
+cfg = {"save_interval_steps": 2}
+ofx.Trainer(step, [ofx.CheckpointCallback(sys.argv[1], cfg)]).fit(
+    {"w": jnp.zeros(3), "step": jnp.int32(0)}, iter([1.0] * 4), 4)
+# Another model in the same workdir (the restore raises), then a later callback failing to start.
+for width, later in ((5, []), (3, [FailingStart()])):
+  ckpt = ofx.CheckpointCallback(sys.argv[1], cfg)
+  state = {"w": jnp.zeros(width), "step": jnp.int32(0)}
+  try:
+    ofx.Trainer(step, [ckpt, *later]).fit(state, iter([1.0] * 8), 8)
+  except Exception as e:
+    print("RAISED", type(e).__name__, getattr(e, "__notes__", None), flush=True)
+  try:
+    ckpt.on_step_end(6, state)
+    print("OPEN", flush=True)
+  except RuntimeError as e:
+    print("CLOSED", "CheckpointCallback is closed" in str(e), flush=True)
+  print("DEFAULT HANDLER", signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+        "STEPS", ckpt.manager.all_steps(), flush=True)
+os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler ends the job
+time.sleep(5)
+print("ALIVE after SIGTERM", flush=True)
+"""
+
+
+def test_a_fit_whose_start_fails_closes_the_checkpoint_callback(tmp_path):
+  """A restore that raises in Trainer.fit (or a later callback's on_train_start) leaves no
+  SIGTERM handler behind: the process still dies of SIGTERM, and nothing was saved."""
+  r = subprocess.run([sys.executable, "-c", _FAILED_START, str(tmp_path)], capture_output=True,
+                     text=True, env=jobs.env_for(1), cwd=jobs.ROOT, timeout=120, check=False)
+  out = r.stdout + r.stderr
+  assert r.returncode == -signal.SIGTERM, out
+  assert "ALIVE" not in r.stdout, out
+  assert r.stdout.splitlines() == [
+      "RAISED TreeMismatchError None", "CLOSED True", "DEFAULT HANDLER True STEPS [2, 4]",
+      "RAISED ValueError None", "CLOSED True", "DEFAULT HANDLER True STEPS [2, 4]"], out
+
+
+class _Recorder(ofx.Callback):
+  """Records its hooks in ``events``; raises ``fail`` from the hook named ``fail_in``."""
+
+  def __init__(self, name, events, fail_in=None, fail=None):
+    self.name, self.events, self.fail_in, self.fail = name, events, fail_in, fail
+
+  def _hook(self, hook, *args):
+    self.events.append((self.name, hook, *args))
+    if hook == self.fail_in:
+      raise self.fail
+
+  def on_train_start(self, state, data):
+    self._hook("start")
+    return state
+
+  def on_train_end(self, step, state):
+    self._hook("end", step)
+
+  def on_exception(self, step, state, error):
+    self._hook("exception", step, error)
+
+
+def test_a_failing_start_or_end_hook_still_tells_the_other_callbacks(tmp_path):
+  step_fn = lambda s, b: ({"step": s["step"] + 1}, {})  # noqa: E731
+  events, error = [], ValueError("no eval set")
+  cbs = [_Recorder("a", events), _Recorder("b", events, "start", error), _Recorder("c", events)]
+  with pytest.raises(ValueError) as raised:
+    ofx.Trainer(step_fn, cbs).fit({"step": 7}, iter(range(10)), 9)
+  assert raised.value is error
+  # The callbacks that started (b was starting) are told, at the step the run starts from.
+  assert events == [("a", "start"), ("b", "start"), ("a", "exception", 7, error),
+                    ("b", "exception", 7, error)]
+
+  events, error = [], OSError("the eval writer's disk is gone")
+  handler = signal.getsignal(signal.SIGTERM)
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 100})
+  cbs = [_Recorder("a", events, "end", error), ckpt, _Recorder("c", events)]
+  with pytest.raises(OSError) as raised:
+    ofx.Trainer(step_fn, cbs).fit({"step": 0}, iter(range(10)), 3)
+  assert raised.value is error
+  assert events == [("a", "start"), ("c", "start"), ("a", "end", 3), ("c", "end", 3)]
+  assert ckpt.manager.all_steps() == [3]  # the final save, after a's end failed
+  assert signal.getsignal(signal.SIGTERM) == handler
+
+
 def test_state_without_step_counter_resumes_where_it_stopped(tmp_path):
   def step_fn(s, batch):
     return {"w": s["w"] + batch[0, 0]}, {}

@@ -11,6 +11,14 @@
 4. ``on_exception(step, state, error)``: instead of ``on_train_end`` when
    the loop raises; ``state`` is the last good state. The error is re-raised.
 
+When an ``on_train_start`` raises, no step has run: that callback and the ones
+started before it are told, the later ones never hear of the run. A callback
+that is a context manager (:class:`orbax_flax.CheckpointCallback`) is exited
+with the error, as a ``with`` block around it would be (the checkpoint callback
+then closes and saves nothing); any other gets ``on_exception`` with the step
+the run would have started from. When an ``on_train_end`` raises, the later
+callbacks still get theirs; then the first such error is raised.
+
 :class:`Trainer` runs ``train_step(state, batch) -> (state, metrics)`` for
 ``num_steps`` steps and calls the hooks; clu ``PeriodicAction``s (e.g.
 ``ReportProgress``) can be passed as callbacks directly. A hand-written loop
@@ -130,15 +138,18 @@ class Trainer:
       The final state; training stops early when a callback asks (e.g. after
       a preemption save), or when ``data`` runs out (a WARNING says so; the run
       ends as at ``num_steps``, with its final save).
+
+    Raises:
+      BaseException: whatever a hook or ``train_step`` raised, unchanged, after
+        every callback that started was told (see the module docstring).
     """
-    for cb in self.callbacks:
-      state = cb.on_train_start(state, data)
-    step = state_items.step_of(state)
-    if step is None:  # a state without a step counter: where a restore left off, or 0
-      restored = [cb.restored_step for cb in self.callbacks
-                  if getattr(cb, "restored_step", None) is not None]
-      step = restored[0] if restored else 0
+    started = []  # the callbacks whose on_train_start ran, or raised
+    step = None   # set once every callback has started
     try:
+      for cb in self.callbacks:
+        started.append(cb)
+        state = cb.on_train_start(state, data)
+      step = self._first_step(state)
       while step < num_steps:
         try:
           batch = next(data)
@@ -155,13 +166,59 @@ class Trainer:
           log.info("training stopped at step %d", step)
           break
     except BaseException as e:
-      for cb in self.callbacks:
-        try:
-          cb.on_exception(step, state, e)
-        except Exception:  # pylint: disable=broad-except  # The training error comes first.
-          log.exception("%s.on_exception failed while handling %s", type(cb).__name__,
-                        type(e).__name__)
+      if step is None:
+        self._abort_start(started, state, e)
+      else:
+        for cb in self.callbacks:
+          _tell(cb, step, state, e)
       raise
+    failed = None
     for cb in self.callbacks:
-      cb.on_train_end(step, state)
+      try:
+        cb.on_train_end(step, state)
+      except BaseException as e:  # the later callbacks still end: their final saves, their closes
+        if failed is not None:
+          log.exception("%s.on_train_end failed too", type(cb).__name__)
+        else:
+          failed = e
+    if failed is not None:
+      raise failed
     return state
+
+  def _first_step(self, state: Any) -> int:
+    """The step training starts from: the state's counter, else where a restore left off, else 0."""
+    step = state_items.step_of(state)
+    if step is None:
+      restored = [cb.restored_step for cb in self.callbacks
+                  if getattr(cb, "restored_step", None) is not None]
+      step = restored[0] if restored else 0
+    return step
+
+  def _abort_start(self, started: list[Callback], state: Any, error: BaseException) -> None:
+    """Tells the callbacks in ``started`` that the run failed before its first step."""
+    step = None
+    for cb in started:
+      if hasattr(type(cb), "__exit__"):
+        try:
+          cb.__exit__(type(error), error, error.__traceback__)
+        except Exception:  # pylint: disable=broad-except  # The training error comes first.
+          log.exception("closing %s failed while handling %s", type(cb).__name__,
+                        type(error).__name__)
+        continue
+      if step is None:
+        try:
+          step = self._first_step(state)
+        except Exception:  # pylint: disable=broad-except  # reading it may be the very failure
+          log.exception("the state's step could not be read while handling %s; telling the"
+                        " callbacks step 0", type(error).__name__)
+          step = 0
+      _tell(cb, step, state, error)
+
+
+def _tell(cb: Callback, step: int, state: Any, error: BaseException) -> None:
+  """``cb.on_exception``; its own failure is logged, as the training error comes first."""
+  try:
+    cb.on_exception(step, state, error)
+  except Exception:  # pylint: disable=broad-except  # The training error comes first.
+    log.exception("%s.on_exception failed while handling %s", type(cb).__name__,
+                  type(error).__name__)
