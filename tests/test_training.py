@@ -17,6 +17,7 @@ import optax
 import pytest
 from clu import periodic_actions
 from flax import nnx
+from flax import struct
 from flax.training import train_state
 
 import disks
@@ -517,6 +518,36 @@ def test_state_without_step_counter_resumes_where_it_stopped(tmp_path):
   ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2})
   out = ofx.Trainer(step_fn, [ckpt]).fit({"w": jnp.zeros(())}, data, num_steps=6)
   assert data.i == 6 and float(out["w"]) == sum(range(1, 7))  # batches 5 and 6, once each
+
+
+@struct.dataclass
+class CountingState:
+  """A flax.struct state with params and opt_state whose counter is not called ``step``."""
+  params: dict
+  opt_state: optax.OptState
+  iteration: jax.Array
+  tx: optax.GradientTransformation = struct.field(pytree_node=False)
+
+
+def test_a_struct_state_without_a_step_field_resumes_from_the_restored_step(tmp_path):
+  tx = optax.sgd(0.1)
+
+  def step_fn(s, batch):
+    updates, opt_state = tx.update({"w": batch[0]}, s.opt_state, s.params)
+    return s.replace(params=optax.apply_updates(s.params, updates), opt_state=opt_state,
+                     iteration=s.iteration + 1), {}
+
+  def fresh():
+    return CountingState({"w": jnp.zeros(8)}, tx.init({"w": jnp.zeros(8)}), jnp.int32(0), tx)
+
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 1})
+  assert int(ofx.Trainer(step_fn, [ckpt]).fit(fresh(), Dataset(), 3).iteration) == 3
+  data = Dataset()
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 1})
+  out = ofx.Trainer(step_fn, [ckpt]).fit(fresh(), data, 5)
+  assert ckpt.restored_step == 3 and int(out.iteration) == 5 and data.i == 5
+  assert ckpt.manager.all_steps()[-1] == 5
+  np.testing.assert_allclose(out.params["w"], -0.1 * sum(range(1, 6)))  # batches 1..5, once each
 
 
 def test_checkpoint_without_data_position_resumes_with_a_warning(tmp_path, caplog):

@@ -230,10 +230,12 @@ def params_of(state: Any) -> Any:
 
 
 def step_of(state: Any) -> int | None:
-  """The state's step counter if it has one (one device-to-host read)."""
+  """The state's step counter if it has one (one device-to-host read), else None.
+
+  A Linen ``TrainState`` has ``step``; a ``flax.struct`` dataclass with ``params`` and
+  ``opt_state`` may count under another name, or not at all: None, as for a dict.
+  """
   k = kind(state)
-  if k == "linen":
-    return int(state.step)
   if k == "nnx":
     _, opt = _nnx_parts(state)
     if opt is not None:
