@@ -404,6 +404,27 @@ def test_clu_periodic_actions_and_metric_writer(tmp_path):
     ofx.Trainer(linen_step, [object()])
 
 
+def test_tensorboard_records_a_metric_beyond_float32_as_inf(tmp_path):
+  """A finite float64 metric beyond float32's range (a diverging perplexity) is written as
+  +-inf, as TensorFlow's writer does, instead of raising inside Trainer.fit."""
+  logdir = str(tmp_path / "tb")
+
+  def step_fn(s, batch):
+    big = np.float64(1e300) * s["step"]
+    return {"step": s["step"] + 1}, {"ppl": big, "neg": -big, "loss": np.float64(0.5)}
+
+  with ofx.TensorBoardWriter(logdir) as writer:
+    ofx.Trainer(step_fn, [ofx.LogProgress(1, writer)]).fit({"step": 0}, iter(range(9)), 3)
+    writer.write_scalars(4, {"ppl": 10**400, "neg": -10**400, "loss": 0.25})  # beyond float64
+  from tensorboard.backend.event_processing import event_accumulator  # pylint: disable=g-import-not-at-top
+  ea = event_accumulator.EventAccumulator(logdir)
+  ea.Reload()
+  read = {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ("ppl", "neg", "loss")}
+  assert read == {"ppl": [(1, 0.0), (2, np.inf), (3, np.inf), (4, np.inf)],
+                  "neg": [(1, 0.0), (2, -np.inf), (3, -np.inf), (4, -np.inf)],
+                  "loss": [(1, 0.5), (2, 0.5), (3, 0.5), (4, 0.25)]}, read
+
+
 def test_misuse_is_reported(tmp_path):
   ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2})
   state = ckpt.restore_or_init(linen_state())

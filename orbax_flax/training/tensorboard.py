@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
@@ -62,10 +63,17 @@ def _event(wall_time: float, step: int, *, file_version: str | None = None,
   if file_version is not None:
     out += _bytes_field(3, file_version.encode())
   if scalars:
-    values = b"".join(_bytes_field(1, _bytes_field(1, tag.encode()) + _field(2, 5, struct.pack("<f", v)))
+    values = b"".join(_bytes_field(1, _bytes_field(1, tag.encode()) + _field(2, 5, _float32(v)))
                       for tag, v in scalars.items())
     out += _bytes_field(5, values)
   return out
+
+
+def _float32(value: float) -> bytes:
+  """``value`` as a little-endian float32 (``Summary.Value.simple_value``): beyond float32's
+  range it is +-inf, as TensorFlow's writer records it, never an error."""
+  with np.errstate(over="ignore"):
+    return np.array(value, "<f4").tobytes()
 
 
 def _masked_crc(data: bytes) -> int:
@@ -77,6 +85,14 @@ def _record(data: bytes) -> bytes:
   length = struct.pack("<Q", len(data))
   return (length + struct.pack("<I", _masked_crc(length)) + data
           + struct.pack("<I", _masked_crc(data)))
+
+
+def _as_float(value: float) -> float:
+  """``float(value)``; an int beyond float64's range is +-inf, as any value beyond float32's."""
+  try:
+    return float(value)
+  except OverflowError:  # an exact number (an int, a Fraction) too large for float64
+    return math.inf if value > 0 else -math.inf
 
 
 class TensorBoardWriter:
@@ -95,8 +111,12 @@ class TensorBoardWriter:
     self._file.write(_record(_event(time.time(), 0, file_version="brain.Event:2")))
 
   def write_scalars(self, step: int, scalars: Mapping[str, float]) -> None:
-    """One event with every scalar of ``scalars`` at ``step``."""
-    values = {str(k): float(v) for k, v in scalars.items()}
+    """One event with every scalar of ``scalars`` at ``step``.
+
+    TensorBoard stores float32: a finite value beyond its range (a diverging loss in
+    float64) is recorded as +-inf.
+    """
+    values = {str(k): _as_float(v) for k, v in scalars.items()}
     with self._lock:
       self._file.write(_record(_event(time.time(), int(step), scalars=values)))
 
