@@ -440,6 +440,8 @@ def test_after_a_rollback_a_resume_never_takes_the_abandoned_timeline_local_step
 
 # ---------------------------------------------------------------- a failing tier never costs the other
 
+import contextlib  # noqa: E402
+
 import disks  # noqa: E402
 
 
@@ -494,18 +496,49 @@ def _run_long(workdir, steps, flags, n=3, devices=2):
   return out
 
 
-def _launch(workdir, local_dir, steps):
-  """tier_launch_worker.py as 3 processes of one job through ``python -m orbax_flax.launch``."""
+def _launch(workdir, local_dir, steps, n=3, devices=2, extra=()):
+  """tier_launch_worker.py as ``n`` processes of one job through ``python -m orbax_flax.launch``."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
-  env = jobs.env_for(2)
+  env = jobs.env_for(devices)
   env.pop("XLA_FLAGS")
-  cmd = [sys.executable, "-m", "orbax_flax.launch", "-n", "3", "--devices_per_process=2", "--",
-         os.path.join(jobs.HERE, "tier_launch_worker.py"), f"--workdir={workdir}",
-         f"--local={local_dir}", f"--steps={steps}"]
+  cmd = [sys.executable, "-m", "orbax_flax.launch", "-n", str(n), f"--devices_per_process={devices}",
+         "--", os.path.join(jobs.HERE, "tier_launch_worker.py"), f"--workdir={workdir}",
+         f"--local={local_dir}", f"--steps={steps}", *extra]
   res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=jobs.ROOT, timeout=600)
   assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
   return res.stdout + res.stderr
+
+
+def _local_steps(local_dir, run, p):
+  """{step: its files} of process ``p``'s local directory of ``run``."""
+  d = proc_dir(local_dir, p, run)
+  return {int(s): sorted(os.listdir(os.path.join(d, s))) for s in os.listdir(d) if s.isdigit()}
+
+
+# Two processes of one device: each local step is 2 blobs of 17 KB (5 pages each) and a
+# record (1 page) per process. A tmpfs of 24 pages holds two steps (the committed one and the
+# one being written, 22 pages), and no 5 pages more (an own blob left behind).
+_TWO_STEPS = "96k"
+
+
+def test_a_transient_full_disk_on_one_process_costs_one_local_save(tmp_path):
+  """Process 1's local disk is full during step 6 only. Step 6 fails on both processes, and
+  each removes what it wrote of it: process 0, whose part was written, left it on its own
+  disk, which then had no room for any later step."""
+  local_dir, workdir = tmp_path / "local", tmp_path / "run"
+  run = str(workdir / "checkpoints")
+  with contextlib.ExitStack() as stack:
+    for p in (0, 1):  # each process its own RAM disk, as on two hosts
+      stack.enter_context(disks.small_disk(proc_dir(local_dir, p, run), _TWO_STEPS))
+    out = _launch(workdir, local_dir, 10, n=2, devices=1, extra=[
+        "--save_interval_steps=1000", "--on_save_error=warn", "--fill_at=6"])
+    assert re.search(r"\[0\] .*local checkpoint of step 6 failed", out), out[-4000:]
+    for step in (8, 10):  # the next saves commit
+      assert re.search(rf"\[0\] .*local checkpoint step {step} committed", out), out[-4000:]
+    for p in (0, 1):
+      assert _local_steps(local_dir, run, p) == {
+          10: ["COMMITTED", "own.blob", f"replica-{1 - p}.blob"]}, p
 
 
 def test_three_processes_fall_back_together_from_a_damaged_local_header(tmp_path):

@@ -2,13 +2,19 @@
 with the local tier (a small sharded state, so that the job costs seconds, not compilations).
 
     python -m orbax_flax.launch -n 3 --devices_per_process=2 -- tests/tier_launch_worker.py \
-        --workdir=W --local=L --steps=N
+        --workdir=W --local=L --steps=N [--fill_at=S --fill_leave=blob]
 
 Prints ``RESUMED <step> <value>`` (the restored step, or 0, and the value of its weights,
 which every save sets to the step) and ``DONE <step>``. Log lines carry wall-clock times.
+
+``--fill_at=S``: process ``--fill_process`` fills the file system of its local directory
+(``<local>/run-*/process_<i>``, a small tmpfs the test mounted there) just before step S and
+frees it after: a transient full disk. ``--fill_leave=blob`` leaves room for one more copy of
+its newest local blob, and for nothing else (its ``COMMITTED`` record).
 """
 
 import argparse
+import glob
 import logging
 import os
 import sys
@@ -26,12 +32,34 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_flax as ofx  # noqa: E402
 
+_PAGE = 4096
+
+
+def _fill(local: str, leave: str) -> str:
+  """Fills the file system of this process's local directory; returns the filler's path."""
+  (root,) = glob.glob(os.path.join(local, "run-*", f"process_{jax.process_index()}"))
+  room = 0
+  if leave == "blob":  # the newest step's own blob, in whole pages
+    newest = max((d for d in os.listdir(root) if d.isdigit()), key=int)
+    room = -(-os.stat(os.path.join(root, newest, "own.blob")).st_size // _PAGE) * _PAGE
+  st = os.statvfs(root)
+  filler = os.path.join(root, "filler")
+  with open(filler, "wb") as f:
+    f.write(b"x" * (st.f_bavail * st.f_frsize - room))
+  return filler
+
 
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--workdir")
   p.add_argument("--local")
   p.add_argument("--steps", type=int)
+  p.add_argument("--replicas", type=int, default=1)
+  p.add_argument("--save_interval_steps", type=int, default=4, help="of the persistent tier")
+  p.add_argument("--on_save_error", default="raise")
+  p.add_argument("--fill_at", type=int, default=0)
+  p.add_argument("--fill_process", type=int, default=1)
+  p.add_argument("--fill_leave", choices=["nothing", "blob"], default="nothing")
   a = p.parse_args()
   logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(message)s",
                       datefmt="%H:%M:%S")
@@ -40,15 +68,22 @@ def main():
   state = lambda v: {"w": jax.device_put(np.full(jax.device_count() * 4096, v, np.float32),  # noqa: E731
                                          sharding)}
   cb = ofx.CheckpointCallback(a.workdir, {
-      "local_directory": a.local, "local_save_interval_steps": 2, "save_interval_steps": 4,
-      "save_final_step": False, "coordination_timeout_seconds": 600})
+      "local_directory": a.local, "local_save_interval_steps": 2,
+      "save_interval_steps": a.save_interval_steps, "replicas": a.replicas,
+      "on_save_error": a.on_save_error, "save_final_step": False,
+      "coordination_timeout_seconds": 600})
   s = cb.restore_or_init(state(0.0))
   start = cb.restored_step or 0
   value = float(np.asarray(s["w"].addressable_shards[0].data)[0])
   print(f"RESUMED {start} {value}", flush=True)
   for step in range(start + 1, a.steps + 1):
     s = state(float(step))
+    filler = None
+    if step == a.fill_at and jax.process_index() == a.fill_process:
+      filler = _fill(a.local, a.fill_leave)
     cb.on_step_end(step, s)
+    if filler:
+      os.remove(filler)
   cb.close()
   print(f"DONE {a.steps}", flush=True)
 

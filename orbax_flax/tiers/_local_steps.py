@@ -3,14 +3,16 @@
 ``<local_directory>/run-<digest>/process_<i>/<step>/`` holds this process's
 blob (:data:`OWN`), the peers' replicas it keeps (``replica-<q>.blob``) and,
 written last, :data:`COMMITTED`, a sealed :class:`StepRecord`: a step without a
-valid record does not exist. :class:`StepDirectory` lists, commits and prunes
-the steps of one run in one process's directory; :class:`Sink` writes a
+valid record does not exist. :class:`StepDirectory` lists, commits, prunes and
+discards the steps of one run in one process's directory, and sweeps away what
+a failed save left uncommitted; :class:`Sink` writes a
 replica as it arrives. Which steps to save and how processes agree is
 :mod:`orbax_flax.tiers.local`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -109,6 +111,27 @@ class StepDirectory:
     write(os.path.join(self.dir(step), COMMITTED),
           StepRecord(step, self.run, timeline, seq, process_count, save_id).encode())
     self.prune(max_to_keep)
+
+  def discard(self, step: int) -> None:
+    """Removes ``step`` here, committed or not, and its directory still being written; its
+    record goes first, so that a removal cut short leaves no committed step."""
+    d = self.dir(step)
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(os.path.join(d, COMMITTED))
+    shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(d + TMP, ignore_errors=True)
+
+  def sweep(self) -> None:
+    """Removes what a save left uncommitted (a step directory without a record, one still
+    being written): it holds disk space that the next save needs. Best effort."""
+    try:
+      names = os.listdir(self.root)
+    except OSError:  # no directory yet, or an unreadable one (holdings() says so)
+      return
+    for name in names:
+      path = os.path.join(self.root, name)
+      if TMP in name or (name.isdigit() and not os.path.lexists(os.path.join(path, COMMITTED))):
+        shutil.rmtree(path, ignore_errors=True)
 
   def prune(self, max_to_keep: int) -> None:
     """Keeps the ``max_to_keep`` newest commits (not the highest step numbers: after a

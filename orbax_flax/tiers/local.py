@@ -135,7 +135,9 @@ class LocalTier:
     """Saves ``step`` of ``timeline`` to the local tier on every process; returns its save id.
 
     Collective: every process calls it with the same step. Raises if any
-    process failed (then nobody marks the step committed). The save id, the
+    process failed: then nobody marks the step committed and every process
+    removes what it wrote of it, so that a transient failure (a disk full for
+    a moment) costs this save only. The save id, the
     same on every process and new at every save, is recorded with the step: a
     persistent save of the same state that records it too
     (:meth:`orbax_flax.CheckpointManager.save`'s ``local_copy``) is what this
@@ -144,6 +146,7 @@ class LocalTier:
     """
     me, n = jax.process_index(), jax.process_count()
     key = self._next_key(f"save{step}")
+    self.steps.sweep()  # what a failed save left would take the room this one needs
     tmp = self.steps.dir(step) + TMP
     error = ""
     try:
@@ -181,8 +184,8 @@ class LocalTier:
         what=f"finish local step {step}")]
     save_id = verdicts[0][1]
     failed = [f"process {p}: {v}" for p, (v, _) in enumerate(verdicts) if v]
-    if failed:
-      shutil.rmtree(tmp, ignore_errors=True)
+    if failed:  # every process removes what it wrote: a failure costs this save only
+      self.steps.discard(step)
       raise errors.StorageError(f"local save of step {step} failed; it does not count:\n  "
                                 + "\n  ".join(failed))
     try:
@@ -225,6 +228,7 @@ class LocalTier:
     """
     n = jax.process_count()
     key = self._next_key("restore")
+    self.steps.sweep()  # what a save that died left uncommitted
     if self.replicas:
       self.ring()  # at start-up: a topology that cannot keep replicas on other hosts is named
     try:
