@@ -425,6 +425,27 @@ def test_tensorboard_records_a_metric_beyond_float32_as_inf(tmp_path):
                   "loss": [(1, 0.5), (2, 0.5), (3, 0.5), (4, 0.25)]}, read
 
 
+@pytest.mark.parametrize("every,start,num_steps,rows", [
+    (10, 0, 30, [(10, 1.0), (20, 1.0), (30, 1.0)]),
+    (10, 20, 40, [(30, 1.0), (40, 1.0)]),     # a resumed run: its first step is 21
+    (1, 0, 3, [(1, None), (2, 1.0), (3, 1.0)]),  # nothing is timed at the first step
+])
+def test_log_progress_rate_counts_the_steps_it_timed(every, start, num_steps, rows):
+  """A loop at exactly 1 step/s reports 1 step/s from its first window on; the clock starts
+  at the end of the first step (its compile), so that step is not counted."""
+  now = [0.0]
+
+  def step_fn(s, batch):
+    now[0] += 1.0
+    return {"step": s["step"] + 1}, {"loss": 0.5}
+
+  writer = jobs.RecordingWriter()
+  ofx.Trainer(step_fn, [ofx.LogProgress(every, writer, clock=lambda: now[0])]).fit(
+      {"step": start}, iter(range(100)), num_steps)
+  assert [(s, d.get("steps_per_sec")) for s, d in writer.scalars] == rows
+  assert all(d["loss"] == 0.5 for _, d in writer.scalars)
+
+
 def test_misuse_is_reported(tmp_path):
   ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2})
   state = ckpt.restore_or_init(linen_state())

@@ -71,7 +71,12 @@ class PeriodicActionCallback(Callback):
 
 
 class LogProgress(Callback):
-  """Logs steps/s and the metrics every ``every`` steps (fetches metrics then only)."""
+  """Logs steps/s and the metrics every ``every`` steps (fetches metrics then only).
+
+  The clock starts at the end of the run's first step, which holds the compilation:
+  the rate counts the steps finished after it. A line at that first step (``every=1``)
+  has no rate, and its scalars no ``steps_per_sec``.
+  """
 
   def __init__(self, every: int = 10, writer: Any = None, clock: Callable[[], float] = time.perf_counter):
     self.every, self.writer, self._clock = every, writer, clock
@@ -79,19 +84,24 @@ class LogProgress(Callback):
     self._step = None
 
   def on_train_start(self, state: Any, data: Any) -> Any:
-    self._t, self._step = self._clock(), None
+    self._t, self._step = None, None
     return state
 
   def on_step_end(self, step: int, state: Any, metrics: Any) -> bool:
-    if self._step is None:
-      self._step, self._t = step - 1, self._clock()
+    if self._step is None:  # the run's first step: the window starts at its end
+      self._step, self._t = step, self._clock()
     if step % self.every:
       return False
     values = {k: float(v) for k, v in jax.device_get(dict(metrics or {})).items()}
+    shown = " ".join(f"{k}={v:.4f}" for k, v in sorted(values.items()))
+    if step == self._step:  # no step timed yet
+      log.info("step %d: %s", step, shown)
+      if self.writer is not None and values:
+        self.writer.write_scalars(step, values)
+      return False
     now = self._clock()
     rate = (step - self._step) / max(now - self._t, 1e-9)
     self._step, self._t = step, now
-    shown = " ".join(f"{k}={v:.4f}" for k, v in sorted(values.items()))
     log.info("step %d: %s (%.1f steps/s)", step, shown, rate)
     if self.writer is not None:
       self.writer.write_scalars(step, {**values, "steps_per_sec": rate})
