@@ -118,7 +118,8 @@ def test_forced_and_reason_recorded(tmp_path):
     assert mngr.save(7, {"state": {"x": x}}, force=True, metrics={"loss": jax.numpy.float32(0.25)},
                      custom_metadata={"run": "abc"})
     assert mngr.save(9, {"state": {"x": x}}, reason="final")
-    assert not mngr.save(9, {"state": {"x": x}}, force=True)  # already saved
+    assert not mngr.save(9, {"state": {"x": x}})  # being saved: not again
+    assert mngr.save(9, {"state": {"x": x}}, force=True)  # forced: replaces it once it is done
     mngr.wait()
     info = mngr.step_info(7)
     assert (info.reason, info.metrics, info.time) == ("forced", {"loss": 0.25}, 123.0)
@@ -126,7 +127,7 @@ def test_forced_and_reason_recorded(tmp_path):
     assert meta.custom["step"] == 7 and meta.custom["mesh"] == {"data": 2, "model": 4}
     assert meta.custom["user"] == {"run": "abc"}
     assert meta.library_version == ofx.__version__ and meta.process_count == 1
-    assert mngr.step_info(9).reason == "final"
+    assert mngr.step_info(9).reason == "forced"
     with pytest.raises(ValueError, match="reason must be one of"):
       mngr.save(10, {"state": {"x": x}}, reason="because")
     with pytest.raises(ValueError, match="non-negative int"):
