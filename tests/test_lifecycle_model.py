@@ -12,8 +12,8 @@ save, perhaps of an earlier rollback's run, is in flight), restores of the
 latest step (calling a rollback off), bursts of
 those without waiting in between (commits, deletions and the next save
 interleave), restarts with other keep rules and async/blocking, a second
-manager reading beside the writer, and a writer killed mid-save (SIGKILL of a
-real process). ``differential`` on and off on a local directory; on S3 off (differential
+manager reading beside the writer, and a writer killed mid-save or right after a
+rollback's first commit (SIGKILL of a real process). ``differential`` on and off on a local directory; on S3 off (differential
 saves refuse object stores).
 
 A few dozen sequences per case run in CI (fixed, derandomized); ``ORBAX_FLAX_FAULTS=long``
@@ -70,6 +70,19 @@ print("READY", flush=True)
 m.save(step, {"state": {**parts, "b": np.full(16, tag, np.float32), "step": tag}}, force=True)
 m.wait()
 print("SAVED", flush=True)
+"""
+
+
+_ROLLBACK_KILL_WORKER = r"""
+import os, signal, sys, numpy as np, orbax_flax as ofx
+d, to, step, tag = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+frozen = np.random.default_rng(0).standard_normal((4, 256, 1280)).astype(np.float32)
+parts = {f"p{i}": frozen[i] + (tag if i < 2 else 0) for i in range(4)}
+m = ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=sys.argv[5] == "1"))
+m.restore(to)
+m.save(step, {"state": {**parts, "b": np.full(16, tag, np.float32), "step": tag}}, force=True)
+m.wait_for_save()
+os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
@@ -306,6 +319,25 @@ class ManagerModel(RuleBasedStateMachine):
       self.last_saved = step
       # Not _apply_keep(): the kill may come before the keep rules' deletions, and they act
       # again at the next commit (a step they would drop may stay listed until then).
+
+  @precondition(lambda self: self.kills)
+  @rule(index=st.integers(0, 63))
+  def killed_after_a_rollback_commits(self, index):
+    """The writer is another process: it rolls back, commits the new run's first save, and
+    is SIGKILLed at once, before the abandoned steps are deleted; this job then restarts."""
+    if len(self.saved) < 2:
+      return
+    self.mngr.close()
+    older = sorted(self.saved)[:-1]
+    to = older[index % len(older)]
+    tag = self._next_tag()
+    proc = subprocess.run([sys.executable, "-c", _ROLLBACK_KILL_WORKER, self.dir, str(to),
+                           str(to + 1), str(tag), "1" if self.differential else "0"],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    self.rolled_to = to
+    self._commit(to + 1, tag, 0.5)  # the rollback holds from its first commit
+    self._open()
 
   # ------------------------------------------------------------------ the promise
 

@@ -272,3 +272,66 @@ def test_a_plain_manager_opened_before_differential_steps_appear_keeps_what_they
     assert plain.all_steps() == [2, 3]
   assert restores_as(os.path.join(d, "2"), items(2))
   assert restores_as(os.path.join(d, "3"), items(3))
+
+
+_KILLED_AFTER_ROLLBACK = r"""
+import os, signal, sys
+import numpy as np, orbax_flax as ofx
+d = sys.argv[1]
+with ofx.CheckpointManager(d, ofx.CheckpointPolicy(async_save=False)) as m:
+  for s in range(1, 41):
+    m.save(s, {"state": {"w": np.full(4, s)}}, force=True)
+m = ofx.CheckpointManager(d)
+m.restore(5)                                     # a loss spike: back to step 5
+m.save(6, {"state": {"w": np.full(4, -6)}}, force=True)
+m.wait_for_save()                                # step 6 of the new run is committed
+os.kill(os.getpid(), signal.SIGKILL)             # and the job dies (OOM, a lost node)
+"""
+
+
+def test_a_rollback_holds_from_its_first_commit_when_the_job_is_killed_right_after(tmp_path):
+  """rollback_kill_after_first_commit: the steps a rollback abandons are deleted after the
+  new run's first commit, in the background, oldest first; a job killed in between
+  restarted on [5, 6, ..., 40] and resumed step 40 of the abandoned run."""
+  d = str(tmp_path / "run")
+  p = subprocess.run([sys.executable, "-c", _KILLED_AFTER_ROLLBACK, d], env=jobs.env_for(1),
+                     capture_output=True, text=True, timeout=300, check=False)
+  assert p.returncode == -9, p.stderr[-3000:]
+  with ofx.CheckpointManager(d) as m:
+    assert m.all_steps() == [1, 2, 3, 4, 5, 6] and m.latest_step() == 6
+    assert m.restore()["state"]["w"].tolist() == [-6] * 4
+    m.save(7, {"state": {"w": np.full(4, -7)}}, force=True)  # the writer deletes the rest
+  assert sorted(int(n) for n in os.listdir(d) if n.isdigit()) == list(range(1, 8))
+  assert not os.path.exists(os.path.join(d, ".rollbacks"))
+
+
+@pytest.mark.parametrize("differential", [False, True])
+def test_a_rollback_holds_while_an_evaluator_reads_a_step_it_abandons(tmp_path, differential):
+  """rollback_abandoned_step_kept_by_evaluator_lease: an evaluator read step 30 when the run
+  rolled back to 10 committed; 30 was kept for it and never deleted, and after the job the
+  directory's latest step was the abandoned 30 (a resume continued the abandoned run)."""
+  d = str(tmp_path)
+  policy = ofx.CheckpointPolicy(differential=differential, async_save=False)
+  with ofx.CheckpointManager(d, policy) as m:
+    for s in (10, 20, 30):
+      m.save(s, items(s), force=True)
+  evaluator = ofx.checkpoints_iterator(d, timeout=0)
+  assert [next(evaluator) for _ in range(3)] == [10, 20, 30]  # it reads 30 (its reader lease)
+  with ofx.CheckpointManager(d, policy) as m:
+    m.restore(10)
+    m.save(11, items(11), force=True)
+    m.save(20, items(200), force=True)  # the new run's own step 20 replaces the abandoned one
+    m.wait()
+    assert m.all_steps() == [10, 11, 20]
+  assert os.path.isdir(os.path.join(d, "30"))  # still there: the evaluator reads it
+  with ofx.CheckpointManager(d, policy) as m:  # the job restarts (or any reader)
+    assert m.all_steps() == [10, 11, 20] and m.latest_step() == 20
+    assert restores_as(m.step_path(20), items(200))
+  assert list(ofx.checkpoints_iterator(d, timeout=0)) == [10, 11, 20]  # a new evaluator too
+  evaluator.close()  # done with 30: its lease goes
+  with ofx.CheckpointManager(d, policy) as m:  # the next writer deletes it
+    m.save(21, items(21), force=True)
+  assert sorted(int(n) for n in os.listdir(d) if n.isdigit()) == [10, 11, 20, 21]
+  assert not os.path.exists(os.path.join(d, ".rollbacks"))
+  for s, tag in ((10, 10), (11, 11), (20, 200), (21, 21)):
+    assert restores_as(os.path.join(d, str(s)), items(tag)), s

@@ -31,15 +31,27 @@ hand). A crash between the commit and the index write leaves a committed step
 out of the index until the directory's writer next starts (:func:`reindex`,
 run only under the writer lease, from a listing taken under it), like a
 hand-made step.
+
+A rollback (a restore of an older step, then saves from it) abandons the steps
+above it, and their deletion comes after the new run's first commit, in the
+background, and waits for evaluators that read them. So that a committed
+rollback holds from the instant of that commit, whatever happens to the
+deletions (a kill, an evaluator's lease), the directory records it:
+:data:`ROLLBACKS` holds a :class:`RollbackRecord` per rollback whose abandoned
+steps may still be on storage, written before the new run's first save
+commits; the manager hides the steps it abandons from every listing
+(:func:`orbax_flax.manager.registry.abandoned_steps`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import os
 import shutil
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from orbax_flax.core import _location
 from orbax_flax.format import _manifest
@@ -58,6 +70,7 @@ RETIRED_KEY = "_RETIRED"  # a retired step's manifest (its _CHECKPOINT renamed):
 RETIRED = ".ofx-base-"     # <dir>.ofx-base-<generation>: retired data moved aside for a new <dir>
 INDEX = "_steps"  # on object stores: one empty key per committed step
 TIMELINE = ".timeline"  # the timeline of a directory's run before its first step commits
+ROLLBACKS = ".rollbacks"  # JSON: the rollbacks whose abandoned steps may still be on storage
 # Key names that orbax-checkpoint writes inside a step and orbax_flax never does (ours are
 # _CHECKPOINT, manifest.ocdbt and d/<hash>): its commit marker on object stores, its step
 # metadata, and its pytree item's metadata and shardings (an unfinished or half-deleted step of
@@ -119,6 +132,67 @@ def first_timeline(loc: Location) -> str:
   timeline = uuid.uuid4().hex
   _location.write_key(loc, TIMELINE, timeline.encode())
   return timeline
+
+
+@dataclasses.dataclass(frozen=True)
+class RollbackRecord:
+  """A rollback: the new run's ``timeline`` and the checkpoints of older runs it abandons.
+
+  Written by the directory's writer when the new run starts each save before its
+  first commit (``saves``: those steps). It is in force once one of ``saves`` is
+  committed with ``timeline`` in its manifest, or once ``committed`` (the writer
+  saw that commit and said so, so that the record holds after those saves are
+  deleted in turn). While in force, each ``(step, generation)`` of ``abandons``
+  still on storage (the manifest of ``step`` has that ``generation``: the very
+  save abandoned, "" for one whose manifest could not be read) is no step of the
+  directory; a later save of the same step number is. A record not in force is a
+  rollback whose run never committed (a crash before its first commit): the
+  abandoned run goes on.
+
+  Example:
+    >>> import tempfile
+    >>> loc = Location.parse(tempfile.mkdtemp())
+    >>> write_rollbacks(loc, [RollbackRecord("ab12", saves=(11,), abandons=((20, "9f"),))])
+    >>> read_rollbacks(loc)
+    [RollbackRecord(timeline='ab12', saves=(11,), abandons=((20, '9f'),), committed=False)]
+    >>> write_rollbacks(loc, []); read_rollbacks(loc)
+    []
+  """
+  timeline: str
+  saves: tuple[int, ...]
+  abandons: tuple[tuple[int, str], ...]
+  committed: bool = False
+
+
+def read_rollbacks(loc: Location) -> list[RollbackRecord]:
+  """The :data:`ROLLBACKS` records of the directory ``loc`` (none if it has none).
+
+  A record that cannot be parsed is ignored, with a WARNING: it can only make
+  steps of an abandoned run visible again, never hide a step of the run going on.
+  """
+  data = _location.read_key(loc, ROLLBACKS, max_bytes=8 << 20)
+  if not data:
+    return []
+  try:
+    records = [RollbackRecord(str(r["timeline"]), tuple(int(s) for s in r["saves"]),
+                              tuple((int(s), str(g)) for s, g in r["abandons"]),
+                              bool(r["committed"]))
+               for r in json.loads(data)]
+  except (ValueError, TypeError, KeyError) as e:
+    logging.getLogger("orbax_flax").warning(
+        "%s/%s cannot be read (%s): ignored; steps of a run a rollback abandoned may be listed"
+        " again until they are deleted", loc, ROLLBACKS, e)
+    return []
+  return records
+
+
+def write_rollbacks(loc: Location, records: Sequence[RollbackRecord]) -> None:
+  """Replaces the :data:`ROLLBACKS` records of ``loc`` atomically (none: removes the key)."""
+  if not records:
+    _location.delete_key(loc, ROLLBACKS)
+    return
+  _location.write_key(loc, ROLLBACKS, json.dumps([dataclasses.asdict(r) for r in records],
+                                                  sort_keys=True).encode())
 
 
 def is_parked(path: str) -> bool:

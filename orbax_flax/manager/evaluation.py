@@ -24,6 +24,7 @@ from typing import Any
 
 from orbax_flax import errors
 from orbax_flax.manager import leases
+from orbax_flax.manager import registry
 from orbax_flax.engine import restoring
 from orbax_flax.format import step_dir
 from orbax_flax.core._location import Location
@@ -87,6 +88,7 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
     step = None
     while step is None:
       steps, leftovers = step_dir.list_steps(loc)
+      steps = registry.visible_steps(loc, steps)  # not those a committed rollback abandoned
       newer = [s for s in steps if last is None or s > last]
       if newer:
         step = newer[0]

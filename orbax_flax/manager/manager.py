@@ -310,6 +310,8 @@ class CheckpointManager:
     now = self._clock()
     run = self._rollback.run()  # a save after a rollback: its commit ends the old run
     custom = step_metadata(step, decided, now, metrics, items, custom_metadata, self.timeline)
+    if run is not None:
+      self._rollback.record(step, run)
     if local_copy:
       custom["local_copy"] = str(local_copy)
     start, handle = time.perf_counter(), None

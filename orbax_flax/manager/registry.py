@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -158,6 +159,13 @@ class StepRegistry:
     self._later: set[int] = set()
     self._infos: dict[int, policy_lib.StepInfo] = {}
     self._leftovers: list[step_dir.Leftover] = []
+    # The directory's rollback records (step_dir.ROLLBACKS), as last read or written here;
+    # and, from the last listing, those records as they stand (settled) and the listed steps
+    # they abandon. Written only by the writer, under _records_lock.
+    self._records_lock = threading.Lock()
+    self._records: list[step_dir.RollbackRecord] = []
+    self._settled: list[step_dir.RollbackRecord] = []
+    self._abandoned: set[int] = set()
     self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-delete")
     self._deletions: list[concurrent.futures.Future] = []
     self.reload(full=True)  # a step committed but not yet indexed is this job's newest
@@ -213,10 +221,17 @@ class StepRegistry:
       self._lease.acquire()
       try:
         self._tidy()
+        self._settle_rollbacks()
       except BaseException:
         self._lease.release()
         raise
     self._writer = True
+    with self._lock:
+      abandoned = self._abandoned & self._deleting
+    if abandoned:
+      log.info("%s: deleting step(s) %s, abandoned by a rollback whose run has committed",
+               self._dir, short(sorted(abandoned)))
+      self.delete(abandoned)
 
   @property
   def is_writer(self) -> bool:
@@ -238,9 +253,17 @@ class StepRegistry:
 
   def reload(self, *, full: bool = False) -> None:
     """Re-lists the directory (other jobs may have changed it); ``full``: every key of an
-    object store, not its step index (see :mod:`orbax_flax.format.step_dir`)."""
+    object store, not its step index (see :mod:`orbax_flax.format.step_dir`). Steps that a
+    committed rollback abandoned are not listed (:func:`abandoned_steps`): they are doomed,
+    deleted by the directory's writer."""
     steps, leftovers = step_dir.list_steps(self._dir, full=full)
+    records = step_dir.read_rollbacks(self._dir)
+    abandoned, settled = abandoned_steps(self._dir, steps, records)
+    with self._records_lock:
+      self._records, self._settled = records, settled
     with self._lock:
+      self._abandoned = abandoned
+      self._deleting |= abandoned
       self._steps = set(steps) - self._deleting
       self._infos = {s: i for s, i in self._infos.items() if s in self._steps}
       if full or self._dir.is_local:  # an object store's step index names no leftovers
@@ -305,6 +328,61 @@ class StepRegistry:
     return errors.CheckpointNotFoundError(
         f"step {step} is not a committed checkpoint in {self._dir}; committed steps:"
         f" {short(self.committed())}")
+
+  # ------------------------------------------------------------------ rollback records
+
+  def _settle_rollbacks(self) -> None:
+    """The writer, at its start (under its lease, from the listing taken under it, none of
+    its saves started): the records in force are marked committed, those of a run that never
+    committed are dropped (its rollback did not happen)."""
+    with self._records_lock:
+      if self._settled != self._records:
+        step_dir.write_rollbacks(self._dir, self._settled)
+        self._records = list(self._settled)
+
+  def record_rollback(self, timeline: str, step: int, abandons: Iterable[int]) -> None:
+    """A save of ``step`` starts in the run of a rollback (``timeline``) that has not
+    committed yet: recorded before anything of it is written, so that its commit alone
+    makes the rollback hold (:class:`~orbax_flax.format.step_dir.RollbackRecord`). Only
+    where this process deletes (the writer's process 0)."""
+    if not self._deletes:
+      return
+    with self._records_lock:
+      old = next((r for r in self._records if r.timeline == timeline), None)
+      known = dict(old.abandons) if old else {}
+      for s in sorted(set(abandons) - set(known)):  # which save of it: its generation
+        generation = _generation_of(self._dir, s)
+        if generation is not None:
+          known[s] = generation
+      record = step_dir.RollbackRecord(
+          timeline, tuple(sorted({*(old.saves if old else ()), step})), tuple(sorted(known.items())))
+      records = [r for r in self._records if r.timeline != timeline] + [record]
+      step_dir.write_rollbacks(self._dir, records)
+      self._records = records
+
+  def end_rollback(self, timeline: str, *, committed: bool) -> None:
+    """The run of the rollback ``timeline`` committed (its record then holds whatever
+    happens to its saves), or the rollback was called off (its record goes)."""
+    if not self._deletes:
+      return
+    with self._records_lock:
+      records = [dataclasses.replace(r, committed=True) if r.timeline == timeline else r
+                 for r in self._records if committed or r.timeline != timeline]
+      if records != self._records:
+        step_dir.write_rollbacks(self._dir, records)
+        self._records = records
+
+  def _prune_rollbacks(self) -> None:
+    """Drops the committed records none of whose abandoned steps is still to be deleted
+    here or being saved again (then it is on storage as it was until that save commits)."""
+    with self._lock:
+      pending = self._deleting | self._later | self._deferred | self.writes.steps()
+    with self._records_lock:
+      records = [r for r in self._records
+                 if not r.committed or pending & {s for s, _ in r.abandons}]
+      if records != self._records:
+        step_dir.write_rollbacks(self._dir, records)
+        self._records = records
 
   # ------------------------------------------------------------------ changes
 
@@ -411,6 +489,7 @@ class StepRegistry:
       with self._lock:  # what is still doomed is tried again at the next deletion
         self._later |= set(steps) & self._deleting
       raise
+    self._prune_rollbacks()
     self.sweep()
 
   def _delete_now(self, steps: list[int]) -> None:
@@ -550,6 +629,7 @@ class Rollback:
     self._count = 0  # rollbacks so far (their coordination keys)
     # Earlier rollbacks whose run still has a save in flight: id -> the steps they abandoned.
     self._earlier: dict[int, set[int]] = {}
+    self._timelines: dict[int, str] = {}  # rollback id -> the timeline of its run
 
   def active(self) -> bool:
     """Whether a rollback waits for this run's first commit."""
@@ -564,6 +644,16 @@ class Rollback:
     """
     with self._lock:
       return self._count if self.to is not None else None
+
+  def record(self, step: int, run: int) -> None:
+    """A save of ``step`` starts in the run of rollback ``run`` (:meth:`run`): recorded in the
+    directory before anything of it is written (:meth:`StepRegistry.record_rollback`), so
+    that its commit alone ends the abandoned run, even if the job is killed before the
+    abandoned steps are deleted."""
+    with self._lock:
+      abandoned = set(self._abandoned if run == self._count else self._earlier.get(run, ()))
+      timeline = self._timelines[run]
+    self._registry.record_rollback(timeline, step, abandoned)
 
   def knows(self, step: int) -> tuple[bool, bool]:
     """(committed, of the abandoned run) for ``step``, from one view."""
@@ -627,6 +717,7 @@ class Rollback:
       if newer and inflight is not None and inflight > step:
         newer.add(inflight)  # a save of the abandoned run still in flight belongs to it too
       cancelled = not newer and self.to is not None
+      called_off = self._timelines.get(self._count) if cancelled else None
       if newer and self.to is not None and inflight is not None:
         # The earlier rollback's run may commit its save in flight after this: that commit
         # still ends the earlier rollback (its abandoned steps go), not this one.
@@ -646,12 +737,16 @@ class Rollback:
                inflight)
     if cancelled:
       self._timeline = None  # the latest step's again (read when next asked)
+      if called_off is not None:
+        self._registry.end_rollback(called_off, committed=False)
       log.info("restored step %d, the latest of %s: the earlier rollback is called off, no"
                " step is abandoned", step, self._dir)
     if not newer:
       return
     self._timeline = _multihost.broadcast(f"{self._key}/timeline/{count}", uuid.uuid4().hex,
                                           self._timeout_s)
+    with self._lock:
+      self._timelines[count] = self._timeline
     log.info("rollback to step %d: new timeline %s (local-tier steps of the old one are"
              " not resumed)", step, self._timeline)
     log.info("restored step %d of %s, older than the latest (%d): saves of this run replace"
@@ -662,23 +757,100 @@ class Rollback:
     """Commits ``info.step`` (a save started in ``run``, :meth:`run`) to the registry; returns
     the abandoned steps that go with it."""
     gone: set[int] = set()
+    ended = None  # the timeline of the rollback this commit ends
     with self._lock:
       if run is not None and run == self._count and self.to is not None:
         # this run's first commit after the rollback it started in
         gone = self._abandoned - {info.step}
         self.to, self._abandoned = None, set()
         self._earlier.clear()
+        ended = self._timelines.get(run)
       else:
         if run is not None and run in self._earlier:  # an earlier rollback's run: its end
           gone = self._earlier.pop(run) - {info.step}
           self._abandoned -= gone
+          ended = self._timelines.get(run)
         if self.to is not None and info.step > self.to:
           self._abandoned.add(info.step)  # a save of an abandoned run that was in flight
       self._registry.add(info, dropping=gone)
+    if ended is not None:
+      self._registry.end_rollback(ended, committed=True)
     if gone:
       log.info("rolled back: removing step(s) %s of the abandoned run now that step %d of"
                " this run is committed", sorted(gone), info.step)
     return gone
+
+
+def abandoned_steps(directory: Location, steps: Iterable[int],
+                    records: Sequence[step_dir.RollbackRecord],
+                    ) -> tuple[set[int], list[step_dir.RollbackRecord]]:
+  """The listed ``steps`` of ``directory`` that a committed rollback abandoned, and the
+  rollback ``records`` as they stand.
+
+  Such a step is still on storage (its deletion comes after the rollback's commit, and
+  waits for evaluators that read it) but is no step of the directory: "latest", the keep
+  rules and a resume follow the new run from the instant it commits. The records as they
+  stand: those in force marked ``committed``; those whose run never committed, and those
+  none of whose abandoned checkpoints is still on storage, dropped. Reads the manifest
+  summary of the records' steps only (none without records).
+
+  Example:
+    >>> import tempfile
+    >>> abandoned_steps(Location.parse(tempfile.mkdtemp()), [10, 20], [])
+    (set(), [])
+  """
+  steps = set(steps)
+  summaries: dict[int, restoring.Summary | None] = {}
+
+  def summary_of(step: int) -> restoring.Summary | None:
+    if step not in summaries:
+      try:
+        summaries[step] = restoring.read_summary(directory.join(str(step)))
+      except (errors.CheckpointError, OSError):
+        summaries[step] = None  # unreadable
+    return summaries[step]
+
+  abandoned, settled = set(), []
+  for r in records:
+    if not r.committed and not any(
+        s in steps and summary_of(s) is not None
+        and str(summary_of(s).custom.get("timeline", "")) == r.timeline for s in r.saves):
+      continue  # the rollback's run never committed: the run it would abandon goes on
+    hidden = {s for s, generation in r.abandons if s in steps and generation == (
+        "" if summary_of(s) is None else summary_of(s).generation)}
+    if hidden:
+      settled.append(dataclasses.replace(r, committed=True))
+      abandoned |= hidden
+  return abandoned, settled
+
+
+def visible_steps(directory: Location, steps: Iterable[int]) -> list[int]:
+  """``steps`` listed in ``directory`` (by :func:`~orbax_flax.format.step_dir.list_steps`) as
+  its manager lists them: without those a committed rollback abandoned. What a reader
+  that lists the directory itself (an evaluator, ``init_from``) takes for its steps.
+
+  Example:
+    >>> import tempfile
+    >>> visible_steps(Location.parse(tempfile.mkdtemp()), [10, 20])
+    [10, 20]
+  """
+  steps = sorted(steps)
+  records = step_dir.read_rollbacks(directory)
+  if not records:
+    return steps
+  abandoned, _ = abandoned_steps(directory, steps, records)
+  return [s for s in steps if s not in abandoned]
+
+
+def _generation_of(directory: Location, step: int) -> str | None:
+  """The generation of the save committed as ``step`` (None: there is none; "": its manifest
+  cannot be read)."""
+  try:
+    return restoring.read_summary(directory.join(str(step))).generation
+  except errors.CheckpointNotFoundError:
+    return None
+  except (errors.CheckpointError, OSError):
+    return ""
 
 
 def info_from_summary(step: int, summary: restoring.Summary) -> policy_lib.StepInfo:

@@ -37,6 +37,7 @@ from orbax_flax.format import step_dir
 from orbax_flax.core._location import Location
 from orbax_flax.format._manifest import Manifest
 from orbax_flax.formats import orbax_checkpoint
+from orbax_flax.manager import registry
 
 
 def load(text: str, name: str, target: Any, ckptr: checkpointer.Checkpointer, *,
@@ -142,7 +143,7 @@ def _checkpoint_in(source: str, text: str) -> Location:
     if legacy and orbax_checkpoint.detect(candidate.join(legacy[-1][1])):
       return candidate.join(legacy[-1][1])
     try:
-      steps, _ = step_dir.list_steps(candidate)
+      steps = registry.visible_steps(candidate, step_dir.list_steps(candidate)[0])
     except NotADirectoryError:
       break
     if steps:
