@@ -541,6 +541,24 @@ def test_a_transient_full_disk_on_one_process_costs_one_local_save(tmp_path):
           10: ["COMMITTED", "own.blob", f"replica-{1 - p}.blob"]}, p
 
 
+def test_a_commit_failing_on_one_process_fails_everywhere_and_keeps_the_older_step(tmp_path):
+  """No replicas; at step 6 process 1's disk has room for its blob, not for its COMMITTED
+  record. Every process must fail the step (process 0 committed it and removed step 4, then
+  the restart found no step both held and started from scratch)."""
+  local_dir, workdir = tmp_path / "local", tmp_path / "run"
+  run = str(workdir / "checkpoints")
+  flags = ["--save_interval_steps=1000", "--on_save_error=warn", "--replicas=0"]
+  with disks.small_disk(proc_dir(local_dir, 1, run), "1m"):
+    out = _launch(workdir, local_dir, 6, n=2, devices=1,
+                  extra=[*flags, "--fill_at=6", "--fill_leave=blob"])
+    for p in (0, 1):  # the same verdict on both
+      assert re.search(rf"\[{p}\] .*local save of step 6: not every process could commit it",
+                       out), out[-4000:]
+    assert all(_local_steps(local_dir, run, p) == {4: ["COMMITTED", "own.blob"]} for p in (0, 1))
+    out = _launch(workdir, local_dir, 8, n=2, devices=1, extra=flags)
+    assert out.count("RESUMED 4 4.0") == 2, out[-4000:]
+
+
 def test_three_processes_fall_back_together_from_a_damaged_local_header(tmp_path):
   """Process 1's own copy of the newest local step has a zeroed header, and the peer replica of
   it is damaged too: every process learns it at once, tries the replica, then reads the

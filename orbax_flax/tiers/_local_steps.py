@@ -103,14 +103,25 @@ class StepDirectory:
       out[record.step] = record
     return out, damaged
 
-  def commit(self, step: int, timeline: str, process_count: int, max_to_keep: int,
-             save_id: str) -> None:
-    """Writes ``step``'s record (the next commit in order), then prunes to ``max_to_keep``."""
+  def commit(self, step: int, timeline: str, process_count: int, save_id: str) -> None:
+    """Makes the step written in ``dir(step) + TMP`` committed here, the newest commit.
+
+    The directory is renamed into place (replacing a step of the same number: one of a
+    timeline a rollback abandoned), then its record is written atomically, so that a
+    step has a whole record or none. Pruning older steps is the caller's, once every
+    process has committed.
+
+    Raises:
+      OSError: the step is not committed here (:meth:`discard` removes what is left).
+    """
     records, _ = self.records()
     seq = 1 + max((r.seq for r in records.values()), default=0)
-    write(os.path.join(self.dir(step), COMMITTED),
+    final = self.dir(step)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(final + TMP, final)
+    write(os.path.join(final, COMMITTED),
           StepRecord(step, self.run, timeline, seq, process_count, save_id).encode())
-    self.prune(max_to_keep)
+    _location.fsync_dir(self.root)  # the rename
 
   def discard(self, step: int) -> None:
     """Removes ``step`` here, committed or not, and its directory still being written; its
@@ -214,8 +225,20 @@ class Sink:
 
 
 def write(path: str, data: bytes) -> None:
-  """Writes ``data`` to ``path`` and makes it durable (fsync)."""
-  with open(path, "wb") as f:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
+  """Writes ``data`` to ``path`` atomically and durably: a reader finds all of it or nothing.
+
+  Written and fsynced beside ``path`` first, renamed over it, then its directory fsynced
+  (the rename, and the directory's own, made durable).
+  """
+  tmp = path + TMP
+  try:
+    with open(tmp, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except OSError:
+    with contextlib.suppress(OSError):
+      os.unlink(tmp)
+    raise
+  _location.fsync_dir(os.path.dirname(path))

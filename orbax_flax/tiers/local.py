@@ -8,8 +8,9 @@ Layout (``docs/format.md``), per run and process, never read by another run or p
     own.blob             this process's shards (:mod:`orbax_flax.tiers._blob`): a
                          header, the sealed (SHA-256) index, the bytes (CRC-32C each 16 MiB)
     replica-<q>.blob     the same blob of process q (received with a JAX collective)
-    COMMITTED            a sealed record (run, timeline, commit order), written once every
-                         process reported its part durable
+    COMMITTED            a sealed record (run, timeline, commit order), written (atomically)
+                         once every process reported its part durable; older steps are
+                         removed once every process reported its record written
 ```
 
 A step counts only once ``COMMITTED`` exists: every process (and its replicas)
@@ -172,12 +173,6 @@ class LocalTier:
         if reader is not None:
           reader.close()
       error = error or sink.close()
-    if not error:
-      try:
-        shutil.rmtree(self.steps.dir(step), ignore_errors=True)
-        os.rename(tmp, self.steps.dir(step))
-      except OSError as e:
-        error = f"{type(e).__name__}: {e}"
     # Every process offers a save id with its verdict; process 0's is the step's.
     verdicts = [json.loads(v) for v in _multihost.all_gather(
         f"{key}/done", json.dumps([error, uuid.uuid4().hex[:16]]), self.timeout,
@@ -188,11 +183,25 @@ class LocalTier:
       self.steps.discard(step)
       raise errors.StorageError(f"local save of step {step} failed; it does not count:\n  "
                                 + "\n  ".join(failed))
+    # Every part is durable. Each process commits its own, and all learn that every process
+    # did before any removes an older step: a step one process could not commit counts
+    # nowhere, and the older ones are then what a restore reads.
+    error = ""
     try:
-      self.steps.commit(step, timeline, n, self.max_to_keep, save_id)
-    except OSError as e:  # this process's copy does not count: a restore finds it uncommitted
-      raise errors.StorageError(f"local save of step {step}: process {me} could not commit it"
-                                f" ({type(e).__name__}: {e})") from e
+      self.steps.commit(step, timeline, n, save_id)
+    except OSError as e:
+      error = f"{type(e).__name__}: {e}"
+    failed = [f"process {p}: {v}" for p, v in enumerate(_multihost.all_gather(
+        f"{key}/committed", error, self.timeout, what=f"commit local step {step}")) if v]
+    if failed:
+      self.steps.discard(step)
+      raise errors.StorageError(f"local save of step {step}: not every process could commit"
+                                " it; it does not count:\n  " + "\n  ".join(failed))
+    try:
+      self.steps.prune(self.max_to_keep)
+    except OSError as e:  # the step is committed everywhere; an older one stays a while
+      log.warning("local tier: cannot remove older local steps in %s (%s: %s); the next save"
+                  " tries again", self.root, type(e).__name__, e)
     return save_id
 
   def holdings(self, timeline: str | None = None,
