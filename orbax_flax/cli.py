@@ -229,12 +229,19 @@ def cmd_convert(argv: list[str], out) -> int:
   parser.add_argument("--dtype", default=None, help="convert floating arrays, e.g. bfloat16")
   parser.add_argument("--max_shard_bytes", type=int, default=5 << 30,
                       help="safetensors: the most bytes per file (default 5 GiB)")
-  parser.add_argument("--overwrite", action="store_true")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="replace DST if it is an orbax_flax checkpoint, an earlier export of"
+                      " this format or an empty directory (anything else there is refused)")
   args = parser.parse_args(argv)
   from orbax_flax.engine import converting
-  print(converting.convert(args.src, args.dst, format=args.format, dtype=args.dtype,
-                           max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite),
-        file=out)
+  try:
+    written = converting.convert(args.src, args.dst, format=args.format, dtype=args.dtype,
+                                 max_shard_bytes=args.max_shard_bytes, overwrite=args.overwrite)
+  except (ValueError, TypeError, errors.CheckpointExistsError) as e:
+    # The library names its argument, overwrite=True; here it is the flag.
+    print(f"error: {one_line(e).replace('overwrite=True', '--overwrite')}", file=sys.stderr)
+    return EXIT_MISSING
+  print(written, file=out)
   return EXIT_OK
 
 

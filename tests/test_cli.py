@@ -250,3 +250,22 @@ def test_convert_onto_a_step_others_borrow_from_keeps_their_data(tmp_path, fmt):
   aside = [n for n in os.listdir(root) if ".ofx-" in n]
   assert len(aside) == 1 and aside[0].startswith("0.ofx-base-"), aside
   assert os.path.exists(os.path.join(root, aside[0], "_RETIRED"))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "orbax"])
+def test_convert_overwrite_onto_a_run_directory_is_refused_naming_the_flag(tmp_path, fmt):
+  """`convert STEP RUN --format safetensors|orbax --overwrite` (RUN for RUN/export, a typo)
+  deleted the whole run directory; it is refused, as --format orbax_flax refuses it, and the
+  messages name the flag --overwrite, not the library's overwrite=True."""
+  run_dir = str(tmp_path / "run")
+  with ofx.CheckpointManager(run_dir, ofx.CheckpointPolicy(save_interval_steps=1)) as mngr:
+    for step in (1, 2):
+      mngr.save(step, {"s": {"w": np.full(4, step, np.float32)}})
+  rc, out = run("convert", os.path.join(run_dir, "2"), run_dir, f"--format={fmt}", "--overwrite")
+  assert rc == 2 and f"{run_dir} exists and is not an earlier" in out, out
+  assert "even with --overwrite" in out and "overwrite=True" not in out, out
+  assert sorted(os.listdir(run_dir)) == ["1", "2"]
+  assert ofx.restore(os.path.join(run_dir, "1"))["s"]["w"].tolist() == [1.0] * 4
+  rc, out = run("convert", os.path.join(run_dir, "2"), os.path.join(run_dir, "1"),
+                f"--format={fmt}")
+  assert rc == 2 and "exists; pass --overwrite to replace it" in out, out

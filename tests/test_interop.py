@@ -375,6 +375,59 @@ def test_a_failed_export_leaves_nothing_behind(tmp_path, fmt):
   assert [x.tobytes() for x in got] == [w.tobytes()]
 
 
+def _files_under(root):
+  """Every path under ``root`` with its bytes (None for a directory): what is there."""
+  out = {}
+  for d, dirs, files in os.walk(root):
+    for name in dirs:
+      out[os.path.relpath(os.path.join(d, name), root)] = None
+    for name in files:
+      with open(os.path.join(d, name), "rb") as f:
+        out[os.path.relpath(os.path.join(d, name), root)] = f.read()
+  return out
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "orbax"])
+def test_an_export_with_overwrite_replaces_only_an_export_a_checkpoint_or_nothing(tmp_path, fmt):
+  """``overwrite=True`` commits the export where ``path`` was, and what was there goes: it
+  deleted a CheckpointManager's run directory or a project's files pointed at by mistake, and
+  swapped a file for the export, leaving ``<path>.ofx-tmp-export``. Now anything but an empty
+  directory, an orbax_flax checkpoint or an earlier export of the same format is refused
+  before anything is written, naming the path and what is there."""
+  export = ofx.export_safetensors if fmt == "safetensors" else ofx.export_orbax
+  other = ofx.export_orbax if fmt == "safetensors" else ofx.export_safetensors
+  tree = {"w": np.arange(4, dtype=np.float32)}
+  keep = tmp_path / "keep"
+  run = str(keep / "run")
+  with ofx.CheckpointManager(run, ofx.CheckpointPolicy(save_interval_steps=1)) as m:
+    for step in (1, 2):
+      m.save(step, {"s": {"w": np.zeros(4, np.float32)}})
+  (keep / "project").mkdir()
+  (keep / "project" / "notes.txt").write_text("precious")
+  (keep / "model.bin").write_bytes(b"weights")
+  other(str(keep / "other_format"), tree)
+  ofx.export_orbax(str(keep / "orbax_run"), tree, step=3)  # an orbax run: steps, no item
+  before = _files_under(keep)
+  for name, there in [("run", "holds 1, 2"), ("project", "holds notes.txt"),
+                      ("model.bin", "is a file"), ("other_format", "holds "),
+                      ("orbax_run", "holds 3")]:
+    for overwrite in (True, False):
+      with pytest.raises(ValueError, match=re.escape(f"{keep / name} exists and is not an earlier")
+                         + f"(.|\n)*: it {there}(.|\n)*even with overwrite=True"):
+        export(str(keep / name), tree, overwrite=overwrite)
+  assert _files_under(keep) == before
+  assert sorted(os.listdir(tmp_path)) == ["keep"]
+  # What overwrite replaces: an empty directory, an earlier export, one of our checkpoints.
+  (tmp_path / "empty").mkdir()
+  ofx.save(str(tmp_path / "ckpt"), {"s": {"w": np.zeros(4, np.float32)}})
+  export(str(tmp_path / "earlier"), {"w": np.zeros(4, np.float32)})
+  for name in ("empty", "earlier", "ckpt"):
+    export(str(tmp_path / name), tree, overwrite=True)
+    (got,) = ofx.restore(str(tmp_path / name)).values()
+    np.testing.assert_array_equal(got["w"], tree["w"])
+  assert sorted(os.listdir(tmp_path)) == ["ckpt", "earlier", "empty", "keep"]
+
+
 def test_export_from_two_processes_writes_owned_shards(tmp_path):
   d = str(tmp_path / "export")
   res = jobs.run("interop_worker.py", ["--mode=export", f"--path={d}"], 2, 4).check()

@@ -41,7 +41,9 @@ import tensorstore as ts
 from orbax_flax.core import _multihost
 from orbax_flax.engine import _selecting
 from orbax_flax.core import _tree
+from orbax_flax.core._location import Location
 from orbax_flax.formats import _checks
+from orbax_flax.formats import orbax_checkpoint
 from orbax_flax.formats import safetensors_export
 
 _HANDLER = "orbax.checkpoint._src.handlers.standard_checkpoint_handler.StandardCheckpointHandler"
@@ -202,6 +204,13 @@ def _sharding_entry(value: Any) -> str | None:
   return None
 
 
+def _is_orbax_export(path: str) -> bool:
+  """Whether the directory ``path`` is an orbax-checkpoint item or step (``_METADATA`` or
+  ``_CHECKPOINT_METADATA``), what :func:`export_orbax` writes; a run directory of steps
+  is not one."""
+  return orbax_checkpoint.detect(Location.parse(path))
+
+
 def _write_json(path: str, value: Any) -> None:
   with open(path, "w", encoding="utf-8") as fh:
     json.dump(value, fh)
@@ -237,7 +246,9 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     step: write ``<path>/<step>/<item>``, a step of a ``CheckpointManager``.
     item: the item's name in the step (``default`` is what a
       ``CheckpointManager`` without item names restores).
-    overwrite: replace what is there (only after the new one is complete).
+    overwrite: replace what is there (only after the new one is complete): an
+      empty directory, an orbax_flax checkpoint, or an orbax-checkpoint item or
+      step; anything else there (a run directory, someone's files) is refused.
     coordination_timeout_seconds: how long a process waits for the others.
     select: write only a part of ``tree``, named as ``init_from`` names it:
       ``"params"``, several joined by ``,`` (``"params,batch_stats"``); a
@@ -250,8 +261,10 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
 
   Raises:
     ValueError: a leaf orbax cannot hold (PRNG keys: export their key data),
-      two leaves with one stored name, or the directory exists without
-      ``overwrite``; raised before anything is written.
+      two leaves with one stored name, the directory exists without
+      ``overwrite``, or it holds something an export may not replace even with
+      ``overwrite`` (:func:`orbax_flax.formats.safetensors_export.check_destination`);
+      raised before anything is written.
     CheckpointCorruptedError: a source array failed its checksum while it was
       read (the export stops; nothing is committed, ``dst`` stays as it was).
     StorageError: writing failed on some process (e.g. the disk is full);
@@ -275,9 +288,7 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
   if not item or "/" in item or item in (".", ".."):
     raise ValueError(f"item={item!r}; give a plain directory name such as 'default'")
   final = path if step is None else os.path.join(path, str(step))
-  if os.path.exists(final) and not overwrite:
-    raise ValueError(f"{final} exists; pass overwrite=True to replace it (the old one stays"
-                     " until the new one is complete)")
+  safetensors_export.check_destination(final, overwrite, "orbax-checkpoint", _is_orbax_export)
   tmp = final + _TMP
   item_dir = tmp if step is None else os.path.join(tmp, item)
   key = _multihost.namespace("export-orbax", final, coordination_timeout_seconds)

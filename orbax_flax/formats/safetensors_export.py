@@ -11,6 +11,7 @@ every process can write.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from orbax_flax.engine import _selecting
 from orbax_flax.core import _tree
 from orbax_flax.core._location import Location
 from orbax_flax.differential import refs
+from orbax_flax.format import _manifest
 from orbax_flax.formats import _checks
 from orbax_flax.formats import _cbytes
 from orbax_flax.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, dtype_name
@@ -120,7 +122,9 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
       (``("params", "Dense_0", "kernel")`` -> ``params.Dense_0.kernel``).
     metadata: strings for the header's ``__metadata__`` (default
       ``{"format": "pt"}``, which ``transformers`` loaders require).
-    overwrite: replace an existing ``path`` (only after the new one is complete).
+    overwrite: replace an existing ``path`` (only after the new one is complete):
+      an empty directory, an orbax_flax checkpoint or an earlier safetensors
+      export; anything else there is refused.
     coordination_timeout_seconds: how long a process waits for the others.
     select: write only a part of ``tree``, named as ``init_from`` names it:
       ``"params"``, ``"params/decoder"``, several joined by ``,``
@@ -130,8 +134,10 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
     The file names written, in order.
 
   Raises:
-    ValueError: a leaf safetensors cannot hold, two leaves with one name, or
-      ``path`` exists without ``overwrite``; raised before anything is written.
+    ValueError: a leaf safetensors cannot hold, two leaves with one name,
+      ``path`` exists without ``overwrite``, or ``path`` holds something an
+      export may not replace even with ``overwrite`` (see
+      :func:`check_destination`); raised before anything is written.
     CheckpointCorruptedError: a source array failed its checksum while it was
       read (the export stops; nothing is committed, ``dst`` stays as it was).
     StorageError: writing failed on some process (e.g. the disk is full);
@@ -188,9 +194,7 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
   if max_shard_bytes <= 0:
     raise ValueError(f"max_shard_bytes={max_shard_bytes}; give a positive size such as 5 << 30")
   path = _checks.local_directory(path, "export_safetensors")
-  if os.path.exists(path) and not overwrite:
-    raise ValueError(f"{path} exists; pass overwrite=True to replace it (the old files stay"
-                     " until the new ones are complete)")
+  check_destination(path, overwrite, "safetensors", is_safetensors_export)
   metadata = {"format": "pt", **(metadata or {})}
   files = _file_layout(entries, max_shard_bytes)
   n = len(files)
@@ -317,6 +321,82 @@ def agree_on_stage(key: str, where: str, stage: str, error: str, timeout_s: floa
     cls = errors.CheckpointCorruptedError if damaged else errors.StorageError
     raise cls(f"export to {where} failed ({stage}); nothing was committed:\n  "
               + "\n  ".join(failed))
+
+
+def is_safetensors_export(path: str) -> bool:
+  """Whether the directory ``path`` holds only what :func:`export_safetensors` writes:
+  ``model*.safetensors`` files and ``model.safetensors.index.json`` (no links, nothing else).
+
+  Example:
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "model.safetensors"), "wb")
+    >>> is_safetensors_export(d)
+    True
+    >>> _ = open(os.path.join(d, "config.json"), "w"); is_safetensors_export(d)
+    False
+  """
+  names = os.listdir(path)
+  return bool(names) and all(
+      (name == INDEX_NAME or fnmatch.fnmatchcase(name, "model*.safetensors"))
+      and not os.path.islink(os.path.join(path, name)) and os.path.isfile(os.path.join(path, name))
+      for name in names)
+
+
+def check_destination(path: str, overwrite: bool, fmt: str,
+                      is_earlier_export: Callable[[str], bool]) -> None:
+  """Refuses, before anything is written, an export to ``path`` that would replace
+  what it must not.
+
+  An export commits by putting its directory where ``path`` was, and what was there
+  goes (:func:`commit_dir`). So ``path`` may hold, with ``overwrite``: an empty
+  directory, an orbax_flax checkpoint (``_CHECKPOINT``; disposed of as every
+  overwrite disposes of one, kept while differential steps borrow from it), or an
+  earlier export of the same format (``is_earlier_export(path)``). Anything else, a
+  file, a symbolic link, a directory of steps or of someone's files, is refused even
+  with ``overwrite``, as :func:`orbax_flax.save` refuses it.
+
+  Args:
+    path: the absolute path the export is to commit to.
+    overwrite: whether replacing an earlier export or checkpoint was asked for.
+    fmt: the format written, for messages ("safetensors", "orbax-checkpoint").
+    is_earlier_export: directory -> whether it holds only what this export writes.
+
+  Raises:
+    ValueError: naming ``path``, what is there and what to do.
+
+  Example:
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); _ = open(os.path.join(d, "notes.txt"), "w")
+    >>> try:
+    ...   check_destination(d, True, "safetensors", is_safetensors_export)
+    ... except ValueError as e:
+    ...   print(str(e)[len(d):].split(";")[0])
+     exists and is not an earlier safetensors export, an orbax_flax checkpoint or an empty directory: it holds notes.txt
+  """
+  if not os.path.lexists(path):
+    return
+  if os.path.islink(path):
+    there = "is a symbolic link"
+  elif not os.path.isdir(path):
+    there = "is a file"
+  else:
+    try:
+      names = sorted(os.listdir(path))
+      ours = os.path.isfile(os.path.join(path, _manifest.MANIFEST_KEY))
+      there = "" if not names or ours or is_earlier_export(path) else (
+          f"holds {', '.join(names[:5])}{f' and {len(names) - 5} more' if len(names) > 5 else ''}")
+    except OSError as e:
+      raise errors.StorageError(f"{path}: cannot look at what is there before exporting to it:"
+                                f" {e}. Nothing was written.") from e
+  if there:
+    raise ValueError(
+        f"{path} exists and is not an earlier {fmt} export, an orbax_flax checkpoint or an"
+        f" empty directory: it {there}; refusing to replace it (even with overwrite=True), which"
+        " would delete what it holds. Nothing was written. Export to a new path (e.g. a"
+        " directory inside it), or remove it first if it is to go.")
+  if not overwrite:
+    raise ValueError(f"{path} exists; pass overwrite=True to replace it (the old one stays"
+                     " until the new one is complete)")
 
 
 def commit_dir(tmp: str, path: str) -> None:
