@@ -335,3 +335,48 @@ def test_a_rollback_holds_while_an_evaluator_reads_a_step_it_abandons(tmp_path, 
   assert not os.path.exists(os.path.join(d, ".rollbacks"))
   for s, tag in ((10, 10), (11, 11), (20, 200), (21, 21)):
     assert restores_as(os.path.join(d, str(s)), items(tag)), s
+
+
+def _tiered_run(workdir, local, last, **policy):
+  """Trains ``w += 1`` to ``last`` through the callback with a local tier (every 5 steps) and
+  persistent saves every 20; returns (restored_step, w after the resume)."""
+  policy = ofx.CheckpointPolicy(local_directory=local, local_save_interval_steps=5,
+                                save_interval_steps=20, save_final_step=False, **policy)
+  with ofx.CheckpointCallback(workdir, policy) as ckpt:
+    state = ckpt.restore_or_init({"w": np.zeros(1000)})
+    resumed = (ckpt.restored_step, float(state["w"][0]))
+    for step in range((ckpt.restored_step or 0) + 1, last + 1):
+      state = {"w": state["w"] + 1}
+      ckpt.on_step_end(step, state)
+  return resumed
+
+
+@pytest.mark.parametrize("on_unreadable", ["raise", "fallback"])
+def test_a_damaged_persistent_latest_still_lets_the_newer_local_step_resume(tmp_path,
+                                                                            on_unreadable):
+  """unreadable_persistent_latest: step 40's manifest damaged, local step 45 intact. Its
+  timeline was taken as "" and every local step dropped as "of a timeline a rollback
+  abandoned": "raise" could not start, "fallback" rolled back to step 20."""
+  workdir, local = str(tmp_path / "wd"), str(tmp_path / "local")
+  _tiered_run(workdir, local, 47, on_unreadable_checkpoint=on_unreadable)
+  path = os.path.join(workdir, "checkpoints", "40", "_CHECKPOINT")
+  with open(path, "r+b") as f:  # one flipped byte in the middle of the manifest
+    data = bytearray(f.read())
+    data[len(data) // 2] ^= 0xFF
+    f.seek(0)
+    f.write(data)
+  assert _tiered_run(workdir, local, 50, on_unreadable_checkpoint=on_unreadable) == (45, 45.0)
+
+
+def test_a_run_started_over_after_its_steps_were_deleted_takes_no_local_step_of_the_old(
+    tmp_path):
+  """deleting_every_persistent_step: ``rm -rf workdir/checkpoints/*`` spares the hidden
+  ``.timeline`` key, so the new run took the old run's timeline and resumed its local step 25
+  instead of starting from scratch."""
+  workdir, local = str(tmp_path / "wd"), str(tmp_path / "local")
+  assert _tiered_run(workdir, local, 27) == (None, 0.0)  # local step 25, persistent step 20
+  checkpoints = os.path.join(workdir, "checkpoints")
+  for name in os.listdir(checkpoints):
+    if not name.startswith("."):  # what the shell's glob removes
+      shutil.rmtree(os.path.join(checkpoints, name))
+  assert _tiered_run(workdir, local, 3) == (None, 0.0)

@@ -115,9 +115,11 @@ def retired_dirs(root: str) -> list[str]:
 
 def first_timeline(loc: Location) -> str:
   """The timeline of the run in ``loc`` before its first step commits: the one recorded in
-  its :data:`TIMELINE` key, else a new one, recorded there (process 0 decides). The key goes
-  with the directory: a run that starts over in an emptied directory gets a new timeline, so
-  it never takes an older run's local-tier steps; a restart before the first commit keeps it.
+  its :data:`TIMELINE` key, else a new one, recorded there (process 0 decides). A restart
+  before the first commit keeps it; the key is removed once a step commits
+  (:func:`forget_first_timeline`: the steps carry the timeline from then on), so a run
+  that starts over in a directory emptied since (``rm -rf checkpoints/*`` spares dot
+  files) gets a new timeline and never takes an older run's local-tier steps.
 
   Example:
     >>> import tempfile
@@ -193,6 +195,11 @@ def write_rollbacks(loc: Location, records: Sequence[RollbackRecord]) -> None:
     return
   _location.write_key(loc, ROLLBACKS, json.dumps([dataclasses.asdict(r) for r in records],
                                                   sort_keys=True).encode())
+
+
+def forget_first_timeline(loc: Location) -> None:
+  """Removes the :data:`TIMELINE` key of ``loc`` (its directory has a committed step)."""
+  _location.delete_key(loc, TIMELINE)
 
 
 def is_parked(path: str) -> bool:

@@ -248,6 +248,18 @@ class StepRegistry:
       self.reload(full=True)
       self.sweep()
       step_dir.reindex(self._dir, self.committed())
+      if self.committed():
+        self._forget_first_timeline()
+
+  def _forget_first_timeline(self) -> None:
+    """The directory has a committed step: its run's timeline is the steps' from now on
+    (:func:`~orbax_flax.format.step_dir.forget_first_timeline`)."""
+    try:
+      step_dir.forget_first_timeline(self._dir)
+    except errors.StorageError as e:  # it only costs a later run its own timeline
+      log.warning("%s: removing its first-run timeline key failed (%s); a run started over"
+                  " in this directory after its steps are deleted may take this run's"
+                  " local-tier steps", self._dir, e)
 
   # ------------------------------------------------------------------ what there is
 
@@ -390,6 +402,7 @@ class StepRegistry:
     """``info.step`` committed; the steps ``dropping`` are uncommitted at the same moment."""
     dropping = set(dropping) - {info.step}
     with self._lock:
+      first = not self._steps
       self._steps.add(info.step)
       self._deleting.discard(info.step)
       self._infos[info.step] = info
@@ -397,6 +410,8 @@ class StepRegistry:
       self._deleting |= dropping
       for step in dropping:
         self._infos.pop(step, None)
+    if first and self._deletes:
+      self._forget_first_timeline()
     if self._deletes and not self._dir.is_local:
       try:
         step_dir.index(self._dir, info.step)
@@ -700,12 +715,18 @@ class Rollback:
               step_dir.first_timeline(self._dir) if _multihost.process_index() == 0 else None,
               self._timeout_s)
       else:
-        try:
-          summary = restoring.read_summary(self._dir.join(str(latest)))
+        # The latest step's; if its manifest cannot be read, that of the newest step whose
+        # can (the same run's, unless the damaged one was a rollback's first commit).
+        older = [s for s in reversed(self._registry.committed()) if s < latest]
+        for step in [latest, *older]:
+          try:
+            summary = restoring.read_summary(self._dir.join(str(step)))
+          except (errors.CheckpointNotFoundError, errors.CheckpointCorruptedError) as e:
+            log.warning("the timeline of step %d cannot be read (%s); taking that of an older"
+                        " step", step, e)
+            continue
           timeline = str(summary.custom.get("timeline", ""))
-        except (errors.CheckpointNotFoundError, errors.CheckpointCorruptedError) as e:
-          log.warning("the timeline of step %d cannot be read (%s); taking it as unknown",
-                      latest, e)
+          break
       self._timeline = timeline
     return self._timeline
 
