@@ -266,3 +266,36 @@ def test_an_export_to_an_object_store_url_is_refused_not_written_here(tmp_path, 
   with pytest.raises(ValueError, match=r"writes files to a file system.*'s3://bucket/x' is not"):
     getattr(ofx, export)("s3://bucket/x", {"w": np.ones(3, np.float32)})
   assert os.listdir(tmp_path) == []
+
+
+def test_export_orbax_chunks_carry_a_crc32c_that_verify_and_orbax_check(tmp_path):
+  """A byte flipped inside a chunk of an export decoded into other values, and verify said OK
+  ("compressed chunks fail to decode when damaged"). Each chunk now carries a CRC-32C (zarr3's
+  crc32c codec), which verify, restore and orbax-checkpoint itself check. On orbax-checkpoint's
+  own checkpoints, which carry none, verify's report says that such damage goes unseen."""
+  w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)  # compressible: a flip still decodes
+  d, theirs = str(tmp_path / "export"), str(tmp_path / "theirs")
+  ofx.export_orbax(d, {"w": w})
+  with ocp.StandardCheckpointer() as c:
+    c.save(theirs, {"w": w})
+    np.testing.assert_array_equal(c.restore(d)["w"], w)
+
+  def verify(path):
+    out = io.StringIO()
+    return cli.main(["verify", path], out=out), out.getvalue()
+
+  rc, out = verify(d)
+  assert rc == 0 and "orbax-checkpoint: checked every chunk's CRC-32C" in out, out
+  rc, out = verify(theirs)
+  assert rc == 0 and "stores no checksums: a damaged byte inside a chunk that still decodes goes" \
+      " unseen" in out, out
+  chunk = os.path.join(d, "w", "c", "0", "0")
+  data = bytearray(open(chunk, "rb").read())
+  data[len(data) // 2] ^= 0x55
+  open(chunk, "wb").write(bytes(data))
+  rc, out = verify(d)
+  assert rc == 1 and "CORRUPTED" in out and "'w'" in out and "Digest mismatch" in out, out
+  with pytest.raises(ofx.errors.CheckpointCorruptedError, match="Digest mismatch"):
+    ofx.restore(d)
+  with pytest.raises(ValueError, match="Digest mismatch"), ocp.StandardCheckpointer() as c:
+    c.restore(d)

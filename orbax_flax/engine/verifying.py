@@ -49,25 +49,25 @@ def verify(path: Any) -> int:
 
 
 def verify_report(path: Any) -> tuple[int, str]:
-  """:func:`verify`, also returning the checkpoint's format (what the check covered).
+  """:func:`verify`, also returning what the check covered, in words.
 
   Example:
     >>> import numpy as np, orbax_flax as ofx, tempfile, os
     >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
     >>> ofx.save(path, {"state": {"w": np.ones((4, 4), np.float32)}})
     >>> verify_report(path)
-    (64, 'orbax_flax')
+    (64, 'every checksum matches')
   """
   loc = Location.parse(path)
   loc, manifest = restoring.open_manifest(loc)  # checks the manifest's own hashes
   if manifest.format != "orbax_flax":
-    return _verify_foreign(loc, manifest), manifest.format
+    return _verify_foreign(loc, manifest), f"{manifest.format}: checked {_coverage(manifest)}"
   progress = _progress.Progress(f"verify {loc}", sum(
       r.nbytes for item in manifest.items.values() for r in item.leaves))
   progress.phase = "reading every chunk"
   reader = _reading.Reader(loc, manifest, _BATCH_BYTES, progress)
   with _progress.Monitor(progress):
-    return _verify(loc, manifest, reader), "orbax_flax"
+    return _verify(loc, manifest, reader), "every checksum matches"
 
 
 def _verify(loc: Location, manifest: Manifest, reader: _reading.Reader) -> int:
@@ -147,10 +147,32 @@ COVERAGE = {
                    " and, for differential saves, the recorded content hash of every chunk"
                    " and every piece of packed small arrays"),
     "orbax-checkpoint": ("every array's chunks are present and decode (orbax-checkpoint stores no"
-                         " checksums of its own; compressed chunks fail to decode when damaged)"),
+                         " checksums: a damaged byte inside a chunk that still decodes goes"
+                         " unseen, and a restore returns other values)"),
+    "orbax-checkpoint, checksummed": ("every chunk's CRC-32C, and that every array's chunks are"
+                                      " present and decode"),
     "safetensors": ("every tensor's byte range is inside its file and readable (safetensors"
                     " stores no checksums)"),
 }
+
+
+def _coverage(manifest: Manifest) -> str:
+  """What :func:`_verify_foreign` checked of ``manifest``'s arrays, in words.
+
+  An orbax-checkpoint array whose chunks carry a checksum (``source.checksummed``:
+  what :func:`orbax_flax.export_orbax` writes) fails to read when damaged; others,
+  and every safetensors tensor, are only checked to be present and to decode.
+  """
+  if manifest.format != "orbax-checkpoint":
+    return COVERAGE[manifest.format]
+  arrays = [r for item in manifest.items.values() for r in item.leaves if isinstance(r, Array)]
+  checked = [r for r in arrays if getattr(r.source, "checksummed", False)]
+  if len(checked) == len(arrays):
+    return COVERAGE["orbax-checkpoint, checksummed"]
+  if not checked:
+    return COVERAGE["orbax-checkpoint"]
+  return (f"{COVERAGE['orbax-checkpoint, checksummed']} for the {len(checked)} of {len(arrays)}"
+          f" arrays whose chunks carry a CRC-32C; for the others, {COVERAGE['orbax-checkpoint']}")
 
 
 def _verify_foreign(loc: Location, manifest: Manifest) -> int:

@@ -368,10 +368,17 @@ def _keys(loc: Location) -> list[str]:
 
 
 class _Array:
-  """One zarr/zarr3 array of an orbax item, read box by box through tensorstore."""
+  """One zarr/zarr3 array of an orbax item, read box by box through tensorstore.
+
+  ``checksummed``: every chunk carries a checksum that tensorstore checks when it
+  reads it (zarr3's ``crc32c`` codec, or zstd's content checksum), so a damaged
+  chunk fails to read. orbax-checkpoint writes none; :func:`orbax_flax.export_orbax`
+  writes a CRC-32C.
+  """
 
   def __init__(self, store: ts.TensorStore, name: str):
     self.store, self.name = store, name
+    self.checksummed = _checksummed(store.codec.to_json().get("codecs") or [])
 
   def read(self, box: tuple[tuple[int, int], ...], out: np.ndarray) -> None:
     try:
@@ -400,6 +407,27 @@ class _Array:
 
   def describe(self) -> str:
     return self.name
+
+
+def _checksummed(codecs: list[Any]) -> bool:
+  """Whether a zarr3 codec chain checks every chunk's bytes when it decodes them: a
+  ``crc32c`` codec, a zstd content checksum, or a sharding codec whose inner chain does.
+
+  Example:
+    >>> _checksummed([{"name": "bytes"}, {"name": "zstd"}, {"name": "crc32c"}])
+    True
+    >>> _checksummed([{"name": "bytes"}, {"name": "zstd", "configuration": {"checksum": False}}])
+    False
+  """
+  for codec in codecs:
+    if not isinstance(codec, dict):
+      continue
+    config = codec.get("configuration") or {}
+    if codec.get("name") == "crc32c" or (codec.get("name") == "zstd" and config.get("checksum")):
+      return True
+    if codec.get("name") == "sharding_indexed" and _checksummed(config.get("codecs") or []):
+      return True
+  return False
 
 
 def _array_spec(item: Location, name: str, ocdbt: bool, zarr3: bool) -> dict[str, Any]:

@@ -10,7 +10,8 @@ importing orbax-checkpoint and without gathering the tree:
   empty node), with ``use_ocdbt: false`` and ``use_zarr3: true``.
 * one zarr3 array per array or numeric scalar leaf, in a directory named by
   its keys joined with ``.``: chunks tile the array's shards (a numpy array or
-  scalar is one shard), split to at most about 64 MiB, zstd-compressed. Every process writes the chunks of
+  scalar is one shard), split to at most about 64 MiB, zstd-compressed, each with a
+  CRC-32C (zarr3's ``crc32c`` codec). Every process writes the chunks of
   the shards it owns (``replica_id`` 0); process 0 writes the metadata.
 * ``_sharding``: each ``jax.Array``'s sharding (mesh shape, axis names and
   types, partition spec, device ids) as orbax records it, so a restore without
@@ -177,8 +178,12 @@ def _spec(directory: str, name: str, value: Any, max_chunk_bytes: int) -> dict[s
           "chunk_grid": {"name": "regular",
                          "configuration": {"chunk_shape": list(_chunk_shape(
                              value, max_chunk_bytes))}},
+          # A CRC-32C of each compressed chunk (zarr3's crc32c codec): orbax-checkpoint
+          # writes none, but it and every tensorstore reader check it, so a damaged
+          # chunk fails to read instead of decoding into other values.
           "codecs": [{"name": "bytes", "configuration": {"endian": "little"}},
-                     {"name": "zstd", "configuration": {"level": 3, "checksum": False}}],
+                     {"name": "zstd", "configuration": {"level": 3, "checksum": False}},
+                     {"name": "crc32c"}],
       },
       "store_data_equal_to_fill_value": True,
   }
