@@ -130,6 +130,21 @@ def test_a_damaged_own_copy_is_replaced_by_the_peer_replica(saved, tmp_path):
   assert all("RESTORED step 3 from its own local copy" in res.outputs[p] for p in (0, 2, 3))
 
 
+def test_a_step_damaged_in_its_own_copy_and_its_replica_falls_back_to_the_older_local_step(
+    saved, tmp_path):
+  d = _copy(saved, tmp_path)
+  for path in (os.path.join(proc_dir(d, 1), "3", local.OWN),
+               os.path.join(proc_dir(d, 2), "3", "replica-1.blob")):  # 1's replica is on 2
+    with open(path, "r+b") as f:
+      f.seek(-1000, 2)
+      b = f.read(1)
+      f.seek(-1, 1)
+      f.write(bytes([b[0] ^ 0x04]))
+  res = _run("restore", d)
+  assert all("RESTORED step 2 from its own local copy" in o for o in res.outputs), res.outputs
+  assert "step 3: process 1: damaged replica: " in res.outputs[0], res.outputs[0]
+
+
 def test_another_process_count_ignores_the_local_tier(saved, tmp_path):
   d = _copy(saved, tmp_path)
   res = _run("restore", d, n=2, devices=4)
@@ -727,6 +742,43 @@ def test_a_damaged_local_header_falls_back_to_the_persistent_tier(tmp_path, dama
   assert cb.restored_step == 2 and float(got["w"][0]) == 2.0
   assert "from the local tier" not in caplog.text
   assert ("CheckpointCorruptedError" if damage != "record" else "COMMITTED: damaged") in caplog.text
+
+
+def test_damaged_newer_local_steps_resume_the_intact_older_one(tmp_path, caplog):
+  """local_max_to_keep=3 keeps local steps 15, 20, 25 and the persistent tier holds none.
+  With 25 and 20 damaged, the resume must take 15 (it gave up after two damaged steps and
+  started from scratch, saying nothing)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  policy = ofx.CheckpointPolicy(local_directory=str(tmp_path / "shm"), local_save_interval_steps=5,
+                                local_max_to_keep=3, save_interval_steps=1000,
+                                save_final_step=False)
+  workdir = str(tmp_path / "workdir")
+  _count_to(27, workdir, policy)
+  root = proc_dir(tmp_path / "shm", 0, os.path.join(workdir, "checkpoints"))
+  assert sorted(map(int, os.listdir(root))) == [15, 20, 25]
+
+  def damage(steps):
+    for step in steps:  # one flipped bit in the shard bytes of its own copy
+      with open(os.path.join(root, str(step), local.OWN), "r+b") as f:
+        f.seek(-100, 2)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x10]))
+
+  def resume():
+    with ofx.CheckpointCallback(workdir, policy) as ckpt:
+      state = ckpt.restore_or_init({"w": np.zeros(3)})
+    return ckpt.restored_step, state["w"].tolist()
+
+  damage([25, 20])
+  assert resume() == (15, [15.0] * 3)
+  damage([15])  # nothing intact left: the local tier says why it gives up
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+    assert resume() == (None, [0.0] * 3)
+  assert ("no intact step that every process can get (damaged: step 25: process 0's own copy;"
+          " step 20: process 0's own copy; step 15: process 0's own copy)") in caplog.text
 
 
 # ---------------------------------------------------------------- snapshots are snapshots

@@ -26,13 +26,14 @@ Restore: every process reports what it holds; each computes, from the same
 reports, the newest step every process can get (its own blob, else a peer's
 replica of it), and the processes whose own copy is missing receive it from a
 replica holder with the same collective. Every process learns every other's
-verdict, so a damaged copy anywhere sends all to the replica, then to the
-persistent tier, together. Where copies go and which to read:
+verdict, so a damaged copy anywhere sends all to the replica, then to an older
+local step, then to the persistent tier, together. Where copies go and which to read:
 :mod:`orbax_flax.tiers.placement`.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -60,6 +61,7 @@ __all__ = ["COMMITTED", "OWN", "LocalTier", "run_dir"]
 log = logging.getLogger("orbax_flax")
 
 _DAMAGED = "damaged own copy: "
+_DAMAGED_REPLICA = "damaged replica: "
 _MISMATCH = "target mismatch: "
 # What reading a damaged local file can raise: it becomes this process's verdict, which every
 # process learns, so that all fall back together instead of one raising and the rest waiting.
@@ -221,8 +223,10 @@ class LocalTier:
 
     Collective. Returns ``(step, items, source)`` (``source`` says where this
     process's shards came from), or None when the local tier has nothing newer,
-    was written by another layout, or is damaged beyond its replicas; every
-    process gets the same answer. ``persistent`` is ``(step, local_copy)`` of the
+    was written by another layout, or has no step left whose copies are intact
+    (a step with a damaged copy gives way to the peer's replica of it, then to
+    the next older step; the log names every damaged copy); every process gets
+    the same answer. ``persistent`` is ``(step, local_copy)`` of the
     persistent tier's newest step (``local_copy``: the save id its save recorded,
     else ""): a local step of that number is taken only if it is that copy, since
     another save may have replaced the step there (a forced re-save by another
@@ -254,13 +258,19 @@ class LocalTier:
                " layout, so the persistent tier is used")
       return None
     options = dict(partial=partial, allow_lossy_casts=allow_lossy_casts, optional=optional)
-    for attempt in range(n + 1):
+    damaged: list[str] = []  # the copies this restore found damaged, for the log
+    for attempt in itertools.count():  # each round that goes on removes a copy: it ends
       plan = placement.plan_restore(holdings, newer_than)
       if plan is None:
-        held = sorted({s for h in holdings for s in h.own})
-        _progress.say("local tier: no step that every process can get (own copy or a peer's"
-                      " replica)%s; steps held: %s",
-                      "" if newer_than is None else f" newer than step {newer_than}", held or "none")
+        newer = "" if newer_than is None else f" newer than step {newer_than}"
+        if damaged:
+          log.warning("local tier: no intact step that every process can get%s (damaged: %s);"
+                      " the local tier gives up and the persistent tier is used", newer,
+                      "; ".join(damaged))
+        else:
+          held = sorted({s for h in holdings for s in h.own})
+          _progress.say("local tier: no step that every process can get (own copy or a peer's"
+                        " replica)%s; steps held: %s", newer, held or "none")
         return None
       found: list = []
       got, verdicts = self._assemble(plan, target, options, found, f"{key}/{attempt}")
@@ -274,22 +284,29 @@ class LocalTier:
         lines = message.splitlines()  # a diagnosis, the differences (indented), the advice
         raise errors.TreeMismatchError(message, [l.strip() for l in lines[1:] if l.startswith(" ")],
                                        summary="\n".join(l for l in lines if not l.startswith("Fix:")))
-      damaged = [p for p, v in enumerate(verdicts) if v.startswith(_DAMAGED)]
-      bad = [f"process {p}: {v.removeprefix(_DAMAGED)}" for p, v in enumerate(verdicts) if v]
+      copies = [p for p, v in enumerate(verdicts) if v.startswith((_DAMAGED, _DAMAGED_REPLICA))]
+      bad = [f"process {p}: {v}" for p, v in enumerate(verdicts) if v]
       if not bad:
         if casts is not None:
           casts.extend(found)
         return got
-      if len(damaged) == len(bad):  # damaged own copies: try their peers' replicas of them
-        log.warning("local tier: step %d: %s; trying the peers' replicas", plan.step,
-                    "; ".join(bad))
-        for p in damaged:
-          holdings[p].own = [s for s in holdings[p].own if s != plan.step]
+      if len(copies) == len(bad):  # damaged copies: read the others, else an older step
+        log.warning("local tier: step %d: %s; trying the peers' replicas, then older local steps",
+                    plan.step, "; ".join(bad))
+        damaged.append(f"step {plan.step}: " + ", ".join(
+            f"process {p}'s own copy" if plan.source[p] == p
+            else f"process {plan.source[p]}'s replica of process {p}" for p in copies))
+        for p in copies:  # every process drops the same copies, so all plan the same next step
+          holder = holdings[plan.source[p]]
+          if plan.source[p] == p:
+            holder.own = [s for s in holder.own if s != plan.step]
+          else:
+            holder.replicas[p] = [s for s in holder.replicas.get(p, []) if s != plan.step]
         continue
       log.warning("local tier: step %d cannot be used (%s); the persistent tier is used",
                   plan.step, "; ".join(bad))
       return None
-    return None
+    return None  # not reached: the loop ends by a return
 
   def _assemble(self, plan: RestorePlan, target: Mapping[str, Any], options: dict[str, Any],
                 casts: list, key: str) -> tuple[tuple[int, dict[str, Any], str] | None, list[str]]:
@@ -297,6 +314,7 @@ class LocalTier:
 
     Returns this process's result and every process's verdict ("" when it
     succeeded; prefixed with ``_DAMAGED`` when its own copy is damaged, with
+    ``_DAMAGED_REPLICA`` when the replica it received is (or never came), with
     ``_MISMATCH`` when the target does not match).
     """
     me, n = jax.process_index(), jax.process_count()
@@ -316,10 +334,12 @@ class LocalTier:
       send: Any = []
       target_p = ring[(pos[me] + shift) % n]
       if plan.source[target_p] == me and target_p != me:
+        path = os.path.join(self.steps.dir(plan.step), f"replica-{target_p}.blob")
         try:  # sent from its file, one round at a time
-          send = _blob.FileReader(os.path.join(self.steps.dir(plan.step), f"replica-{target_p}.blob"))
-        except _UNREADABLE as e:  # the receiver gets nothing and says so
-          error = f"{type(e).__name__}: {e}"
+          send = _blob.FileReader(path)
+        except _UNREADABLE as e:  # the receiver gets nothing: its verdict names the replica
+          log.warning("local tier: cannot send %s to process %d (%s: %s)", path, target_p,
+                      type(e).__name__, e)
       try:
         got = _exchange.shift_parts(send, shift, f"{key}/x{shift}", self.timeout, order=ring,
                                     max_round_bytes=_exchange.round_bytes(self.max_host_bytes))
@@ -334,8 +354,8 @@ class LocalTier:
     if not error:
       try:
         index, payload = decoded if decoded is not None else _blob.decode(blob, what)
-      except _UNREADABLE as e:
-        error = f"{type(e).__name__}: {e}"
+      except _UNREADABLE as e:  # only a received replica is decoded here
+        error = f"{_DAMAGED_REPLICA}{type(e).__name__}: {e}"
     if not error:
       try:
         optional = options["optional"]
