@@ -42,7 +42,7 @@ def _when(t: float) -> str:
 
 def cmd_list(directory: str, out) -> int:
   from orbax_flax.engine import describe as metadata_lib
-  from orbax_flax.engine import restoring
+  from orbax_flax.engine import verifying
   from orbax_flax.format import step_dir
   from orbax_flax.core._location import Location
   from orbax_flax.differential import refs
@@ -66,7 +66,9 @@ def cmd_list(directory: str, out) -> int:
   gone = []
   for step in steps:
     try:
-      s = restoring.read_summary(loc.join(str(step)))
+      # The whole manifest, hashed: a summary that survived a manifest cut short is no
+      # readable step. The arrays are not read (verify does that).
+      s = verifying.check_manifest(loc.join(str(step)))
     except errors.CheckpointNotFoundError as e:
       # Listed a moment ago: deleted since (a keep rule of the job that writes here) if
       # it is listed no more, else a step without a manifest.
@@ -379,7 +381,8 @@ _COMMANDS = {
         "Lists the committed steps of a directory of steps (a CheckpointManager's, or"
         " CheckpointCallback's <workdir>/checkpoints): when each was saved, why, its size, the"
         " processes and devices that saved it, its metrics; and leftovers of interrupted saves."
-        " Given a workdir, it lists <workdir>/checkpoints (and says so).",
+        " Given a workdir, it lists <workdir>/checkpoints (and says so). Each step's manifest is"
+        " checked whole against its SHA-256s; its arrays are not read (verify reads them).",
         "examples:\n  python -m orbax_flax list /tmp/ofx_run/checkpoints\n"
         "  python -m orbax_flax list /tmp/ofx_run        # a workdir: lists its checkpoints/\n\n"
         "exit status: 0 fine, 1 a step cannot be read, 2 no checkpoints there",

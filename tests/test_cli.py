@@ -269,3 +269,23 @@ def test_convert_overwrite_onto_a_run_directory_is_refused_naming_the_flag(tmp_p
   rc, out = run("convert", os.path.join(run_dir, "2"), os.path.join(run_dir, "1"),
                 f"--format={fmt}")
   assert rc == 2 and "exists; pass --overwrite to replace it" in out, out
+
+
+def test_list_calls_a_step_whose_manifest_was_cut_short_corrupted(tmp_path):
+  """`list` read each manifest's summary only: a `_CHECKPOINT` cut in half after its summary
+  line was listed as a fine step, the latest, and list exited 0, while show, verify and
+  restore call it corrupted. Now each manifest is hashed whole."""
+  d = str(tmp_path / "run")
+  layers = {f"layer_{i}": {"kernel": np.ones((4, 4), np.float32)} for i in range(24)}
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=1)) as mngr:
+    for step in (1, 2):
+      mngr.save(step, {"params": layers}, metrics={"loss": 1 / step})
+  manifest = os.path.join(d, "2", "_CHECKPOINT")
+  with open(manifest, "r+b") as f:
+    f.truncate(os.path.getsize(manifest) // 2)
+  rc, out = run("list", d)
+  assert rc == 1, out
+  rows = {line.split()[0]: line for line in out.split("\n\n")[0].splitlines()[2:]}
+  assert "loss=1" in rows["1"] and "CORRUPTED" not in rows["1"], out
+  assert "CORRUPTED" in rows["2"] and "checksum mismatch" in rows["2"], out
+  assert "1 step(s) cannot be read" in out, out

@@ -7,11 +7,14 @@ not just the first.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import numpy as np
 
+from orbax_flax.core import _location
 from orbax_flax.format import _layout
+from orbax_flax.format import _manifest
 from orbax_flax.format import _tsio
 from orbax_flax.core import _progress
 from orbax_flax.engine import _reading
@@ -68,6 +71,53 @@ def verify_report(path: Any) -> tuple[int, str]:
   reader = _reading.Reader(loc, manifest, _BATCH_BYTES, progress)
   with _progress.Monitor(progress):
     return _verify(loc, manifest, reader), "every checksum matches"
+
+
+def check_manifest(loc: Location) -> _manifest.Summary:
+  """The summary of the manifest at ``loc``, once both of the manifest's SHA-256s match.
+
+  What ``python -m orbax_flax list`` reads of each step: the whole manifest, hashed
+  but not decoded into records (about a millisecond per MB, where decoding takes
+  hundreds), so a manifest cut short or damaged after its summary line is found,
+  which the summary alone (:func:`orbax_flax.engine.restoring.read_summary`) does
+  not show. The arrays are not read: :func:`verify` does that. The digests are
+  those ``docs/format.md`` specifies: the header's ``summary_sha256`` covers the
+  summary line, its ``sha256`` the body.
+
+  Raises:
+    CheckpointNotFoundError: no manifest at ``loc`` (the message says what is there).
+    CheckpointCorruptedError: a digest does not match (the manifest is damaged).
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
+    >>> ofx.save(path, {"state": {"w": np.ones(4, np.float32)}})
+    >>> check_manifest(Location.parse(path)).item_bytes
+    {'state': 16}
+  """
+  summary = restoring.read_summary(loc)  # the header and the summary line, checked
+  where = f"{loc}/{_manifest.MANIFEST_KEY}"
+  data = _location.read_key(loc, _manifest.MANIFEST_KEY,
+                            max_bytes=_manifest.MAX_MANIFEST_BYTES + 1)
+  if data is None:  # deleted since its summary was read
+    raise errors.CheckpointNotFoundError(f"no orbax_flax checkpoint at {loc}: its manifest was"
+                                         " removed while it was read")
+  if len(data) > _manifest.MAX_MANIFEST_BYTES:
+    raise errors.CheckpointFormatError(
+        f"{where} is larger than {_manifest.MAX_MANIFEST_BYTES >> 20} MiB, the most a manifest"
+        " may hold; damaged or crafted")
+  header, _, rest = data.partition(b"\n")
+  _, newline, body = rest.partition(b"\n")
+  recorded = next((f.partition(b"=")[2].decode(errors="replace") for f in header.split()
+                   if f.startswith(b"sha256=")), None)
+  actual = hashlib.sha256(body).hexdigest()
+  if not newline or recorded != actual:
+    raise errors.CheckpointCorruptedError(
+        f"checksum mismatch in {where}: its summary is intact, but its body"
+        f" ({len(body)} bytes) hashes to {actual[:16]}..., not the recorded"
+        f" {str(recorded)[:16]}...: the manifest is cut short or damaged, and the step cannot"
+        " be restored. Restore from another step.")
+  return summary
 
 
 def _verify(loc: Location, manifest: Manifest, reader: _reading.Reader) -> int:
