@@ -503,6 +503,26 @@ def test_a_failed_local_save_at_an_interval_raises_after_the_persistent_save_ran
     assert warn.manager.all_steps() == [2, 4]
 
 
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_full_local_disk_error_names_the_directory_and_the_fix(tmp_path, keep):
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  with disks.small_disk(str(tmp_path / "shm"), "1m"):  # a 2 MiB state does not fit
+    cb = ofx.CheckpointCallback(str(tmp_path / "run"), _policy(tmp_path, local_max_to_keep=keep))
+    state = cb.restore_or_init({"w": jnp.zeros(1 << 19)})
+    with pytest.raises(ofx.errors.StorageError) as e:
+      cb.on_step_end(2, state)
+    cb.close()
+  message = str(e.value)
+  step_dir = proc_dir(tmp_path / "shm", 0, str(tmp_path / "run" / "checkpoints"))
+  assert f"process 0: {step_dir}{os.sep}2" in message, message
+  assert f"local_directory {str(tmp_path / 'shm')!r} needs room for local_max_to_keep + 1 =" \
+         f" {keep + 1} local steps" in message, message
+  assert "takes about 2.0 MiB on process 0" in message, message
+  fix = "Fix: lower local_max_to_keep, or use" if keep > 1 else "Fix: use"
+  assert f"{fix} another local_directory with that much room." in message, message
+
+
 def _run_long(workdir, steps, flags, n=3, devices=2):
   """examples/train.py with n processes; a loaded 2-core machine needs minutes for it."""
   p = ex.start(workdir, steps, n=n, devices=devices, extra=flags)
@@ -517,9 +537,9 @@ def _launch(workdir, local_dir, steps, n=3, devices=2, extra=()):
   import sys  # pylint: disable=g-import-not-at-top
   env = jobs.env_for(devices)
   env.pop("XLA_FLAGS")
-  cmd = [sys.executable, "-m", "orbax_flax.launch", "-n", str(n), f"--devices_per_process={devices}",
-         "--", os.path.join(jobs.HERE, "tier_launch_worker.py"), f"--workdir={workdir}",
-         f"--local={local_dir}", f"--steps={steps}", *extra]
+  cmd = [sys.executable, "-m", "orbax_flax.launch", "-n", str(n),
+         f"--devices_per_process={devices}", "--", os.path.join(jobs.HERE, "tier_launch_worker.py"),
+         f"--workdir={workdir}", f"--local={local_dir}", f"--steps={steps}", *extra]
   res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=jobs.ROOT, timeout=600)
   assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
   return res.stdout + res.stderr
@@ -567,8 +587,8 @@ def test_a_commit_failing_on_one_process_fails_everywhere_and_keeps_the_older_st
     out = _launch(workdir, local_dir, 6, n=2, devices=1,
                   extra=[*flags, "--fill_at=6", "--fill_leave=blob"])
     for p in (0, 1):  # the same verdict on both
-      assert re.search(rf"\[{p}\] .*local save of step 6: not every process could commit it",
-                       out), out[-4000:]
+      assert re.search(rf"\[{p}\] .*local save of step 6 failed: not every process could"
+                       " commit it", out), out[-4000:]
     assert all(_local_steps(local_dir, run, p) == {4: ["COMMITTED", "own.blob"]} for p in (0, 1))
     out = _launch(workdir, local_dir, 8, n=2, devices=1, extra=flags)
     assert out.count("RESUMED 4 4.0") == 2, out[-4000:]

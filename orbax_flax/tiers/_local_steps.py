@@ -194,13 +194,13 @@ class Sink:
   that this process still takes part in the rest of the exchange."""
 
   def __init__(self, path: str | None):
-    self.error = "" if path is not None else "skipped"
+    self.error: OSError | None = None
     self.fd = None
     if path is not None:
       try:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
       except OSError as e:
-        self.error = f"{type(e).__name__}: {e}"
+        self.error = e
 
   def __call__(self, offset: int, chunk: np.ndarray) -> None:
     if self.fd is None or self.error:
@@ -209,19 +209,19 @@ class Sink:
       _blob.parallel(lambda lo: _blob.pwrite(self.fd, chunk[lo:lo + _blob.SEGMENT], offset + lo),
                      list(range(0, chunk.size, _blob.SEGMENT)))
     except OSError as e:
-      self.error = f"{type(e).__name__}: {e}"
+      self.error = e
 
-  def close(self) -> str:
-    """Fsyncs and closes; returns the error ("" if none; "skipped" is not an error)."""
+  def close(self) -> OSError | None:
+    """Fsyncs and closes; returns what failed (None: nothing, or nothing was to be written)."""
     if self.fd is not None:
       try:
         if not self.error:
           os.fsync(self.fd)
       except OSError as e:
-        self.error = f"{type(e).__name__}: {e}"
+        self.error = e
       finally:
         os.close(self.fd)
-    return "" if self.error == "skipped" else self.error
+    return self.error
 
 
 def write(path: str, data: bytes) -> None:

@@ -33,6 +33,7 @@ local step, then to the persistent tier, together. Where copies go and which to 
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
@@ -105,6 +106,7 @@ class LocalTier:
     if max_to_keep < 1:
       raise ValueError(f"local_max_to_keep={max_to_keep}: keep at least 1 local step")
     self.run = run
+    self.directory = directory
     self.root = os.path.join(directory, run_dir(run), f"process_{jax.process_index()}")
     self.steps = StepDirectory(self.root, run)
     self.replicas = replicas if n > 1 else 0
@@ -151,14 +153,15 @@ class LocalTier:
     key = self._next_key(f"save{step}")
     self.steps.sweep()  # what a failed save left would take the room this one needs
     tmp = self.steps.dir(step) + TMP
-    error = ""
+    error: Exception | None = None  # this process's failure
+    blob = None
     try:
       blob = _blob.encode(step, items, run=self.run, timeline=timeline)
       shutil.rmtree(tmp, ignore_errors=True)
       os.makedirs(tmp)
       _blob.write(os.path.join(tmp, OWN), blob, self.max_host_bytes)
     except (OSError, ValueError, TypeError) as e:
-      error = f"{type(e).__name__}: {e}"
+      error = e
     ring = self.ring() if self.replicas else ()
     for k in range(1, self.replicas + 1):  # every process takes part, even after a failure
       source = ring[(ring.index(me) - k) % n]
@@ -167,7 +170,7 @@ class LocalTier:
       try:  # the own copy is sent from its file (in RAM), one round at a time
         reader = None if error else _blob.FileReader(os.path.join(tmp, OWN))
       except OSError as e:
-        error = f"{type(e).__name__}: {e}"
+        error = e
       try:
         _exchange.shift_parts(reader or [], k, f"{key}/x{k}", self.timeout, order=ring,
                               sink=sink, max_round_bytes=_exchange.round_bytes(self.max_host_bytes))
@@ -177,34 +180,60 @@ class LocalTier:
       error = error or sink.close()
     # Every process offers a save id with its verdict; process 0's is the step's.
     verdicts = [json.loads(v) for v in _multihost.all_gather(
-        f"{key}/done", json.dumps([error, uuid.uuid4().hex[:16]]), self.timeout,
-        what=f"finish local step {step}")]
-    save_id = verdicts[0][1]
-    failed = [f"process {p}: {v}" for p, (v, _) in enumerate(verdicts) if v]
-    if failed:  # every process removes what it wrote: a failure costs this save only
+        f"{key}/done", json.dumps([*self._verdict(error, tmp, blob), uuid.uuid4().hex[:16]]),
+        self.timeout, what=f"finish local step {step}")]
+    save_id = verdicts[0][3]
+    if any(v[0] for v in verdicts):  # every process removes what it wrote: it costs this save only
       self.steps.discard(step)
-      raise errors.StorageError(f"local save of step {step} failed; it does not count:\n  "
-                                + "\n  ".join(failed))
+      raise self._failed(step, "failed", verdicts)
     # Every part is durable. Each process commits its own, and all learn that every process
     # did before any removes an older step: a step one process could not commit counts
     # nowhere, and the older ones are then what a restore reads.
-    error = ""
+    error = None
     try:
       self.steps.commit(step, timeline, n, save_id)
     except OSError as e:
-      error = f"{type(e).__name__}: {e}"
-    failed = [f"process {p}: {v}" for p, v in enumerate(_multihost.all_gather(
-        f"{key}/committed", error, self.timeout, what=f"commit local step {step}")) if v]
-    if failed:
+      error = e
+    verdicts = [json.loads(v) for v in _multihost.all_gather(
+        f"{key}/committed", json.dumps(self._verdict(error, self.steps.dir(step), blob)),
+        self.timeout, what=f"commit local step {step}")]
+    if any(v[0] for v in verdicts):
       self.steps.discard(step)
-      raise errors.StorageError(f"local save of step {step}: not every process could commit"
-                                " it; it does not count:\n  " + "\n  ".join(failed))
+      raise self._failed(step, "failed: not every process could commit it", verdicts)
     try:
       self.steps.prune(self.max_to_keep)
     except OSError as e:  # the step is committed everywhere; an older one stays a while
       log.warning("local tier: cannot remove older local steps in %s (%s: %s); the next save"
                   " tries again", self.root, type(e).__name__, e)
     return save_id
+
+  def _verdict(self, error: Exception | None, where: str,
+               blob: _blob.Blob | None) -> tuple[str, bool, float]:
+    """This process's part of a save's verdict: what failed, where ("" if nothing); whether
+    its disk is full; the MiB a local step takes here (its shards and the replicas)."""
+    mib = (blob.nbytes if blob is not None else 0) * (1 + self.replicas) / 2**20
+    if error is None:
+      return "", False, mib
+    if not isinstance(error, OSError):  # the state itself (an unsupported leaf), not the disk
+      return f"{type(error).__name__}: {error}", False, mib
+    return (f"{where}: {type(error).__name__}: {error}",
+            error.errno in (errno.ENOSPC, errno.EDQUOT), mib)
+
+  def _failed(self, step: int, what: str, verdicts: list) -> errors.StorageError:
+    """The error every process raises for a failed save, made from every process's verdict."""
+    message = (f"local save of step {step} {what}; it does not count:\n  "
+               + "\n  ".join(f"process {p}: {v[0]}" for p, v in enumerate(verdicts) if v[0]))
+    full = [f"{v[2]:.1f} MiB on process {p}" for p, v in enumerate(verdicts) if v[1]]
+    if full:
+      held = "a process's shards" + (f" and the replicas of {self.replicas} peer(s)"
+                                     if self.replicas else "")
+      fix = ("lower local_max_to_keep, or use" if self.max_to_keep > 1 else "use")
+      message += (
+          f"\nA local disk is full: each process's part of local_directory {self.directory!r}"
+          f" needs room for local_max_to_keep + 1 = {self.max_to_keep + 1} local steps (those"
+          f" kept and the one being written; a step ({held}) takes about {', '.join(full)})."
+          f" Fix: {fix} another local_directory with that much room.")
+    return errors.StorageError(message)
 
   def holdings(self, timeline: str | None = None,
                persistent: tuple[int, str] | None = None) -> Holdings:
