@@ -428,6 +428,38 @@ def test_an_export_with_overwrite_replaces_only_an_export_a_checkpoint_or_nothin
   assert sorted(os.listdir(tmp_path)) == ["ckpt", "earlier", "empty", "keep"]
 
 
+def test_a_lost_shard_or_orbax_metadata_is_corruption_not_a_missing_checkpoint(tmp_path):
+  """A sharded safetensors export that lost a shard its index names, and a committed
+  orbax-checkpoint item or step whose ``_METADATA`` (or a whole item) is gone, were "no such
+  checkpoint" (CheckpointNotFoundError: `verify` exit 2); they are damage (exit 1)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  tree = {f"layer{i}": np.full((64,), i, np.float32) for i in range(3)}
+  st = str(tmp_path / "st")
+  ofx.export_safetensors(st, tree, max_shard_bytes=256)
+  os.remove(os.path.join(st, "model-00002-of-00003.safetensors"))
+  item = str(tmp_path / "item")
+  with ocp.StandardCheckpointer() as c:
+    c.save(item, tree)
+  os.remove(os.path.join(item, "_METADATA"))
+  with ocp.CheckpointManager(str(tmp_path / "run")) as mgr:
+    mgr.save(1, args=ocp.args.StandardSave(tree))
+  os.remove(str(tmp_path / "run" / "1" / "default" / "_METADATA"))
+  with ocp.CheckpointManager(str(tmp_path / "composite"), item_names=("a", "b")) as mgr:
+    mgr.save(1, args=ocp.args.Composite(a=ocp.args.StandardSave(tree),
+                                        b=ocp.args.JsonSave({"epoch": 1})))
+  shutil.rmtree(str(tmp_path / "composite" / "1" / "a"))
+  for path, says in [(st, "model-00002-of-00003.safetensors, which model.safetensors.index.json"
+                          " names for 1 tensor(s), does not exist"),
+                     (item, "committed orbax-checkpoint item or step"),
+                     (str(tmp_path / "run" / "1"), "committed orbax-checkpoint item"),
+                     (str(tmp_path / "composite" / "1"), "whose item 'a'")]:
+    with pytest.raises(ofx.errors.CheckpointCorruptedError, match=re.escape(says)):
+      ofx.verify(path)
+  r = subprocess.run([sys.executable, "-m", "orbax_flax", "verify", st], capture_output=True,
+                     text=True, env=jobs.env_for(1), cwd=jobs.ROOT, check=False)
+  assert r.returncode == 1 and r.stdout.startswith("CORRUPTED: "), (r.returncode, r.stdout, r.stderr)
+
+
 def test_export_from_two_processes_writes_owned_shards(tmp_path):
   d = str(tmp_path / "export")
   res = jobs.run("interop_worker.py", ["--mode=export", f"--path={d}"], 2, 4).check()

@@ -496,6 +496,11 @@ def open_item(loc: Location) -> tuple[Item, str | None]:
   if found is None:
     json_item = _read_json(loc, "metadata")
     if json_item is None:
+      if _committed(loc):
+        raise errors.CheckpointCorruptedError(
+            f"{loc} is a committed orbax-checkpoint item ({_COMMIT}) whose {_PYTREE_METADATA}"
+            " is missing: the item is incomplete (a file lost in a copy, or deleted) and cannot"
+            " be read. Restore from another copy or step.")
       raise errors.CheckpointNotFoundError(f"{loc} is not an orbax-checkpoint item (no"
                                            f" {_PYTREE_METADATA})")
     try:
@@ -587,8 +592,21 @@ def open_item(loc: Location) -> tuple[Item, str | None]:
           ("OCDBT, " if ocdbt else "") + ("zarr3" if zarr3 else "zarr"))
 
 
+def _committed(loc: Location) -> bool:
+  """Whether orbax-checkpoint marked ``loc`` (an item or a step) committed: it writes
+  ``commit_success.txt`` last into each, and our exports do too."""
+  return _location.read_key(loc, _COMMIT, max_bytes=1) is not None
+
+
 def open_checkpoint(loc: Location) -> Manifest:
-  """A manifest-like description of an orbax-checkpoint item or step directory."""
+  """A manifest-like description of an orbax-checkpoint item or step directory.
+
+  Raises:
+    CheckpointNotFoundError: no item this reader knows at ``loc``.
+    CheckpointCorruptedError: ``loc`` is committed (``commit_success.txt``) but an
+      item's ``_METADATA``, or an item its ``_CHECKPOINT_METADATA`` names, is missing;
+      CheckpointFormatError for a metadata file that does not hold what orbax writes.
+  """
   step = read_step_metadata(loc)
   has_tree = _location.read_key(loc, _PYTREE_METADATA, max_bytes=1) is not None
   items: dict[str, tuple[Item, str | None]] = {}
@@ -598,6 +616,12 @@ def open_checkpoint(loc: Location) -> Manifest:
       items[DEFAULT_ITEM] = open_item(loc)
     elif _location.read_key(loc.join(DEFAULT_ITEM), _PYTREE_METADATA, max_bytes=1) is not None:
       items[DEFAULT_ITEM] = open_item(loc.join(DEFAULT_ITEM))  # a one-item manager's step
+    elif _committed(loc):
+      raise errors.CheckpointCorruptedError(
+          f"{loc} is a committed orbax-checkpoint item or step ({_COMMIT}) whose"
+          f" {_PYTREE_METADATA} is missing (here and in {loc.join(DEFAULT_ITEM)}): it is"
+          " incomplete (a file lost in a copy, or deleted) and cannot be read. Restore from"
+          " another copy or step.")
     else:
       raise errors.CheckpointNotFoundError(
           f"{loc} is an orbax-checkpoint step directory ({_STEP_METADATA}) without an item this"
@@ -608,7 +632,15 @@ def open_checkpoint(loc: Location) -> Manifest:
     for name, handler in sorted(step.handlers.items()):
       sub = loc.join(name)
       if "PyTree" in str(handler) or "Standard" in str(handler) or "Json" in str(handler):
-        items[name] = open_item(sub)
+        try:
+          items[name] = open_item(sub)
+        except errors.CheckpointNotFoundError as e:
+          if not _committed(loc):
+            raise
+          raise errors.CheckpointCorruptedError(
+              f"{loc} is a committed orbax-checkpoint step ({_COMMIT}) whose item {name!r},"
+              f" named in its {_STEP_METADATA}, cannot be found ({e}): the step is incomplete"
+              " (a file lost in a copy, or deleted). Restore from another copy or step.") from e
       else:
         skipped[name] = str(handler)
     any_item = False

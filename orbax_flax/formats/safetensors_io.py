@@ -252,7 +252,8 @@ def open_checkpoint(path: str) -> Manifest:
   """A manifest-like description of a safetensors file or directory (headers only).
 
   Every file is checked by :func:`read_tensors` (and the index by
-  :func:`read_index`) before anything is read; a tensor named in two files,
+  :func:`read_index`) before anything is read; a shard the index names that is
+  missing raises CheckpointCorruptedError; a tensor named in two files,
   a tensor the index places in a file that lacks it, and names that make one
   key path both a leaf and a subtree (``a`` and ``a.b``) raise
   CheckpointFormatError.
@@ -269,8 +270,12 @@ def open_checkpoint(path: str) -> Manifest:
   metadata: dict[str, Any] = {}
   found: dict[str, str] = {}  # tensor name -> its file
   for file in files:
-    if not os.path.isfile(file):
-      raise errors.CheckpointNotFoundError(f"{file}, named by {INDEX_NAME}, does not exist")
+    if not os.path.isfile(file):  # the index is there: a shard it names is lost
+      raise errors.CheckpointCorruptedError(
+          f"{file}, which {INDEX_NAME} names for"
+          f" {sum(f == file for f in (weight_map or {}).values())}"
+          " tensor(s), does not exist: the checkpoint is incomplete (a shard lost in a copy or"
+          " deleted). Copy the shard back from the source of the export.")
     entries, meta, base = read_tensors(file)
     handle = _File(file)
     metadata.update(meta)
