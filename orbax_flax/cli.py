@@ -44,19 +44,23 @@ def cmd_list(directory: str, out) -> int:
   from orbax_flax.engine import describe as metadata_lib
   from orbax_flax.engine import verifying
   from orbax_flax.format import step_dir
+  from orbax_flax.formats import orbax_checkpoint
   from orbax_flax.core._location import Location
   from orbax_flax.differential import refs
   loc = Location.parse(directory)
   # Every key of an object store, not its step index: the index names committed steps
-  # only, and a listing is to show the interrupted saves too.
+  # only, and a listing is to show the interrupted saves too. An orbax-checkpoint
+  # CheckpointManager's committed steps are listed too.
   steps, leftovers = step_dir.list_steps(loc, full=True)
-  if not steps and not leftovers:
+  theirs = orbax_checkpoint.steps(loc)
+  if not steps and not leftovers and not theirs:
     sub = loc.join("checkpoints")  # a workdir: CheckpointCallback keeps its steps there
     try:
       steps, leftovers = step_dir.list_steps(sub, full=True)
+      theirs = orbax_checkpoint.steps(sub)
     except (OSError, errors.CheckpointError):
       pass
-    if not steps and not leftovers:
+    if not steps and not leftovers and not theirs:
       print(f"no checkpoints in {loc}{_where_they_are(loc)}", file=out)
       return EXIT_MISSING
     print(f"note: {loc} is a workdir; listing its checkpoints directory, {sub}\n", file=out)
@@ -64,12 +68,24 @@ def cmd_list(directory: str, out) -> int:
   rows = []
   damaged = 0
   gone = []
-  for step in steps:
+  orbax_rows = []
+  for step in sorted(set(steps) | set(theirs)):
     try:
       # The whole manifest, hashed: a summary that survived a manifest cut short is no
       # readable step. The arrays are not read (verify does that).
       s = verifying.check_manifest(loc.join(str(step)))
     except errors.CheckpointNotFoundError as e:
+      if step in theirs:  # no manifest of ours: orbax-checkpoint's markers
+        row = _orbax_row(loc, step)
+        if row is None:
+          gone.append(step)
+        elif row[2] == "CORRUPTED":
+          damaged += 1
+          rows.append(row)
+        else:
+          orbax_rows.append(step)
+          rows.append(row)
+        continue
       # Listed a moment ago: deleted since (a keep rule of the job that writes here) if
       # it is listed no more, else a step without a manifest.
       if step not in step_dir.list_steps(loc, full=True)[0]:
@@ -91,8 +107,7 @@ def cmd_list(directory: str, out) -> int:
                    f"borrows from step {b.dir}, which is gone"])
       continue
     custom = s.custom
-    metrics = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                       for k, v in sorted(custom.get("metrics", {}).items()))
+    metrics = _metrics_text(custom.get("metrics", {}))
     stored = s.stored_bytes  # a differential save: bytes it holds, bytes it borrows
     rows.append([str(step), _when(s.created), custom.get("reason", "-"),
                  metadata_lib.human_bytes(sum(s.item_bytes.values())),
@@ -104,6 +119,10 @@ def cmd_list(directory: str, out) -> int:
       header, rows = header[:4] + header[5:], [r[:4] + r[5:] for r in rows]
     print(_table(header, rows), file=out)
     print(f"\n{len(rows)} committed step(s) in {loc}; latest {rows[-1][0]}", file=out)
+  if orbax_rows:
+    print(f"orbax-checkpoint step(s): {', '.join(map(str, orbax_rows))} (orbax records no reason,"
+          f" size or devices; `python -m orbax_flax show {loc.join('STEP')}` shows one)",
+          file=out)
   if gone:
     print(f"deleted while listed (a keep rule of the job writing here): step(s)"
           f" {', '.join(map(str, gone))}", file=out)
@@ -120,6 +139,27 @@ def cmd_list(directory: str, out) -> int:
           " tells more", file=out)
     return EXIT_CORRUPT
   return EXIT_OK
+
+
+def _metrics_text(metrics: dict) -> str:
+  return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                  for k, v in sorted(metrics.items()))
+
+
+def _orbax_row(loc, step: int) -> list[str] | None:
+  """``list``'s row for a committed orbax-checkpoint step (time and metrics as orbax
+  recorded them), a CORRUPTED row if its metadata is damaged, or None if the step was
+  deleted since it was listed."""
+  from orbax_flax.formats import orbax_checkpoint
+  where = loc.join(str(step))
+  try:
+    meta = orbax_checkpoint.read_step_metadata(where)
+  except errors.CheckpointCorruptedError as e:
+    return [str(step), "?", "CORRUPTED", "?", "?", "?", str(e)[:80]]
+  if not meta.time_ns and step not in orbax_checkpoint.steps(loc):
+    return None  # its metadata is gone with it (orbax's own keep rule)
+  return [str(step), _when(meta.time_ns / 1e9) if meta.time_ns else "-", "orbax-checkpoint",
+          "-", "-", "-", _metrics_text(meta.metrics)]
 
 
 def _where_they_are(loc) -> str:
@@ -382,7 +422,9 @@ _COMMANDS = {
         " CheckpointCallback's <workdir>/checkpoints): when each was saved, why, its size, the"
         " processes and devices that saved it, its metrics; and leftovers of interrupted saves."
         " Given a workdir, it lists <workdir>/checkpoints (and says so). Each step's manifest is"
-        " checked whole against its SHA-256s; its arrays are not read (verify reads them).",
+        " checked whole against its SHA-256s; its arrays are not read (verify reads them). The"
+        " committed steps of an orbax-checkpoint CheckpointManager are listed too, with the time"
+        " and metrics orbax recorded.",
         "examples:\n  python -m orbax_flax list /tmp/ofx_run/checkpoints\n"
         "  python -m orbax_flax list /tmp/ofx_run        # a workdir: lists its checkpoints/\n\n"
         "exit status: 0 fine, 1 a step cannot be read, 2 no checkpoints there",

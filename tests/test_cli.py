@@ -289,3 +289,21 @@ def test_list_calls_a_step_whose_manifest_was_cut_short_corrupted(tmp_path):
   assert "loss=1" in rows["1"] and "CORRUPTED" not in rows["1"], out
   assert "CORRUPTED" in rows["2"] and "checksum mismatch" in rows["2"], out
   assert "1 step(s) cannot be read" in out, out
+
+
+def test_list_shows_an_orbax_checkpoint_run_as_steps_not_damage(tmp_path):
+  """`list` on an intact orbax-checkpoint CheckpointManager run marked every step NO MANIFEST
+  and exited 1 ("a step cannot be read"), while `verify` reads each fine. Its committed steps
+  are listed, with the time orbax recorded, and list exits 0."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  d = str(tmp_path / "ocp_run")
+  with ocp.CheckpointManager(d) as mgr:
+    for step in (10, 20):
+      mgr.save(step, args=ocp.args.StandardSave({"w": np.full(4, step, np.float32)}))
+    mgr.wait_until_finished()
+  rc, out = run("list", d)
+  assert rc == 0, out
+  rows = {line.split()[0]: line for line in out.split("\n\n")[0].splitlines()[2:]}
+  assert sorted(rows) == ["10", "20"], out
+  assert all("orbax-checkpoint" in row for row in rows.values()), out
+  assert "NO MANIFEST" not in out and "cannot be read" not in out and "latest 20" in out, out
