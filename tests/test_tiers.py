@@ -392,6 +392,22 @@ def _policy(tmp_path, **kw):
   return ofx.CheckpointPolicy(**base)
 
 
+@pytest.mark.parametrize("url,fix", [
+    ("gs://bucket/ckpt-local", "a local path such as '/dev/shm/ckpt'"),
+    ("s3://bucket/ckpt-local", "a local path such as '/dev/shm/ckpt'"),
+    ("file:///dev/shm/ckpt", "the path itself, '/dev/shm/ckpt'")])
+def test_a_url_as_local_directory_is_refused_before_anything_is_written(
+    tmp_path, monkeypatch, url, fix):
+  """The local tier writes plain files: it took gs://b/x as the relative directory ./gs:/b/x."""
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=re.escape(f"local_directory={url!r}: is a URL")) as e:
+    ofx.CheckpointCallback(str(tmp_path / "run"), {"local_directory": url,
+                                                   "local_save_interval_steps": 5})
+  assert f"give {fix}" in str(e.value), str(e.value)
+  assert os.listdir(tmp_path) == []
+
+
 def test_a_run_in_another_workdir_never_sees_nor_deletes_the_local_steps_of_another(tmp_path):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import orbax_flax as ofx  # pylint: disable=g-import-not-at-top

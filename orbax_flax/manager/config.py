@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import signal
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -345,6 +346,13 @@ def _check(p: CheckpointPolicy) -> None:
     policy_lib.check_number(name, getattr(p, name), 0, note=" (0 turns it off)")
   _check_choice("save_interval", p.save_interval, ("", "auto"))
   policy_lib.check_int("local_save_interval_steps", p.local_save_interval_steps, 0, " (0: off)")
+  scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", p.local_directory)
+  if scheme:  # os paths would take it as a relative directory named "gs:" in the cwd
+    path = p.local_directory[len(scheme.group(0)):] if scheme.group(1) == "file" else ""
+    _fail("local_directory", p.local_directory, "is a URL, but the local tier writes plain"
+          " files on each host's own fast disk (RAM disk or local SSD); give "
+          + (f"the path itself, {path!r}" if path else "a local path such as '/dev/shm/ckpt'")
+          + " (the persistent directory is the one that takes URLs)")
   if p.local_save_interval_steps and not p.local_directory:
     _fail("local_save_interval_steps", p.local_save_interval_steps, "needs local_directory,"
           " a fast local directory such as /dev/shm/ckpt")
