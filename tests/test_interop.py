@@ -460,6 +460,22 @@ def test_a_lost_shard_or_orbax_metadata_is_corruption_not_a_missing_checkpoint(t
   assert r.returncode == 1 and r.stdout.startswith("CORRUPTED: "), (r.returncode, r.stdout, r.stderr)
 
 
+def test_convert_to_safetensors_refuses_bytes_that_are_not_text_before_writing(tmp_path):
+  """A ``bytes`` leaf goes into the header's ``__metadata__``, which holds text: one that is
+  not UTF-8 was decoded with errors="replace" (``b"\\x00\\xff"`` became ``"\\x00\\ufffd"``)
+  and the conversion succeeded. It is refused, naming the leaf and the fix; UTF-8 bytes are
+  kept as their text."""
+  src, dst = str(tmp_path / "ckpt"), str(tmp_path / "st")
+  ofx.save(src, {"params": {"w": np.ones(2, np.float32)},
+                 "extra": {"vocab": b"\x00\xff\xfe blob", "note": "caf\u00e9".encode()}})
+  with pytest.raises(ValueError, match=r"not UTF-8 text(.|\n)*extra/vocab \(8 bytes\)(.|\n)*"
+                     r"selector(.|\n)*Nothing was written"):
+    ofx.convert(src, dst, format="safetensors")
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+  ofx.convert(src + ":params,extra/note", dst, format="safetensors")
+  assert ofx.metadata(dst).custom["extra.note"] == "caf\u00e9"
+
+
 def test_export_from_two_processes_writes_owned_shards(tmp_path):
   d = str(tmp_path / "export")
   res = jobs.run("interop_worker.py", ["--mode=export", f"--path={d}"], 2, 4).check()

@@ -10,7 +10,8 @@ To safetensors the conversion streams: each array is read, converted and
 written before the next is read, so host memory peaks at about the largest
 array (plus its converted copy). Tensor names are the key paths joined by
 ``.``, prefixed by the item name when the source has several items; strings
-go into the header's ``__metadata__``, numeric scalars become 0-d tensors.
+go into the header's ``__metadata__`` (``bytes`` too, if they are UTF-8 text; others
+are refused), numeric scalars become 0-d tensors.
 
 To orbax-checkpoint (:func:`orbax_flax.export_orbax`) the conversion streams
 the same way: each array is read and written as one zarr3 chunk.
@@ -75,8 +76,10 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
     A one-line summary of what was written.
 
   Raises:
-    ValueError: an unknown format, or a selector that names nothing (the
-      message lists the keys there); raised before anything is written.
+    ValueError: an unknown format, a selector that names nothing (the
+      message lists the keys there), or a leaf the format cannot hold (for
+      safetensors: a ``bytes`` leaf that is not UTF-8 text); raised before
+      anything is written.
     CheckpointCorruptedError: a source array failed its checksum while it was
       read (the export stops; nothing is committed, ``dst`` stays as it was).
     StorageError: writing failed on some process (e.g. the disk is full);
@@ -130,18 +133,32 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
   meta: dict[str, str] = {}
   source: dict[str, str] = {}  # tensor name -> the leaf it is made from
   clashes: list[str] = []
+  binary: list[str] = []  # bytes leaves that are not UTF-8 text
   for p, value in _tree.flatten(tree):
     name = ".".join(p)
+    leaf = where + _tree.path_str(p)
     if not isinstance(value, LazyArray):
-      if isinstance(value, (str, bytes)):
-        meta[name] = value if isinstance(value, str) else value.decode(errors="replace")
+      if isinstance(value, bytes):
+        try:
+          value = value.decode("utf-8")
+        except UnicodeDecodeError:
+          binary.append(f"{leaf} ({len(value)} bytes)")
+          continue
+      if isinstance(value, str):
+        meta[name] = value
         continue
       value = np.asarray(value)
-    leaf = where + _tree.path_str(p)
     if name in source:
       clashes.append(f"{source[name]} and {leaf} are both named {name!r}")
     source[name] = leaf
     flat[name] = value
+  if binary:
+    raise ValueError(
+        f"cannot convert to safetensors at {dst}: these bytes leaves are not UTF-8 text, and"
+        " safetensors keeps non-array leaves in its header's __metadata__, which holds text only:"
+        " " + ", ".join(binary) + ". Leave them out with a selector (\"<ckpt>:params\"), or"
+        " restore the checkpoint and export them encoded (ofx.export_safetensors(...,"
+        " metadata={name: base64 text})). Nothing was written.")
   _check_names(source, clashes, dst)
   with _progress.Monitor(progress):  # bytes, GB/s and ETA on a terminal; quiet in logs and CI
     names = safetensors_export.export_safetensors(
