@@ -519,6 +519,17 @@ def test_a_failed_local_save_at_an_interval_raises_after_the_persistent_save_ran
     assert warn.manager.all_steps() == [2, 4]
 
 
+def test_a_failed_save_of_a_step_number_the_tier_holds_keeps_the_committed_one(tmp_path):
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  tier = local.LocalTier(str(tmp_path / "shm"), run="r", max_to_keep=1)
+  tier.save(5, {"state": {"w": np.full(3, 5.0)}})
+  with pytest.raises(ofx.errors.StorageError, match="local save of step 5 failed"):
+    tier.save(5, {"state": {"w": np.zeros(3), "bad": object()}})  # fails before any write
+  step, got, _ = tier.restore({"state": {"w": np.zeros(3)}})
+  assert step == 5 and got["state"]["w"].tolist() == [5.0] * 3
+
+
 @pytest.mark.parametrize("keep", [1, 2])
 def test_a_full_local_disk_error_names_the_directory_and_the_fix(tmp_path, keep):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top

@@ -184,7 +184,7 @@ class LocalTier:
         self.timeout, what=f"finish local step {step}")]
     save_id = verdicts[0][3]
     if any(v[0] for v in verdicts):  # every process removes what it wrote: it costs this save only
-      self.steps.discard(step)
+      shutil.rmtree(tmp, ignore_errors=True)  # a committed step of the same number stays
       raise self._failed(step, "failed", verdicts)
     # Every part is durable. Each process commits its own, and all learn that every process
     # did before any removes an older step: a step one process could not commit counts
