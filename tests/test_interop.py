@@ -476,6 +476,22 @@ def test_convert_to_safetensors_refuses_bytes_that_are_not_text_before_writing(t
   assert ofx.metadata(dst).custom["extra.note"] == "caf\u00e9"
 
 
+def test_safetensors_exports_refuse_an_empty_tensor_name_before_writing(tmp_path):
+  """A leaf under the key '' was exported as a tensor named '', which the safetensors package
+  reads but orbax_flax's own reader (verify, restore) calls damaged. Exports refuse an empty
+  (or non-string) name before writing, naming the leaf; the reader's rule stays."""
+  src, dst = str(tmp_path / "ckpt"), str(tmp_path / "st")
+  ofx.save(src, {"params": {"": np.arange(3, dtype=np.float32)}})
+  with pytest.raises(ValueError, match=r"the leaf 'params/' \(its key path is one empty key"
+                     r"(.|\n)*Nothing was written"):
+    ofx.convert(src, dst, format="safetensors")
+  with pytest.raises(ValueError, match=r"key path \('',\): tensor name ''"):
+    ofx.export_safetensors(dst, {"": np.ones(2), "w": np.ones(2)})
+  with pytest.raises(ValueError, match=r"key path \('w',\): tensor name 7"):
+    ofx.export_safetensors(dst, {"w": np.ones(2)}, name_fn=lambda p: 7)
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
 def test_export_from_two_processes_writes_owned_shards(tmp_path):
   d = str(tmp_path / "export")
   res = jobs.run("interop_worker.py", ["--mode=export", f"--path={d}"], 2, 4).check()

@@ -159,6 +159,12 @@ def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None
         " " + ", ".join(binary) + ". Leave them out with a selector (\"<ckpt>:params\"), or"
         " restore the checkpoint and export them encoded (ofx.export_safetensors(...,"
         " metadata={name: base64 text})). Nothing was written.")
+  if "" in source:
+    raise ValueError(
+        f"cannot convert to safetensors at {dst}: the leaf {source['']!r} (its key path is one"
+        " empty key, '') would be a tensor named '', which orbax_flax reads as damage and no"
+        " model loader maps to a parameter. Leave it out with a selector, or restore the checkpoint and export"
+        " it with ofx.export_safetensors(..., name_fn=...) to name it. Nothing was written.")
   _check_names(source, clashes, dst)
   with _progress.Monitor(progress):  # bytes, GB/s and ETA on a terminal; quiet in logs and CI
     names = safetensors_export.export_safetensors(

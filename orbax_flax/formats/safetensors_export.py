@@ -134,7 +134,8 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
     The file names written, in order.
 
   Raises:
-    ValueError: a leaf safetensors cannot hold, two leaves with one name,
+    ValueError: a leaf safetensors cannot hold, two leaves with one name, a
+      name that is empty or not a string,
       ``path`` exists without ``overwrite``, or ``path`` holds something an
       export may not replace even with ``overwrite`` (see
       :func:`check_destination`); raised before anything is written.
@@ -169,6 +170,13 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
     if kind == "value":
       leaf = np.asarray(leaf)
     name = name_fn(p)
+    if not isinstance(name, str) or not name:
+      # safetensors_io reads a tensor without a name as damage, and no loader maps one to a
+      # parameter: refused here rather than accepted there.
+      problems.append(f"the leaf at key path {tuple(p)!r}: tensor name {name!r}; a tensor needs"
+                      " a non-empty string name (orbax_flax reads an empty one as damage): rename"
+                      " the key, or choose names with name_fn=")
+      continue
     if name in seen:
       problems.append(f"{where}: tensor name {name!r} is also the name of {seen[name]}")
       continue
