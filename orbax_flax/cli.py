@@ -365,6 +365,20 @@ def cmd_plan(argv: list[str], out) -> int:
   if steps <= 0:
     print("error: give --steps=N or set num_steps in the config", file=sys.stderr)
     return EXIT_MISSING
+  if fv.start_step < 0:
+    print(f"error: --start_step={fv.start_step}: steps are numbered from 0; give the last step"
+          " the resumed run saved (or 0 for a new run)", file=sys.stderr)
+    return EXIT_MISSING
+  if not fv.seconds_per_step > 0:  # (a NaN too)
+    print(f"error: --seconds_per_step={fv.seconds_per_step:g}: give the wall time one step takes,"
+          " more than 0 (e.g. 0.5)", file=sys.stderr)
+    return EXIT_MISSING
+  for flag in ("save_cost_seconds", "local_save_cost_seconds"):
+    cost = getattr(fv, flag)
+    if cost is not None and not cost >= 0:
+      print(f"error: --{flag}={cost:g}: give what a save takes in seconds, 0 or more (e.g."
+            " 2.5), or leave it out for 1 s", file=sys.stderr)
+      return EXIT_MISSING
   if fv.start_step >= steps:
     print(f"error: --start_step={fv.start_step} leaves nothing to plan in a run of {steps}"
           " steps; give a smaller --start_step or more --steps", file=sys.stderr)

@@ -307,3 +307,18 @@ def test_list_shows_an_orbax_checkpoint_run_as_steps_not_damage(tmp_path):
   assert sorted(rows) == ["10", "20"], out
   assert all("orbax-checkpoint" in row for row in rows.values()), out
   assert "NO MANIFEST" not in out and "cannot be read" not in out and "latest 20" in out, out
+
+
+@pytest.mark.parametrize("flag, says", [
+    ("--start_step=-5", "--start_step=-5: steps are numbered from 0"),
+    ("--seconds_per_step=-1", "--seconds_per_step=-1: give the wall time one step takes, more"
+     " than 0"),
+    ("--save_cost_seconds=-2", "--save_cost_seconds=-2: give what a save takes"),
+    ("--local_save_cost_seconds=-2", "--local_save_cost_seconds=-2: give what a save takes"),
+])
+def test_plan_refuses_negative_steps_and_seconds(flag, says):
+  """`plan --start_step=-5` planned a save of step 0 (which a manager refuses) and
+  `--seconds_per_step=-1` a run whose time rules never fire, both exiting 0; a negative save
+  cost was taken as 0. Each is a usage error (exit 2) naming the flag and what to give."""
+  rc, out = run("plan", "--config=configs/default.py", "--steps=100", flag)
+  assert rc == 2 and says in out and "policy over steps" not in out, out
