@@ -123,6 +123,8 @@ class ManagerModel(RuleBasedStateMachine):
 
   def _commit(self, step: int, tag: int, changed: float) -> None:
     """The model's side of a save that returned: what it replaces or abandons."""
+    if self.rolled_to is not None and self.saved and step > max(self.saved):
+      self.rolled_to = None  # saved above every newer step: no rollback, nothing abandoned
     if self.rolled_to is not None:
       for s in [s for s in self.saved if s > self.rolled_to and s != step]:
         del self.saved[s]

@@ -380,3 +380,23 @@ def test_a_run_started_over_after_its_steps_were_deleted_takes_no_local_step_of_
     if not name.startswith("."):  # what the shell's glob removes
       shutil.rmtree(os.path.join(checkpoints, name))
   assert _tiered_run(workdir, local, 3) == (None, 0.0)
+
+
+def test_a_restore_to_look_at_an_older_step_then_training_on_abandons_nothing(tmp_path):
+  """restore(best_step()) in the middle of training (to evaluate it), then the next save at
+  the loop's own step, above the newest: taken for a rollback, it deleted every step newer
+  than the best one (20 and 30 here) with keep-all."""
+  d = str(tmp_path)
+  policy = ofx.CheckpointPolicy(keep_best=0, best_metric="loss", async_save=False)
+  with ofx.CheckpointManager(d, policy) as m:
+    for s, loss in ((10, 0.1), (20, 0.5), (30, 0.7)):
+      m.save(s, items(s), force=True, metrics={"loss": loss})
+    assert m.best_step() == 10
+    assert restores_as(m.step_path(10), items(10))
+    m.restore(m.best_step())  # evaluate the best step
+    m.save(40, items(40), force=True, metrics={"loss": 0.3})  # and train on
+    assert m.all_steps() == [10, 20, 30, 40]
+  with ofx.CheckpointManager(d, policy) as m:
+    assert m.all_steps() == [10, 20, 30, 40] and m.latest_step() == 40
+    for s in (10, 20, 30, 40):
+      assert restores_as(m.step_path(s), items(s)), s

@@ -300,6 +300,7 @@ class CheckpointManager:
       # The abandoned run's save of this step, or one that force=True replaces (with what
       # it is given now, as it replaces a committed step): replaced once it ends.
       self._inflight.finish()
+    self._rollback.call_off_above(step)  # a restore to look at an older step, then training on
     overwrite = self._rollback.replaces(step, forced=decided in policy_lib.FORCED
                                         and reason != "final")
     if overwrite is None or self._schedule.skips(step, decided, self.inflight_step() is not None):

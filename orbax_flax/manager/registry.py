@@ -615,7 +615,9 @@ class Rollback:
   After ``restore()`` of a step older than the latest, the newer steps belong
   to the abandoned run: a save of this run replaces one of them, and they are
   all removed once this run commits its first save, so that "latest" and the
-  keep rules see this run only. The timeline id is recorded with every save
+  keep rules see this run only (the directory records that before the commit:
+  :meth:`record`). A save above every newer step before that commit calls it off
+  (:meth:`call_off_above`: the restore was a look at an older step). The timeline id is recorded with every save
   (``custom["timeline"]``), so that the local tier can tell the steps of this
   timeline from those of one a rollback abandoned: it starts as the timeline
   of the latest committed step ("" with none, or when its summary has no
@@ -659,6 +661,23 @@ class Rollback:
     """
     with self._lock:
       return self._count if self.to is not None else None
+
+  def call_off_above(self, step: int) -> None:
+    """A save of a ``step`` above every step the waiting rollback would abandon is about to
+    start (its run has not committed): the restore was no rollback but a look at an older
+    step (to evaluate it), and training went on from where the run was. The rollback is
+    called off, nothing is abandoned, and the timeline is the latest step's again."""
+    with self._lock:
+      if self.to is None or not self._abandoned or step <= max(self._abandoned):
+        return
+      to, newer = self.to, sorted(self._abandoned)
+      called_off = self._timelines.get(self._count)
+      self.to, self._abandoned = None, set()
+      self._timeline = None  # the latest step's again (read when next asked)
+    if called_off is not None:
+      self._registry.end_rollback(called_off, committed=False)
+    log.info("step %d is saved above every step newer than the restored step %d (%s): that"
+             " restore was no rollback, nothing is abandoned", step, to, short(newer))
 
   def record(self, step: int, run: int) -> None:
     """A save of ``step`` starts in the run of rollback ``run`` (:meth:`run`): recorded in the
