@@ -47,6 +47,7 @@ def cmd_list(directory: str, out) -> int:
   from orbax_flax.formats import orbax_checkpoint
   from orbax_flax.core._location import Location
   from orbax_flax.differential import refs
+  from orbax_flax.manager import registry
   loc = Location.parse(directory)
   # Every key of an object store, not its step index: the index names committed steps
   # only, and a listing is to show the interrupted saves too. An orbax-checkpoint
@@ -65,6 +66,9 @@ def cmd_list(directory: str, out) -> int:
       return EXIT_MISSING
     print(f"note: {loc} is a workdir; listing its checkpoints directory, {sub}\n", file=out)
     loc = sub
+  # Steps a committed rollback abandoned are no steps (their deletion may be pending).
+  abandoned = sorted(set(steps) - set(registry.visible_steps(loc, steps)))
+  steps = [s for s in steps if s not in abandoned]
   rows = []
   damaged = 0
   gone = []
@@ -126,6 +130,10 @@ def cmd_list(directory: str, out) -> int:
   if gone:
     print(f"deleted while listed (a keep rule of the job writing here): step(s)"
           f" {', '.join(map(str, gone))}", file=out)
+  if abandoned:
+    print(f"abandoned by a rollback, not steps: {', '.join(map(str, abandoned))} (the run"
+          " went back to an older step and has committed since; the next training job here"
+          " deletes them)", file=out)
   retired = step_dir.retired_dirs(loc.local_path) if loc.is_local else []
   if retired:
     print(f"retired, not steps: {', '.join(retired)}: data of deleted steps that kept"

@@ -328,6 +328,12 @@ def test_a_rollback_holds_while_an_evaluator_reads_a_step_it_abandons(tmp_path, 
     assert m.all_steps() == [10, 11, 20] and m.latest_step() == 20
     assert restores_as(m.step_path(20), items(200))
   assert list(ofx.checkpoints_iterator(d, timeout=0)) == [10, 11, 20]  # a new evaluator too
+  listing = subprocess.run([sys.executable, "-m", "orbax_flax", "list", d], env=jobs.env_for(1),
+                           capture_output=True, text=True, check=False)
+  assert listing.returncode == 0, listing.stderr
+  assert [l.split()[0] for l in listing.stdout.splitlines()[2:5]] == ["10", "11", "20"]
+  assert "3 committed step(s)" in listing.stdout and "abandoned by a rollback, not steps: 30" \
+      in listing.stdout, listing.stdout
   evaluator.close()  # done with 30: its lease goes
   with ofx.CheckpointManager(d, policy) as m:  # the next writer deletes it
     m.save(21, items(21), force=True)
