@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -406,3 +407,71 @@ def test_a_restore_to_look_at_an_older_step_then_training_on_abandons_nothing(tm
     assert m.all_steps() == [10, 20, 30, 40] and m.latest_step() == 40
     for s in (10, 20, 30, 40):
       assert restores_as(m.step_path(s), items(s)), s
+
+
+def _gate_commits(monkeypatch):
+  """An event that holds every save's commit until set (set: commits go through): a save is
+  kept in flight for as long as a test needs, whatever the machine's speed."""
+  from orbax_flax.engine import saving
+  gate, commit = threading.Event(), saving.commit
+  gate.set()
+
+  def gated(*args, **kwargs):
+    assert gate.wait(120), "the test never let the commit through"
+    return commit(*args, **kwargs)
+  monkeypatch.setattr(saving, "commit", gated)
+  return gate
+
+
+def test_a_second_rollback_to_a_step_the_first_abandoned_keeps_it(tmp_path, monkeypatch):
+  """restore(20), a save of 25 in flight, then restore(30) (back to 30 instead): 25's commit
+  ended the first rollback and deleted 30, the step restored and trained from, and 25, of
+  the run left, stayed a step: [10, 20, 25, 31]."""
+  gate, d = _gate_commits(monkeypatch), str(tmp_path)
+  with ofx.CheckpointManager(d) as m:
+    for s in (10, 20, 30, 40):
+      m.save(s, items(s), force=True)
+      m.wait()
+    m.restore(20)
+    gate.clear()
+    m.save(25, items(25), force=True)
+    assert restores_as(m.step_path(30), items(30)) and m.inflight_step() == 25
+    m.restore(30)  # while 25 is in flight
+    gate.set()
+    m.wait()
+    assert 30 in m.all_steps() and 40 not in m.all_steps()
+    m.save(31, items(31), force=True)
+    m.wait()
+    assert m.all_steps() == [10, 20, 30, 31]
+  with ofx.CheckpointManager(d) as m:
+    assert m.all_steps() == [10, 20, 30, 31]
+    for s in (10, 20, 30, 31):
+      assert restores_as(m.step_path(s), items(s)), s
+
+
+def test_rollbacks_called_off_by_restoring_the_latest_abandon_nothing_on_disk(tmp_path,
+                                                                              monkeypatch):
+  """restore(20), a save of 25 in flight, restore(10), then restore(40), the latest: the
+  manager itself kept every step, but the first rollback's record stayed in the directory;
+  once 25 committed, every other job listed [10, 20, 25] and the next writer deleted 30
+  and 40."""
+  gate, d = _gate_commits(monkeypatch), str(tmp_path)
+  with ofx.CheckpointManager(d) as m:
+    for s in (10, 20, 30, 40):
+      m.save(s, items(s), force=True)
+      m.wait()
+    m.restore(20)
+    gate.clear()
+    m.save(25, items(25), force=True)
+    m.restore(10)
+    m.restore(40)  # back where the run was: no rollback
+    gate.set()
+    m.wait()
+    assert m.all_steps() == [10, 20, 25, 30, 40]
+  with ofx.CheckpointManager(d) as m:  # another job, then the next writer
+    assert m.all_steps() == [10, 20, 25, 30, 40]
+    m.save(50, items(50), force=True)
+    m.wait()
+    assert m.all_steps() == [10, 20, 25, 30, 40, 50]
+  for s in (10, 20, 25, 30, 40, 50):
+    assert restores_as(os.path.join(d, str(s)), items(s)), s

@@ -642,6 +642,7 @@ class Rollback:
     self._lock = threading.Lock()  # with the registry's commits: one view of both
     self.to: int | None = None     # the step rolled back to, until this run's first commit
     self._abandoned: set[int] = set()
+    self._ceiling: int | None = None  # the newest step the waiting rollback abandons (ever)
     self._timeline: str | None = None
     self._count = 0  # rollbacks so far (their coordination keys)
     # Earlier rollbacks whose run still has a save in flight: id -> the steps they abandoned.
@@ -668,7 +669,7 @@ class Rollback:
     step (to evaluate it), and training went on from where the run was. The rollback is
     called off, nothing is abandoned, and the timeline is the latest step's again."""
     with self._lock:
-      if self.to is None or not self._abandoned or step <= max(self._abandoned):
+      if self.to is None or self._ceiling is None or step <= self._ceiling:
         return
       to, newer = self.to, sorted(self._abandoned)
       called_off = self._timelines.get(self._count)
@@ -754,19 +755,27 @@ class Rollback:
     commit perhaps not recorded yet): a rollback if newer steps exist."""
     with self._lock:
       newer = {s for s in self._registry.committed() if s > step}
-      if newer and inflight is not None and inflight > step:
-        newer.add(inflight)  # a save of the abandoned run still in flight belongs to it too
+      # A save of the abandoned run still in flight belongs to it too; so does one of an
+      # earlier rollback's run, whatever its number: that run is left as well.
+      if newer and inflight is not None and (inflight > step or self.to is not None):
+        newer.add(inflight)
       cancelled = not newer and self.to is not None
-      called_off = self._timelines.get(self._count) if cancelled else None
+      # Rollbacks whose run is left before it committed: their records go (:meth:`record`).
+      left = [self._count] if self.to is not None else []
+      if not newer:
+        left += list(self._earlier)
+      left = [self._timelines[r] for r in left if r in self._timelines]
       if newer and self.to is not None and inflight is not None:
         # The earlier rollback's run may commit its save in flight after this: that commit
-        # still ends the earlier rollback (its abandoned steps go), not this one.
-        self._earlier[self._count] = self._abandoned
+        # still ends the earlier rollback, removing what both abandon (never a step this one
+        # keeps: it may have gone back to a step the earlier one abandoned).
+        self._earlier[self._count] = self._abandoned & newer
       elif not newer:
         self._earlier.clear()
       # The last restore decides: a restore of the latest step calls off an earlier rollback
       # (looking at an old step, then resuming the newest, abandons nothing).
       self.to, self._abandoned = (step, newer) if newer else (None, set())
+      self._ceiling = max(newer) if newer else None
       if newer:
         self._count += 1  # a new run (:meth:`run`), under the lock a save's start reads it by
       count = self._count
@@ -775,10 +784,10 @@ class Rollback:
                " last, has not committed (yet) and becomes the latest if it does: this is no"
                " rollback (to go back, wait_for_save() first, then restore)", step, self._dir,
                inflight)
+    for timeline in left:
+      self._registry.end_rollback(timeline, committed=False)
     if cancelled:
       self._timeline = None  # the latest step's again (read when next asked)
-      if called_off is not None:
-        self._registry.end_rollback(called_off, committed=False)
       log.info("restored step %d, the latest of %s: the earlier rollback is called off, no"
                " step is abandoned", step, self._dir)
     if not newer:
@@ -812,6 +821,7 @@ class Rollback:
           ended = self._timelines.get(run)
         if self.to is not None and info.step > self.to:
           self._abandoned.add(info.step)  # a save of an abandoned run that was in flight
+          self._ceiling = max(self._ceiling or info.step, info.step)
       self._registry.add(info, dropping=gone)
     if ended is not None:
       self._registry.end_rollback(ended, committed=True)
