@@ -1,5 +1,6 @@
 """The local tier with real processes: own copies, peer replicas, agreement, fallbacks."""
 
+import dataclasses
 import os
 import logging
 import pathlib
@@ -621,6 +622,29 @@ def test_a_commit_failing_on_one_process_fails_everywhere_and_keeps_the_older_st
     assert out.count("RESUMED 4 4.0") == 2, out[-4000:]
 
 
+def test_a_local_step_committed_by_different_saves_on_different_processes_is_not_resumed(tmp_path):
+  """Two runs that each died between the local tier's commits can leave step 6 committed by
+  run 1's save on process 0 and by run 2's on process 1 (no replicas). A restore must not
+  read each process's own copy of two saves: it resumes the step below (persistent step 4),
+  says why, and removes the dead runs' step 6 (it would hold the room of a step)."""
+  from orbax_flax.tiers._local_steps import StepRecord, write  # pylint: disable=g-import-not-at-top
+  local_dir, workdir = tmp_path / "local", tmp_path / "run"
+  run = str(workdir / "checkpoints")
+  flags = ["--replicas=0"]
+  out = _launch(workdir, local_dir, 6, n=2, devices=1, extra=flags)  # persistent 4, local 6
+  record = os.path.join(proc_dir(local_dir, 1, run), "6", local.COMMITTED)
+  with open(record, "rb") as f:  # process 1's step 6 becomes another save's
+    old = StepRecord.decode(f.read(), record)
+  assert old.save_id
+  write(record, dataclasses.replace(old, save_id="of-another-run").encode())
+  out = _launch(workdir, local_dir, 8, n=2, devices=1, extra=flags)
+  assert out.count("RESUMED 4 4.0") == 2, out[-4000:]
+  assert re.search(r"step\(s\) \[6\] are held as copies of different saves", out), out[-4000:]
+  for p in (0, 1):
+    assert re.search(rf"\[{p}\] .*removed local steps \[6\]", out), out[-4000:]
+  assert all(_local_steps(local_dir, run, p) == {8: ["COMMITTED", "own.blob"]} for p in (0, 1))
+
+
 def test_three_processes_fall_back_together_from_a_damaged_local_header(tmp_path):
   """Process 1's own copy of the newest local step has a zeroed header, and the peer replica of
   it is damaged too: every process learns it at once, tries the replica, then reads the
@@ -819,13 +843,19 @@ def test_damaged_newer_local_steps_resume_the_intact_older_one(tmp_path, caplog)
     return ckpt.restored_step, state["w"].tolist()
 
   damage([25, 20])
-  assert resume() == (15, [15.0] * 3)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+    assert resume() == (15, [15.0] * 3)
+  assert ("step 25: process 0: damaged own copy" in caplog.text
+          and "step 20: process 0: damaged own copy" in caplog.text), caplog.text
+  # The run resumed 15: the damaged steps above it are removed (they held a step's room).
+  assert sorted(map(int, os.listdir(root))) == [15]
   damage([15])  # nothing intact left: the local tier says why it gives up
   caplog.clear()
   with caplog.at_level(logging.WARNING, logger="orbax_flax"):
     assert resume() == (None, [0.0] * 3)
-  assert ("no intact step that every process can get (damaged: step 25: process 0's own copy;"
-          " step 20: process 0's own copy; step 15: process 0's own copy)") in caplog.text
+  assert ("no intact step that every process can get (damaged: step 15: process 0's own copy)"
+          in caplog.text), caplog.text
 
 
 # ---------------------------------------------------------------- snapshots are snapshots

@@ -163,7 +163,7 @@ class StepDirectory:
     ``save_id``); otherwise another save replaced the step there since (a forced re-save by
     another manager, ``convert``), and the persistent tier holds what the step now is.
     """
-    own, replicas = [], {}
+    own, replicas, ids = [], {}, {}
     records, ignored = self.records()
     for step, record in sorted(records.items()):
       if timeline is not None and record.timeline != timeline:
@@ -177,6 +177,7 @@ class StepDirectory:
                        f" (a forced re-save, a convert), which is read there")
         continue
       d = self.dir(step)
+      ids[step] = record.save_id
       if os.path.exists(os.path.join(d, OWN)):
         own.append(step)
       for f in os.listdir(d):
@@ -186,7 +187,7 @@ class StepDirectory:
       _progress.say("local tier (%s): ignoring %s", self.root, "; ".join(ignored))
     counts = [records[s].process_count for s in own]
     return Holdings(sorted(own), {k: sorted(v) for k, v in replicas.items()},
-                    counts[-1] if counts else process_count)
+                    counts[-1] if counts else process_count, ids)
 
 
 class Sink:

@@ -290,7 +290,13 @@ class LocalTier:
     damaged: list[str] = []  # the copies this restore found damaged, for the log
     for attempt in itertools.count():  # each round that goes on removes a copy: it ends
       plan = placement.plan_restore(holdings, newer_than)
+      if attempt == 0 and placement.mixed_steps(holdings, plan):
+        log.warning("local tier: step(s) %s are held as copies of different saves (runs that"
+                    " died while committing them); a restore never mixes saves, so they are not"
+                    " used", placement.mixed_steps(holdings, plan))
       if plan is None:
+        if newer_than is not None:  # the persistent tier's step is resumed: those above are dead
+          self._discard_above(newer_than, timeline)
         newer = "" if newer_than is None else f" newer than step {newer_than}"
         if damaged:
           log.warning("local tier: no intact step that every process can get%s (damaged: %s);"
@@ -318,6 +324,7 @@ class LocalTier:
       if not bad:
         if casts is not None:
           casts.extend(found)
+        self._discard_above(plan.step, timeline)
         return got
       if len(copies) == len(bad):  # damaged copies: read the others, else an older step
         log.warning("local tier: step %d: %s; trying the peers' replicas, then older local steps",
@@ -336,6 +343,28 @@ class LocalTier:
                   plan.step, "; ".join(bad))
       return None
     return None  # not reached: the loop ends by a return
+
+  def _discard_above(self, step: int, timeline: str | None) -> None:
+    """Removes the local steps of ``timeline`` above ``step``, which a restore found that
+    no process set can assemble (else it would have taken one).
+
+    They are what a run that died left (a step some processes committed, copies of
+    different saves, damaged copies) and hold disk room that the next saves need: a local
+    directory has room for ``local_max_to_keep + 1`` steps. Steps of other timelines are
+    left to retention. Best effort.
+    """
+    try:
+      above = [s for s, r in self.steps.records()[0].items()
+               if s > step and (timeline is None or r.timeline == timeline)]
+      for s in above:
+        self.steps.discard(s)
+    except OSError as e:
+      log.warning("local tier: cannot remove local steps above step %d in %s (%s: %s)", step,
+                  self.root, type(e).__name__, e)
+      return
+    if above:
+      _progress.say("local tier: removed local steps %s of %s, which no restore can take",
+                    sorted(above), self.root)
 
   def _assemble(self, plan: RestorePlan, target: Mapping[str, Any], options: dict[str, Any],
                 casts: list, key: str) -> tuple[tuple[int, dict[str, Any], str] | None, list[str]]:
