@@ -559,8 +559,10 @@ def _run_long(workdir, steps, flags, n=3, devices=2):
   return out
 
 
-def _launch(workdir, local_dir, steps, n=3, devices=2, extra=()):
-  """tier_launch_worker.py as ``n`` processes of one job through ``python -m orbax_flax.launch``."""
+def _launch(workdir, local_dir, steps, n=3, devices=2, extra=(), timeout=600):
+  """tier_launch_worker.py as ``n`` processes of one job through ``python -m orbax_flax.launch``;
+  a job still running after ``timeout`` seconds is killed (the launcher and its workers) and
+  fails the test."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   env = jobs.env_for(devices)
@@ -568,9 +570,16 @@ def _launch(workdir, local_dir, steps, n=3, devices=2, extra=()):
   cmd = [sys.executable, "-m", "orbax_flax.launch", "-n", str(n),
          f"--devices_per_process={devices}", "--", os.path.join(jobs.HERE, "tier_launch_worker.py"),
          f"--workdir={workdir}", f"--local={local_dir}", f"--steps={steps}", *extra]
-  res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=jobs.ROOT, timeout=600)
-  assert res.returncode == 0, (res.stdout + res.stderr)[-5000:]
-  return res.stdout + res.stderr
+  job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, cwd=jobs.ROOT, start_new_session=True)
+  try:
+    out, _ = job.communicate(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    os.killpg(job.pid, signal.SIGKILL)  # the job's own session: the launcher and its workers
+    out, _ = job.communicate()
+    pytest.fail(f"the job hung: still running after {timeout} s\n{out[-5000:]}")
+  assert job.returncode == 0, out[-5000:]
+  return out
 
 
 def _local_steps(local_dir, run, p):
@@ -643,6 +652,29 @@ def test_a_local_step_committed_by_different_saves_on_different_processes_is_not
   for p in (0, 1):
     assert re.search(rf"\[{p}\] .*removed local steps \[6\]", out), out[-4000:]
   assert all(_local_steps(local_dir, run, p) == {8: ["COMMITTED", "own.blob"]} for p in (0, 1))
+
+
+def test_a_local_save_slower_than_the_timeout_on_one_process_fails_on_both_without_a_hang(
+    tmp_path):
+  """on_save_error="warn", coordination_timeout_seconds=3: process 1's local disk takes 6 s to
+  write step 6. Process 0 gives up waiting for it and trains on (into the next step's
+  all-reduce); process 1, late, must fail the save too and never enter the replica exchange's
+  collective alone (it has no timeout: the job hung there forever). Step 8 then commits."""
+  local_dir, workdir = tmp_path / "local", tmp_path / "run"
+  run = str(workdir / "checkpoints")
+  out = _launch(workdir, local_dir, 8, n=2, devices=1, timeout=60, extra=[
+      "--save_interval_steps=1000", "--on_save_error=warn", "--coordination_timeout=3",
+      "--slow_at=6", "--slow_seconds=6"])
+  for p in (0, 1):
+    assert re.search(rf"\[{p}\] .*local checkpoint of step 6 failed", out), out[-4000:]
+  assert re.search(r"\[1\] .*to enter the replica exchange; every process arrived, but not"
+                   r" within the timeout|\[1\] .*to enter the replica exchange; process\(es\)"
+                   r" \[0\] did not arrive", out), out[-4000:]
+  assert re.search(r"\[0\] .*local checkpoint step 8 committed", out), out[-4000:]
+  assert out.count("DONE 8") == 2, out[-4000:]
+  for p in (0, 1):
+    assert _local_steps(local_dir, run, p) == {
+        8: ["COMMITTED", "own.blob", f"replica-{1 - p}.blob"]}, p
 
 
 def test_three_processes_fall_back_together_from_a_damaged_local_header(tmp_path):

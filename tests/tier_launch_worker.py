@@ -11,6 +11,11 @@ which every save sets to the step) and ``DONE <step>``. Log lines carry wall-clo
 (``<local>/run-*/process_<i>``, a small tmpfs the test mounted there) just before step S and
 frees it after: a transient full disk. ``--fill_leave=blob`` leaves room for one more copy of
 its newest local blob, and for nothing else (its ``COMMITTED`` record).
+
+``--slow_at=S``: process ``--slow_process``'s local disk takes ``--slow_seconds`` to write its
+blob of step S (longer than ``--coordination_timeout``: the others give up waiting for it),
+and every step ends with a cross-process collective (a training step's all-reduce, which
+waits for every process without a timeout).
 """
 
 import argparse
@@ -18,6 +23,7 @@ import glob
 import logging
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -31,6 +37,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import orbax_flax as ofx  # noqa: E402
+from orbax_flax.tiers import _blob  # noqa: E402
 
 _PAGE = 4096
 
@@ -60,7 +67,18 @@ def main():
   p.add_argument("--fill_at", type=int, default=0)
   p.add_argument("--fill_process", type=int, default=1)
   p.add_argument("--fill_leave", choices=["nothing", "blob"], default="nothing")
+  p.add_argument("--coordination_timeout", type=float, default=600)
+  p.add_argument("--slow_at", type=int, default=0)
+  p.add_argument("--slow_process", type=int, default=1)
+  p.add_argument("--slow_seconds", type=float, default=0)
   a = p.parse_args()
+  slow = []  # set while the slow step's local save runs
+
+  def write(*args, _write=_blob.write, **kw):
+    if slow:
+      time.sleep(a.slow_seconds)
+    return _write(*args, **kw)
+  _blob.write = write
   logging.basicConfig(level=logging.INFO, format="%(asctime)s.%(msecs)03d %(message)s",
                       datefmt="%H:%M:%S")
   mesh = jax.make_mesh((jax.device_count(),), ("d",))
@@ -71,7 +89,8 @@ def main():
       "local_directory": a.local, "local_save_interval_steps": 2,
       "save_interval_steps": a.save_interval_steps, "replicas": a.replicas,
       "on_save_error": a.on_save_error, "save_final_step": False,
-      "coordination_timeout_seconds": 600})
+      "coordination_timeout_seconds": a.coordination_timeout})
+  all_reduce = jax.jit(lambda w: jax.numpy.sum(w))
   s = cb.restore_or_init(state(0.0))
   start = cb.restored_step or 0
   value = float(np.asarray(s["w"].addressable_shards[0].data)[0])
@@ -81,9 +100,14 @@ def main():
     filler = None
     if step == a.fill_at and jax.process_index() == a.fill_process:
       filler = _fill(a.local, a.fill_leave)
+    if step == a.slow_at and jax.process_index() == a.slow_process:
+      slow.append(step)
     cb.on_step_end(step, s)
+    slow.clear()
     if filler:
       os.remove(filler)
+    if a.slow_at:
+      float(all_reduce(s["w"]))
   cb.close()
   print(f"DONE {a.steps}", flush=True)
 

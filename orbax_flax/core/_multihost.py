@@ -376,6 +376,44 @@ def _absent_from(reports: dict[str, str]) -> list[int]:
   return [p for p in range(process_count()) if str(p) not in reports]
 
 
+def barrier(key: str, timeout_s: float, *, what: str = "reach this point") -> None:
+  """Waits until every process reached the barrier ``key``, within ``timeout_s`` of the first.
+
+  The coordination service decides once whether the barrier passed, for every
+  process: a process that arrives after it failed (another gave up waiting, or
+  never came) fails at once or after ``timeout_s``, never passes it alone. So a
+  barrier right before a collective that has no timeout of its own (a
+  ``ppermute`` over gloo or NCCL) keeps a late process out of it when another
+  gave up: a gather through the key-value store does not, since a late process
+  finds every value already published. Each process also reports itself under
+  ``key`` first, so that the error names who did not arrive.
+
+  Raises:
+    CoordinationTimeoutError: on every process, when not all arrived in time; it names
+      the processes that never reported (none, if all arrived but not in time: one had
+      given up before the last came).
+  """
+  c = client()
+  if c is None:
+    return
+  _within(timeout_s, f"record this process at {key!r}", c.key_value_set,
+          f"{key}/v/{process_index()}", "", True)
+  try:  # the service enforces the deadline; _within only guards against a service that is gone
+    _within(2 * timeout_s + 10, f"hold the barrier {key!r}", c.wait_at_barrier, key,
+            max(1, int(timeout_s * 1000)))
+  except CoordinationTimeoutError:
+    raise
+  except Exception as e:  # The client raises XlaRuntimeError subclasses.  pylint: disable=broad-except
+    if "DEADLINE_EXCEEDED" not in str(e) and "deadline" not in str(e).lower():
+      raise
+    missing = absent(key, timeout_s=timeout_s)
+    who = (f"process(es) {missing} did not arrive (slow, hung or dead)" if missing else
+           "every process arrived, but not within the timeout of the first: one had given up")
+    raise CoordinationTimeoutError(
+        f"process {process_index()} waited at most {timeout_s:g} s for every process to {what};"
+        f" {who}. Raise coordination_timeout_seconds if they are only slow.", missing) from e
+
+
 def all_gather(key: str, value: str, timeout_s: float,
                *, what: str = "report") -> list[str]:
   """Every process publishes ``value``; returns all values in process order."""

@@ -69,7 +69,11 @@ def shift_parts(parts: Any, shift: int, key: str, timeout_s: float, *,
   position ``i`` sends to position ``i + shift`` and receives from ``i - shift``.
   Every process must call it with the same ``shift``, ``order`` and ``key``.
   Sizes may differ: they are agreed through the coordination service first,
-  with a timeout that names a missing process. The bytes go in rounds of at
+  with a timeout that names a missing process, then every process passes a
+  barrier of the service (:func:`~orbax_flax.core._multihost.barrier`) before
+  the collective, which has no timeout: if any process gave up waiting, every
+  process raises :class:`~orbax_flax.core._multihost.CoordinationTimeoutError`
+  and none enters it. The bytes go in rounds of at
   most ``max_round_bytes`` (default 64 MiB; one ``ppermute`` each), copied once
   into the row each round sends and once out of the row received.
 
@@ -90,6 +94,10 @@ def shift_parts(parts: Any, shift: int, key: str, timeout_s: float, *,
     return whole.nbytes
   sizes = [int(s) for s in _multihost.all_gather(f"{key}/size", str(size), timeout_s,
                                                  what="report the size of its bytes")]
+  # The collective has no timeout: a process must never enter it unless every process does.
+  # A late process passes the gather above even after another gave up waiting there (every
+  # value is published by then); the barrier fails for it instead.
+  _multihost.barrier(f"{key}/enter", timeout_s, what="enter the replica exchange")
   largest = max(1, max(sizes))
   limit = max_round_bytes or _ROUND_BYTES
   width = min(limit, 1 << (largest - 1).bit_length())  # few shapes: few compilations

@@ -171,13 +171,14 @@ class LocalTier:
         reader = None if error else _blob.FileReader(os.path.join(tmp, OWN))
       except OSError as e:
         error = e
-      try:
+      try:  # a timeout here (another process gave up) raises on every process alike
         _exchange.shift_parts(reader or [], k, f"{key}/x{k}", self.timeout, order=ring,
                               sink=sink, max_round_bytes=_exchange.round_bytes(self.max_host_bytes))
       finally:
         if reader is not None:
           reader.close()
-      error = error or sink.close()
+        sink_error = sink.close()
+      error = error or sink_error
     # Every process offers a save id with its verdict; process 0's is the step's.
     verdicts = [json.loads(v) for v in _multihost.all_gather(
         f"{key}/done", json.dumps([*self._verdict(error, tmp, blob), uuid.uuid4().hex[:16]]),
