@@ -8,7 +8,8 @@ retention no step is lost that was not abandoned by a rollback.
 Operations: saves (a fresh step, partial changes so that differential saves
 borrow), forced re-saves of a listed step (also refused for bad input, and
 cancelled at once), rollbacks (restore an older step, then save; also while a
-save, perhaps of an earlier rollback's run, is in flight), restores of the
+save, perhaps of an earlier rollback's run, is in flight; a second rollback while the
+first one's save is held in flight), restores of the
 latest step (calling a rollback off), bursts of
 those without waiting in between (commits, deletions and the next save
 interleave), restarts with other keep rules and async/blocking, a second
@@ -26,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import hypothesis
@@ -39,6 +41,7 @@ from hypothesis.stateful import precondition
 from hypothesis.stateful import rule
 
 import orbax_flax as ofx
+from orbax_flax.engine import saving
 
 LONG = os.environ.get("ORBAX_FLAX_FAULTS") == "long"
 SCALE = float(os.environ.get("ORBAX_FLAX_MODEL_SCALE", "1"))  # the long run's counts, scaled
@@ -58,6 +61,11 @@ def _items(tag: int, changed: float) -> dict:
 def _equal(got: dict, want: dict) -> bool:
   g, w = got["state"], want["state"]
   return set(g) == set(w) and all(np.array_equal(np.asarray(g[k]), np.asarray(w[k])) for k in w)
+
+
+# Every save's commit waits here while it is clear (rollback_again_while_its_save_is_held).
+_GATE = threading.Event()
+_GATE.set()
 
 
 _KILL_WORKER = r"""
@@ -96,7 +104,7 @@ class ManagerModel(RuleBasedStateMachine):
   def __init__(self):
     super().__init__()
     self.saved: dict[int, tuple[int, float]] = {}
-    self.rolled_to: int | None = None  # a rollback waiting for this run's first commit
+    self.rolled_to = None  # a rollback waiting for this run's first commit
     self.keep: int | None = None
     self.async_save = True
     self.tag = 0
@@ -105,6 +113,16 @@ class ManagerModel(RuleBasedStateMachine):
     self.dropped: dict[int, tuple[int, float]] = {}
     self.dir = None
     self.mngr = None
+
+  @property
+  def rolled_to(self) -> int | None:
+    return self._rolled_to
+
+  @rolled_to.setter
+  def rolled_to(self, step: int | None) -> None:
+    # A new rollback (or none): what an earlier one also abandoned, and how high it reached,
+    # no longer count (see rollback_again_while_its_save_is_held).
+    self._rolled_to, self.also_abandoned, self.ceiling = step, set(), None
 
   @initialize(async_save=st.booleans())
   def start(self, async_save):
@@ -123,10 +141,12 @@ class ManagerModel(RuleBasedStateMachine):
 
   def _commit(self, step: int, tag: int, changed: float) -> None:
     """The model's side of a save that returned: what it replaces or abandons."""
-    if self.rolled_to is not None and self.saved and step > max(self.saved):
+    if (self.rolled_to is not None and self.saved
+        and step > max(max(self.saved), self.ceiling or 0)):
       self.rolled_to = None  # saved above every newer step: no rollback, nothing abandoned
     if self.rolled_to is not None:
-      for s in [s for s in self.saved if s > self.rolled_to and s != step]:
+      for s in [s for s in self.saved
+                if (s > self.rolled_to or s in self.also_abandoned) and s != step]:
         del self.saved[s]
       self.rolled_to = None
     self.saved[step] = (tag, changed)
@@ -250,6 +270,41 @@ class ManagerModel(RuleBasedStateMachine):
     else:
       assert _equal(ofx.restore(self.mngr.step_path(step)), _items(*self.saved[step])), step
 
+  @rule(first=st.integers(0, 63), second=st.integers(0, 63))
+  def rollback_again_while_its_save_is_held(self, first, second):
+    """A rollback whose run's first save is held in flight (its commit waits at a gate), then
+    a restore of any committed step (one the first rollback abandoned, or the latest, which
+    calls both off), then the commit: the second rollback abandons that save whatever its
+    number, and the first one's end removes only what both abandon."""
+    if not self.async_save:
+      return
+    while len(self.saved) < 4:  # room for a second rollback between the first and the newest
+      self._save(self._new_step(), 0.25, force=True)
+    self.mngr.wait_for_save()
+    committed = sorted(self.saved)
+    a = committed[:-1][first % (len(committed) - 1)]
+    assert _equal(self.mngr.restore(a), _items(*self.saved[a]))
+    step, tag = a + 1, self._next_tag()
+    others = [s for s in committed if s != step]  # (a restore of the step being saved waits)
+    b = others[second % len(others)]
+    _GATE.clear()
+    try:
+      assert self.mngr.save(step, _items(tag, 0.25), force=True)
+      assert _equal(self.mngr.restore(b), _items(*self.saved[b]))
+    finally:
+      _GATE.set()
+    self.mngr.wait_for_save()
+    self.last_started, self.last_saved, self.writing = step, step, True
+    ceiling = max(committed + [step])
+    self.saved[step] = (tag, 0.25)
+    if b == max(committed):  # the latest: both rollbacks called off, nothing abandoned
+      self.rolled_to = None
+      return
+    for s in [s for s in self.saved if s > max(a, b) and s != step]:
+      del self.saved[s]  # what both abandon: gone at the first one's end
+    self.rolled_to = b
+    self.also_abandoned, self.ceiling = {step}, ceiling
+
   @rule()
   def restore_latest(self):
     if not self.saved:
@@ -367,10 +422,20 @@ class ManagerModel(RuleBasedStateMachine):
 def _run(directory: str, differential: bool, examples: int, kills: bool) -> None:
   machine = type("Case", (ManagerModel,), {"directory": directory, "differential": differential,
                                            "kills": kills})
-  hypothesis.stateful.run_state_machine_as_test(machine, settings=hypothesis.settings(
-      max_examples=examples, stateful_step_count=12 if not LONG else 16, deadline=None,
-      suppress_health_check=list(hypothesis.HealthCheck), derandomize=not LONG,
-      database=None))
+  commit = saving.commit
+
+  def gated(*args, **kwargs):
+    assert _GATE.wait(120), "a commit held at the gate for 2 minutes"
+    return commit(*args, **kwargs)
+  saving.commit = gated  # the real commit, after the gate
+  try:
+    hypothesis.stateful.run_state_machine_as_test(machine, settings=hypothesis.settings(
+        max_examples=examples, stateful_step_count=12 if not LONG else 16, deadline=None,
+        suppress_health_check=list(hypothesis.HealthCheck), derandomize=not LONG,
+        database=None))
+  finally:
+    saving.commit = commit
+    _GATE.set()
 
 
 @pytest.mark.parametrize("differential", [False, True])
