@@ -423,18 +423,23 @@ def _gate_commits(monkeypatch):
   return gate
 
 
+def _rolled_back_with_a_save_held(m, gate):
+  """Steps 10-40, then a rollback to 20 whose save of 25 is held in flight at ``gate``."""
+  for s in (10, 20, 30, 40):
+    m.save(s, items(s), force=True)
+    m.wait()
+  m.restore(20)
+  gate.clear()
+  m.save(25, items(25), force=True)
+
+
 def test_a_second_rollback_to_a_step_the_first_abandoned_keeps_it(tmp_path, monkeypatch):
   """restore(20), a save of 25 in flight, then restore(30) (back to 30 instead): 25's commit
   ended the first rollback and deleted 30, the step restored and trained from, and 25, of
   the run left, stayed a step: [10, 20, 25, 31]."""
   gate, d = _gate_commits(monkeypatch), str(tmp_path)
   with ofx.CheckpointManager(d) as m:
-    for s in (10, 20, 30, 40):
-      m.save(s, items(s), force=True)
-      m.wait()
-    m.restore(20)
-    gate.clear()
-    m.save(25, items(25), force=True)
+    _rolled_back_with_a_save_held(m, gate)
     assert restores_as(m.step_path(30), items(30)) and m.inflight_step() == 25
     m.restore(30)  # while 25 is in flight
     gate.set()
@@ -457,12 +462,7 @@ def test_rollbacks_called_off_by_restoring_the_latest_abandon_nothing_on_disk(tm
   and 40."""
   gate, d = _gate_commits(monkeypatch), str(tmp_path)
   with ofx.CheckpointManager(d) as m:
-    for s in (10, 20, 30, 40):
-      m.save(s, items(s), force=True)
-      m.wait()
-    m.restore(20)
-    gate.clear()
-    m.save(25, items(25), force=True)
+    _rolled_back_with_a_save_held(m, gate)
     m.restore(10)
     m.restore(40)  # back where the run was: no rollback
     gate.set()
