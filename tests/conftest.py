@@ -15,7 +15,7 @@ devices exist run there too (libtpu warns at start-up)::
     tests/test_engine.py::test_a_python_scalar_restores_into_any_dtype_that_holds_its_value \
     tests/test_differential.py -k "not multiprocess and not another_mesh"
 
-(155 passed, 5 skipped on one TPU v5e chip, 2026-12-06, after the ninth session's fixes;
+(156 passed, 5 skipped on one TPU v5e chip, 2026-12-06, on bf67919;
 benchmarks/README.md). The others expect the 8 CPU devices, or start processes of their own
 on the CPU. On the lent chip's machine, which has jax: ``pip install --no-index --find-links
 /opt/pypi/files flax optax orbax-checkpoint hypothesis safetensors psutil`` (``--no-index``
