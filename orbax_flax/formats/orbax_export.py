@@ -306,15 +306,22 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
   context = ts.Context()
   error = ""
   if me == 0:  # the layout: every array's metadata, then every process writes its chunks
+    futures = []
     try:
+      specs = [ts.Spec(_spec(item_dir, n, v, max_chunk_bytes)) for n, v in arrays]
       shutil.rmtree(tmp, ignore_errors=True)
       os.makedirs(item_dir)
-      futures = [ts.open(_spec(item_dir, n, v, max_chunk_bytes), create=True, context=context)
-                 for n, v in arrays]
-      for f in futures:
-        f.result()
+      for spec in specs:
+        futures.append(ts.open(spec, create=True, context=context))
     except (OSError, ValueError) as e:
       error = f"{type(e).__name__}: {e}"
+    # Every create started finishes before a failure removes tmp (agree): one still in
+    # flight would write its zarr.json into a new tmp, left behind.
+    for f in futures:
+      try:
+        f.result()
+      except (OSError, ValueError) as e:
+        error = error or f"{type(e).__name__}: {e}"
   agree("layout", error)
   error = ""
   try:
