@@ -88,6 +88,30 @@ def _empty_type(x: Any) -> str:
   return "Dict" if isinstance(x, Mapping) else "None"
 
 
+def _zarr3_lacks(where: str, dtype: Any) -> str | None:
+  """Why ``dtype`` cannot be a zarr3 array (orbax-checkpoint's), for the leaf at ``where``;
+  None when it can. Asks tensorstore's zarr3 driver, which parses a spec without I/O.
+
+  Example:
+    >>> import ml_dtypes, numpy as np
+    >>> _zarr3_lacks("params/w", np.float32) is None
+    True
+    >>> _zarr3_lacks("params/q", ml_dtypes.uint4)[:51]
+    'params/q: dtype uint4 cannot be stored in a zarr3 a'
+  """
+  dtype = np.dtype(dtype)
+  try:
+    ts.Spec({"driver": "zarr3", "kvstore": {"driver": "memory"},
+             "metadata": {"data_type": dtype.name}})
+    return None
+  except ValueError:
+    wider = ("uint8" if jax.numpy.issubdtype(dtype, jax.numpy.unsignedinteger) else
+             "int8" if jax.numpy.issubdtype(dtype, jax.numpy.integer) else "bfloat16")
+    return (f"{where}: dtype {dtype.name} cannot be stored in a zarr3 array (orbax-checkpoint's"
+            f" format); cast it to one that holds its values (e.g. x.astype(jnp.{wider})), or"
+            f" leave it out with select= (convert: SRC:<selector>) naming the other parts")
+
+
 def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[str, str]]:
   """``(tree_metadata, arrays (name, value), strings)`` of ``tree``; ValueError for a leaf
   orbax-checkpoint cannot hold, naming every one."""
@@ -110,6 +134,9 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[s
     if _is_empty(leaf):
       info = {"value_type": _empty_type(leaf), "skip_deserialize": True}
     elif safetensors_export.is_lazy(leaf):
+      if lacks := _zarr3_lacks(where, leaf.dtype):
+        problems.append(lacks)
+        continue
       info["value_type"] = "np.ndarray"
       arrays.append((name, leaf))
     elif isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
@@ -119,6 +146,9 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[s
       if not _tree.is_supported_dtype(np.dtype(leaf.dtype)):
         problems.append(f"{where}: dtype {leaf.dtype} is not a number type")
         continue
+      if lacks := _zarr3_lacks(where, leaf.dtype):
+        problems.append(lacks)
+        continue
       info["value_type"] = "jax.Array" if isinstance(leaf, jax.Array) else "np.ndarray"
       if isinstance(leaf, jax.Array):  # what orbax records: the shape each shard writes
         info["write_shape"] = [int(d) for d in leaf.sharding.shard_shape(leaf.shape)]
@@ -127,6 +157,9 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[s
       info["value_type"] = "string"
       strings[name] = leaf
     elif isinstance(leaf, np.generic) and _tree.is_supported_dtype(leaf.dtype):
+      if lacks := _zarr3_lacks(where, leaf.dtype):
+        problems.append(lacks)
+        continue
       info["value_type"] = "np.ndarray"  # as orbax stores a numpy scalar: 0-d, its dtype kept
       arrays.append((name, np.asarray(leaf)))
     elif isinstance(leaf, (bool, int, float)):
@@ -265,8 +298,9 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     The directory written (the item's, or the step's).
 
   Raises:
-    ValueError: a leaf orbax cannot hold (PRNG keys: export their key data),
-      two leaves with one stored name, the directory exists without
+    ValueError: a leaf orbax cannot hold (PRNG keys: export their key data; a
+      dtype zarr3 lacks, such as uint4, uint2 or float8_e4m3: cast it or leave it
+      out with ``select``), two leaves with one stored name, the directory exists without
       ``overwrite``, or it holds something an export may not replace even with
       ``overwrite`` (:func:`orbax_flax.formats.safetensors_export.check_destination`);
       raised before anything is written.
