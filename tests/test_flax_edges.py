@@ -8,9 +8,13 @@ import io
 import os
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import orbax.checkpoint as ocp
 import pytest
+from flax import nnx
 
 import orbax_flax as ofx
 from orbax_flax import cli
@@ -53,3 +57,59 @@ def test_a_failed_export_orbax_leaves_no_temporary_directory_behind(tmp_path):
       ofx.export_orbax(str(tmp_path / f"out{i}"), tree)
   time.sleep(0.5)  # anything still in flight lands
   assert not os.listdir(tmp_path)
+
+
+# ------------------------------------------------------------------ init_from a Flax NNX run
+
+
+class _Net(nnx.Module):
+  """An NNX model whose state holds more than Params: BatchNorm stats, Dropout's own rngs."""
+
+  def __init__(self, rngs, width=16):
+    self.l1 = nnx.Linear(8, width, rngs=rngs)
+    self.bn = nnx.BatchNorm(width, rngs=rngs)
+    self.drop = nnx.Dropout(0.1, rngs=rngs)
+    self.l2 = nnx.Linear(width, 8, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(self.drop(self.bn(self.l1(x))))
+
+
+def _gemma_style_run(root, model):
+  """A step as the Flax Gemma example writes it: nnx.state(model) whole, optimizer, step."""
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  with ocp.CheckpointManager(root, item_names=("model", "optimizer", "step")) as m:
+    m.save(2, args=ocp.args.Composite(model=ocp.args.StandardSave(nnx.state(model)),
+                                      optimizer=ocp.args.StandardSave(nnx.state(opt)),
+                                      step=ocp.args.JsonSave(2)))
+    m.wait_until_finished()
+
+
+def test_init_from_a_whole_nnx_model_item_takes_weights_and_batch_stats_not_its_rngs(tmp_path):
+  donor = _Net(nnx.Rngs(0))
+  donor(jnp.ones((4, 8)))  # a training-mode call: batch stats and the dropout count move
+  root = str(tmp_path / "gemma_run" / "checkpoints")
+  _gemma_style_run(root, donor)
+
+  model = _Net(nnx.Rngs(7))
+  fresh_rngs = np.asarray(jax.random.key_data(model.drop.rngs.key.get_value()))
+  opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+  with ofx.CheckpointCallback(str(tmp_path / "fine"), {"init_from": f"{root}:model"}) as fine:
+    fine.restore_or_init((model, opt))
+  for got, want in ((model.l1.kernel, donor.l1.kernel), (model.bn.scale, donor.bn.scale),
+                    (model.bn.mean, donor.bn.mean), (model.bn.var, donor.bn.var)):
+    np.testing.assert_array_equal(np.asarray(got.get_value()), np.asarray(want.get_value()))
+  assert np.asarray(donor.bn.mean.get_value()).any()  # the stats taken are the donor's, not 0
+  # the new run keeps its own fresh RNG state
+  np.testing.assert_array_equal(jax.random.key_data(model.drop.rngs.key.get_value()), fresh_rngs)
+  assert int(model.drop.rngs.count.get_value()) == 0 < int(donor.drop.rngs.count.get_value())
+  assert int(opt.step.get_value()) == 0
+
+  # A model that does not fit: the error's suggested init_from is never the one refused.
+  passed = f"{root}:model"
+  with ofx.CheckpointCallback(str(tmp_path / "bad"), {"init_from": passed}) as bad:
+    with pytest.raises(ofx.TreeMismatchError) as e:
+      narrow = _Net(nnx.Rngs(1), width=4)
+      bad.restore_or_init((narrow, nnx.Optimizer(narrow, optax.adam(1e-2), wrt=nnx.Param)))
+  advice = str(e.value).rsplit("\n", 1)[-1]
+  assert "init_from" in advice and f"{passed!r}" not in advice, str(e.value)

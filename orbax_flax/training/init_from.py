@@ -12,13 +12,19 @@ Flax Gemma example's ``model`` item. Without a selector: our ``params`` item;
 for orbax-checkpoint, its only item, else ``default`` or ``state``, and that
 item's ``params`` subtree when it has one.
 
+An NNX model saved whole (``nnx.state(model)``, as the Flax Gemma example's
+``model`` item is) holds more than params: its BatchNorm statistics are taken
+too when ``load`` is given them as ``variables``, and its RNG state (an
+``nnx.Rngs`` stream's ``key`` and ``count``) is left out: the target need not
+hold it, and the new run keeps its own fresh RNGs.
+
 Dtypes convert as in a resume: a conversion that loses information (float32
 saved, a bfloat16 model) only with the policy's ``allow_lossy_casts``, and
 every change made is logged. The part taken is compared strictly (a leaf of it
-the target lacks is a difference); what lies outside it is left out. A target
+the target lacks is a difference, RNG state apart); what lies outside it is left out. A target
 that does not match raises ``TreeMismatchError`` listing every difference, the
 checkpoint's items with their top-level keys and example key paths of the
-chosen item, and the ``init_from`` to write.
+chosen item, and an ``init_from`` to write (never the one refused).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import dataclasses
 import os
 from typing import Any, NamedTuple
+
+import jax
 
 from orbax_flax.engine import _selecting
 from orbax_flax.core import _tree
@@ -41,7 +49,8 @@ from orbax_flax.manager import registry
 
 
 def load(text: str, name: str, target: Any, ckptr: checkpointer.Checkpointer, *,
-         allow_lossy_casts: bool = False, casts: list | None = None) -> tuple[Any, Location]:
+         allow_lossy_casts: bool = False, casts: list | None = None,
+         variables: Any = None) -> tuple[Any, Any, Location]:
   """What ``init_from=text`` names, restored into ``target``; and the step it came from.
 
   Args:
@@ -55,6 +64,15 @@ def load(text: str, name: str, target: Any, ckptr: checkpointer.Checkpointer, *,
       information (float32 saved, a bfloat16 model) is allowed.
     casts: a list that receives every dtype change made (as
       :func:`orbax_flax.restore`'s ``casts``), for the log.
+    variables: an NNX model's variables that are neither params nor RNG state
+      (its ``train_state`` item: BatchNorm statistics), as a restore target.
+      When the part taken holds any of them (``nnx.state(model)`` saved whole),
+      it must hold them all, and they are restored too.
+
+  Returns:
+    ``(params, variables, step)``: ``target`` restored; ``variables`` restored,
+    or None when the part holds none of them (they stay as they are); the
+    checkpoint it came from.
 
   Raises:
     CheckpointNotFoundError: nothing committed where ``text`` points.
@@ -66,10 +84,11 @@ def load(text: str, name: str, target: Any, ckptr: checkpointer.Checkpointer, *,
   _, manifest = restoring.open_manifest(source)
   cast = _Casts(allow_lossy_casts, casts)
   if selector:
-    return _take(text, source, manifest, selector, target, ckptr, cast), source
+    return *_take(text, source, manifest, selector, target, ckptr, cast, variables), source
   if manifest.format == "orbax-checkpoint":
-    return _from_orbax_checkpoint(text, source, manifest, name, target, ckptr, cast), source
-  return _take(text, source, manifest, name, target, ckptr, cast), source
+    return *_from_orbax_checkpoint(text, source, manifest, name, target, ckptr, cast,
+                                   variables), source
+  return *_take(text, source, manifest, name, target, ckptr, cast, variables), source
 
 
 class _Casts(NamedTuple):
@@ -122,7 +141,7 @@ def load_parts(text: str, targets: dict[str, Any], ckptr: checkpointer.Checkpoin
                        f" ({e}); name a destination among its items {sorted(targets)}, as"
                        " dst=<item>/<sub/tree>") from None
     out[dst] = _take(text, source, manifest, "/".join(src), target, ckptr,
-                     _Casts(allow_lossy_casts, casts))
+                     _Casts(allow_lossy_casts, casts))[0]
   return out, source
 
 
@@ -178,19 +197,43 @@ def _holdings(manifest: Manifest, item: str | None = None,
 
 
 def _init_from_mismatch(text: str, source: Location, manifest: Manifest, problem: str,
-                        item: str | None = None, under: tuple[str, ...] = (),
+                        target: Any, item: str | None = None, under: tuple[str, ...] = (),
                         diffs: list[str] | None = None) -> errors.TreeMismatchError:
-  example = next(iter(sorted(manifest.items)), "<item>")
+  other = _another_part(text, manifest, target, "/".join((item,) + under) if item else "")
+  advice = (f"Name the item and subtree that hold the model with"
+            f" init_from='<checkpoint>:<item>/<sub/tree>', e.g. {other!r}." if other else
+            "No other item or params subtree of it holds this run's key paths: make this run's"
+            " model the checkpoint's (the differences above), or point init_from at another"
+            " checkpoint.")
   return errors.TreeMismatchError(
       f"init_from={text!r}: {problem}.\n{source} holds {_holdings(manifest, item, under)}.\n"
-      f"Name the item and subtree that hold the model with"
-      f" init_from='<checkpoint>:<item>/<sub/tree>', e.g."
-      f" {_selecting.split(text)[0] + ':' + example!r}.", diffs or [])
+      + advice, diffs or [])
+
+
+def _another_part(text: str, manifest: Manifest, target: Any, refused: str) -> str | None:
+  """An ``init_from`` for the error to suggest: the item or ``<item>/params`` subtree holding
+  the most of ``target``'s key paths (at least one), never the part just ``refused`` (nor
+  the one ``text`` names); None when there is none."""
+  path, selector = _selecting.split(text)
+  wanted = [p for p, _ in _tree.flatten(target)]
+  best, most = None, 0
+  for name, saved in sorted(manifest.items.items()):
+    paths = {r.path for r in saved.leaves}
+    for under in (("params",), ()):
+      part = "/".join((name,) + under)
+      if part in (refused, selector.strip("/")):
+        continue
+      held = sum(under + p in paths or under + p + ("value",) in paths for p in wanted)
+      if held > most:
+        best, most = f"{path}:{part}", held
+  return best
 
 
 def _take(text: str, source: Location, manifest: Manifest, selector: str, target: Any,
-          ckptr: checkpointer.Checkpointer, cast: _Casts) -> Any:
-  """``init_from`` with a selector: the named item's subtree, restored into ``target``."""
+          ckptr: checkpointer.Checkpointer, cast: _Casts,
+          variables: Any = None) -> tuple[Any, Any]:
+  """``init_from`` with a selector: the named item's subtree, restored into ``target`` (and
+  into ``variables`` where the subtree holds them, else None: see :func:`load`)."""
   item, _, sub = selector.partition("/")
   under = tuple(k for k in sub.split("/") if k)
   names = sorted(manifest.items)
@@ -198,40 +241,85 @@ def _take(text: str, source: Location, manifest: Manifest, selector: str, target
     if manifest.any_item and len(names) == 1:
       item = names[0]  # one unnamed item (an orbax item directory, safetensors): any name reads it
     else:
-      raise _init_from_mismatch(text, source, manifest, f"no item {item!r} in {source}")
+      raise _init_from_mismatch(text, source, manifest, f"no item {item!r} in {source}",
+                                target)
   leaves = manifest.items[item].leaves
   if under and not any(r.path[:len(under)] == under for r in leaves):
     raise _init_from_mismatch(text, source, manifest,
-                              f"item {item!r} has no subtree {_tree.path_str(under)!r}", item)
-  wanted = target
+                              f"item {item!r} has no subtree {_tree.path_str(under)!r}", target,
+                              item)
+  inside = [r for r in leaves if r.path[:len(under)] == under]
+  held = {r.path[len(under):] for r in inside}
+  both = variables is not None and any(p in held for p, _ in _tree.flatten(variables))
+  # A whole NNX model state: its params and other variables, taken as one tree.
+  wanted = _nested(_tree.flatten(target) + _tree.flatten(variables)) if both else target
+  left_out = _rng_state(inside, under) - {p for p, _ in _tree.flatten(wanted)}
   for k in reversed(under):
     wanted = {k: wanted}
   try:
-    _check_selected(source, manifest, item, under, wanted, cast)
+    _check_selected(source, manifest, item, under, wanted, cast, left_out)
     out = ckptr.restore(source, {item: wanted}, partial=True,
                         allow_lossy_casts=cast.allow_lossy, casts=cast.made)[item]
   except errors.TreeMismatchError as e:
     raise _init_from_mismatch(text, source, manifest,
                               f"this run's state does not match {'/'.join((item,) + under)} of"
-                              f" the checkpoint: {_shown(e)}", item, under,
+                              f" the checkpoint: {_shown(e)}", target, item, under,
                               e.differences) from None
   for k in under:
     out = out[k]
+  if not both:
+    return out, None
+  return _like(target, out), _like(variables, out)
+
+
+def _nested(leaves: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
+  """A tree of dicts holding each ``(key path, leaf)``.
+
+  Example:
+    >>> _nested([(("bn", "scale"), 1), (("bn", "mean"), 2)])
+    {'bn': {'scale': 1, 'mean': 2}}
+  """
+  out: dict[str, Any] = {}
+  for path, leaf in leaves:
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = leaf
   return out
 
 
+def _like(tree: Any, restored: Any) -> Any:
+  """``tree``'s structure holding the leaves of ``restored`` at the same key paths."""
+  found = dict(_tree.flatten(restored))
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(tree),
+                                      [found[p] for p, _ in _tree.flatten(tree)])
+
+
+def _rng_state(records: list, under: tuple[str, ...]) -> set[tuple[str, ...]]:
+  """The key paths (below ``under``) of RNG state among ``records``: every PRNG key, and the
+  ``count`` an NNX ``Rngs`` stream keeps beside its ``key`` (``<stream>/key/value``,
+  ``<stream>/count/value``)."""
+  paths = {r.path[len(under):] for r in records}
+  keys = {r.path[len(under):] for r in records if getattr(r, "key_impl", None)}
+  counts = {p[:i] + ("count",) + p[i + 1:] for p in keys
+            for i in range(len(p)) if p[i] == "key" and p[i + 1:] in ((), ("value",))}
+  return keys | (counts & paths)
+
+
 def _check_selected(source: Location, manifest: Manifest, item: str, under: tuple[str, ...],
-                    wanted: Any, cast: _Casts) -> None:
+                    wanted: Any, cast: _Casts, left_out: set[tuple[str, ...]]) -> None:
   """Compares the selected part (``item``/``under``) with ``wanted`` strictly, reading no
   data: a leaf of the checkpoint under it that the target lacks is a difference too (a model
   configured with fewer layers), where the restore, partial, leaves out what lies outside it.
+  The leaves at ``left_out`` (key paths below ``under``: RNG state) are not compared.
 
   Raises:
     TreeMismatchError: every difference, by key path.
   """
   saved = manifest.items[item]
   inside = dataclasses.replace(saved, leaves=tuple(
-      r for r in saved.leaves if r.path[:len(under)] == under))
+      r for r in saved.leaves
+      if r.path[:len(under)] == under and r.path[len(under):] not in left_out))
   targets_lib.match_target(dataclasses.replace(manifest, items={item: inside}), {item: wanted},
                            allow_lossy_casts=cast.allow_lossy, source=str(source))
 
@@ -243,7 +331,8 @@ def _shown(e: errors.TreeMismatchError) -> str:
 
 
 def _from_orbax_checkpoint(text: str, source: Location, manifest: Manifest, name: str,
-                           target: Any, ckptr: checkpointer.Checkpointer, cast: _Casts) -> Any:
+                           target: Any, ckptr: checkpointer.Checkpointer, cast: _Casts,
+                           variables: Any = None) -> tuple[Any, Any]:
   """``init_from`` an orbax-checkpoint step: the params (or whole state) from its state item.
 
   The item is the only one, else ``default`` or ``state``; the params are its
@@ -254,8 +343,8 @@ def _from_orbax_checkpoint(text: str, source: Location, manifest: Manifest, name
   if item is None:
     raise _init_from_mismatch(text, source, manifest, f"an orbax-checkpoint step with items"
                               f" {names}; none is 'default' or 'state', so the one holding the"
-                              " model is not known")
+                              " model is not known", target)
   paths = [r.path for r in manifest.items[item].leaves]
   nested = name == "params" and any(p and p[0] == "params" for p in paths)
   return _take(text, source, manifest, f"{item}/params" if nested else item, target, ckptr,
-               cast)
+               cast, variables)

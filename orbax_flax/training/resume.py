@@ -427,14 +427,21 @@ class Resume:
       return self._init_parts(state, items)
     name = "params" if "params" in items else "state"
     target = _targets({name: items[name]})[name]
+    # An NNX model's other variables (batch stats): taken too from a model saved whole.
+    nnx_vars = state_items.kind(state) == "nnx" and jax.tree.leaves(items.get("train_state"))
+    variables = _targets({"v": items["train_state"]})["v"] if nnx_vars else None
     p = self._policy  # a restore like any other: the run's watchdog, progress and memory budget
     casts: list = []  # the dtype changes made (allow_lossy_casts), logged as a resume logs them
     with checkpointer.Checkpointer(max_host_bytes=p.max_host_bytes,
                                    coordination_timeout_seconds=p.coordination_timeout_seconds,
                                    coordination_key=f"{self._manager.coordination_key}/init_from",
                                    watchdog_seconds=p.watchdog_seconds) as ckptr:
-      items[name], source = init_from.load(p.init_from, name, target, ckptr,
-                                           allow_lossy_casts=p.allow_lossy_casts, casts=casts)
+      items[name], taken, source = init_from.load(
+          p.init_from, name, target, ckptr, allow_lossy_casts=p.allow_lossy_casts, casts=casts,
+          variables=variables)
+    if taken is not None:
+      items["train_state"] = taken
+      name += " and the model's other non-RNG variables"
     _log_casts(casts, "init_from")
     _progress.say("initialised %s from %s (fine-tuning; nothing to resume in %s)", name, source,
                   self._manager.directory)
