@@ -113,3 +113,57 @@ def test_init_from_a_whole_nnx_model_item_takes_weights_and_batch_stats_not_its_
       bad.restore_or_init((narrow, nnx.Optimizer(narrow, optax.adam(1e-2), wrt=nnx.Param)))
   advice = str(e.value).rsplit("\n", 1)[-1]
   assert "init_from" in advice and f"{passed!r}" not in advice, str(e.value)
+
+
+# ------------------------------------------------------------------ a pmap-replicated state
+
+
+def _train_state():
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  model = nn.Dense(4)
+  return train_state.TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
+                                       params=model.init(jax.random.key(0), jnp.ones((1, 4))))
+
+
+def test_a_pmap_replicated_state_is_refused_at_the_first_step_naming_unreplicate(tmp_path):
+  from flax import jax_utils  # pylint: disable=g-import-not-at-top
+  n = jax.local_device_count()
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 1}) as ckpt:
+    state = jax_utils.replicate(ckpt.restore_or_init(_train_state()))
+    with pytest.raises(TypeError, match=rf"(?s)leading axis of {n}.*flax\.jax_utils\.unreplicate"):
+      ckpt.on_step_end(1, state)  # forgot jax_utils.unreplicate(state)
+    assert not os.path.exists(tmp_path / "checkpoints" / "1")
+    ckpt.on_step_end(1, jax_utils.unreplicate(state))  # the fix the message names
+  assert ofx.metadata(str(tmp_path / "checkpoints" / "1")).items["params"].arrays[0].shape[0] != n
+
+
+def test_a_state_replicated_on_purpose_from_restore_or_init_on_is_saved(tmp_path):
+  """A template given to restore_or_init already replicated: the state is meant to be saved so."""
+  from flax import jax_utils  # pylint: disable=g-import-not-at-top
+  n = jax.local_device_count()
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 1}) as ckpt:
+    state = ckpt.restore_or_init(jax_utils.replicate(_train_state()))
+    ckpt.on_step_end(1, state)
+  shapes = {a.shape for a in ofx.metadata(str(tmp_path / "checkpoints" / "1")).items["params"].arrays}
+  assert shapes == {(n, 4), (n, 4, 4)}
+
+
+def test_resuming_a_pmap_replicated_checkpoint_is_diagnosed_as_one(tmp_path):
+  """Checkpoints a replicated state was saved to (by a version that did not refuse it): the
+  resume names the replication and the way to restore them, not "another model"."""
+  from flax import jax_utils  # pylint: disable=g-import-not-at-top
+  n = jax.local_device_count()
+  replicated = jax_utils.replicate(_train_state())
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 1}) as ckpt:
+    ckpt.restore_or_init(replicated)
+    ckpt.on_step_end(1, replicated)
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 1}) as ckpt:
+    with pytest.raises(ofx.TreeMismatchError) as e:
+      ckpt.restore_or_init(_train_state())
+  text = str(e.value)
+  assert f"leading axis of {n}" in text and "unreplicate" in text, text
+  assert "a different model configuration" not in text and "--workdir" not in text, text
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 1}) as ckpt:
+    back = ckpt.restore_or_init(jax_utils.replicate(_train_state()))  # the fix the error names
+  assert ckpt.restored_step == 1 and back.params["params"]["kernel"].shape == (n, 4, 4)

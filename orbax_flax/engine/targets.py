@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -424,11 +425,41 @@ def _diagnosis(diffs: list[str], matched: int) -> str:
     return f"the target holds a subset of the checkpoint ({len(only_saved)} key(s) left out)"
   if only_target:
     return f"the target has {len(only_target)} key(s) the checkpoint lacks (a newer model?)"
+  n = replicated_axis(diffs)
+  if n is not None:
+    return (f"every array that differs was saved with a leading axis of {n} before the target's"
+            " shape: a jax.pmap loop's replicated state (flax.jax_utils.replicate), saved"
+            " without flax.jax_utils.unreplicate")
   if any(k.startswith("shape ") for k in kinds):
     return "the same keys with other shapes: a different model configuration"
   if all(_LOSSY in k for k in kinds):
     return "other dtypes, and converting them loses information"
   return f"{len(diffs)} difference(s)"
+
+
+def replicated_axis(diffs: list[str]) -> int | None:
+  """The leading axis every difference adds before the target's shape (a ``jax.pmap``
+  loop's replicated state, saved without ``flax.jax_utils.unreplicate``); None when the
+  differences are not all such shapes.
+
+  Example:
+    >>> replicated_axis(["p/w: shape (8, 4) in checkpoint, (4,) in target",
+    ...                  "p/b: shape (8,) in checkpoint, () in target"])
+    8
+    >>> replicated_axis(["p/w: shape (8, 4) in checkpoint, (4, 4) in target"]) is None
+    True
+  """
+  axes = set()
+  for d in diffs:
+    saved, _, target = _kind(d)[0].removeprefix("shape ").partition(" in checkpoint, ")
+    if not d.endswith(" in target") or not target:
+      return None
+    saved_shape, target_shape = (tuple(int(x) for x in re.findall(r"\d+", t))
+                                 for t in (saved, target))
+    if saved_shape[1:] != target_shape or not saved_shape:
+      return None
+    axes.add(saved_shape[0])
+  return axes.pop() if len(axes) == 1 else None
 
 
 def mismatch_summary(diffs: list[str], matched: int, source: str) -> str:

@@ -38,6 +38,7 @@ import jax
 
 from orbax_flax.core import _multihost
 from orbax_flax.core import _progress
+from orbax_flax.core import _tree
 from orbax_flax.training import callbacks
 from orbax_flax import errors
 from orbax_flax.manager import policy as policy_lib
@@ -110,6 +111,8 @@ class CheckpointCallback(callbacks.Callback):
     self._closed = False
     self._built: tuple[float, float, float] | None = None  # _items: (start, items_s, data_s)
     self._state_checked = False     # the state's leaves, checked once (restore_or_init or step 1)
+    # restore_or_init's leaf shapes, compared with the first step's state (pmap replication)
+    self._template: dict[tuple[str, ...], tuple[int, ...]] | None = None
 
   def restore_or_init(self, state: Any, *, data_iterator: Any = None) -> Any:
     """Resumes from the latest committed step, resharded onto ``state``'s shardings.
@@ -125,6 +128,11 @@ class CheckpointCallback(callbacks.Callback):
     a leaf that cannot be saved raises here, before anything is written. The
     preemption signal handlers are installed here (or by the first
     :meth:`on_step_end`), not when the callback is built.
+
+    The shapes of ``state`` are what the first :meth:`on_step_end` expects:
+    a state whose every array has a leading axis of ``jax.local_device_count()``
+    more (a ``jax.pmap`` loop's state after ``flax.jax_utils.replicate``) is
+    refused there; give this method the replicated state to save it so.
 
     Raises:
       UnsupportedLeafError: a leaf of the state cannot be saved.
@@ -151,7 +159,7 @@ class CheckpointCallback(callbacks.Callback):
     if self._pending is not None and not self._pending.done():  # a failed one may be retried
       raise RuntimeError("a restore_or_init_async restore is still pending: join() it first")
     self._check_open()
-    state_items.check(state)  # every part of the state can be saved, before anything runs
+    self._template = _shapes(state_items.check(state))  # every part can be saved, checked now
     self._state_checked = True
     self._watch()
     self._data = resume.DataPosition.of(data_iterator, self.manager.coordination_key,
@@ -290,11 +298,15 @@ class CheckpointCallback(callbacks.Callback):
 
   def _check_step(self, state: Any, metrics: Any) -> None:
     """What a save would refuse, refused at the step it is first seen, not at the first save:
-    the state's leaves once (unless :meth:`restore_or_init` did), the metrics at every step
-    that passes them (see :func:`orbax_flax.manager.policy.check_step_metrics`)."""
+    the state's leaves once (unless :meth:`restore_or_init` did), its shapes against
+    :meth:`restore_or_init`'s at the first step (:func:`_refuse_replicated`), the metrics at
+    every step that passes them (see :func:`orbax_flax.manager.policy.check_step_metrics`)."""
     if not self._state_checked:
       state_items.check(state)
       self._state_checked = True
+    if self._template is not None:
+      template, self._template = self._template, None
+      _refuse_replicated(template, state_items.to_items(state))
     if metrics is not None:
       self.manager.check_metrics(metrics)
 
@@ -563,6 +575,47 @@ def sigint_hint(policy: CheckpointPolicy) -> str:
           " add SIGINT to the policy's preemption_signals, e.g. preemption_signals=('SIGTERM',"
           " 'SIGINT') (on the command line:"
           " --config.checkpoint.preemption_signals=\"('SIGTERM','SIGINT')\").")
+
+
+def _shapes(items: Mapping[str, Any]) -> dict[tuple[str, ...], tuple[int, ...]]:
+  """Each leaf's shape by its key path, item first (a number's is ``()``); reads no data."""
+  return {(name,) + path: tuple(getattr(leaf, "shape", ())) for name, tree in items.items()
+          for path, leaf in _tree.flatten(tree)}
+
+
+def _refuse_replicated(template: Mapping[tuple[str, ...], tuple[int, ...]],
+                       items: Mapping[str, Any]) -> None:
+  """Refuses a ``jax.pmap`` loop's replicated state: every array of ``items`` with a leading
+  axis of ``jax.local_device_count()`` before its shape in ``template`` (restore_or_init's).
+
+  A template that was itself replicated has the same shapes: it is saved as it is.
+
+  Raises:
+    TypeError: naming a leaf, its shapes and ``flax.jax_utils.unreplicate``.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> n = jax.local_device_count()
+    >>> _refuse_replicated({("params", "w"): (4,)}, {"params": {"w": np.ones((4,))}})
+    >>> _refuse_replicated({("params", "w"): (4,)}, {"params": {"w": np.ones((n, 4))}})
+    Traceback (most recent call last):
+    ...
+    TypeError: the state passed to on_step_end is replicated: ...
+  """
+  n = jax.local_device_count()
+  arrays = {(name,) + path: tuple(leaf.shape) for name, tree in items.items()
+            for path, leaf in _tree.flatten(tree) if hasattr(leaf, "shape")}
+  if not arrays or any(p not in template or s != (n,) + template[p] for p, s in arrays.items()):
+    return
+  path, shape = next(iter(arrays.items()))
+  raise TypeError(
+      f"the state passed to on_step_end is replicated: every array has a leading axis of {n}"
+      f" (jax.local_device_count()) before the shape restore_or_init was given (e.g."
+      f" {_tree.path_str(path)}: {shape}, not {template[path]}), as a jax.pmap loop's state"
+      f" after flax.jax_utils.replicate. Saved so, it would hold {n} copies that a resume of"
+      " the unreplicated state cannot read. Pass flax.jax_utils.unreplicate(state) (device 0's"
+      " copy) to on_step_end; to save the replicated state on purpose, give restore_or_init"
+      " the replicated state (flax.jax_utils.replicate(state)). Nothing was saved.")
 
 
 def resume_point(manager: CheckpointManager) -> str:

@@ -525,6 +525,13 @@ def _log_casts(casts: list, what: str = "resume") -> None:
 def _resume_mismatch(e: errors.TreeMismatchError, directory: Any) -> errors.TreeMismatchError:
   """The mismatch, with the advice a resume can follow (the callback has no ``partial``)."""
   kinds = " ".join(e.differences)
+  n = targets.replicated_axis(e.differences)
+  if n is not None:
+    return errors.TreeMismatchError(
+        f"{e.summary}\nFix: restore them into the replicated state,"
+        f" restore_or_init(flax.jax_utils.replicate(state)) (every array with its leading axis"
+        f" of {n}), and pass flax.jax_utils.unreplicate(state) to on_step_end from then on.",
+        e.differences, summary=e.summary)
   advice = []
   if "loses information" in kinds:
     advice.append("to convert anyway, set CheckpointPolicy(allow_lossy_casts=True)"
