@@ -121,10 +121,23 @@ def test_same_shard_count_resume_gives_bitwise_the_uninterrupted_batches():
       assert jax.tree.all(jax.tree.map(lambda a, b: a.dtype == b.dtype, got, want))
 
 
-def test_uneven_global_batch_and_repeat():
+def test_a_global_batch_the_shards_do_not_divide_is_refused_with_the_nearest_that_fit():
+  """Global batch 8 on 3 shards was read 3, 3 and 2 records a step: over a repeated dataset the
+  shards drifted apart by epochs and records were trained on unequally often."""
+  ds = grain.MapDataset.range(96).shuffle(seed=0).repeat()
+  with pytest.raises(ValueError, match=r"global_batch_size=8 is not a positive multiple of"
+                                       r" shard_count=3: .*use global_batch_size=6 or 9"):
+    ElasticIterator(ds, 8, shard_index=2, shard_count=3)
+  its = shards(ds, 3, batch=9)
+  seen = collections.Counter(x for _ in range(30 * 96 // 9) for it in its
+                             for x in next(it).tolist())
+  assert set(seen.values()) == {30}  # 30 epochs of steps: every record 30 times
+
+
+def test_the_global_batch_may_change_at_a_resume():
   ds = grain.MapDataset.range(10).repeat(3)
-  its = shards(ds, 3, batch=7)
-  assert [it.batch_size for it in its] == [3, 2, 2]
+  its = shards(ds, 3, batch=6)
+  assert [it.batch_size for it in its] == [2, 2, 2]
   seen = [x for it in its for _ in range(2) for x in next(it).tolist()]
   rest = shards(ds, 2, batch=4, states=[it.get_state() for it in its])
   seen += [x for it in rest for b in it for x in b.tolist()]
@@ -138,7 +151,8 @@ def test_packing_and_bad_states_are_refused_with_what_is_supported():
       num_packing_bins=2)
   with pytest.raises(TypeError, match=r"(?s)FirstFitPackIterDataset.*Supported: .*batch\(k\)"):
     ElasticIterator(packed, 4, shard_index=0, shard_count=1)
-  with pytest.raises(ValueError, match="global_batch_size must be an int >= shard_count"):
+  with pytest.raises(ValueError, match="global_batch_size=2 is not a positive multiple of"
+                                       " shard_count=4: .*use global_batch_size=4$"):
     ElasticIterator(ds, 2, shard_index=0, shard_count=4)
   with pytest.raises(ValueError, match=r"shard_index must be an int in \[0, 2\)"):
     ElasticIterator(ds, 4, shard_index=2, shard_count=2)

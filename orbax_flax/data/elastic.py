@@ -42,9 +42,10 @@ class ElasticIterator:
   random-access steps (``shuffle``, ``map``, ``random_map``, ``filter``,
   ``MapDataset.mix`` of several sources, ``repeat``, and ``batch`` then
   ``map`` to pack a fixed number of records into one example). Each
-  ``next()`` returns this shard's share of ``global_batch_size`` records
-  (``global_batch_size // shard_count``, one more on the first
-  ``global_batch_size % shard_count`` shards), batched by grain.
+  ``next()`` returns this shard's share of ``global_batch_size`` records,
+  ``global_batch_size // shard_count`` of them, batched by grain (a global
+  batch that ``shard_count`` does not divide is refused: shards taking
+  different shares would read the order at different rates).
 
   With :class:`orbax_flax.CheckpointCallback` its position is saved with every
   checkpoint and restored by ``restore_or_init(state, data_iterator=it)`` on
@@ -57,7 +58,8 @@ class ElasticIterator:
 
   Args:
     dataset: a ``grain.MapDataset`` (random access).
-    global_batch_size: records per step over all shards.
+    global_batch_size: records per step over all shards, a multiple of
+      ``shard_count`` (another one may be used at a resume).
     shard_index: this shard (default ``jax.process_index()``).
     shard_count: how many shards read the order (default ``jax.process_count()``).
     read_options: grain's ``ReadOptions`` (prefetch threads and buffer).
@@ -67,7 +69,8 @@ class ElasticIterator:
 
   Raises:
     TypeError: ``dataset`` is not a ``grain.MapDataset``.
-    ValueError: a batch size or shard that does not fit.
+    ValueError: a shard that does not fit, or a ``global_batch_size`` that
+      is not a positive multiple of ``shard_count``.
 
   Example:
     >>> import grain
@@ -105,14 +108,19 @@ class ElasticIterator:
       raise ValueError(f"shard_count must be an int >= 1; got {shard_count!r}")
     if type(shard_index) is not int or not 0 <= shard_index < shard_count:
       raise ValueError(f"shard_index must be an int in [0, {shard_count}); got {shard_index!r}")
-    if type(global_batch_size) is not int or global_batch_size < shard_count:
-      raise ValueError(f"global_batch_size must be an int >= shard_count ({shard_count}) so that"
-                       f" every shard reads at least one record a batch; got {global_batch_size!r}")
+    if (type(global_batch_size) is not int or global_batch_size < 1
+        or global_batch_size % shard_count):
+      below = global_batch_size // shard_count * shard_count if type(global_batch_size) is int else 0
+      near = " or ".join(str(b) for b in (below, below + shard_count) if b >= shard_count)
+      raise ValueError(
+          f"global_batch_size={global_batch_size!r} is not a positive multiple of shard_count="
+          f"{shard_count}: every shard takes an equal share of each global batch, since shares that"
+          " differ read the order at different rates and drift apart in it (records trained on"
+          f" unequally often); use global_batch_size={near}")
     self._dataset = dataset
     self._length = len(dataset)
     self._index, self._count = shard_index, shard_count
-    base, extra = divmod(global_batch_size, shard_count)
-    self._batch_size = base + (shard_index < extra)
+    self._batch_size = global_batch_size // shard_count
     self._read_options = read_options
     self._drop_remainder = drop_remainder
     self._batch_fn = batch_lib.make_batch if batch_fn is None else batch_fn
@@ -124,7 +132,8 @@ class ElasticIterator:
 
   @property
   def batch_size(self) -> int:
-    """Records in each of this shard's batches (the last one may be shorter)."""
+    """Records in each of this shard's batches: ``global_batch_size // shard_count`` (the last
+    one of a finite pass may be shorter)."""
     return self._batch_size
 
   def __iter__(self) -> ElasticIterator:
