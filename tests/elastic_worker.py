@@ -7,6 +7,10 @@ Each step takes this process's batch from ``orbax_flax.data.ElasticIterator`` an
 ``<step> <record ids...>`` to ``W/ledger/run<run>-p<process>.txt`` before the step's
 ``on_step_end``; SIGTERM saves and stops (the callback's preemption save). Prints ``RESUMED
 <step>``, ``STEP <step>`` and ``PREEMPTED <step>`` or ``DONE <step>``.
+
+``--finite``: one pass over ``range(FINITE)`` (no filter) through ``ofx.Trainer.fit``, whose
+train step sums the batch over every process (a collective, as a data-parallel step's); the
+ledger as above; prints ``DONE <step> <seconds>`` once ``fit`` returns.
 """
 
 import argparse
@@ -23,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from orbax_flax import launch  # noqa: E402
 
 GLOBAL_BATCH = 12
+FINITE = 97  # records of --finite's dataset: 2 shards read 49 and 48 positions of it
 
 
 def keep(record) -> bool:
@@ -47,6 +52,32 @@ def ahead(batches, n):
   yield from queue
 
 
+def finite(a):
+  """One pass of an unfiltered finite dataset through Trainer.fit, with a collective a step."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
+  from orbax_flax.data import ElasticIterator  # pylint: disable=g-import-not-at-top
+
+  it = ElasticIterator(grain.MapDataset.range(FINITE), 8)
+  os.makedirs(os.path.join(a.workdir, "ledger"), exist_ok=True)
+  ledger = open(os.path.join(a.workdir, "ledger", f"run{a.run}-p{jax.process_index()}.txt"), "w")
+
+  def train_step(state, batch):
+    ledger.write(f"{state['step'] + 1} {' '.join(map(str, batch.tolist()))}\n")
+    ledger.flush()
+    total = multihost_utils.process_allgather(np.int64(np.sum(batch)))  # waits for every process
+    return {"step": state["step"] + 1, "sum": state["sum"] + np.int64(total.sum())}, {}
+
+  cb = ofx.CheckpointCallback(a.workdir, {"save_interval_steps": 5,
+                                          "coordination_timeout_seconds": 20})
+  t = time.monotonic()
+  state = ofx.Trainer(train_step, [cb]).fit({"step": 0, "sum": np.int64(0)}, it, a.steps)
+  print(f"DONE {state['step']} {time.monotonic() - t:.0f}", flush=True)
+  it.close()
+
+
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--workdir")
@@ -55,8 +86,12 @@ def main():
   p.add_argument("--pace", type=float, default=0.1, help="seconds a step (time for a SIGTERM)")
   p.add_argument("--prefetched", action="store_true",
                  help="read two batches ahead through ofx.Prefetched, as docs/training.md says")
+  p.add_argument("--finite", action="store_true", help="see the module docstring")
   a = p.parse_args()
   launch.initialize_from_env(60, heartbeat_timeout_seconds=10)
+  if a.finite:
+    finite(a)
+    return
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 

@@ -4,6 +4,7 @@ by which CheckpointCallback hands a data iterator every old process's state."""
 import ast
 import collections
 import os
+import re
 
 import grain
 import hypothesis
@@ -84,10 +85,10 @@ def test_the_state_stays_small_however_far_the_shards_read():
 def test_filter_shuffle_mix_resume_exactly_once_on_4_2_3_4_shards():
   ds = pipeline()
   seen, states, uneven = collections.Counter(), None, False
-  for count, steps in [(4, 5), (2, 7), (3, 4), (4, None)]:
+  for count, steps in [(4, 5), (2, 7), (3, 4), (4, None), (1, None)]:
     its = shards(ds, count, states=states)
-    if steps is None:  # the last job reads the rest of the order
-      for it in its:
+    if steps is None:  # one pass over the rest of the order (then one shard reads what the
+      for it in its:   # 4 shards' pass left past its last common step)
         for batch in it:
           seen.update(batch["id"].tolist())
     for _ in range(steps or 0):  # one batch per shard per step, as processes do
@@ -353,3 +354,51 @@ def test_an_elastic_source_read_ahead_through_prefetched_resumes_on_another_proc
       for line in (workdir / "ledger" / f"run{run}-p{proc}.txt").read_text().split("\n"):
         seen.update(int(x) for x in line.split()[1:])
   assert max(seen.values()) == 1 and sum(seen.values()) == 9 * 12  # none twice, none lost
+
+
+def test_an_unfiltered_finite_pass_ends_at_the_same_step_on_every_process(tmp_path):
+  """97 records, no filter, global batch 8 on 2 processes, a collective in every step: shard 0
+  read 49 positions and took a 13th batch into the step's collective, where it waited for a
+  process that had ended after 12 (the other waited out the coordination timeout). Now both
+  end after 12 steps; the one position past that (96, shard 0's 49th) stays in the order."""
+  import elastic_worker  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+  out = _job(workdir, 2, 0, 100, extra=["--finite"])
+  ends = re.findall(r"\[(\d)\] DONE (\d+) (\d+)", out)
+  assert sorted((p, int(s)) for p, s, _ in ends) == [("0", 12), ("1", 12)], out[-3000:]
+  assert all(int(t) < 15 for _, _, t in ends), ends  # told at once, not after a timeout
+  seen = collections.Counter()
+  for proc in range(2):
+    for line in (workdir / "ledger" / f"run0-p{proc}.txt").read_text().split("\n"):
+      if line:
+        step, *ids = map(int, line.split())
+        assert len(ids) == 4 and 1 <= step <= 12
+        seen.update(ids)
+  assert elastic_worker.FINITE == 97 and sorted(seen.elements()) == list(range(96))
+  saved = ofx.CheckpointManager(str(workdir / "checkpoints")).restore(12, {"data": None})["data"]
+  rest = ElasticIterator(grain.MapDataset.range(97), 8, shard_index=0, shard_count=1)
+  rest.set_state_from_shards(saved["processes"])
+  assert [b.tolist() for b in rest] == [[96]]  # delivered by a resume on another count
+
+
+@pytest.mark.parametrize("length,count,batch,drop,steps", [
+    (97, 2, 8, False, 12),   # shards of 49 and 48 positions, 4 a step
+    (95, 2, 8, False, 12),   # 48 and 47: the last batches 4 and 3 records
+    (95, 2, 8, True, 11),    # 47 has 11 whole batches: shard 0 stops there too
+    (10, 4, 8, False, 1),    # 3, 3, 2, 2 positions, 2 a step
+    (3, 4, 4, False, 0),     # fewer positions than shards: none delivered in this pass
+])
+def test_every_shard_of_an_unfiltered_pass_takes_the_same_number_of_steps(
+    length, count, batch, drop, steps):
+  ds = grain.MapDataset.range(length).map(lambda i: i * 10)
+  its = [ElasticIterator(ds, batch, shard_index=k, shard_count=count, drop_remainder=drop)
+         for k in range(count)]
+  got = [list(it) for it in its]
+  assert [len(g) for g in got] == [steps] * count
+  delivered = sorted(x for g in got for b in g for x in b.tolist())
+  ranges = [range(k, length, count) for k in range(count)]  # shard k's positions, its stride
+  per_step = batch // count
+  want = sorted(10 * p for r in ranges for p in r[:steps * per_step])
+  assert delivered == want
+  if not drop:
+    assert length - len(delivered) <= count - 1  # at most one position past the cap a shard

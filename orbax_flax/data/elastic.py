@@ -8,6 +8,12 @@ batched by grain's own batch function once the records a ``filter`` dropped
 are skipped. Its state is the order (O(shards) ranges, the same on every
 shard) and how many of its positions the shard has handed out.
 
+A finite pass gives every shard as many batches as the shard with the fewest
+positions has, so that without a filter every process ends at the same step
+(a train step with a collective would otherwise wait on a process that has
+ended); the at most ``shard_count - 1`` positions past that are not delivered
+in the pass, and stay in the order: a resume on another count delivers them.
+
 At a resume, :meth:`ElasticIterator.set_state_from_shards` gets every old
 shard's state. On the same shard count each shard continues from its own
 place: bitwise the batches of an uninterrupted run. On another count the old
@@ -52,6 +58,16 @@ class ElasticIterator:
   any process count: the callback hands every old process's state to
   :meth:`set_state_from_shards` (``checkpoint_state_is_elastic``).
 
+  A finite pass ends at the same step on every shard when no filter drops
+  records: each shard reads no more batches than the shard with the fewest
+  positions (the last); the positions past that (at most ``shard_count - 1``
+  without ``drop_remainder``) are not delivered in this pass, as
+  ``drop_remainder`` drops a short batch,
+  and stay in the order, so that a resume on another count delivers them. A
+  filter drops records unevenly, so shards may still end a pass at different
+  steps: a multi-process job with a filter repeats its dataset (``repeat()``)
+  and stops at a fixed step.
+
   Iterator-side steps with buffers (grain's ``FirstFitPackIterDataset`` and
   other packing, ``interleave``, ``mp_prefetch``) are refused: records
   waiting in their buffers could not be handed back to the order.
@@ -64,7 +80,8 @@ class ElasticIterator:
     shard_count: how many shards read the order (default ``jax.process_count()``).
     read_options: grain's ``ReadOptions`` (prefetch threads and buffer).
     drop_remainder: drop a last batch shorter than this shard's batch size
-      (the records in it are then not delivered).
+      (the records in it are then not delivered); a pass then has as many
+      steps as the shard with the fewest positions has whole batches.
     batch_fn: grain's ``batch_fn`` (default: stack each leaf into an array).
 
   Raises:
@@ -168,9 +185,20 @@ class ElasticIterator:
     ranges = order_lib.shard_ranges(self._order, self._index, self._count)
     views = [self._dataset[r.start:r.stop:r.step] for r in ranges] or [self._dataset[0:0]]
     view = views[0] if len(views) == 1 else grain.MapDataset.concatenate(views)
-    starts = grain.MapDataset.range(self._place, len(view), self._batch_size)
-    chunks = starts.map(functools.partial(_chunk, view, self._batch_size))
+    stop = self._pass_length()
+    starts = grain.MapDataset.range(self._place, stop, self._batch_size)
+    chunks = starts.map(functools.partial(_chunk, view, self._batch_size, stop))
     return iter(chunks.to_iter_dataset(self._read_options))
+
+  def _pass_length(self) -> int:
+    """How many of its positions this shard reads in this order: no more batches than the shard
+    with the fewest positions (the last) has, so that without a filter every shard ends at the
+    same step; the at most one position past that stays in the order."""
+    fewest = order_lib.shard_length(self._order, self._count - 1, self._count)
+    steps = (fewest // self._batch_size if self._drop_remainder
+             else -(-fewest // self._batch_size))
+    mine = order_lib.shard_length(self._order, self._index, self._count)
+    return min(mine, steps * self._batch_size)
 
   def get_state(self) -> dict[str, Any]:
     """This shard's state: the order (the same on every shard) and its place in it."""
@@ -250,6 +278,6 @@ class ElasticIterator:
     self._pending.clear()  # read ahead, not counted in the place: read again after a restart
 
 
-def _chunk(view: grain.MapDataset, size: int, start: int) -> list[Any]:
-  """Positions ``start``... of ``view``, ``size`` of them (fewer at its end); None: filtered."""
-  return [view[i] for i in range(start, min(start + size, len(view)))]
+def _chunk(view: grain.MapDataset, size: int, stop: int, start: int) -> list[Any]:
+  """Positions ``start``... of ``view``, ``size`` of them (fewer at ``stop``); None: filtered."""
+  return [view[i] for i in range(start, min(start + size, stop))]
