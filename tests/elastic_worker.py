@@ -8,6 +8,9 @@ Each step takes this process's batch from ``orbax_flax.data.ElasticIterator`` an
 ``on_step_end``; SIGTERM saves and stops (the callback's preemption save). Prints ``RESUMED
 <step>``, ``STEP <step>`` and ``PREEMPTED <step>`` or ``DONE <step>``.
 
+``--replicated``: every process reads shard 0 of 1 (the data replicated across processes, as
+when the model is split across them).
+
 ``--finite``: one pass over ``range(FINITE)`` (no filter) through ``ofx.Trainer.fit``, whose
 train step sums the batch over every process (a collective, as a data-parallel step's); the
 ledger as above; prints ``DONE <step> <seconds>`` once ``fit`` returns.
@@ -87,6 +90,7 @@ def main():
   p.add_argument("--prefetched", action="store_true",
                  help="read two batches ahead through ofx.Prefetched, as docs/training.md says")
   p.add_argument("--finite", action="store_true", help="see the module docstring")
+  p.add_argument("--replicated", action="store_true", help="see the module docstring")
   a = p.parse_args()
   launch.initialize_from_env(60, heartbeat_timeout_seconds=10)
   if a.finite:
@@ -98,7 +102,9 @@ def main():
   import orbax_flax as ofx  # pylint: disable=g-import-not-at-top
   from orbax_flax.data import ElasticIterator  # pylint: disable=g-import-not-at-top
 
-  source = ElasticIterator(pipeline(), GLOBAL_BATCH, read_options=grain.ReadOptions(num_threads=2))
+  shard = {"shard_index": 0, "shard_count": 1} if a.replicated else {}
+  source = ElasticIterator(pipeline(), GLOBAL_BATCH, read_options=grain.ReadOptions(num_threads=2),
+                           **shard)
   it = ofx.Prefetched(source, lambda batches: ahead(batches, 2)) if a.prefetched else source
   cb = ofx.CheckpointCallback(a.workdir, {"save_interval_steps": 5,
                                           "coordination_timeout_seconds": 120})

@@ -167,10 +167,51 @@ def test_packing_and_bad_states_are_refused_with_what_is_supported():
   bad = dict(b.get_state(), position=99)
   with pytest.raises(ValueError, match=r"position 99 is outside \[0, 10\]"):
     a.set_state_from_shards([a.get_state(), bad])
-  with pytest.raises(ValueError, match="expected the state of shard 0 of 2"):
-    a.set_state_from_shards([b.get_state(), a.get_state()])  # out of shard order
   with pytest.raises(ValueError, match=r"\[start, stop, step\] integer triples"):
     a.set_state_from_shards([dict(a.get_state(), order=[[0, 20, 0]]), b.get_state()])
+
+
+def test_shards_replicated_on_several_processes_resume_in_any_layout():
+  """4 processes reading 2 shards (each shard on 2 processes): the callback hands the 4 states,
+  one per process; each shard's replicas count once, on the same shard count or another."""
+  ds = pipeline()
+  its = shards(ds, 2)
+  seen = collections.Counter()
+  for _ in range(5):
+    for it in its:
+      seen.update(next(it)["id"].tolist())
+  a, b = (it.get_state() for it in its)
+  saved = {"processes": [b, a, b, a], "global": False}  # processes 0 and 2 read shard 1
+  same = [ElasticIterator(ds, 12, shard_index=k, shard_count=2) for k in range(2)]
+  for it in same:
+    resume.DataPosition(it, "doc").set(5, saved)
+  for old, new in zip(its, same):
+    assert jax.tree.all(jax.tree.map(np.array_equal, next(new), next(old)))
+  three = [ElasticIterator(ds, 12, shard_index=k, shard_count=3) for k in range(3)]
+  for it in three:
+    resume.DataPosition(it, "doc").set(5, saved)
+    seen.update(x for batch in it for x in batch["id"].tolist())
+  rest = ElasticIterator(ds, 12, shard_index=0, shard_count=1)
+  rest.set_state_from_shards([it.get_state() for it in three])
+  seen.update(x for batch in rest for x in batch["id"].tolist())
+  assert sorted(seen.elements()) == all_ids(ds)  # every record once
+
+
+def test_states_of_shards_that_do_not_fit_together_are_refused_naming_the_shards():
+  ds = grain.MapDataset.range(40)
+  its = shards(ds, 3, batch=6)
+  next(its[0]), next(its[1])
+  s0, s1, s2 = (it.get_state() for it in its)
+  it = ElasticIterator(ds, 4, shard_index=0, shard_count=2)
+  with pytest.raises(ValueError, match=r"replicas of shard\(s\) \[0\] .*differ"):
+    it.set_state_from_shards([s0, s1, s2, dict(s0, position=0)])
+  with pytest.raises(ValueError, match=r"states of shards \[0, 2\] of 3: shard\(s\) \[1\] missing"):
+    it.set_state_from_shards([s2, s0])
+  one = ElasticIterator(ds, 4, shard_index=0, shard_count=1).get_state()
+  with pytest.raises(ValueError, match=r"name different shard counts \[1, 3\]"):
+    it.set_state_from_shards([s0, s1, s2, one])
+  with pytest.raises(ValueError, match=r"shard_index 3 .* of 3"):
+    it.set_state_from_shards([s0, s1, s2, dict(s2, shard_index=3)])
 
 
 # ------------------------------------------------------------------------ the protocol
@@ -402,3 +443,21 @@ def test_every_shard_of_an_unfiltered_pass_takes_the_same_number_of_steps(
   assert delivered == want
   if not drop:
     assert length - len(delivered) <= count - 1  # at most one position past the cap a shard
+
+
+def test_processes_reading_replicas_of_one_shard_resume(tmp_path):
+  """Every process of a 2-process job reads shard 0 of 1 (the data replicated, the model split
+  across the processes): its saves held two states of shard 0 of 1, and the resume on the same
+  2 processes was refused ("expected the state of shard 0 of 2; got shard 0 of 1")."""
+  import elastic_worker  # pylint: disable=g-import-not-at-top
+  workdir = tmp_path / "run"
+  first = _job(workdir, 2, 0, 4, extra=["--replicated", "--pace=0"])
+  second = _job(workdir, 2, 1, 7, extra=["--replicated", "--pace=0"])
+  assert _ended(first, "DONE") == {4} and _resumed(second) == {4}, second[-3000:]
+  assert _ended(second, "DONE") == {7}
+  whole = ElasticIterator(elastic_worker.pipeline(), 12, shard_index=0, shard_count=1)
+  want = [" ".join(map(str, next(whole)["id"].tolist())) for _ in range(7)]
+  for run, steps in ((0, range(1, 5)), (1, range(5, 8))):
+    for proc in range(2):  # both processes: the uninterrupted run's batches
+      lines = (workdir / "ledger" / f"run{run}-p{proc}.txt").read_text().split("\n")
+      assert [line for line in lines if line] == [f"{s} {want[s - 1]}" for s in steps]

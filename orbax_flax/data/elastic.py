@@ -15,8 +15,9 @@ ended); the at most ``shard_count - 1`` positions past that are not delivered
 in the pass, and stay in the order: a resume on another count delivers them.
 
 At a resume, :meth:`ElasticIterator.set_state_from_shards` gets every old
-shard's state. On the same shard count each shard continues from its own
-place: bitwise the batches of an uninterrupted run. On another count the old
+process's state; processes that read one shard (the data replicated across
+processes) saved replicas of its state, which must agree and count once. On
+the same shard count each shard continues from its own place: bitwise the batches of an uninterrupted run. On another count the old
 places become a new order (the positions no shard read first, then the rest)
 and every new shard starts at its beginning: every record of the global order
 is delivered exactly once across any sequence of shard counts.
@@ -210,7 +211,7 @@ class ElasticIterator:
 
     Raises:
       ValueError: ``state`` is malformed, or was saved by another shard or
-        shard count (hand every old shard's state to
+        shard count (hand every old process's state to
         :meth:`set_state_from_shards` instead).
     """
     order = self._check(state, state.get("shard_count") if isinstance(state, dict) else None,
@@ -218,38 +219,70 @@ class ElasticIterator:
     if (state["shard_index"], state["shard_count"]) != (self._index, self._count):
       raise ValueError(
           f"this state was saved by shard {state['shard_index']} of {state['shard_count']}, and"
-          f" this is shard {self._index} of {self._count}: pass every old shard's state, in"
-          " shard order, to set_state_from_shards(states) (CheckpointCallback does so).")
+          f" this is shard {self._index} of {self._count}: pass every old process's state, in"
+          " any order, to set_state_from_shards(states) (CheckpointCallback does so).")
     self._restart(order, state["position"])
 
   def set_state_from_shards(self, states: Sequence[dict[str, Any]]) -> None:
-    """Resumes from the states of every old shard, in shard order, saved at one step.
+    """Resumes from the states every old process saved at one step, one state a process.
 
-    On the same shard count this shard continues from its own state; on
-    another one, the positions no old shard read come first, then the rest of
-    the order, and every record is delivered exactly once.
+    The old shard count is the states' own ``shard_count``: several processes
+    may have read replicas of one shard (the data replicated across processes
+    whose model is split), so the states are grouped by ``shard_index``, in
+    any order, and replicas of a shard count once. On the same shard count
+    this shard continues from its own state; on another one, the positions no
+    old shard read come first, then the rest of the order, and every record is
+    delivered exactly once.
 
     Raises:
-      ValueError: the states are malformed, out of shard order, or from
-        different orders or another dataset length.
+      ValueError: the states are malformed, name different shard counts, lack
+        a shard, hold replicas of one shard that differ, or hold different
+        orders or another dataset length.
     """
     if not isinstance(states, (list, tuple)) or not states:
-      raise ValueError(f"set_state_from_shards needs the list of every old shard's state; got"
+      raise ValueError(f"set_state_from_shards needs the list of every old process's state; got"
                        f" {states!r:.200}")
-    orders = [self._check(s, len(states), k) for k, s in enumerate(states)]
+    for state in states:
+      self._check_keys(state)
+    counts = sorted({repr(s["shard_count"]) for s in states})
+    count = states[0]["shard_count"]
+    if len(counts) > 1 or type(count) is not int or count < 1:
+      raise ValueError(f"the states name different shard counts [{', '.join(counts)}] (one int"
+                       " >= 1 expected): they were not saved at one step of one run")
+    by_shard: dict[Any, list[dict[str, Any]]] = {}
+    for state in states:
+      by_shard.setdefault(state["shard_index"], []).append(state)
+    stray = [k for k in by_shard if type(k) is not int or not 0 <= k < count]
+    if stray:
+      raise ValueError(f"shard_index {stray[0]!r} is outside the shards [0, {count}) of {count}")
+    missing = [k for k in range(count) if k not in by_shard]
+    if missing:
+      raise ValueError(f"the states are the states of shards {sorted(by_shard)} of {count}:"
+                       f" shard(s) {missing} missing; pass the state of every old process (the"
+                       " checkpoint's data item holds them all)")
+    differ = sorted(k for k, replicas in by_shard.items() if any(r != replicas[0] for r in replicas))
+    if differ:
+      raise ValueError(f"the states of replicas of shard(s) {differ} differ: processes reading"
+                       " one shard read its positions in step, so these were not saved at one"
+                       " step of one run over one dataset")
+    mine = [by_shard[k][0] for k in range(count)]
+    orders = [self._check(s, count, k) for k, s in enumerate(mine)]
     if any(o != orders[0] for o in orders):
       raise ValueError("the shards' states hold different data orders: they were not saved at the"
                        " same step of one run")
-    if len(states) == self._count:
-      self._restart(orders[0], states[self._index]["position"])
+    if count == self._count:
+      self._restart(orders[0], mine[self._index]["position"])
     else:
-      self._restart(order_lib.resume_order(orders[0], [s["position"] for s in states]), 0)
+      self._restart(order_lib.resume_order(orders[0], [s["position"] for s in mine]), 0)
 
-  def _check(self, state: Any, count: Any, index: Any) -> order_lib.Order:
-    """The order of ``state`` after checking every field (a state file is hostile input)."""
+  def _check_keys(self, state: Any) -> None:
     if not isinstance(state, dict) or any(k not in state for k in _KEYS):
       raise ValueError(f"an ElasticIterator state is a dict with keys {list(_KEYS)}; got"
                        f" {state!r:.200}")
+
+  def _check(self, state: Any, count: Any, index: Any) -> order_lib.Order:
+    """The order of ``state`` after checking every field (a state file is hostile input)."""
+    self._check_keys(state)
     if state["length"] != self._length:
       raise ValueError(f"the state was saved over a dataset of {state['length']} records and this"
                        f" one has {self._length}: an elastic position is a place in one dataset's"
