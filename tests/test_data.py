@@ -461,3 +461,22 @@ def test_processes_reading_replicas_of_one_shard_resume(tmp_path):
     for proc in range(2):  # both processes: the uninterrupted run's batches
       lines = (workdir / "ledger" / f"run{run}-p{proc}.txt").read_text().split("\n")
       assert [line for line in lines if line] == [f"{s} {want[s - 1]}" for s in steps]
+
+
+def test_a_filter_that_keeps_nothing_of_a_shards_stride_raises_naming_the_fix():
+  """MapDataset.mix without a shuffle interleaves its sources a, b, a, b: shard 0 of 2 reads
+  only a, and a filter that drops every record of a made its next() scan for ever (here, until
+  the dataset ended). Now it stops after a bounded run of dropped positions and says why."""
+  n = 110_000
+  a = grain.MapDataset.range(n)
+  b = grain.MapDataset.range(10**6, 10**6 + n)
+  mixed = grain.MapDataset.mix([a, b], weights=[0.5, 0.5])
+  ds = mixed.filter(lambda x: x >= 10**6)
+  it = ElasticIterator(ds, 200, shard_index=0, shard_count=2, read_options=READ)
+  with pytest.raises(ValueError, match=r"(?s)shard 0 of 2 read 100000 positions in a row that"
+                     r" the filter dropped.*MapDataset.mix.*Shuffle after mixing"):
+    next(it)
+  assert next(ElasticIterator(ds, 4, shard_index=1, shard_count=2)).tolist() == [10**6, 10**6 + 1]
+  shuffled = mixed.shuffle(seed=0).filter(lambda x: x >= 10**6)  # the fix: both shards read b
+  assert [len(next(ElasticIterator(shuffled, 4, shard_index=k, shard_count=2))) for k in (0, 1)] \
+      == [2, 2]

@@ -41,6 +41,15 @@ from orbax_flax.data import order as order_lib
 
 _KEYS = ("shard_index", "shard_count", "position", "order", "length")
 
+# How many positions in a row a filter may drop before next() gives up: the larger of this and
+# 1000 batches. A filter keeping a share p of a shuffled order drops n in a row with probability
+# (1 - p)**n: for one record kept in a thousand, 100,000 in a row is e**-100, and scanning them
+# takes seconds, not a hang. Scaled to a thousand batches so that a shard of big batches, which
+# reads a batch of positions at a time, still scans a thousand reads before it gives up. A run
+# longer than that is a filter that keeps nothing of this shard's stride (a dataset periodic in
+# it: MapDataset.mix without a shuffle) or nothing at all: an error, not an endless scan.
+_DROPPED_IN_A_ROW = 100_000
+
 
 class ElasticIterator:
   """This process's batches of a grain ``MapDataset``, resumable on any process count.
@@ -69,6 +78,13 @@ class ElasticIterator:
   steps: a multi-process job with a filter repeats its dataset (``repeat()``)
   and stops at a fixed step.
 
+  Shard ``k`` of ``n`` reads every ``n``-th position, so a dataset periodic
+  in that stride gives each shard a part of it: ``MapDataset.mix`` without a
+  shuffle interleaves its sources in a fixed period, and with a ``filter``
+  the shards then train on other mixtures, or a shard finds nothing to keep
+  (``next()`` raises ``ValueError`` after 100,000 positions in a row, or 1000
+  batches' worth, dropped). Shuffle after mixing.
+
   Iterator-side steps with buffers (grain's ``FirstFitPackIterDataset`` and
   other packing, ``interleave``, ``mp_prefetch``) are refused: records
   waiting in their buffers could not be handed back to the order.
@@ -87,6 +103,8 @@ class ElasticIterator:
 
   Raises:
     TypeError: ``dataset`` is not a ``grain.MapDataset``.
+    ValueError: from ``next()``, a filter dropped 100,000 positions in a row
+      (or 1000 batches' worth) of this shard's.
     ValueError: a shard that does not fit, or a ``global_batch_size`` that
       is not a positive multiple of ``shard_count``.
 
@@ -145,6 +163,8 @@ class ElasticIterator:
     self._order = order_lib.initial(self._length)
     self._order_lists = order_lib.to_lists(self._order)
     self._place = 0                   # how many of this shard's positions it has handed out
+    self._dropped = 0                 # positions a filter dropped since the last record kept
+    self._max_dropped = max(_DROPPED_IN_A_ROW, 1000 * self._batch_size)
     self._pending = collections.deque()  # the read chunk's positions not handed out yet
     self._chunks = None               # grain's iterator of chunks, started by the first next()
 
@@ -171,6 +191,19 @@ class ElasticIterator:
       self._place += 1
       if record is not None:  # None: a record a filter dropped
         records.append(record)
+        self._dropped = 0
+        continue
+      self._dropped += 1
+      if self._dropped >= self._max_dropped:
+        raise ValueError(
+            f"shard {self._index} of {self._count} read {self._dropped} positions in a row that"
+            f" the filter dropped (its positions {self._place - self._dropped} to"
+            f" {self._place - 1}), with no record to return: the filter keeps nothing of this"
+            " shard's positions. Shard k of n reads every n-th position of the order, so a"
+            " dataset periodic in that stride gives a shard a part of it only: MapDataset.mix"
+            " without a shuffle interleaves its sources in a fixed period (a, b, a, b...), and"
+            " shard 0 of 2 reads only a. Shuffle after mixing (MapDataset.mix(...).shuffle(seed)"
+            " before the filter), or use a filter that keeps records of every source.")
     if not records or (self._drop_remainder and len(records) < self._batch_size):
       raise StopIteration
     return self._batch_fn(records)
@@ -302,6 +335,7 @@ class ElasticIterator:
   def _restart(self, order: order_lib.Order, place: int) -> None:
     self.close()
     self._order, self._order_lists, self._place = order, order_lib.to_lists(order), place
+    self._dropped = 0
 
   def close(self) -> None:
     """Stops grain's prefetch threads (the next ``next()`` starts them again where it stood)."""
