@@ -480,3 +480,26 @@ def test_a_filter_that_keeps_nothing_of_a_shards_stride_raises_naming_the_fix():
   shuffled = mixed.shuffle(seed=0).filter(lambda x: x >= 10**6)  # the fix: both shards read b
   assert [len(next(ElasticIterator(shuffled, 4, shard_index=k, shard_count=2))) for k in (0, 1)] \
       == [2, 2]
+
+
+def test_a_source_that_changed_length_under_repeat_is_refused():
+  """repeat() makes the length sys.maxsize whatever the source holds: a source grown from 1000
+  to 1200 records was accepted, and the saved positions named other records (105 read twice
+  and 105 never in the resumed epoch)."""
+  def pipeline(n):
+    return grain.MapDataset.range(n).shuffle(seed=1).map(lambda i: i).repeat()
+  old = shards(pipeline(1000), 2, batch=10)
+  for it in old:
+    next(it)
+  states = [it.get_state() for it in old]
+  with pytest.raises(ValueError, match=r"under repeat\(\) hold \[1000\] records and this one's"
+                                       r" \[1200\]"):
+    shards(pipeline(1200), 2, batch=10, states=states)
+  assert shards(pipeline(1000), 2, batch=10, states=states)  # the same source: resumed
+  old_run = [{k: v for k, v in s.items() if k != "inner_lengths"} for s in states]
+  assert shards(pipeline(1200), 2, batch=10, states=old_run)  # a state from before: not known
+  def mixed(n):  # finite on top (the mix), a repeated source inside
+    return grain.MapDataset.mix([grain.MapDataset.range(10**6), pipeline(n)], [0.5, 0.5])
+  saved = ElasticIterator(mixed(300), 4, shard_index=0, shard_count=1).get_state()
+  with pytest.raises(ValueError, match=r"\[300\] records and this one's \[301\]"):
+    ElasticIterator(mixed(301), 4, shard_index=0, shard_count=1).set_state_from_shards([saved])

@@ -6,7 +6,10 @@ Shard ``k`` of ``n`` reads every ``n``-th position of the global order (see
 positions at a time by grain's prefetch threads (``read_options``), and
 batched by grain's own batch function once the records a ``filter`` dropped
 are skipped. Its state is the order (O(shards) ranges, the same on every
-shard) and how many of its positions the shard has handed out.
+shard) and how many of its positions the shard has handed out, with the
+dataset's length and the lengths of the finite datasets under a ``repeat()``
+(whose own length is endless whatever they hold): a resume over a dataset of
+other lengths is refused.
 
 A finite pass gives every shard as many batches as the shard with the fewest
 positions has, so that without a filter every process ends at the same step
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -155,6 +159,7 @@ class ElasticIterator:
           f" unequally often); use global_batch_size={near}")
     self._dataset = dataset
     self._length = len(dataset)
+    self._inner_lengths = _inner_lengths(dataset)
     self._index, self._count = shard_index, shard_count
     self._batch_size = global_batch_size // shard_count
     self._read_options = read_options
@@ -237,7 +242,8 @@ class ElasticIterator:
   def get_state(self) -> dict[str, Any]:
     """This shard's state: the order (the same on every shard) and its place in it."""
     return {"shard_index": self._index, "shard_count": self._count, "position": self._place,
-            "order": [list(t) for t in self._order_lists], "length": self._length}
+            "order": [list(t) for t in self._order_lists], "length": self._length,
+            "inner_lengths": list(self._inner_lengths)}
 
   def set_state(self, state: dict[str, Any]) -> None:
     """Moves this shard to ``state``, a state this same shard (index and count) saved.
@@ -270,7 +276,8 @@ class ElasticIterator:
     Raises:
       ValueError: the states are malformed, name different shard counts, lack
         a shard, hold replicas of one shard that differ, or hold different
-        orders or another dataset length.
+        orders or other dataset lengths (the dataset's, or those of the finite
+        datasets under its ``repeat()``).
     """
     if not isinstance(states, (list, tuple)) or not states:
       raise ValueError(f"set_state_from_shards needs the list of every old process's state; got"
@@ -320,6 +327,12 @@ class ElasticIterator:
       raise ValueError(f"the state was saved over a dataset of {state['length']} records and this"
                        f" one has {self._length}: an elastic position is a place in one dataset's"
                        " order; resume with the same dataset (same sources, steps and seeds)")
+    if "inner_lengths" in state and state["inner_lengths"] != self._inner_lengths:
+      raise ValueError(f"the state was saved over a dataset whose datasets under repeat() hold"
+                       f" {state['inner_lengths']!r:.200} records and this one's"
+                       f" {self._inner_lengths}: an elastic position is a place in one dataset's"
+                       " order, and under repeat() its length is endless whatever the sources"
+                       " hold; resume with the same dataset (same sources, steps and seeds)")
     if state["shard_count"] != count or state["shard_index"] != index:
       raise ValueError(f"expected the state of shard {index} of {count}; got shard"
                        f" {state['shard_index']!r} of {state['shard_count']!r}")
@@ -343,6 +356,22 @@ class ElasticIterator:
       self._chunks.close()
       self._chunks = None
     self._pending.clear()  # read ahead, not counted in the place: read again after a restart
+
+
+def _inner_lengths(dataset: grain.MapDataset) -> list[int]:
+  """The lengths of the finite datasets that an endless one (``repeat()``) reads, in the order of
+  a walk of grain's ``parents`` from ``dataset``: what an endless length hides."""
+  lengths, seen, todo = [], set(), [dataset]
+  while todo:
+    ds = todo.pop()
+    if id(ds) in seen:
+      continue
+    seen.add(id(ds))
+    parents = [p for p in getattr(ds, "parents", ()) if isinstance(p, grain.MapDataset)]
+    if len(ds) >= sys.maxsize:
+      lengths += [len(p) for p in parents if len(p) < sys.maxsize]
+    todo += reversed(parents)
+  return lengths
 
 
 def _chunk(view: grain.MapDataset, size: int, stop: int, start: int) -> list[Any]:
