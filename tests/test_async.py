@@ -291,14 +291,14 @@ def _rss():
 
 
 @pytest.mark.parametrize("transfer", ["memcpy", "device_copy"])
-def test_rss_flat_over_50_saves_and_one_staging_copy_between_saves(tmp_path, transfer):
+def test_rss_flat_over_24_saves_and_one_staging_copy_between_saves(tmp_path, transfer):
   """memcpy keeps one staging copy of the state between saves; device_copy stages only the packed
   small arrays (its copies are XLA's, freed after each save). Neither grows."""
   state = _state(32)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   ckptr = ofx.Checkpointer(host_transfer=transfer)
   rss = []
-  for i in range(50):
+  for i in range(24):  # a leaked or second staging copy would add 32 MB each save
     path = str(tmp_path / f"c{i}")
     ckptr.save_async(path, {"state": state}).wait()
     if i:
@@ -307,10 +307,19 @@ def test_rss_flat_over_50_saves_and_one_staging_copy_between_saves(tmp_path, tra
   # Held between saves: exactly one staging copy (rounded up to 2 MiB), never a second.
   held = nbytes if _ON_CPU and transfer == "memcpy" else 0
   assert held <= ckptr.staging_bytes <= held + (2 << 20), (nbytes, ckptr.staging_bytes)
-  # From the first save on, RSS does not grow (allocator noise is a few MB; a
-  # leaked or second copy would add 32 MB per save).
-  assert max(rss[1:]) - rss[0] < 16 << 20, [r >> 20 for r in rss]
-  assert rss[-1] - rss[1] < 8 << 20, [r >> 20 for r in rss]
+  # RSS does not grow. memcpy is flat from the first save on (allocator noise is a few MB).
+  # device_copy's host copies are XLA's, freed after each save: run first in a process, the
+  # allocator keeps three or four of them as free memory it reuses (90-120 MB here, reached
+  # by the eighth to fifteenth save), so its bound is that plateau: over the last twelve
+  # saves it stays within one state's bytes of the first twelve's peak, where a leak of one
+  # copy a save would add 384 MB.
+  mib = [r >> 20 for r in rss]
+  if transfer == "memcpy":
+    assert max(rss[1:]) - rss[0] < 16 << 20, mib
+    assert max(rss[12:]) - max(rss[:12]) < 8 << 20, mib
+  else:
+    assert max(rss) - rss[0] < 5 * nbytes, mib
+    assert max(rss[12:]) - max(rss[:12]) < nbytes, mib
   before = _rss()
   ckptr.close()
   assert ckptr.staging_bytes == 0
@@ -321,7 +330,7 @@ def test_keep_staging_memory_false_releases_it_after_every_save(tmp_path):
   state = _state(32)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   # The staging arena is the memcpy transfer's (device_copy stages nothing; its RSS stays flat:
-  # test_rss_flat_over_50_saves_and_one_staging_copy_between_saves).
+  # test_rss_flat_over_24_saves_and_one_staging_copy_between_saves).
   policy = ofx.CheckpointPolicy(keep_staging_memory=False, host_transfer="memcpy")
   # A first save of the state, by a checkpointer that releases its staging memory too, before
   # the baseline: what stays from it (on an accelerator the host memory of the first transfers)
