@@ -503,3 +503,36 @@ def test_a_source_that_changed_length_under_repeat_is_refused():
   saved = ElasticIterator(mixed(300), 4, shard_index=0, shard_count=1).get_state()
   with pytest.raises(ValueError, match=r"\[300\] records and this one's \[301\]"):
     ElasticIterator(mixed(301), 4, shard_index=0, shard_count=1).set_state_from_shards([saved])
+
+
+def test_restore_data_false_starts_the_data_afresh_and_keeps_checkpointing_it(tmp_path):
+  """A dataset that grew between runs is refused at the resume; the way through was
+  data_iterator=None, after which no checkpoint held a data position, and the next restart
+  replayed the fresh order from its start."""
+  def run(n, last, **kw):
+    it = ElasticIterator(grain.MapDataset.range(n), 4, shard_index=0, shard_count=1)
+    cb = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 2})
+    got = []
+    try:
+      state = cb.restore_or_init({"w": np.zeros((), np.float32)}, data_iterator=it, **kw)
+      for step in range((cb.restored_step or 0) + 1, last + 1):
+        got.append(next(it).tolist())
+        cb.on_step_end(step, state)
+    finally:
+      cb.close()
+    return got
+  run(100, 4)
+  with pytest.raises(ValueError, match=r"(?s)dataset of 100 records and this one has 120.*"
+                                       r"restore_or_init\(state, data_iterator=it,"
+                                       r" restore_data=False\)"):
+    run(120, 6)
+  assert run(120, 6, restore_data=False) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # the fresh order
+  assert run(120, 8) == [[8, 9, 10, 11], [12, 13, 14, 15]]  # its position was checkpointed
+  class PerProcess:
+    def get_state(self):
+      return {"i": 0}
+    def set_state(self, state):
+      pass
+  with pytest.raises(ValueError, match=r"restore_or_init\(state, data_iterator=it,"
+                                       r" restore_data=False\)"):
+    resume.DataPosition(PerProcess(), "doc").set(4, {"processes": [{"i": 1}] * 2, "global": False})

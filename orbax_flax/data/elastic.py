@@ -44,6 +44,10 @@ from grain._src.python.dataset.transformations import batch as batch_lib
 from orbax_flax.data import order as order_lib
 
 _KEYS = ("shard_index", "shard_count", "position", "order", "length")
+# What a refusal of another dataset suggests.
+_SAME_DATASET = ("resume with the same dataset (same sources, steps and seeds); or start the data"
+                 " afresh, a new order, and keep checkpointing its position: restore_or_init(state,"
+                 " data_iterator=it, restore_data=False)")
 
 # How many positions in a row a filter may drop before next() gives up: the larger of this and
 # 1000 batches. A filter keeping a share p of a shuffled order drops n in a row with probability
@@ -326,13 +330,13 @@ class ElasticIterator:
     if state["length"] != self._length:
       raise ValueError(f"the state was saved over a dataset of {state['length']} records and this"
                        f" one has {self._length}: an elastic position is a place in one dataset's"
-                       " order; resume with the same dataset (same sources, steps and seeds)")
+                       " order; " + _SAME_DATASET)
     if "inner_lengths" in state and state["inner_lengths"] != self._inner_lengths:
       raise ValueError(f"the state was saved over a dataset whose datasets under repeat() hold"
                        f" {state['inner_lengths']!r:.200} records and this one's"
                        f" {self._inner_lengths}: an elastic position is a place in one dataset's"
                        " order, and under repeat() its length is endless whatever the sources"
-                       " hold; resume with the same dataset (same sources, steps and seeds)")
+                       " hold; " + _SAME_DATASET)
     if state["shard_count"] != count or state["shard_index"] != index:
       raise ValueError(f"expected the state of shard {index} of {count}; got shard"
                        f" {state['shard_index']!r} of {state['shard_count']!r}")

@@ -114,14 +114,17 @@ class CheckpointCallback(callbacks.Callback):
     # restore_or_init's leaf shapes, compared with the first step's state (pmap replication)
     self._template: dict[tuple[str, ...], tuple[int, ...]] | None = None
 
-  def restore_or_init(self, state: Any, *, data_iterator: Any = None) -> Any:
+  def restore_or_init(self, state: Any, *, data_iterator: Any = None,
+                      restore_data: bool = True) -> Any:
     """Resumes from the latest committed step, resharded onto ``state``'s shardings.
 
     ``state`` is the freshly initialised state of this job (its shardings
     define the mesh to restore onto). With nothing to resume, returns it
     unchanged, or with params from ``init_from`` if the policy sets one.
     ``data_iterator`` (anything with ``get_state()``/``set_state()``) is moved
-    to where the restored run stopped, and saved with every checkpoint.
+    to where the restored run stopped (unless ``restore_data=False``: it
+    starts where it is, e.g. after a change of dataset a resume refuses), and
+    saved with every checkpoint.
 
     Every part of ``state`` is checked first (each member of a tuple such as
     ``(model, optimizer, rngs)`` is saved: see :mod:`orbax_flax.training.state_items`);
@@ -138,10 +141,11 @@ class CheckpointCallback(callbacks.Callback):
       UnsupportedLeafError: a leaf of the state cannot be saved.
       TypeError: NNX objects nested inside a plain pytree.
     """
-    self._begin_restore(state, data_iterator)
+    self._begin_restore(state, data_iterator, restore_data)
     return self._restored(self._resume.restore(state, self._data))
 
-  def restore_or_init_async(self, state: Any, *, data_iterator: Any = None) -> resume.PendingRestore:
+  def restore_or_init_async(self, state: Any, *, data_iterator: Any = None,
+                            restore_data: bool = True) -> resume.PendingRestore:
     """:meth:`restore_or_init` on a thread, so that a restart costs about max(restore, compile).
 
     Returns at once: compile the train step against ``state`` (the restored state has its
@@ -150,12 +154,13 @@ class CheckpointCallback(callbacks.Callback):
     The checks and signal handlers run here; the restore's errors are raised by ``join()``.
     :meth:`close` waits for a restore not joined yet; its ``join()`` then raises.
     """
-    self._begin_restore(state, data_iterator, background=True)
+    self._begin_restore(state, data_iterator, restore_data, background=True)
     self._pending = resume.PendingRestore(lambda: self._resume.restore(state, self._data),
                                            self._restored, clock=self._restart)
     return self._pending
 
-  def _begin_restore(self, state: Any, data_iterator: Any, background: bool = False) -> None:
+  def _begin_restore(self, state: Any, data_iterator: Any, restore_data: bool,
+                     background: bool = False) -> None:
     if self._pending is not None and not self._pending.done():  # a failed one may be retried
       raise RuntimeError("a restore_or_init_async restore is still pending: join() it first")
     self._check_open()
@@ -163,7 +168,7 @@ class CheckpointCallback(callbacks.Callback):
     self._state_checked = True
     self._watch()
     self._data = resume.DataPosition.of(data_iterator, self.manager.coordination_key,
-                                        self.policy.coordination_timeout_seconds)
+                                        self.policy.coordination_timeout_seconds, restore_data)
     self._restart.restore_began(background)
 
   def _restored(self, got: tuple[Any, int | None]) -> Any:

@@ -72,6 +72,8 @@ from orbax_flax.tiers.local import LocalTier
 log = logging.getLogger("orbax_flax")
 
 DATA_ITEM = "data"  # the item that holds the data iterator's position
+# How to start the data afresh and keep checkpointing its position, named by the refusals.
+RESTART_DATA = "restore_or_init(state, data_iterator=it, restore_data=False)"
 # Iterators whose state is a position in the global order, the same on every process (module and
 # class name, so that grain is not imported here): grain's ElasticIterator and its iterator.
 _GLOBAL_STATE_TYPES = frozenset({
@@ -115,12 +117,18 @@ class DataPosition:
     ``ShardByJaxProcess``) resumes only on the same process count, and gets
     its own state through ``set_state(state)``.
 
+  With ``restore=False`` (``restore_or_init(..., restore_data=False)``) a
+  resume leaves the iterator where it is, so the data starts afresh (after a
+  change of dataset that a resume refuses), and its position is still saved
+  with every checkpoint: the next resume continues it.
+
   Args:
     iterator: anything with ``get_state()`` and ``set_state(state)``; the
       state is made of dicts, lists, str, bytes and numbers.
     coordination_key: the run's coordination-service prefix (the manager's).
     timeout_s: how long a save's gathering of every process's state waits
       (the policy's ``coordination_timeout_seconds``).
+    restore: whether a resume moves the iterator to the saved position.
 
   Example:
     >>> class It:
@@ -138,8 +146,8 @@ class DataPosition:
   """
 
   def __init__(self, iterator: Any, coordination_key: str,
-               timeout_s: float = _multihost.DEFAULT_TIMEOUT_S):
-    self.iterator = iterator
+               timeout_s: float = _multihost.DEFAULT_TIMEOUT_S, restore: bool = True):
+    self.iterator, self.restore = iterator, restore
     self._key, self._timeout_s = coordination_key, timeout_s
     self._after: tuple[int, Any] | None = None  # see mark()
     # Gathers so far (every process makes the same): each has a key of its own, since a step
@@ -148,10 +156,11 @@ class DataPosition:
 
   @classmethod
   def of(cls, iterator: Any, coordination_key: str,
-         timeout_s: float = _multihost.DEFAULT_TIMEOUT_S) -> DataPosition | None:
+         timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
+         restore: bool = True) -> DataPosition | None:
     """The position of ``iterator``; None (with a warning) if it cannot say where it is."""
     if hasattr(iterator, "get_state"):
-      return cls(iterator, coordination_key, timeout_s)
+      return cls(iterator, coordination_key, timeout_s, restore)
     if iterator is not None:
       log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
                   " checkpointed, so a resumed run restarts it (grain iterators have both)",
@@ -204,11 +213,16 @@ class DataPosition:
     """Moves the iterator to this process's position in ``data`` (step ``step``'s item).
 
     An elastic iterator gets every process's state (``set_state_from_shards``).
+    With ``restore=False`` the iterator stays where it is.
 
     Raises:
       ValueError: per-process positions saved by another process count.
       TypeError: an elastic iterator without ``set_state_from_shards``.
     """
+    if not self.restore:
+      log.info("data iterator not restored (restore_data=False): it starts where it is, and its"
+               " position is saved with every checkpoint from now on (step %d's is left)", step)
+      return
     states = data.get("processes", [])
     me, n = jax.process_index(), jax.process_count()
     if self.is_elastic:
@@ -232,8 +246,9 @@ class DataPosition:
           f"step {step} holds {len(states)} data iterator states that {what}, and this job has {n}"
           f" process(es): a position within one process's shard of the data (e.g. grain's"
           f" ShardByJaxProcess) cannot be moved onto another process count. Resume with"
-          f" {len(states)} processes; or restart the data pipeline (pass data_iterator=None) and"
-          " accept a new data order; or, if get_state() is a position in the global data order"
+          f" {len(states)} processes; or start the data afresh, a new data order, and keep"
+          f" saving its position: {RESTART_DATA}; or, if get_state() is a position in the global"
+          " data order"
           " that is the same on every process, set `checkpoint_state_is_global = True` on the"
           " iterator; or read the data through orbax_flax.data.ElasticIterator, which resumes"
           " exactly on any process count (see docs/training.md).")
