@@ -585,3 +585,88 @@ def test_a_manager_that_only_lists_and_restores_writes_nothing_without_write_acc
           reader.save(3, {"state": state(3)}, force=True)  # saving fails, and says why
     assert "may not write here" in caplog.text and "start-up sweep is skipped" in caplog.text
     assert sorted(os.listdir(d)) == before  # the leftover stays: nothing was written
+
+
+_JOB = """
+import os, sys
+import numpy as np, orbax_flax as ofx
+d, step = sys.argv[1], int(sys.argv[2])
+m = ofx.CheckpointManager(d)
+m.save(step, {"s": {"w": np.full(4, step)}}, force=True); m.wait()
+print("SAVED", step, os.getpid(), flush=True)
+if step == 1:
+  os._exit(0)  # the job dies (preempted, OOM-killed): no close(), its lease stays behind
+m.close()
+"""
+
+
+def test_a_job_restarted_in_a_new_pid_namespace_takes_over_its_dead_predecessors_lease(tmp_path):
+  """A Kubernetes container restart: same host name, the trainer is pid 1 again in a fresh pid
+  namespace. The dead job's lease named "process id 1" on this host, and the restarted job,
+  pid 1 itself, found that pid running and was refused at once as a second writer."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  import jobs  # pylint: disable=g-import-not-at-top
+  unshare = None
+  for prefix in (["unshare", "--pid", "--fork", "--mount-proc"],
+                 ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]):
+    try:
+      if subprocess.run(prefix + ["true"], capture_output=True, check=False).returncode == 0:
+        unshare = prefix
+        break
+    except FileNotFoundError:
+      break
+  if unshare is None:
+    pytest.skip("cannot start a process in a new pid namespace (unshare --pid: needs root or"
+                " user namespaces)")
+  d = str(tmp_path / "ckpt")
+  job = lambda step: subprocess.run(  # noqa: E731
+      unshare + [sys.executable, "-c", _JOB, d, str(step)], capture_output=True, text=True,
+      env=jobs.env_for(1), timeout=120, check=False)
+  first = job(1)
+  assert "SAVED 1 1" in first.stdout, first.stdout + first.stderr[-2000:]
+  assert os.path.exists(os.path.join(d, ".writer"))  # left behind by the job that died
+  second = job(2)  # pid 1 again, in a new pid namespace
+  assert "SAVED 2 1" in second.stdout, second.stdout + second.stderr[-2000:]
+  assert not os.path.exists(os.path.join(d, ".writer"))  # released by its close()
+  with ofx.CheckpointManager(d) as m:
+    assert m.all_steps() == [1, 2]
+
+
+def test_a_lease_left_by_a_process_whose_pid_now_names_another_is_taken_over(tmp_path):
+  """A dead job's lease names a pid that now belongs to another process on this host (this
+  very process: the restarted container's pid 1 again; or a process that reused it): that pid
+  runs, and the job was refused as a second writer. Records as the dead process wrote them:
+  an earlier version's (host and pid only) with this process's pid; one naming another boot
+  of the host; one naming a running process's pid with an earlier start time."""
+  import json  # pylint: disable=g-import-not-at-top
+  import socket  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  d = str(tmp_path / "ckpt")
+  os.makedirs(d)
+  other = subprocess.Popen(["sleep", "60"])
+  try:
+    with open(f"/proc/{other.pid}/stat") as f:
+      started = int(f.read().rpartition(")")[2].split()[19])
+    here = {"host": socket.gethostname(), "purpose": "writer"}
+    records = [dict(here, owner="earlier-version", pid=os.getpid()),
+               dict(here, owner="another-boot", pid=other.pid, boot="0-0-0-0",
+                    pidns=os.readlink("/proc/self/ns/pid"), start=started),
+               dict(here, owner="reused-pid", pid=other.pid, start=started - 1,
+                    pidns=os.readlink("/proc/self/ns/pid"))]
+    for step, record in enumerate(records, 1):
+      with open(os.path.join(d, ".writer"), "w") as f:
+        json.dump(dict(record, time=time.time()), f)
+      with ofx.CheckpointManager(d) as m:
+        m.save(step, {"state": state(step)}, force=True)
+    with open(os.path.join(d, ".writer"), "w") as f:  # the same process, running: refused
+      json.dump(dict(records[2], start=started, time=time.time()), f)
+    with pytest.raises(ofx.WriterConflictError, match=f"process id {other.pid}"):
+      ofx.CheckpointManager(d).save(4, {"state": state(4)}, force=True)
+  finally:
+    other.kill()
+    other.wait()
+  with ofx.CheckpointManager(d) as m:
+    assert m.all_steps() == [1, 2, 3]
+

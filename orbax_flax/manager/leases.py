@@ -7,11 +7,20 @@ creates, moves, retires or deletes a step is taken by that manager's
 ``<directory>/.writer``, a small file naming the holder (host, process id,
 when it was last refreshed). A second writer is refused with
 :class:`~orbax_flax.errors.WriterConflictError` naming the first. The lease
-survives kills: a holder whose process is gone (same host, pid not running) or
-that has not refreshed it for ``WRITER_SECONDS`` is taken over. Readers
-(``ofx.restore``, :func:`orbax_flax.checkpoints_iterator`, a manager that
-only restores and lists) need no lease to read; such a manager takes the
-writer lease only for its start-up sweep, when no writer holds it.
+survives kills: a holder whose process is gone (on this host) or that has not
+refreshed it for ``WRITER_SECONDS`` is taken over. A process is known by more
+than its pid, which names another process after a reboot, in another pid
+namespace (a restarted container is pid 1 again) or once reused: the record
+holds the host's boot id, the pid namespace and the process's start time, and a
+holder on this host runs only if all of them match (a record without them, from
+an earlier version, by its pid alone). A holder with this very process's pid is
+alive only while this process refreshes it. A holder in another pid namespace
+of this host cannot be looked up, so it counts as gone: should it be alive (two
+containers with one host name writing one directory), it finds the lease taken
+at its next refresh and changes nothing more. Readers (``ofx.restore``,
+:func:`orbax_flax.checkpoints_iterator`, a manager that only restores and
+lists) need no lease to read; such a manager takes the writer lease only for
+its start-up sweep, when no writer holds it.
 
 Reader leases (the evaluator's side, :func:`orbax_flax.checkpoints_iterator`):
 while a reader holds a step it keeps a small file
@@ -64,7 +73,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from orbax_flax.core import _location
 from orbax_flax import errors
@@ -204,35 +213,98 @@ class Lease:
 
 WRITER = ".writer"        # <directory>/.writer: the one writer's lease
 WRITER_SECONDS = 60.0     # a writer lease not refreshed for this long is a dead writer's
+_THREAD = "orbax_flax-writer-lease-"  # + the owner token: the refresh thread of a live lease
+
+
+def _read_proc(path: str) -> str | None:
+  try:
+    with open(path, encoding="ascii", errors="replace") as f:
+      return f.read()
+  except OSError:
+    return None
+
+
+def _boot_id() -> str | None:
+  """This host's boot id (Linux): it changes at every boot, so a record from another boot is
+  a process that has gone."""
+  text = _read_proc("/proc/sys/kernel/random/boot_id")
+  return text.strip() or None if text else None
+
+
+def _pid_namespace() -> str | None:
+  """This process's pid namespace (``pid:[<inode>]``, Linux): a pid means a process only
+  inside its namespace (a restarted container is pid 1 again, in a new one)."""
+  try:
+    return os.readlink("/proc/self/ns/pid")
+  except OSError:
+    return None
+
+
+def _start_time(pid: int) -> int | None:
+  """When process ``pid`` started (clock ticks after boot: field 22 of ``/proc/<pid>/stat``),
+  which tells a process from a later one that reuses its pid."""
+  text = _read_proc(f"/proc/{pid}/stat")
+  try:  # the command name (field 2) may hold spaces and parentheses: fields 3.. follow the last ")"
+    return int(text.rpartition(")")[2].split()[19]) if text else None
+  except (IndexError, ValueError):
+    return None
+
+
+def _refreshed_here(owner: str) -> bool:
+  """Whether this process holds (or is taking) the lease ``owner``: its refresh thread runs."""
+  return any(t.name == _THREAD + owner and t.is_alive() for t in threading.enumerate())
 
 
 @dataclasses.dataclass(frozen=True)
 class Holder:
-  """Who holds a writer lease, as recorded in ``.writer``."""
+  """Who holds a writer lease, as recorded in ``.writer``.
+
+  A process is known by its host and pid, and, where its host could tell (Linux), by the
+  host's boot id, its pid namespace and its start time: a pid alone names another process
+  after a reboot, in another container, or once the pid is reused. A record without them
+  (an earlier version's) is known by host and pid only.
+  """
   owner: str           # a token unique to the lease (one manager)
   host: str
   pid: int
   time: float          # last refreshed (the holder's clock)
   purpose: str         # "writer" (a saving manager) or "sweep" (a start-up sweep, seconds)
+  boot: str | None = None   # the host's boot id
+  pidns: str | None = None  # the pid namespace, "pid:[<inode>]"
+  start: int | None = None  # the process's start time, clock ticks after boot
 
   def describe(self, now: float) -> str:
     return (f"{'a training job' if self.purpose == 'writer' else 'a manager starting up'} on"
             f" host {self.host!r}, process id {self.pid}, lease refreshed {now - self.time:.0f} s"
             " ago")
 
+  def here(self) -> bool:
+    """Whether the holder is on this host."""
+    return self.host == socket.gethostname()
+
   def alive(self, now: float) -> bool:
     """Whether the holder may still be writing: refreshed lately, and on this host its
     process runs."""
     if now - self.time > WRITER_SECONDS:
       return False
-    if self.host == socket.gethostname():
-      try:
-        os.kill(self.pid, 0)
-      except ProcessLookupError:
+    return not self.here() or self._runs()
+
+  def _runs(self) -> bool:
+    """On this host: whether the holder's process runs, every identity it recorded matching
+    this one's (another boot or another pid namespace: gone; see the module docstring)."""
+    for recorded, ours in ((self.boot, _boot_id()), (self.pidns, _pid_namespace())):
+      if recorded is not None and ours is not None and recorded != ours:
         return False
-      except PermissionError:
-        pass
-    return True
+    if self.pid == os.getpid():  # this process: alive only as a lease it refreshes
+      return _refreshed_here(self.owner)
+    try:
+      os.kill(self.pid, 0)
+    except ProcessLookupError:
+      return False
+    except PermissionError:
+      pass
+    started = _start_time(self.pid) if self.start is not None else None
+    return started is None or started == self.start  # else a later process with its pid
 
 
 def _decode(data: bytes | None) -> Holder | None:
@@ -240,10 +312,117 @@ def _decode(data: bytes | None) -> Holder | None:
     return None
   try:
     d = json.loads(data.decode())
+    optional = lambda k, kind: None if d.get(k) is None else kind(d[k])  # noqa: E731
     return Holder(str(d["owner"]), str(d["host"]), int(d["pid"]), float(d["time"]),
-                  str(d.get("purpose", "writer")))
+                  str(d.get("purpose", "writer")), optional("boot", str),
+                  optional("pidns", str), optional("start", int))
   except (ValueError, KeyError, TypeError, UnicodeDecodeError):
     return None  # a torn or foreign file: nobody's lease
+
+
+@dataclasses.dataclass(frozen=True)
+class _Claim:
+  """What a lease writes and removes: everything but the lease object itself, so that what
+  runs after the lease is gone (its refresh thread, its finalizer) keeps nothing alive."""
+  loc: Location
+  owner: str
+  purpose: str
+  clock: Callable[[], float]
+
+  def record(self) -> bytes:
+    pid = os.getpid()
+    return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": pid,
+                       "time": self.clock(), "purpose": self.purpose, "boot": _boot_id(),
+                       "pidns": _pid_namespace(), "start": _start_time(pid)}).encode()
+
+  def swap(self, take: bool, refresh: bool = False) -> Holder | None:
+    """One atomic look-and-write: writes our record if the lease is free, stale or ours
+    (``take``), or removes it if ours (not ``take``). Returns the live other holder, if any;
+    with ``refresh`` (a held lease's refresh), any other holder: it took the lease over."""
+    loc = self.loc
+    now = self.clock()
+    taken = lambda c: (c is not None and c.owner != self.owner  # noqa: E731
+                       and (refresh or c.alive(now)))
+    if loc.is_local:
+      root = loc.local_path
+      try:
+        if take:
+          os.makedirs(root, exist_ok=True)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+      except FileNotFoundError:
+        if take:
+          raise _location.storage_error(loc, "creating the directory of steps",
+                                        FileNotFoundError(root)) from None
+        return None
+      except OSError as e:
+        raise _location.storage_error(loc, "creating the directory of steps", e) from e
+      try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released with the fd, and by the kernel at a kill
+        path = os.path.join(root, WRITER)
+        try:
+          with _location.open_plain(path, root) as f:
+            current = _decode(f.read())
+        except FileNotFoundError:
+          current = None
+        if taken(current):
+          return current
+        if take:  # in place, under the lock: a kill mid-write leaves a torn file, nobody's lease
+          with open(path, "wb") as f:
+            f.write(self.record())
+            f.flush()
+            os.fsync(f.fileno())
+        elif current is not None and current.owner == self.owner:
+          os.remove(path)
+        return None
+      except OSError as e:
+        raise _location.storage_error(loc, "taking the writer lease", e) from e
+      finally:
+        os.close(fd)
+    try:
+      store = _location.open_kvstore(loc)
+      got = store.read(WRITER).result()
+      current = _decode(got.value if got.state == "value" else None)
+      if taken(current):
+        return current
+      if take or (current is not None and current.owner == self.owner):
+        written = store.write(WRITER, self.record() if take else None,
+                              if_equal=got.stamp.generation).result()
+        if not written.generation and take:  # someone wrote it since we read: look again
+          again = store.read(WRITER).result()
+          other = _decode(again.value if again.state == "value" else None)
+          if other is not None and other.owner != self.owner:
+            return other
+      return None
+    except ValueError as e:
+      raise _location.storage_error(loc, "taking the writer lease", e) from e
+
+
+def _keep_fresh(lease: WriterLease, claim: _Claim, done: threading.Event,
+                held: threading.Event) -> None:
+  """The refresh thread of a lease."""
+  while not done.wait(WRITER_SECONDS / 6):
+    if not held.is_set():
+      continue  # still being acquired
+    try:
+      other = claim.swap(take=True, refresh=True)
+    except errors.StorageError as e:
+      log.warning("could not refresh the writer lease of %s: %s", claim.loc, e)
+      continue
+    if other is not None:
+      lease.lost(other.describe(claim.clock()))
+      return
+
+
+def _release(claim: _Claim, done: threading.Event, held: threading.Event) -> None:
+  """Removes the record if it is still ours."""
+  done.set()
+  if not held.is_set():
+    return
+  held.clear()
+  try:
+    claim.swap(take=False)
+  except errors.StorageError as e:  # an unreleased lease only delays the next writer
+    log.warning("could not release the writer lease of %s: %s", claim.loc, e)
 
 
 class WriterLease:
@@ -252,8 +431,9 @@ class WriterLease:
   :meth:`acquire` takes it (or raises :class:`~orbax_flax.errors.WriterConflictError`);
   while held, a daemon thread refreshes it every ``WRITER_SECONDS / 6`` s;
   :meth:`release` removes it. A lease lost meanwhile (another job took it over
-  because this one stopped refreshing, e.g. while the process was stopped)
-  makes :meth:`check` raise before this process changes anything more.
+  because this one stopped refreshing, e.g. while the process was stopped, or because it
+  took this one for gone) makes :meth:`check` raise before this process changes anything
+  more.
 
   Example:
     >>> import tempfile, orbax_flax as ofx
@@ -270,77 +450,17 @@ class WriterLease:
 
   def __init__(self, loc: Location, *, purpose: str = "writer",
                clock=time.time):
-    self._loc, self._purpose, self._clock = loc, purpose, clock
-    self.owner = uuid.uuid4().hex
-    self._held = False
+    self._claim = _Claim(loc, uuid.uuid4().hex, purpose, clock)
+    self._loc = loc
+    self.owner = self._claim.owner
+    self._held = threading.Event()
     self._lost: str | None = None
     self._done = threading.Event()
     self._thread: threading.Thread | None = None
 
   @property
   def held(self) -> bool:
-    return self._held
-
-  def _record(self) -> bytes:
-    return json.dumps({"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(),
-                       "time": self._clock(), "purpose": self._purpose}).encode()
-
-  def _swap(self, take: bool) -> Holder | None:
-    """One atomic look-and-write: writes our record if the lease is free, stale or ours
-    (``take``), or removes it if ours (not ``take``). Returns the live other holder, if any."""
-    now = self._clock()
-    if self._loc.is_local:
-      root = self._loc.local_path
-      try:
-        if take:
-          os.makedirs(root, exist_ok=True)
-        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
-      except FileNotFoundError:
-        if take:
-          raise _location.storage_error(self._loc, "creating the directory of steps",
-                                        FileNotFoundError(root)) from None
-        return None
-      except OSError as e:
-        raise _location.storage_error(self._loc, "creating the directory of steps", e) from e
-      try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released with the fd, and by the kernel at a kill
-        path = os.path.join(root, WRITER)
-        try:
-          with _location.open_plain(path, root) as f:
-            current = _decode(f.read())
-        except FileNotFoundError:
-          current = None
-        if current is not None and current.owner != self.owner and current.alive(now):
-          return current
-        if take:  # in place, under the lock: a kill mid-write leaves a torn file, nobody's lease
-          with open(path, "wb") as f:
-            f.write(self._record())
-            f.flush()
-            os.fsync(f.fileno())
-        elif current is not None and current.owner == self.owner:
-          os.remove(path)
-        return None
-      except OSError as e:
-        raise _location.storage_error(self._loc, "taking the writer lease", e) from e
-      finally:
-        os.close(fd)
-    try:
-      store = _location.open_kvstore(self._loc)
-      got = store.read(WRITER).result()
-      current = _decode(got.value if got.state == "value" else None)
-      if current is not None and current.owner != self.owner and current.alive(now):
-        return current
-      if take or (current is not None and current.owner == self.owner):
-        written = store.write(WRITER, self._record() if take else None,
-                              if_equal=got.stamp.generation).result()
-        if not written.generation and take:  # someone wrote it since we read: look again
-          again = store.read(WRITER).result()
-          other = _decode(again.value if again.state == "value" else None)
-          if other is not None and other.owner != self.owner:
-            return other
-      return None
-    except ValueError as e:
-      raise _location.storage_error(self._loc, "taking the writer lease", e) from e
+    return self._held.is_set()
 
   def acquire(self, wait_s: float = WRITER_SECONDS + 5) -> None:
     """Takes the lease, waiting up to ``wait_s`` s for a holder that may be gone.
@@ -353,14 +473,31 @@ class WriterLease:
     Raises:
       WriterConflictError: another live writer holds the directory.
     """
+    if self.held:
+      return
+    # The refresh thread runs from before the record is written: it is what tells another
+    # manager of this process that the record with this pid is a live lease.
+    self._done, self._lost = threading.Event(), None
+    self._thread = threading.Thread(
+        target=_keep_fresh, args=(self, self._claim, self._done, self._held),
+        daemon=True, name=_THREAD + self.owner)
+    self._thread.start()
+    try:
+      self._wait_for(wait_s)
+    except BaseException:
+      self._done.set()
+      raise
+    self._held.set()
+
+  def _wait_for(self, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
     warned = False
     while True:
-      other = self._swap(take=True)
+      other = self._claim.swap(take=True)
       if other is None:
-        break
-      now = self._clock()
-      certain = other.purpose == "writer" and other.host == socket.gethostname()
+        return
+      now = self._claim.clock()
+      certain = other.purpose == "writer" and other.here()
       if certain or time.monotonic() >= deadline:
         raise errors.WriterConflictError(
             f"{self._loc} has a writer already: {other.describe(now)}. A directory of steps has"
@@ -373,43 +510,28 @@ class WriterLease:
                     " leaves one behind until it expires)", self._loc, wait_s, other.describe(now))
         warned = True
       time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
-    self._held = True
-    if self._purpose == "writer":
-      self._done.clear()
-      self._thread = threading.Thread(target=self._keep_fresh, daemon=True,
-                                      name="orbax_flax-writer-lease")
-      self._thread.start()
 
-  def _keep_fresh(self) -> None:
-    while not self._done.wait(WRITER_SECONDS / 6):
-      try:
-        other = self._swap(take=True)
-      except errors.StorageError as e:
-        log.warning("could not refresh the writer lease of %s: %s", self._loc, e)
-        continue
-      if other is not None:
-        self._lost = other.describe(self._clock())
-        log.error("%s: the writer lease was taken over by %s; this manager changes nothing"
-                  " more there", self._loc, self._lost)
-        return
+  def lost(self, holder: str) -> None:
+    """The refresh found the lease taken over by ``holder``: this process writes no more."""
+    self._lost = holder
+    log.error("%s: the writer lease was taken over by %s; this manager changes nothing"
+              " more there", self._loc, holder)
 
   def check(self) -> None:
     """Raises if the lease was lost (another writer took over)."""
     if self._lost is not None:
       raise errors.WriterConflictError(
           f"{self._loc}: this job's writer lease was taken over by {self._lost} (this process"
-          f" did not refresh it for {WRITER_SECONDS:.0f} s: stopped or cut off). Two jobs now"
-          " write the directory: stop one of them.")
+          f" did not refresh it for {WRITER_SECONDS:.0f} s: stopped or cut off; or the other"
+          " job took this one for gone: on the same host but in another pid namespace, e.g."
+          " another container). Two jobs now write the directory: stop one of them.")
 
   def release(self) -> None:
     """Gives the lease up (nothing if not held)."""
     self._done.set()
-    if self._thread is not None:
-      self._thread.join(5)
-      self._thread = None
-    if self._held and self._lost is None:
-      try:
-        self._swap(take=False)
-      except errors.StorageError as e:  # an unreleased lease only delays the next writer
-        log.warning("could not release the writer lease of %s: %s", self._loc, e)
-    self._held = False
+    thread, self._thread = self._thread, None
+    if thread is not None and thread is not threading.current_thread():
+      thread.join(5)
+    if self._lost is None:
+      _release(self._claim, self._done, self._held)
+    self._held.clear()
