@@ -670,3 +670,36 @@ def test_a_lease_left_by_a_process_whose_pid_now_names_another_is_taken_over(tmp
   with ofx.CheckpointManager(d) as m:
     assert m.all_steps() == [1, 2, 3]
 
+
+def test_a_manager_dropped_without_close_lets_go_of_its_directory(tmp_path):
+  """A notebook cell made a manager, saved and never closed it: its lease's refresh thread
+  kept the lease alive for the life of the process, and every new manager of the directory
+  (the cell re-run) was refused, naming this very process. Dropped, it is released once
+  collected; one still open is named as this process's, with the fix."""
+  import gc  # pylint: disable=g-import-not-at-top
+  d = str(tmp_path / "ckpt")
+
+  def cell(step):  # the manager goes out of scope without close()
+    m = ofx.CheckpointManager(d)
+    m.save(step, {"state": state(step)}, force=True)
+    m.wait()
+
+  cell(1)
+  gc.collect()
+  cell(2)  # the cell re-run
+  gc.collect()
+  earlier = ofx.CheckpointManager(d)
+  earlier.save(3, {"state": state(3)}, force=True)
+  earlier.wait()  # (a save in flight holds its manager until it ends)
+  with pytest.raises(ofx.WriterConflictError,
+                     match=r"another CheckpointManager of this very process .*close\(\) that"
+                     r" earlier manager.*`del` it and gc.collect\(\).*restart the kernel"):
+    ofx.CheckpointManager(d).save(4, {"state": state(4)}, force=True)
+  del earlier
+  gc.collect()
+  with ofx.CheckpointManager(d) as m:
+    m.save(4, {"state": state(4)}, force=True)
+    m.wait()
+    assert m.all_steps() == [1, 2, 3, 4]
+  assert not os.path.exists(os.path.join(d, ".writer"))
+  assert not any(t.name.startswith("orbax_flax-writer") for t in threading.enumerate())

@@ -14,10 +14,13 @@ namespace (a restarted container is pid 1 again) or once reused: the record
 holds the host's boot id, the pid namespace and the process's start time, and a
 holder on this host runs only if all of them match (a record without them, from
 an earlier version, by its pid alone). A holder with this very process's pid is
-alive only while this process refreshes it. A holder in another pid namespace
-of this host cannot be looked up, so it counts as gone: should it be alive (two
-containers with one host name writing one directory), it finds the lease taken
-at its next refresh and changes nothing more. Readers (``ofx.restore``,
+alive only while this process refreshes it (another manager here, not closed:
+the conflict says so). A holder in another pid namespace of this host cannot be
+looked up, so it counts as gone: should it be alive (two containers with one
+host name writing one directory), it finds the lease taken at its next refresh
+and changes nothing more. The lease is released by ``close()``, and also when
+its manager is collected without it (the refresh thread holds the lease weakly)
+or at the interpreter's exit. Readers (``ofx.restore``,
 :func:`orbax_flax.checkpoints_iterator`, a manager that only restores and
 lists) need no lease to read; such a manager takes the writer lease only for
 its start-up sweep, when no writer holds it.
@@ -73,6 +76,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable
 
 from orbax_flax.core import _location
@@ -282,6 +286,10 @@ class Holder:
     """Whether the holder is on this host."""
     return self.host == socket.gethostname()
 
+  def this_process(self) -> bool:
+    """Whether the holder is a live lease of this very process (another manager here)."""
+    return self.here() and self.pid == os.getpid() and self._runs()
+
   def alive(self, now: float) -> bool:
     """Whether the holder may still be writing: refreshed lately, and on this host its
     process runs."""
@@ -397,24 +405,30 @@ class _Claim:
       raise _location.storage_error(loc, "taking the writer lease", e) from e
 
 
-def _keep_fresh(lease: WriterLease, claim: _Claim, done: threading.Event,
+def _keep_fresh(lease_ref: weakref.ref, claim: _Claim, done: threading.Event,
                 held: threading.Event) -> None:
-  """The refresh thread of a lease."""
+  """The refresh thread of a lease, holding it only weakly: a lease whose manager was
+  dropped without close() is collected (its finalizer releases it) and this thread ends."""
   while not done.wait(WRITER_SECONDS / 6):
     if not held.is_set():
       continue  # still being acquired
+    lease = lease_ref()  # held during the refresh: released (finalized) before or after it
+    if lease is None or done.is_set():
+      return
     try:
       other = claim.swap(take=True, refresh=True)
     except errors.StorageError as e:
       log.warning("could not refresh the writer lease of %s: %s", claim.loc, e)
-      continue
+      other = None
     if other is not None:
       lease.lost(other.describe(claim.clock()))
       return
+    del lease  # (the last reference, where the manager was dropped: finalized here)
 
 
 def _release(claim: _Claim, done: threading.Event, held: threading.Event) -> None:
-  """Removes the record if it is still ours."""
+  """Removes the record if it is still ours (the finalizer of a lease: also when its
+  manager was dropped without close(), and at the interpreter's exit)."""
   done.set()
   if not held.is_set():
     return
@@ -430,7 +444,8 @@ class WriterLease:
 
   :meth:`acquire` takes it (or raises :class:`~orbax_flax.errors.WriterConflictError`);
   while held, a daemon thread refreshes it every ``WRITER_SECONDS / 6`` s;
-  :meth:`release` removes it. A lease lost meanwhile (another job took it over
+  :meth:`release` removes it, and so does the lease's collection (a manager dropped without
+  ``close()``) or the interpreter's exit. A lease lost meanwhile (another job took it over
   because this one stopped refreshing, e.g. while the process was stopped, or because it
   took this one for gone) makes :meth:`check` raise before this process changes anything
   more.
@@ -457,6 +472,7 @@ class WriterLease:
     self._lost: str | None = None
     self._done = threading.Event()
     self._thread: threading.Thread | None = None
+    self._finalizer: weakref.finalize | None = None
 
   @property
   def held(self) -> bool:
@@ -479,7 +495,7 @@ class WriterLease:
     # manager of this process that the record with this pid is a live lease.
     self._done, self._lost = threading.Event(), None
     self._thread = threading.Thread(
-        target=_keep_fresh, args=(self, self._claim, self._done, self._held),
+        target=_keep_fresh, args=(weakref.ref(self), self._claim, self._done, self._held),
         daemon=True, name=_THREAD + self.owner)
     self._thread.start()
     try:
@@ -488,6 +504,7 @@ class WriterLease:
       self._done.set()
       raise
     self._held.set()
+    self._finalizer = weakref.finalize(self, _release, self._claim, self._done, self._held)
 
   def _wait_for(self, wait_s: float) -> None:
     deadline = time.monotonic() + wait_s
@@ -497,6 +514,14 @@ class WriterLease:
       if other is None:
         return
       now = self._claim.clock()
+      if other.this_process():
+        raise errors.WriterConflictError(
+            f"{self._loc} has a writer already: another CheckpointManager of this very process"
+            f" ({other.describe(now)}), still open. A directory of steps has one writer: close()"
+            " that earlier manager (or use it instead of a new one); a manager dropped without"
+            " close() lets go of the directory once collected and its save in flight has ended"
+            " (`del` it and gc.collect(), e.g. after re-running a notebook cell), or restart the"
+            " kernel.")
       certain = other.purpose == "writer" and other.here()
       if certain or time.monotonic() >= deadline:
         raise errors.WriterConflictError(
@@ -532,6 +557,9 @@ class WriterLease:
     thread, self._thread = self._thread, None
     if thread is not None and thread is not threading.current_thread():
       thread.join(5)
+    if self._finalizer is not None:
+      self._finalizer.detach()
+      self._finalizer = None
     if self._lost is None:
       _release(self._claim, self._done, self._held)
     self._held.clear()
