@@ -536,3 +536,36 @@ def test_restore_data_false_starts_the_data_afresh_and_keeps_checkpointing_it(tm
   with pytest.raises(ValueError, match=r"restore_or_init\(state, data_iterator=it,"
                                        r" restore_data=False\)"):
     resume.DataPosition(PerProcess(), "doc").set(4, {"processes": [{"i": 1}] * 2, "global": False})
+
+
+def test_a_data_position_saved_by_another_kind_of_iterator_is_refused_naming_the_options(
+    tmp_path):
+  """Saved with ofx.data.ElasticIterator, resumed with grain's own iterator: a bare
+  KeyError('next_index') from inside grain; the other way round, ElasticIterator's own error
+  with no word of the step, the item or what to do."""
+  ds = grain.MapDataset.range(100)
+  def run(workdir, it, steps):
+    cb = ofx.CheckpointCallback(str(workdir), {"save_interval_steps": 2})
+    try:
+      state = cb.restore_or_init({"w": np.zeros(())}, data_iterator=it)
+      for step in range((cb.restored_step or 0) + 1, steps + 1):
+        next(it)
+        cb.on_step_end(step, state)
+    finally:
+      cb.close()
+  options = (r"Resume with the same kind of iterator; or start the data afresh and keep saving"
+             r" its position: restore_or_init\(state, data_iterator=it, restore_data=False\); or"
+             r" pass data_iterator=None")
+  run(tmp_path / "a", ElasticIterator(ds, 4, shard_index=0, shard_count=1), 2)
+  with pytest.raises(ValueError, match=r"(?s)step 2's data position \(the checkpoint's item"
+                     r" 'data'\) cannot be restored into the data iterator \(\w+\): KeyError: .*"
+                     r"saved by an orbax_flax.data.ElasticIterator \(keys \[.*'shard_count',"
+                     r" 'shard_index'\]\)\. " + options) as e:
+    run(tmp_path / "a", iter(ds.batch(4).to_iter_dataset()), 4)
+  assert isinstance(e.value.__cause__, KeyError)
+  run(tmp_path / "b", iter(ds.batch(4).to_iter_dataset()), 2)
+  with pytest.raises(ValueError, match=r"(?s)step 2's data position .* into the data iterator"
+                     r" \(ElasticIterator\): ValueError: an ElasticIterator state is .*saved by"
+                     r" another kind of iterator than orbax_flax.data.ElasticIterator \(keys"
+                     r" \[.*'next_index'.*\]\)\. " + options):
+    run(tmp_path / "b", ElasticIterator(ds, 4, shard_index=0, shard_count=1), 4)

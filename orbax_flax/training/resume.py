@@ -72,6 +72,8 @@ from orbax_flax.tiers.local import LocalTier
 log = logging.getLogger("orbax_flax")
 
 DATA_ITEM = "data"  # the item that holds the data iterator's position
+# The keys of an orbax_flax.data.ElasticIterator state (named in errors; not imported here).
+_ELASTIC_KEYS = ("shard_index", "shard_count", "position", "order", "length")
 # How to start the data afresh and keep checkpointing its position, named by the refusals.
 RESTART_DATA = "restore_or_init(state, data_iterator=it, restore_data=False)"
 # Iterators whose state is a position in the global order, the same on every process (module and
@@ -216,7 +218,9 @@ class DataPosition:
     With ``restore=False`` the iterator stays where it is.
 
     Raises:
-      ValueError: per-process positions saved by another process count.
+      ValueError: per-process positions saved by another process count, or
+        the iterator's ``set_state``/``set_state_from_shards`` raised (chained):
+        the error names the step, the item, what saved it and the options.
       TypeError: an elastic iterator without ``set_state_from_shards``.
     """
     if not self.restore:
@@ -230,7 +234,10 @@ class DataPosition:
         raise TypeError(f"the data iterator ({type(self.iterator).__name__}) sets"
                         " checkpoint_state_is_elastic = True but has no"
                         " set_state_from_shards(states) method to take every process's state")
-      self.iterator.set_state_from_shards(list(states))
+      try:
+        self.iterator.set_state_from_shards(list(states))
+      except Exception as e:  # re-raised, chained, saying what was saved and what to do
+        raise self._unrestorable(step, states, e) from e
       log.info("data iterator restored to where step %d stopped (%d saved process state(s) handed"
                " to it on %d process(es))", step, len(states), n)
       return
@@ -252,8 +259,28 @@ class DataPosition:
           " that is the same on every process, set `checkpoint_state_is_global = True` on the"
           " iterator; or read the data through orbax_flax.data.ElasticIterator, which resumes"
           " exactly on any process count (see docs/training.md).")
-    self.iterator.set_state(mine)
+    try:
+      self.iterator.set_state(mine)
+    except Exception as e:  # re-raised, chained, saying what was saved and what to do
+      raise self._unrestorable(step, states, e) from e
     log.info("data iterator restored to where step %d stopped", step)
+
+  def _unrestorable(self, step: int, states: list[Any], error: Exception) -> ValueError:
+    """The error for saved states that the iterator's ``set_state``/``set_state_from_shards``
+    raised ``error`` on: the step, the item, the kind of iterator that saved them, the options."""
+    if states and all(isinstance(s, dict) for s in states):
+      keys = sorted({str(k) for s in states for k in s})
+      elastic = all(all(k in s for k in _ELASTIC_KEYS) for s in states)
+      kind = (f"{'an' if elastic else 'another kind of iterator than'}"
+              f" orbax_flax.data.ElasticIterator (keys {keys})")
+    else:
+      kind = f"an iterator whose state is {type(states[0]).__name__ if states else 'missing'}"
+    return ValueError(
+        f"step {step}'s data position (the checkpoint's item {DATA_ITEM!r}) cannot be restored"
+        f" into the data iterator ({type(self.iterator).__name__}): {type(error).__name__}:"
+        f" {error}. It was saved by {kind}. Resume with the same kind of iterator; or start the"
+        f" data afresh and keep saving its position: {RESTART_DATA}; or pass data_iterator=None"
+        " (its position is then not saved).")
 
 
 class Resume:
