@@ -20,10 +20,11 @@ in the pass, and stay in the order: a resume on another count delivers them.
 At a resume, :meth:`ElasticIterator.set_state_from_shards` gets every old
 process's state; processes that read one shard (the data replicated across
 processes) saved replicas of its state, which must agree and count once. On
-the same shard count each shard continues from its own place: bitwise the batches of an uninterrupted run. On another count the old
-places become a new order (the positions no shard read first, then the rest)
-and every new shard starts at its beginning: every record of the global order
-is delivered exactly once across any sequence of shard counts.
+the same shard count each shard continues from its own place: bitwise the
+batches of an uninterrupted run. On another count the old places become a new
+order (the positions no shard read first, then the rest) and every new shard
+starts at its beginning: every record of the global order is delivered
+exactly once across any sequence of shard counts.
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ class ElasticIterator:
       raise ValueError(f"shard_index must be an int in [0, {shard_count}); got {shard_index!r}")
     if (type(global_batch_size) is not int or global_batch_size < 1
         or global_batch_size % shard_count):
-      below = global_batch_size // shard_count * shard_count if type(global_batch_size) is int else 0
+      below = (global_batch_size // shard_count * shard_count
+               if type(global_batch_size) is int else 0)
       near = " or ".join(str(b) for b in (below, below + shard_count) if b >= shard_count)
       raise ValueError(
           f"global_batch_size={global_batch_size!r} is not a positive multiple of shard_count="
@@ -304,7 +306,8 @@ class ElasticIterator:
       raise ValueError(f"the states are the states of shards {sorted(by_shard)} of {count}:"
                        f" shard(s) {missing} missing; pass the state of every old process (the"
                        " checkpoint's data item holds them all)")
-    differ = sorted(k for k, replicas in by_shard.items() if any(r != replicas[0] for r in replicas))
+    differ = sorted(k for k, replicas in by_shard.items()
+                    if any(r != replicas[0] for r in replicas))
     if differ:
       raise ValueError(f"the states of replicas of shard(s) {differ} differ: processes reading"
                        " one shard read its positions in step, so these were not saved at one"
