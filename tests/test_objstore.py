@@ -8,6 +8,7 @@ library's back.
 
 import dataclasses
 import os
+import re
 import threading
 import time
 
@@ -547,3 +548,115 @@ def test_an_orbax_checkpoint_run_in_an_object_store_workdir_is_continued(store, 
     ckpt.on_step_end(21, state)
   assert set(keys) <= set(store.keys(bucket, "run/"))
   assert ckpt.manager.all_steps() == [21]
+
+
+class StallingProxy:
+  """A TCP proxy in front of a store's port that forwards everything until a request line
+  matches ``trigger`` (a bytes regex); from then on it forwards nothing and answers nothing,
+  on every connection, old or new: a store that stops answering mid-save (its port open,
+  nothing sent back), as SIGSTOP does, but at a chosen request. ``requests`` lists the
+  request lines it saw, answered or not (a retry comes on a new connection)."""
+
+  def __init__(self, upstream_port, trigger):
+    import socket  # pylint: disable=g-import-not-at-top
+    self._upstream, self._trigger = upstream_port, trigger
+    self.stalled = threading.Event()
+    self.requests = []  # (time.monotonic(), request line), forwarded or not
+    self._closing = threading.Event()
+    self._socks = []
+    self._server = socket.create_server(("127.0.0.1", 0))
+    self.port = self._server.getsockname()[1]
+    threading.Thread(target=self._serve, daemon=True).start()
+
+  def _serve(self):
+    import socket  # pylint: disable=g-import-not-at-top
+    while True:
+      try:
+        client, _ = self._server.accept()
+      except OSError:
+        return
+      self._socks.append(client)
+      upstream = None
+      if not self.stalled.is_set():
+        upstream = socket.create_connection(("127.0.0.1", self._upstream))
+        self._socks.append(upstream)
+        threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+      threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+
+  def _pipe(self, src, dst, requests):
+    try:
+      while not self._closing.is_set():
+        data = src.recv(1 << 16)
+        if not data:
+          return
+        line = data.split(b"\r\n", 1)[0]
+        if requests and line.endswith(b" HTTP/1.1"):
+          self.requests.append((time.monotonic(), line.decode(errors="replace")))
+          if self._trigger.search(line):
+            self.stalled.set()
+        if self.stalled.is_set() or dst is None:
+          self._closing.wait()  # nothing more forwarded either way
+          return
+        dst.sendall(data)
+    except OSError:
+      pass
+
+  def close(self):
+    self._closing.set()
+    for s in [self._server, *self._socks]:
+      s.close()
+
+
+_STALLED_WORKER = r"""
+import json, sys, time
+import numpy as np, orbax_flax as ofx
+m = ofx.CheckpointManager(json.loads(sys.argv[1]))
+m.save(1, {"s": {"w": np.ones(4)}}, force=True)
+m.wait()
+out = {}
+m.save(2, {"s": {"w": np.full(1 << 16, 2.0)}}, force=True)  # its data's PUT stalls the store
+start = time.monotonic()
+try:
+  m.wait()  # the write's retries, then the discard of its data
+except ofx.StorageError as e:
+  out["error"] = str(e)
+out["wait_s"] = time.monotonic() - start
+start = time.monotonic()
+m.close()  # the lease released, the registry closed
+out["close_s"] = time.monotonic() - start
+print(json.dumps(out))
+"""
+
+
+def test_cleanup_after_a_store_stopped_answering_makes_one_attempt_per_call(s3_server):
+  """A save's data write met a store that stopped answering: after its retry sequence each
+  cleanup call (the discard of the failed save's data, the release of the writer lease) ran a
+  retry sequence of its own, and close() took several sequences (287 s, a reviewer saw, with
+  a 2 s watchdog). Now they make one attempt each. Here a sequence is 3 attempts of 1 s."""
+  import json  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  bucket = s3_server.new_bucket()
+  # Step 2's write, as it reads back the arrays it created (a GET: each attempt ends after the
+  # 1 s watchdog; an upload's attempt takes about 6 s more, curl averaging its speed over 5 s).
+  proxy = StallingProxy(int(s3_server.endpoint.rsplit(":", 1)[1]),
+                        re.compile(rb"^GET /[^/ ]+/run/2/s/[^ ]+/d/"))
+  try:
+    spec = {**s3_server.spec(bucket, "run", max_retries=2),
+            "endpoint": f"http://127.0.0.1:{proxy.port}"}
+    env = jobs.env_for(1, {**s3_server.env(), "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS": "1"})
+    r = subprocess.run([sys.executable, "-c", _STALLED_WORKER, json.dumps(spec)],
+                       capture_output=True, text=True, env=env, timeout=120, check=False)
+  finally:
+    proxy.close()
+  assert r.returncode == 0, r.stderr[-3000:]
+  out = json.loads(r.stdout.strip().splitlines()[-1])
+  assert proxy.stalled.is_set()
+  assert bucket in out["error"] and "retry attempts failed" in out["error"], out
+  # One retry sequence (3 attempts of 1 s, 0.2 and 0.4 s apart) failed the write; then the
+  # discard listed the failed save's data once, and close() read the lease once, about 1 s
+  # each, where each made 3 attempts (a sequence of its own).
+  listings = [line for _, line in proxy.requests if "prefix=run%2F2%2Fs%2F" in line]
+  assert len(listings) == 1, listings
+  assert 2 < out["wait_s"] < 5.5, out
+  assert out["close_s"] < 2, out

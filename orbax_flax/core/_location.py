@@ -162,6 +162,38 @@ def context_spec() -> dict[str, Any]:
   return {"s3_request_retries": _RETRIES, "gcs_request_retries": _RETRIES}
 
 
+def without_retries(loc: Location) -> Location:
+  """``loc`` with one attempt per request (no retries, over the spec's own): for the cleanup
+  after a store stopped answering, where every call would otherwise wait through a retry
+  sequence of its own. A local location is itself.
+
+  Example:
+    >>> once = without_retries(Location.parse("s3://bucket/run"))
+    >>> once.spec()["context"]["s3_request_retries"]["max_retries"], str(once)
+    (0, 's3://bucket/run/')
+  """
+  if loc.is_local:
+    return loc
+  spec = loc.spec()
+  one = {"max_retries": 0}
+  spec["context"] = {**spec.get("context", {}), "s3_request_retries": one,
+                     "gcs_request_retries": one}
+  return Location(spec, None)
+
+
+def unanswered(error: BaseException | None) -> bool:
+  """Whether ``error`` (or an error it was raised from) is a store that did not answer
+  through a whole retry sequence: stalled, unreachable or failing every attempt. The calls
+  that clean up after it then make one attempt each (:func:`without_retries`)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if "retry attempts failed" in str(error):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
 def context() -> ts.Context:
   """A fresh tensorstore context with the object-store retries (no state kept between calls:
   tensorstore's HTTP connections are its own, shared by every context)."""

@@ -821,7 +821,7 @@ class SaveRun:
           return
         except BaseException as e:
           error = e
-      self._discard()
+      self._discard(error)
       raise error
     status = "ok" if error is None else _describe(error)
     self.progress.phase = "waiting for every process to finish writing"
@@ -937,7 +937,7 @@ class SaveRun:
     else:
       decision = _multihost.claim(f"{self.key}/decision", "commit", timeout_s=self.timeout_s)
     if decision != "commit":
-      self._discard()  # every process reported: nobody writes any more
+      self._discard(error)  # every process reported: nobody writes any more
       if error is not None:
         raise error
       _raise_verdict(decision)
@@ -948,16 +948,17 @@ class SaveRun:
       _multihost.publish(f"{self.key}/outcome",
                          f"save to {final} failed on process 0, nothing was committed: {e}",
                          timeout_s=self.timeout_s)
-      self._discard()
+      self._discard(e)
       raise
     _multihost.publish(f"{self.key}/outcome", "ok", timeout_s=self.timeout_s)
 
   # ---------------------------------------------------------------- the commit
 
-  def _discard(self) -> None:
-    """Removes this save's uncommitted data (only when no process writes any more)."""
+  def _discard(self, error: BaseException | None) -> None:
+    """Removes this save's uncommitted data (only when no process writes any more); after
+    ``error``, this process's, one attempt per call if the store stopped answering."""
     if self.target is not None and self.me == 0:
-      discard(self.plan, self.gen, self.nproc)
+      discard(self.plan, self.gen, self.nproc, after=error)
 
   def _commit(self) -> None:
     """Process 0: write the manifest last, then make it visible atomically."""
@@ -1041,18 +1042,28 @@ def commit(plan: _planning.Plan, gen: str, nproc: int,
     raise _location.storage_error(final, "committing the checkpoint", e) from e
 
 
-def discard(plan: _planning.Plan, gen: str, nproc: int) -> None:
+def discard(plan: _planning.Plan, gen: str, nproc: int, after: BaseException | None = None
+            ) -> None:
   """Process 0: removes the uncommitted data of generation ``gen`` (only once no process
-  writes any more). Never raises: a failure is logged, the data is a leftover."""
+  writes any more). Never raises: a failure is logged, the data is a leftover that a later
+  writer's sweep removes.
+
+  ``after``: the error that failed the save. Where it is a store that did not answer through
+  its retries (:func:`~orbax_flax.core._location.unanswered`), each call here makes one
+  attempt: the cleanup after a stalled store takes a watchdog window per request, not a
+  retry sequence.
+  """
   where = target(plan.loc, gen)
+  loc = _location.without_retries(plan.loc) if _location.unanswered(after) else plan.loc
   try:
     if where.is_local:
       if os.path.isdir(where.local_path):
         shutil.rmtree(where.local_path, ignore_errors=True)
     else:
-      _delete_generations(plan.loc, _databases(plan.manifest["items"], nproc, gen))
+      _delete_generations(loc, _databases(plan.manifest["items"], nproc, gen))
   except (OSError, errors.StorageError) as e:
-    log.warning("could not remove the data of the failed save to %s: %s", plan.loc, e)
+    log.warning("could not remove the data of the failed save to %s (a leftover, removed by a"
+                " later writer's sweep): %s", plan.loc, e)
 
 
 def _commit_local(plan: _planning.Plan, gen: str, target: Location, data: bytes) -> None:

@@ -343,11 +343,13 @@ class _Claim:
                        "time": self.clock(), "purpose": self.purpose, "boot": _boot_id(),
                        "pidns": _pid_namespace(), "start": _start_time(pid)}).encode()
 
-  def swap(self, take: bool, refresh: bool = False) -> Holder | None:
+  def swap(self, take: bool, refresh: bool = False, loc: Location | None = None
+           ) -> Holder | None:
     """One atomic look-and-write: writes our record if the lease is free, stale or ours
     (``take``), or removes it if ours (not ``take``). Returns the live other holder, if any;
-    with ``refresh`` (a held lease's refresh), any other holder: it took the lease over."""
-    loc = self.loc
+    with ``refresh`` (a held lease's refresh), any other holder: it took the lease over.
+    ``loc``: where to look, if not the lease's own location (it without retries)."""
+    loc = loc or self.loc
     now = self.clock()
     taken = lambda c: (c is not None and c.owner != self.owner  # noqa: E731
                        and (refresh or c.alive(now)))
@@ -426,15 +428,17 @@ def _keep_fresh(lease_ref: weakref.ref, claim: _Claim, done: threading.Event,
     del lease  # (the last reference, where the manager was dropped: finalized here)
 
 
-def _release(claim: _Claim, done: threading.Event, held: threading.Event) -> None:
+def _release(claim: _Claim, done: threading.Event, held: threading.Event,
+             retries: bool = True) -> None:
   """Removes the record if it is still ours (the finalizer of a lease: also when its
-  manager was dropped without close(), and at the interpreter's exit)."""
+  manager was dropped without close(), and at the interpreter's exit). ``retries=False``:
+  one attempt per request."""
   done.set()
   if not held.is_set():
     return
   held.clear()
   try:
-    claim.swap(take=False)
+    claim.swap(take=False, loc=None if retries else _location.without_retries(claim.loc))
   except errors.StorageError as e:  # an unreleased lease only delays the next writer
     log.warning("could not release the writer lease of %s: %s", claim.loc, e)
 
@@ -551,8 +555,13 @@ class WriterLease:
           " job took this one for gone: on the same host but in another pid namespace, e.g."
           " another container). Two jobs now write the directory: stop one of them.")
 
-  def release(self) -> None:
-    """Gives the lease up (nothing if not held)."""
+  def release(self, *, retries: bool = True) -> None:
+    """Gives the lease up (nothing if not held).
+
+    ``retries=False``: one attempt per request, after the store stopped answering (the
+    caller's last call at it ran through its retries); a lease left behind only makes the
+    next writer wait for it to expire (``WRITER_SECONDS``).
+    """
     self._done.set()
     thread, self._thread = self._thread, None
     if thread is not None and thread is not threading.current_thread():
@@ -561,5 +570,5 @@ class WriterLease:
       self._finalizer.detach()
       self._finalizer = None
     if self._lost is None:
-      _release(self._claim, self._done, self._held)
+      _release(self._claim, self._done, self._held, retries)
     self._held.clear()

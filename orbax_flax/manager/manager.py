@@ -49,6 +49,7 @@ from orbax_flax.manager import registry as registry_lib
 from orbax_flax.engine import restoring
 from orbax_flax.engine import saving
 from orbax_flax.formats import orbax_checkpoint
+from orbax_flax.core import _location
 from orbax_flax.core._location import Location
 from orbax_flax.manager.config import CheckpointPolicy
 from orbax_flax.manager.schedule import Schedule
@@ -110,6 +111,9 @@ class CheckpointManager:
     self._events = EventLog()
     self._metric_names: frozenset | None = None  # the metric names last checked for best_metric
     self._closed = False
+    # A save failed because the store stopped answering (_location.unanswered), and none has
+    # committed since: close() cleans up with one attempt per request.
+    self._store_silent = False
     self._ckptr = checkpointer_lib.Checkpointer(**self.components.checkpointer)
     self.registry = registry_lib.StepRegistry(self._dir,
                                               deletes=_multihost.process_index() == 0,
@@ -261,9 +265,13 @@ class CheckpointManager:
     # in flight and the step bookkeeping are one save's until it returns. close() waits too.
     with self._one_save:
       self._check_open()
-      return self._save(step, items, force=force, custom_metadata=custom_metadata,
-                        dtype=dtype, metrics=metrics, reason=reason,
-                        blocking_before=blocking_before, local_copy=local_copy)
+      try:
+        return self._save(step, items, force=force, custom_metadata=custom_metadata,
+                          dtype=dtype, metrics=metrics, reason=reason,
+                          blocking_before=blocking_before, local_copy=local_copy)
+      except errors.StorageError as e:
+        self._store_silent = _location.unanswered(e)
+        raise
 
   def _check_open(self) -> None:
     if self._closed:
@@ -392,6 +400,7 @@ class CheckpointManager:
             self.registry.retention.after_save(self._dir, step, committed=False)
             raise
         self.registry.retention.after_save(self._dir, step, committed=True)
+        self._store_silent = False
         gone = self._rollback.committed(save.info, save.run)
         self._events.committed(save.blocked, time.perf_counter() - save.start,
                                handle.nbytes if handle is not None else 0,
@@ -514,12 +523,21 @@ class CheckpointManager:
 
   def wait(self) -> None:
     """Blocks until the save in flight and pending deletions are done; raises their errors."""
-    self._inflight.finish()
-    self.registry.wait()
+    try:
+      self._inflight.finish()
+      self.registry.wait()
+    except errors.StorageError as e:
+      self._store_silent = _location.unanswered(e)
+      raise
 
   def close(self) -> None:
     """Waits for everything in flight, then releases the manager's threads and its writer
-    lease. A save another thread is starting is waited for first."""
+    lease. A save another thread is starting is waited for first.
+
+    After a save that failed because the store stopped answering (its retries ran out, and
+    no save committed since), the cleanup makes one attempt per request: what it cannot
+    remove is left to the next writer (docs/guarantees.md, section 5, gives the bound).
+    """
     with self._one_save:
       if self._closed:
         return
@@ -527,7 +545,7 @@ class CheckpointManager:
         self.wait()
       finally:
         self._closed = True
-        self.registry.close()
+        self.registry.close(retries=not self._store_silent)
         self._ckptr.close()
 
   def __enter__(self) -> CheckpointManager:

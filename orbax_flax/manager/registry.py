@@ -45,6 +45,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
+from orbax_flax.core import _location
 from orbax_flax.core import _multihost
 from orbax_flax import errors
 from orbax_flax.manager import leases
@@ -167,6 +168,7 @@ class StepRegistry:
     self._settled: list[step_dir.RollbackRecord] = []
     self._abandoned: set[int] = set()
     self._deleter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="orbax_flax-delete")
+    self._stopping = threading.Event()  # closing after the store stopped answering
     self._deletions: list[concurrent.futures.Future] = []
     self.reload(full=True)  # a step committed but not yet indexed is this job's newest
 
@@ -495,6 +497,8 @@ class StepRegistry:
     announce, then read the leases, then uncommit, then withdraw the notice.
     """
     steps = sorted(set(steps) | self._later)
+    if self._stopping.is_set():
+      return
     if not steps:
       self.sweep()
       return
@@ -504,8 +508,9 @@ class StepRegistry:
       with self._lock:  # what is still doomed is tried again at the next deletion
         self._later |= set(steps) & self._deleting
       raise
-    self._prune_rollbacks()
-    self.sweep()
+    if not self._stopping.is_set():
+      self._prune_rollbacks()
+      self.sweep()
 
   def _delete_now(self, steps: list[int]) -> None:
     """One attempt of :meth:`_delete`; a failure leaves no notice behind (nor, where the
@@ -522,6 +527,8 @@ class StepRegistry:
           self._later |= set(steps)
         return
       for step in steps:
+        if self._stopping.is_set():  # closing, the store not answering: the next writer's
+          break                      # keep rules delete what is left
         with self.lock:  # the decision is re-checked where it is carried out
           with self._lock:
             if step not in self._deleting:
@@ -544,7 +551,8 @@ class StepRegistry:
             self._deleting.discard(step)
     finally:
       # Deleted (uncommitted) or kept: either way readers may look at it again.
-      leases.withdraw_deletion(self._dir, steps)
+      leases.withdraw_deletion(_location.without_retries(self._dir)
+                               if self._stopping.is_set() else self._dir, steps)
 
   # ------------------------------------------------------------------ leftovers
 
@@ -601,11 +609,19 @@ class StepRegistry:
     for f in deletions:
       f.result()
 
-  def close(self) -> None:
-    """Releases the deleting thread (after the deletions in progress) and the writer lease."""
-    self._deleter.shutdown(wait=True)
+  def close(self, *, retries: bool = True) -> None:
+    """Releases the deleting thread (after the deletions in progress) and the writer lease.
+
+    ``retries=False``: the store stopped answering (the caller's last call at it ran through
+    its retries). Deletions not yet begun are dropped (the steps stay, committed, for the
+    next writer's keep rules), one in progress stops before its next step, and the lease is
+    released with one attempt per request.
+    """
+    if not retries:
+      self._stopping.set()
+    self._deleter.shutdown(wait=True, cancel_futures=not retries)
     if self._lease is not None:
-      self._lease.release()
+      self._lease.release(retries=retries)
     self._writer = False
 
 
