@@ -703,3 +703,36 @@ def test_a_manager_dropped_without_close_lets_go_of_its_directory(tmp_path):
     assert m.all_steps() == [1, 2, 3, 4]
   assert not os.path.exists(os.path.join(d, ".writer"))
   assert not any(t.name.startswith("orbax_flax-writer") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_on_save_error_warn_logs_a_failed_save_and_the_manager_goes_on(tmp_path, caplog,
+                                                                         async_save):
+  """CheckpointPolicy(on_save_error="warn") was read by the training callback only: the
+  manager's own save() and wait() raised the full disk's StorageError all the same."""
+  import logging  # pylint: disable=g-import-not-at-top
+  from disks import small_disk  # pylint: disable=g-import-not-at-top
+  items = lambda v: {"state": {"w": np.full(250_000, v, np.float32)}}  # noqa: E731  1 MB
+  with small_disk(str(tmp_path / "disk"), size="4m") as disk:
+    filler = os.path.join(disk, "filler")
+    with open(filler, "wb") as f:
+      f.write(b"\0" * (3 << 19))  # 1.5 MB: two steps fit beside it, not three
+    d = os.path.join(disk, "run")
+    policy = ofx.CheckpointPolicy(on_save_error="warn", max_to_keep=2, async_save=async_save)
+    with caplog.at_level(logging.ERROR, logger="orbax_flax"):
+      with ofx.CheckpointManager(d, policy) as m:
+        for step in (1, 2):
+          assert m.save(step, items(step), force=True)
+          m.wait()
+        caplog.clear()
+        m.save(3, items(3), force=True)  # the disk is full: logged, nothing raised
+        m.wait()
+        assert m.all_steps() == [1, 2]
+        assert "SAVE OF STEP 3 FAILED" in caplog.text and "no space left" in caplog.text.lower()
+        assert "the latest committed is 2" in caplog.text
+        os.remove(filler)  # the space comes back: the next save goes through
+        assert m.save(4, items(4), force=True)
+        m.wait()
+        assert m.all_steps() == [2, 4]
+    for step in (2, 4):
+      assert ofx.restore(os.path.join(d, str(step)))["state"]["w"][0] == step

@@ -232,7 +232,11 @@ class CheckpointManager:
 
     With ``async_save`` the call returns once the state is on the host; the
     commit, and deletion of steps the policy no longer keeps, continue in the
-    background. Errors of a background save are raised by the next call.
+    background. Errors of a background save are raised by the next call. With the policy's
+    ``on_save_error="warn"`` a :class:`~orbax_flax.errors.StorageError` (a full disk, a store
+    that does not answer) is logged with its step instead, when the save fails (in the
+    background, or here: this call then returns False), and nothing raises it: the steps
+    saved before are intact, and the next save tries again.
 
     Args:
       step: the training step (a non-negative int).
@@ -255,6 +259,8 @@ class CheckpointManager:
 
     Raises:
       RuntimeError: the manager is closed (nothing is written).
+      StorageError: this save, or an earlier one in the background, failed (unless
+        ``on_save_error="warn"``).
       TypeError: a metric is not a scalar number.
       ValueError: ``metrics`` lack the policy's ``best_metric`` and name one close to it (a
         typo: "did you mean"); nothing is written.
@@ -271,7 +277,19 @@ class CheckpointManager:
                           blocking_before=blocking_before, local_copy=local_copy)
       except errors.StorageError as e:
         self._store_silent = _location.unanswered(e)
-        raise
+        if self.policy.on_save_error != "warn":
+          raise
+        self._save_failed(e, step)
+        return False
+
+  def _save_failed(self, error: errors.StorageError, step: int | None) -> None:
+    """With ``on_save_error="warn"``: a failed save (or a deletion it made due) is logged
+    and the run goes on; earlier steps are intact and the next save tries again."""
+    committed = self.registry.committed()
+    log.error("CHECKPOINT SAVE%s FAILED, going on (on_save_error='warn'): the steps saved"
+              " before are intact (the latest committed is %s) and the next save tries again."
+              " %s: %s", f" OF STEP {step}" if step is not None else "",
+              committed[-1] if committed else None, type(error).__name__, error)
 
   def _check_open(self) -> None:
     if self._closed:
@@ -409,7 +427,13 @@ class CheckpointManager:
         self.registry.doom(doomed)
         self.registry.delete(set(doomed) | gone)
     except BaseException as e:  # pylint: disable=broad-except  # raised by the next call
-      self._inflight.failed(save, e)
+      cancelled = save.handle is not None and save.handle.cancelled.is_set()
+      if isinstance(e, errors.StorageError) and self.policy.on_save_error == "warn" \
+          and not cancelled:
+        self._store_silent = _location.unanswered(e)
+        self._save_failed(e, step)  # logged now, on the save's thread; nothing to raise
+      else:
+        self._inflight.failed(save, e)
     finally:
       self.registry.writes.end(step)
 
@@ -522,13 +546,16 @@ class CheckpointManager:
       prev.join()
 
   def wait(self) -> None:
-    """Blocks until the save in flight and pending deletions are done; raises their errors."""
+    """Blocks until the save in flight and pending deletions are done; raises their errors
+    (a :class:`~orbax_flax.errors.StorageError` only logged, with ``on_save_error="warn"``)."""
     try:
       self._inflight.finish()
       self.registry.wait()
     except errors.StorageError as e:
       self._store_silent = _location.unanswered(e)
-      raise
+      if self.policy.on_save_error != "warn":
+        raise
+      self._save_failed(e, None)
 
   def close(self) -> None:
     """Waits for everything in flight, then releases the manager's threads and its writer
