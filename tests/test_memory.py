@@ -123,3 +123,45 @@ def test_a_device_copy_save_holds_one_copy_and_no_staging_copy(tmp_path):
   r = run("first_save", str(tmp_path / "c"), mb=128)
   assert r["extra"] <= 1.02 * r["state"] + SLACK, r  # XLA's copy, nothing more
   assert r["staging"] <= 2 << 20, r  # only the packed small arrays were staged
+
+
+_NARROWING = r"""
+import json, os, sys
+import jax, ml_dtypes, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+import orbax_flax as ofx
+from orbax_flax.core._location import Location
+from orbax_flax.engine import restoring
+sys.path.insert(0, os.path.join(sys.argv[2], "benchmarks"))
+from hostmem import measure
+path, shape = os.path.join(sys.argv[1], "ck"), (16384, 1024)  # 64 MiB of float32
+want = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+ofx.save(path, {"s": {"w": want}})
+ofx.restore(path, {"s": {"w": np.zeros(shape, np.float32)}})  # warm-up, as memory_worker's
+mesh = jax.make_mesh((2, 4), ("data", "model"))
+target = {"s": {"w": jax.ShapeDtypeStruct(shape, ml_dtypes.bfloat16,
+                                          sharding=NamedSharding(mesh, P("data", "model")))}}
+extra, out = measure(lambda: jax.block_until_ready(
+    ofx.restore(path, target, max_host_bytes=1 << 20, allow_lossy_casts=True)))
+np.testing.assert_array_equal(np.asarray(out["s"]["w"]), want.astype(ml_dtypes.bfloat16))
+rec = restoring.read_manifest(Location.parse(path)).items["s"].leaves[0]
+print("RESULT " + json.dumps({
+    "extra": extra, "restored": sum(s.data.nbytes for s in out["s"]["w"].addressable_shards),
+    "chunk": int(np.prod(rec.chunk_shape)) * 4}))
+"""
+
+
+def test_a_narrowing_cast_onto_a_sharded_target_stays_within_the_budget_and_one_chunk(tmp_path):
+  """float32 saved (32 MiB chunks), bfloat16 wanted on 8 devices, max_host_bytes=1 MiB: each
+  chunk was read once per device's piece of it (the chunk's copy, then the piece in float32)
+  and the last piece's temporary was still held while the next one was allocated: about
+  half a chunk over the budget plus one chunk. Now a chunk is read once, into one temporary."""
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  r = subprocess.run([sys.executable, "-c", _NARROWING, str(tmp_path), os.path.dirname(HERE)],
+                     capture_output=True, text=True, env=env, timeout=300, check=False)
+  lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+  assert r.returncode == 0 and lines, r.stdout[-3000:] + r.stderr[-3000:]
+  got = json.loads(lines[-1][len("RESULT "):])
+  assert got["chunk"] == 32 * MB, got  # every chunk is over the budget, and split by the target
+  assert got["extra"] - got["restored"] <= MB + got["chunk"] + SLACK, got

@@ -449,25 +449,64 @@ def _cast_in_pieces(w: targets.Want) -> bool:
 
 def _read_cast_pieces(reader: Any, cast: list[tuple[targets.Want, list[np.ndarray]]],
                       budget: int, progress: Any) -> None:
-  """Reads converted arrays one stored chunk per piece, into temporary memory of at most
-  ``budget`` bytes at a time (one chunk if larger), each piece converted into its final buffer."""
-  pieces = []  # (want, final buffer, where the piece lies in it, the piece's box)
+  """Reads converted arrays a stored chunk at a time, each converted into its final buffers.
+
+  What the wanted boxes need of one chunk (its pieces, one per box it meets) is read as
+  one region of the stored dtype, where the pieces tile a box: the whole chunk, where the
+  boxes hold all of it, which on a local file system is read straight from its file into
+  that temporary memory (no copy of the chunk beside it); else piece by piece. The pieces are then converted
+  from it into the final buffers. Temporary memory: at most ``budget`` bytes of regions at
+  a time, or one region (at most a chunk) where that is larger.
+  """
+  regions = []  # (want, a region of one chunk, [(final buffer, where in it, where in region)])
   for w, finals in cast:
     grid = _layout.Chunking(w.rec.shape, w.rec.chunk_shape)
+    per_chunk: dict[int, list[tuple[np.ndarray, Any, _layout.Box]]] = {}
     for box, final in zip(w.boxes, finals):
       for flat in grid.chunks_in_box(box):
         piece = _layout.intersect(grid.chunk_box(flat), box)
-        pieces.append((w, final, _layout.relative(piece, box), piece))
-  sizes = [math.prod(_layout.box_shape(p)) * w.rec.np_dtype.itemsize for w, _, _, p in pieces]
+        per_chunk.setdefault(flat, []).append((final, _layout.relative(piece, box), piece))
+    for parts in per_chunk.values():
+      for region, tiled in _tiles(parts):
+        regions.append((w, region, [(final, where, _layout.relative(piece, region))
+                                    for final, where, piece in tiled]))
+  sizes = [math.prod(_layout.box_shape(r)) * w.rec.np_dtype.itemsize for w, r, _ in regions]
   for batch in _layout.split_by_size(sizes, budget):
-    temps = [np.empty(_layout.box_shape(pieces[j][3]), pieces[j][0].rec.np_dtype) for j in batch]
-    _reading.read_requests(reader, [(pieces[j][0].item, pieces[j][0].rec, pieces[j][3], t)
-                                    for j, t in zip(batch, temps)], progress)
-    with np.errstate(over="ignore", invalid="ignore"):  # a lossy cast was asked for
-      for j, t in zip(batch, temps):
-        _, final, where, _ = pieces[j]
-        final[where] = t
-    del temps
+    _read_and_convert(reader, [regions[j] for j in batch], progress)
+
+
+def _read_and_convert(reader: Any, regions: list[tuple[targets.Want, _layout.Box, list]],
+                      progress: Any) -> None:
+  """One batch of :func:`_read_cast_pieces`, its temporary memory freed on return (a loop
+  variable still bound to the previous batch's last temporary held it while the next batch
+  allocated its own: two at once)."""
+  temps = [np.empty(_layout.box_shape(region), w.rec.np_dtype) for w, region, _ in regions]
+  _reading.read_requests(reader, [(w.item, w.rec, region, temp)
+                                  for (w, region, _), temp in zip(regions, temps)], progress)
+  with np.errstate(over="ignore", invalid="ignore"):  # a lossy cast was asked for
+    for (_, _, parts), temp in zip(regions, temps):
+      for final, where, within in parts:
+        final[where] = temp[within]
+
+
+def _tiles(parts: list[tuple[np.ndarray, Any, _layout.Box]]
+           ) -> list[tuple[_layout.Box, list[tuple[np.ndarray, Any, _layout.Box]]]]:
+  """The regions to read for one chunk's ``parts`` (final buffer, where, piece): their
+  bounding box once, where the pieces fill it exactly (they never overlap: each is another
+  box's), else each piece alone.
+
+  >>> a = np.empty(0)
+  >>> [r for r, _ in _tiles([(a, (), ((0, 4), (0, 2))), (a, (), ((0, 4), (2, 8)))])]
+  [((0, 4), (0, 8))]
+  >>> [r for r, _ in _tiles([(a, (), ((0, 2), (0, 2))), (a, (), ((2, 4), (4, 8)))])]
+  [((0, 2), (0, 2)), ((2, 4), (4, 8))]
+  """
+  pieces = [piece for _, _, piece in parts]
+  bound = tuple((min(p[d][0] for p in pieces), max(p[d][1] for p in pieces))
+                for d in range(len(pieces[0])))
+  if sum(math.prod(_layout.box_shape(p)) for p in pieces) == math.prod(_layout.box_shape(bound)):
+    return [(bound, parts)]
+  return [(part[2], [part]) for part in parts]
 
 
 def assemble(wants: list[targets.Want], datas: dict[int, list[np.ndarray]]) -> list[Any]:
