@@ -728,7 +728,8 @@ def test_on_save_error_warn_logs_a_failed_save_and_the_manager_goes_on(tmp_path,
         m.save(3, items(3), force=True)  # the disk is full: logged, nothing raised
         m.wait()
         assert m.all_steps() == [1, 2]
-        assert "SAVE OF STEP 3 FAILED" in caplog.text and "no space left" in caplog.text.lower()
+        assert "CHECKPOINT SAVE FAILED" in caplog.text and "the save of step 3" in caplog.text
+        assert "no space left" in caplog.text.lower()
         assert "the latest committed is 2" in caplog.text
         os.remove(filler)  # the space comes back: the next save goes through
         assert m.save(4, items(4), force=True)
