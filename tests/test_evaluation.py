@@ -132,6 +132,27 @@ def test_a_held_step_is_not_deleted_by_retention(tmp_path, caplog):
   mngr.close()
 
 
+def test_after_a_rollback_the_iterator_yields_the_new_runs_steps_at_numbers_it_had_yielded(
+    tmp_path):
+  """A rollback's new run saves again at step numbers an evaluator already yielded from the run
+  it abandoned. The iterator compared numbers only: it yielded 6 and 7, never the new 4 and 5,
+  so the evaluator never evaluated two committed steps of the run that went on."""
+  d = str(tmp_path / "ckpts")
+  policy = ofx.CheckpointPolicy(save_interval_steps=1)
+  with ofx.CheckpointManager(d, policy) as trainer:
+    for step in range(1, 6):
+      trainer.save(step, {"s": {"w": np.full(2, step)}})
+  it = ofx.checkpoints_iterator(d, timeout=0)
+  seen = [(next(it), None) for _ in range(5)]
+  assert [s for s, _ in seen] == [1, 2, 3, 4, 5]
+  with ofx.CheckpointManager(d, policy) as trainer:  # the job restarts and rolls back to 3
+    trainer.restore(3)
+    for step in range(4, 8):
+      trainer.save(step, {"s": {"w": np.full(2, -step)}})
+  rest = [(step, int(ofx.restore(os.path.join(d, str(step)))["s"]["w"][0])) for step in it]
+  assert rest == [(4, -4), (5, -5), (6, -6), (7, -7)]
+
+
 class _RunsOnLogLine(logging.Handler):
   """Runs ``action`` (once) when the orbax_flax logger emits ``message``: a public hook
   into the exact moment a manager logs a decision, from the thread that made it."""

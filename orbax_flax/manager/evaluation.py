@@ -41,7 +41,9 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   """Yields each step committed in ``directory``, once, oldest first.
 
   A step the training job's retention deleted (or is deleting) before the
-  iterator reached it is skipped with a log line. A directory that does not
+  iterator reached it is skipped with a log line. A rollback of the training
+  job past the step yielded last (or a save over it) makes the new run's steps
+  come next, at the numbers they have: each committed save is yielded once. A directory that does not
   exist yet is waited for like an empty one, with a WARNING that says so (once,
   and again if the timeout ends the wait); so is one that holds no step while
   its ``checkpoints/`` does (a workdir), the WARNING naming
@@ -79,86 +81,132 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   loc = Location.parse(directory)
   last = start_after
   last_yield = None
+  yielded: dict[int, str] = {}  # step -> generation of the save yielded as it, while listed
   warned_absent = False
   leasing = True  # False once a lease cannot be written (read-only access)
   finished = False  # timeout_fn() said no new step will come: end once none is left
   nested = False  # the directory holds no step and its checkpoints/ does (a workdir)
-  while True:
-    waited_since = clock()
-    step = None
-    while step is None:
-      steps, leftovers = step_dir.list_steps(loc)
-      steps = registry.visible_steps(loc, steps)  # not those a committed rollback abandoned
-      newer = [s for s in steps if last is None or s > last]
-      if newer:
-        step = newer[0]
-        break
-      absent = _absent(loc, steps, leftovers)
-      if absent is None and not steps and (nested or _holds_steps(loc.join("checkpoints"))):
-        nested = True  # a workdir: its steps are in checkpoints/
-        absent = f"holds no step, but {loc.join('checkpoints')} does"
-      if finished:  # timeout_fn() said no new step will come, and none had come since
-        _stopping(loc, absent, "as timeout_fn() says no new step will come",
-                  f"timeout_fn() says no new step will come to {loc}")
-        return
-      if absent and not warned_absent:
-        warned_absent = True
-        waiting = "no timeout" if timeout is None else f"timeout {timeout:g} s"
-        if nested:
-          log.warning("checkpoints_iterator: %s %s: is it a workdir? Waiting for steps in %s"
-                      " itself (%s); pass the directory the manager saves to: %s.", loc,
-                      absent, loc, waiting, loc.join("checkpoints"))
-        else:
-          log.warning("checkpoints_iterator: %s %s; waiting for a training job to save its"
-                      " first step there (%s). Pass the directory the manager saves to, e.g."
-                      " <workdir>/checkpoints.", loc, absent, waiting)
-      if timeout is not None and clock() - waited_since >= timeout:
-        if timeout_fn is not None:
-          if timeout_fn():
-            finished = True  # listed once more: a step committed just before is yielded
+  held = None  # the lease on the step last yielded, kept until the next listing
+  try:
+    while True:
+      waited_since = clock()
+      step = None
+      while step is None:
+        steps, leftovers = step_dir.list_steps(loc)
+        # Not the steps a committed rollback abandoned. If the save yielded last was taken
+        # back (looked for while its lease still keeps it on storage), the new run's steps
+        # come next, at whatever numbers: after the newest step it kept from before.
+        steps, taken_back, kept = _visible(loc, steps, last, yielded)
+        if taken_back:
+          log.info("checkpoints_iterator: step %d was taken back (a rollback of the training"
+                   " job, or a save over it); yielding the steps saved after step %s", last,
+                   kept)
+          last = kept if start_after is None or (kept is not None and kept > start_after) \
+              else start_after
+        if held is not None:
+          held.release()
+          held = None
+        newer = [s for s in steps if last is None or s > last]
+        if newer:
+          step = newer[0]
+          break
+        absent = _absent(loc, steps, leftovers)
+        if absent is None and not steps and (nested or _holds_steps(loc.join("checkpoints"))):
+          nested = True  # a workdir: its steps are in checkpoints/
+          absent = f"holds no step, but {loc.join('checkpoints')} does"
+        if finished:  # timeout_fn() said no new step will come, and none had come since
+          _stopping(loc, absent, "as timeout_fn() says no new step will come",
+                    f"timeout_fn() says no new step will come to {loc}")
+          return
+        if absent and not warned_absent:
+          warned_absent = True
+          waiting = "no timeout" if timeout is None else f"timeout {timeout:g} s"
+          if nested:
+            log.warning("checkpoints_iterator: %s %s: is it a workdir? Waiting for steps in %s"
+                        " itself (%s); pass the directory the manager saves to: %s.", loc,
+                        absent, loc, waiting, loc.join("checkpoints"))
           else:
-            waited_since = clock()  # another timeout's wait
+            log.warning("checkpoints_iterator: %s %s; waiting for a training job to save its"
+                        " first step there (%s). Pass the directory the manager saves to, e.g."
+                        " <workdir>/checkpoints.", loc, absent, waiting)
+        if timeout is not None and clock() - waited_since >= timeout:
+          if timeout_fn is not None:
+            if timeout_fn():
+              finished = True  # listed once more: a step committed just before is yielded
+            else:
+              waited_since = clock()  # another timeout's wait
+            continue
+          _stopping(loc, absent, f"after waiting {timeout:g} s",
+                    f"no new step in {loc} for {timeout:g} s (the timeout)")
+          return
+        sleep(poll_interval)
+      if last_yield is not None and min_interval:
+        pause = min_interval - (clock() - last_yield)
+        if pause > 0:
+          sleep(pause)
+      # The reader's side of the protocol (orbax_flax.manager.leases): lease first, then
+      # look for a deletion notice, then check that the step is still committed.
+      lease = None
+      if leasing:
+        try:
+          lease = leases.Lease(loc, step)
+        except errors.StorageError as e:  # read-only access: a reader changes nothing
+          leasing = False
+          log.warning("checkpoints_iterator: cannot write a reader lease in %s (%s); reading"
+                      " without leases from now on, so a step is not protected from the training"
+                      " job's keep rules while it is read (a step deleted meanwhile fails its"
+                      " restore with CheckpointNotFoundError). Give this job write access to %s"
+                      " for leases, or keep more steps there (max_to_keep).", loc, e,
+                      loc.join(leases.READERS))
+      try:
+        if leases.deletion_announced(loc, step):
+          log.info("checkpoints_iterator: step %d is being deleted by the training job's retention"
+                   " (faster than this evaluator); skipping it", step)
+          last = step
           continue
-        _stopping(loc, absent, f"after waiting {timeout:g} s",
-                  f"no new step in {loc} for {timeout:g} s (the timeout)")
-        return
-      sleep(poll_interval)
-    if last_yield is not None and min_interval:
-      pause = min_interval - (clock() - last_yield)
-      if pause > 0:
-        sleep(pause)
-    # The reader's side of the protocol (orbax_flax.manager.leases): lease first, then
-    # look for a deletion notice, then check that the step is still committed.
-    lease = None
-    if leasing:
-      try:
-        lease = leases.Lease(loc, step)
-      except errors.StorageError as e:  # read-only access: a reader changes nothing
-        leasing = False
-        log.warning("checkpoints_iterator: cannot write a reader lease in %s (%s); reading"
-                    " without leases from now on, so a step is not protected from the training"
-                    " job's keep rules while it is read (a step deleted meanwhile fails its"
-                    " restore with CheckpointNotFoundError). Give this job write access to %s"
-                    " for leases, or keep more steps there (max_to_keep).", loc, e,
-                    loc.join(leases.READERS))
-    try:
-      if leases.deletion_announced(loc, step):
-        log.info("checkpoints_iterator: step %d is being deleted by the training job's retention"
-                 " (faster than this evaluator); skipping it", step)
-        last = step
-        continue
-      try:
-        restoring.read_summary(loc.join(str(step)))
-      except errors.CheckpointNotFoundError:
-        log.info("checkpoints_iterator: step %d was deleted before it could be read (the"
-                 " training job's retention is faster than this evaluator); skipping it", step)
-        last = step
-        continue
-      last, last_yield = step, clock()
-      yield step
-    finally:
-      if lease is not None:
-        lease.release()
+        try:
+          summary = restoring.read_summary(loc.join(str(step)))
+        except errors.CheckpointNotFoundError:
+          log.info("checkpoints_iterator: step %d was deleted before it could be read (the"
+                   " training job's retention is faster than this evaluator); skipping it", step)
+          last = step
+          continue
+        last, last_yield = step, clock()
+        yielded[step] = summary.generation
+        held, lease = lease, None  # released at the next listing
+        yield step
+      finally:
+        if lease is not None:
+          lease.release()
+  finally:
+    if held is not None:
+      held.release()
+
+
+def _visible(loc: Location, steps: list[int], last: int | None,
+             yielded: dict[int, str]) -> tuple[list[int], bool, int | None]:
+  """The listed ``steps`` without those a committed rollback abandoned; whether the save
+  yielded last as step ``last`` was taken back (a committed rollback abandoned it, or another
+  save replaced it at that number: a rollback's new run, an overwrite); and then the step to
+  go on after: the newest listed step still the save yielded as it (``yielded``: step ->
+  generation, pruned here to the listed steps), None if none is.
+
+  Reads the manifest summary of ``last`` (one read), and of older yielded steps only when
+  ``last`` was taken back.
+  """
+  records = step_dir.read_rollbacks(loc)
+  abandoned = registry.abandoned_steps(loc, steps, records)[0] if records else set()
+  visible = sorted(s for s in steps if s not in abandoned)
+  for s in [s for s in yielded if s not in steps]:
+    del yielded[s]
+  if last is None or last not in yielded:
+    return visible, False, None
+  if last not in abandoned and registry.generation_of(loc, last) == yielded[last]:
+    return visible, False, None
+  for s in sorted((s for s in visible if s < last and s in yielded), reverse=True):
+    if registry.generation_of(loc, s) == yielded[s]:
+      return visible, True, s
+  return visible, True, None
 
 
 def _stopping(loc: Location, absent: str | None, when: str, why: str) -> None:

@@ -365,7 +365,7 @@ class StepRegistry:
       old = next((r for r in self._records if r.timeline == timeline), None)
       known = dict(old.abandons) if old else {}
       for s in sorted(set(abandons) - set(known)):  # which save of it: its generation
-        generation = _generation_of(self._dir, s)
+        generation = generation_of(self._dir, s)
         if generation is not None:
           known[s] = generation
       record = step_dir.RollbackRecord(
@@ -908,7 +908,7 @@ def visible_steps(directory: Location, steps: Iterable[int]) -> list[int]:
   return [s for s in steps if s not in abandoned]
 
 
-def _generation_of(directory: Location, step: int) -> str | None:
+def generation_of(directory: Location, step: int) -> str | None:
   """The generation of the save committed as ``step`` (None: there is none; "": its manifest
   cannot be read)."""
   try:
