@@ -153,6 +153,28 @@ def test_after_a_rollback_the_iterator_yields_the_new_runs_steps_at_numbers_it_h
   assert rest == [(4, -4), (5, -5), (6, -6), (7, -7)]
 
 
+def test_an_evaluators_manager_restoring_a_step_the_trainer_deleted_says_so(tmp_path):
+  """A reader's listing is as of its last look: a step listed there, deleted since by the
+  training job's keep rule, failed with "the path does not exist" (on S3: "check the bucket
+  name"), as if the user had named a wrong directory."""
+  d = str(tmp_path / "ckpts")
+  evaluator = ofx.CheckpointManager(d)
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=1, max_to_keep=2,
+                                                     async_save=False)) as trainer:
+    for step in (1, 2):
+      trainer.save(step, {"s": {"w": np.full(2, step)}})
+    evaluator.reload()
+    assert evaluator.latest_step() == 2
+    for step in (3, 4):
+      trainer.save(step, {"s": {"w": np.full(2, step)}})
+  with pytest.raises(ofx.CheckpointNotFoundError,
+                     match=r"step 2 .* has since been deleted.*keep rules.*committed now: \[3, 4\]"
+                           r".*checkpoints_iterator"):
+    evaluator.restore(2)
+  assert int(evaluator.restore(4)["s"]["w"][0]) == 4
+  evaluator.close()
+
+
 class _RunsOnLogLine(logging.Handler):
   """Runs ``action`` (once) when the orbax_flax logger emits ``message``: a public hook
   into the exact moment a manager logs a decision, from the thread that made it."""

@@ -619,7 +619,8 @@ class CheckpointManager:
     Raises:
       CheckpointNotFoundError: there is no such step (or no step at all), also once the
         directory is listed again (a step committed since the last listing, by another
-        job, is found).
+        job, is found); or a step listed here was deleted since by the job that writes
+        there (the message says so, with the steps committed now).
     """
     self._inflight.raise_error()
     self._join_abandoned()
@@ -629,8 +630,25 @@ class CheckpointManager:
     options = dict(partial=partial, allow_lossy_casts=allow_lossy_casts, transforms=transforms,
                    max_host_bytes=max_host_bytes, progress=progress, casts=casts,
                    read_once=self.policy.read_once_restore if read_once is None else read_once)
-    with self.registry.reading(step):
-      out = self._ckptr.restore(self._dir.join(str(step)), target, **options)
+    with self.registry.reading(step):  # raises if the step is not listed here
+      try:
+        out = self._ckptr.restore(self._dir.join(str(step)), target, **options)
+      except errors.CheckpointNotFoundError as e:
+        gone = e
+      else:
+        gone = None
+    if gone is not None:
+      self.registry.reload()
+      if step in self.registry:
+        raise gone
+      raise errors.CheckpointNotFoundError(
+          f"step {step} of {self._dir} was listed by this manager but has since been deleted,"
+          " by the keep rules of the job that writes there (a manager that does not write"
+          " reads the directory as of its last listing); committed now:"
+          f" {registry_lib.short(self.all_steps())}. Restore a step still committed"
+          " (latest_step() lists again), or evaluate beside training with"
+          " ofx.checkpoints_iterator, whose reader lease keeps each yielded step until it is"
+          " read.") from gone
     self._schedule.saved(step)
     # The save started last counts as newer even if its commit is not recorded yet.
     self._rollback.restored(step, self._inflight.started_step())
