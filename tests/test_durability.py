@@ -30,7 +30,10 @@ def _check_consistent(path):
   return v
 
 
-@pytest.mark.parametrize("mode", ["fresh", "overwrite"])
+@pytest.mark.parametrize("mode", ["fresh", pytest.param("overwrite", marks=pytest.mark.skipif(
+    os.environ.get("ORBAX_FLAX_FAULTS") != "long",
+    reason="long run: ORBAX_FLAX_FAULTS=long (~10 s; an overwrite killed mid-commit is also"
+           " tests/faults/test_kills.py's, in CI)"))])
 def test_sigkill_at_random_instants(tmp_path, mode):
   rng = random.Random(0)
   seen_versions = set()
