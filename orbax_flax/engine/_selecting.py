@@ -88,12 +88,22 @@ def pick(tree: Any, selector: str, *, keep_paths: bool = False) -> Any:
     found.append((dst, node))
   if len(found) == 1 and not keep_paths:
     return found[0][1]
+  return nested(found)
+
+
+def nested(leaves: list[tuple[Path, Any]]) -> dict[str, Any]:
+  """A tree of dicts holding each ``(key path, node)``.
+
+  Example:
+    >>> nested([(("bn", "scale"), 1), (("bn", "mean"), 2)])
+    {'bn': {'scale': 1, 'mean': 2}}
+  """
   out: dict[str, Any] = {}
-  for dst, node in found:
+  for path, node in leaves:
     at = out
-    for k in dst[:-1]:
+    for k in path[:-1]:
       at = at.setdefault(k, {})
-    at[dst[-1]] = node
+    at[path[-1]] = node
   return out
 
 

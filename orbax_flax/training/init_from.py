@@ -252,7 +252,7 @@ def _take(text: str, source: Location, manifest: Manifest, selector: str, target
   held = {r.path[len(under):] for r in inside}
   both = variables is not None and any(p in held for p, _ in _tree.flatten(variables))
   # A whole NNX model state: its params and other variables, taken as one tree.
-  wanted = _nested(_tree.flatten(target) + _tree.flatten(variables)) if both else target
+  wanted = _selecting.nested(_tree.flatten(target) + _tree.flatten(variables)) if both else target
   left_out = _rng_state(inside, under) - {p for p, _ in _tree.flatten(wanted)}
   for k in reversed(under):
     wanted = {k: wanted}
@@ -270,22 +270,6 @@ def _take(text: str, source: Location, manifest: Manifest, selector: str, target
   if not both:
     return out, None
   return _like(target, out), _like(variables, out)
-
-
-def _nested(leaves: list[tuple[tuple[str, ...], Any]]) -> dict[str, Any]:
-  """A tree of dicts holding each ``(key path, leaf)``.
-
-  Example:
-    >>> _nested([(("bn", "scale"), 1), (("bn", "mean"), 2)])
-    {'bn': {'scale': 1, 'mean': 2}}
-  """
-  out: dict[str, Any] = {}
-  for path, leaf in leaves:
-    node = out
-    for k in path[:-1]:
-      node = node.setdefault(k, {})
-    node[path[-1]] = leaf
-  return out
 
 
 def _like(tree: Any, restored: Any) -> Any:
