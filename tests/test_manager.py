@@ -2,6 +2,9 @@
 
 import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import threading
 
 import jax
@@ -669,6 +672,36 @@ def test_a_lease_left_by_a_process_whose_pid_now_names_another_is_taken_over(tmp
     other.wait()
   with ofx.CheckpointManager(d) as m:
     assert m.all_steps() == [1, 2, 3]
+
+
+def test_a_forked_childs_exit_leaves_its_parents_writer_lease(tmp_path):
+  """A process that holds the writer lease forks a helper, which exits normally: the lease's
+  finalizer, inherited by the child, ran at the child's exit and removed the parent's live
+  lease, so a second job then saved into the directory the parent was writing."""
+  d = str(tmp_path / "ckpts")
+  script = textwrap.dedent("""
+      import os, sys, numpy as np, orbax_flax as ofx
+      m = ofx.CheckpointManager(sys.argv[1])
+      m.save(1, {"s": {"w": np.ones(3)}}, force=True)
+      m.wait()
+      pid = os.fork()
+      if pid == 0:
+        sys.exit(0)  # a helper process that ends normally (atexit runs)
+      os.waitpid(pid, 0)
+      print("LEASE", os.path.exists(os.path.join(sys.argv[1], ".writer")), flush=True)
+      sys.stdin.readline()  # still the writer while the test tries a second job
+      m.close()
+  """)
+  parent = subprocess.Popen([sys.executable, "-W", "ignore", "-c", script, d],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  try:
+    assert parent.stdout.readline().split() == ["LEASE", "True"]
+    with pytest.raises(ofx.WriterConflictError):
+      ofx.CheckpointManager(d).save(2, {"s": {"w": np.ones(3)}}, force=True)
+  finally:
+    parent.communicate("\n", timeout=60)
+  assert parent.returncode == 0
 
 
 def test_a_manager_dropped_without_close_lets_go_of_its_directory(tmp_path):

@@ -336,6 +336,7 @@ class _Claim:
   owner: str
   purpose: str
   clock: Callable[[], float]
+  pid: int = dataclasses.field(default_factory=os.getpid)  # the process that holds it
 
   def record(self) -> bytes:
     pid = os.getpid()
@@ -432,7 +433,10 @@ def _release(claim: _Claim, done: threading.Event, held: threading.Event,
              retries: bool = True) -> None:
   """Removes the record if it is still ours (the finalizer of a lease: also when its
   manager was dropped without close(), and at the interpreter's exit). ``retries=False``:
-  one attempt per request."""
+  one attempt per request. Nothing in another process: a child forked from the holder
+  inherits this finalizer, and its exit must leave its parent's lease alone."""
+  if os.getpid() != claim.pid:
+    return
   done.set()
   if not held.is_set():
     return
