@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -151,6 +152,34 @@ def test_after_a_rollback_the_iterator_yields_the_new_runs_steps_at_numbers_it_h
       trainer.save(step, {"s": {"w": np.full(2, -step)}})
   rest = [(step, int(ofx.restore(os.path.join(d, str(step)))["s"]["w"][0])) for step in it]
   assert rest == [(4, -4), (5, -5), (6, -6), (7, -7)]
+
+
+def test_a_rollback_committed_while_the_iterator_polls_is_yielded_too(tmp_path):
+  """The iterator released the last yielded step's lease at every listing, also while it
+  waited: a rollback committed then deleted that step at once, the iterator forgot it, and
+  the new run's steps at numbers it had yielded (4 and 5 here) were never yielded."""
+  d = str(tmp_path / "ckpts")
+  policy = ofx.CheckpointPolicy(save_interval_steps=1, async_save=False)
+  with ofx.CheckpointManager(d, policy) as trainer:
+    for step in range(1, 6):
+      trainer.save(step, {"s": {"w": np.full(2, step)}})
+  it = ofx.checkpoints_iterator(d, timeout=3, poll_interval=0.05)
+  assert [next(it) for _ in range(5)] == [1, 2, 3, 4, 5]
+
+  def train_on():  # while the evaluator waits for step 6
+    time.sleep(0.5)
+    with ofx.CheckpointManager(d, policy) as trainer:
+      trainer.restore(3)
+      trainer.save(4, {"s": {"w": np.full(2, -4)}})
+      time.sleep(0.5)  # the evaluator lists the directory meanwhile
+      for step in (5, 6):
+        trainer.save(step, {"s": {"w": np.full(2, -step)}})
+
+  trainer_thread = threading.Thread(target=train_on)
+  trainer_thread.start()
+  rest = [(step, int(ofx.restore(os.path.join(d, str(step)))["s"]["w"][0])) for step in it]
+  trainer_thread.join()
+  assert rest == [(4, -4), (5, -5), (6, -6)]
 
 
 def test_an_evaluators_manager_restoring_a_step_the_trainer_deleted_says_so(tmp_path):

@@ -2,7 +2,7 @@
 
 :func:`checkpoints_iterator` polls a directory of steps and yields each step
 committed since the last one it yielded. While the caller holds a yielded step
-(until it asks for the next one), the iterator keeps a *reader lease* on it: a
+(until the next one is yielded), the iterator keeps a *reader lease* on it: a
 small file ``<directory>/.readers/<step>-<token>``. A training job's
 :class:`~orbax_flax.CheckpointManager` does not delete a leased step; it
 deletes it at a later save once the lease is gone. A lease not refreshed for
@@ -48,7 +48,7 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   and again if the timeout ends the wait); so is one that holds no step while
   its ``checkpoints/`` does (a workdir), the WARNING naming
   ``<directory>/checkpoints``. The yielded step stays readable
-  until the caller asks for the next one: restore it with
+  until the next one is yielded: restore it with
   ``orbax_flax.restore(f"{directory}/{step}", ...)`` or a manager's
   ``restore(step)``. That takes a reader lease, written in the directory; with
   read-only access (a read-only mount, a viewer role on a bucket) the iterator
@@ -86,7 +86,10 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   leasing = True  # False once a lease cannot be written (read-only access)
   finished = False  # timeout_fn() said no new step will come: end once none is left
   nested = False  # the directory holds no step and its checkpoints/ does (a workdir)
-  held = None  # the lease on the step last yielded, kept until the next listing
+  # The lease on the step last yielded, kept while the caller works and while the iterator
+  # waits for the next step: a rollback that abandons that step cannot delete it meanwhile,
+  # so the listings that follow see that it was abandoned (released at the next yield).
+  held = None
   try:
     while True:
       waited_since = clock()
@@ -94,8 +97,8 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
       while step is None:
         steps, leftovers = step_dir.list_steps(loc)
         # Not the steps a committed rollback abandoned. If the save yielded last was taken
-        # back (looked for while its lease still keeps it on storage), the new run's steps
-        # come next, at whatever numbers: after the newest step it kept from before.
+        # back (seen while its lease keeps it on storage), the new run's steps come next, at
+        # whatever numbers: after the newest step it kept from before.
         steps, taken_back, kept = _visible(loc, steps, last, yielded)
         if taken_back:
           log.info("checkpoints_iterator: step %d was taken back (a rollback of the training"
@@ -103,9 +106,9 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
                    kept)
           last = kept if start_after is None or (kept is not None and kept > start_after) \
               else start_after
-        if held is not None:
-          held.release()
-          held = None
+          if held is not None:
+            held.release()
+            held = None
         newer = [s for s in steps if last is None or s > last]
         if newer:
           step = newer[0]
@@ -173,7 +176,9 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
           continue
         last, last_yield = step, clock()
         yielded[step] = summary.generation
-        held, lease = lease, None  # released at the next listing
+        if held is not None:
+          held.release()
+        held, lease = lease, None  # released when the next step is yielded, or taken back
         yield step
       finally:
         if lease is not None:
