@@ -664,6 +664,7 @@ class Rollback:
     # Earlier rollbacks whose run still has a save in flight: id -> the steps they abandoned.
     self._earlier: dict[int, set[int]] = {}
     self._timelines: dict[int, str] = {}  # rollback id -> the timeline of its run
+    self._saving: int | None = None  # the rollback whose run has started a save
 
   def active(self) -> bool:
     """Whether a rollback waits for this run's first commit."""
@@ -681,11 +682,14 @@ class Rollback:
 
   def call_off_above(self, step: int) -> None:
     """A save of a ``step`` above every step the waiting rollback would abandon is about to
-    start (its run has not committed): the restore was no rollback but a look at an older
-    step (to evaluate it), and training went on from where the run was. The rollback is
-    called off, nothing is abandoned, and the timeline is the latest step's again."""
+    start, the first since the restore (its run has started no save): the restore was no
+    rollback but a look at an older step (to evaluate it), and training went on from where
+    the run was. The rollback is called off, nothing is abandoned, and the timeline is the
+    latest step's again. A save above them after one of its run's own (still in flight) is
+    that run going on."""
     with self._lock:
-      if self.to is None or self._ceiling is None or step <= self._ceiling:
+      if (self.to is None or self._ceiling is None or step <= self._ceiling
+          or self._saving == self._count):  # its run saves already: this is its next save
         return
       to, newer = self.to, sorted(self._abandoned)
       called_off = self._timelines.get(self._count)
@@ -702,6 +706,8 @@ class Rollback:
     that its commit alone ends the abandoned run, even if the job is killed before the
     abandoned steps are deleted."""
     with self._lock:
+      if run == self._count:
+        self._saving = run  # a later save above every abandoned step is this run's next
       abandoned = set(self._abandoned if run == self._count else self._earlier.get(run, ()))
       timeline = self._timelines[run]
     self._registry.record_rollback(timeline, step, abandoned)
