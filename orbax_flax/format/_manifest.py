@@ -148,18 +148,27 @@ class Array:
   chunk_hash: tuple[str, ...] | None = None
   chunk_base: tuple[int, ...] | None = None
 
+  np_dtype: np.dtype | None = dataclasses.field(default=None, repr=False, compare=False)
+  """``dtype`` as a numpy dtype: given by the decoder, which has it, else worked out."""
+  # Facts read for every leaf of every restore, set once when the record is built:
+  user_shape: tuple[int, ...] = dataclasses.field(init=False, repr=False, compare=False)
+  """The shape a user sees: the key shape for PRNG keys."""
+  is_packed: bool = dataclasses.field(init=False, repr=False, compare=False)
+  """True if the array's bytes are in its process's packed buffer."""
+  reads_itself: bool = dataclasses.field(init=False, repr=False, compare=False)
+  """True for a foreign format's or a transform's array (not read by the engine)."""
+
+  def __post_init__(self):
+    set_ = object.__setattr__  # (frozen)
+    if self.np_dtype is None or self.np_dtype.name != self.dtype:  # (replace(r, dtype=...))
+      set_(self, "np_dtype", _tree.dtype_from_name(self.dtype))
+    set_(self, "user_shape", self.key_shape if self.key_shape is not None else self.shape)
+    set_(self, "is_packed", self.packed_offset is not None)
+    set_(self, "reads_itself", self.source is not None or self.derived is not None)
+
   @functools.cached_property
   def path_text(self) -> str:
     return _tree.path_str(self.path)
-
-  @functools.cached_property
-  def user_shape(self) -> tuple[int, ...]:
-    """The shape a user sees: the key shape for PRNG keys."""
-    return self.key_shape if self.key_shape is not None else self.shape
-
-  @functools.cached_property
-  def np_dtype(self) -> np.dtype:
-    return _tree.dtype_from_name(self.dtype)
 
   @functools.cached_property
   def np_stored_dtype(self) -> np.dtype:
@@ -169,15 +178,6 @@ class Array:
   def chunk_nbytes(self) -> int:
     """The bytes of one stored chunk (before tensorstore's codecs)."""
     return math.prod(self.chunk_shape) * self.np_stored_dtype.itemsize
-
-  @functools.cached_property
-  def is_packed(self) -> bool:
-    return self.packed_offset is not None
-
-  @functools.cached_property
-  def reads_itself(self) -> bool:
-    """True for a foreign format's or a transform's array (not read by the engine)."""
-    return self.source is not None or self.derived is not None
 
 
 Record = Union[Value, Array]
@@ -701,7 +701,7 @@ class _Checker:
       self.bad(f"{where}: sharding {_short(sharding)} is not an object with a text")
     key_shape = self.key(rec, shape, dtype, where) if "key_impl" in rec else None
     common = dict(path=tuple(rec["path"]), kind=rec["kind"], shape=tuple(shape),
-                  dtype=dtype.name, nbytes=nbytes, stored_dtype=stored,
+                  dtype=dtype.name, np_dtype=dtype, nbytes=nbytes, stored_dtype=stored,
                   name=rec.get("name", "") if self.local else rec["name"],
                   sharding=sharding.get("text", ""), key_impl=rec.get("key_impl"),
                   key_shape=key_shape)
