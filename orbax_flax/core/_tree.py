@@ -228,15 +228,15 @@ def _is_leaf(x: Any) -> bool:
   return treedef.num_nodes == 1 and treedef.num_leaves == 1
 
 
-def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any]]]:
+def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any, str | None]]]:
   """Encodes the containers of ``tree`` as JSON and lists its leaves.
 
   Returns:
-    ``(structure, leaves)``: ``leaves`` holds ``(path, leaf)`` in the order the
-    structure refers to them (``{"t": "leaf", "i": index}``). None is kept as
-    structure, as in jax.
+    ``(structure, leaves)``: ``leaves`` holds ``(path, leaf, kind)`` in the order
+    the structure refers to them (``{"t": "leaf", "i": index}``), ``kind`` as
+    :func:`leaf_kind` says. None is kept as structure, as in jax.
   """
-  leaves: list[tuple[Path, Any]] = []
+  leaves: list[tuple[Path, Any, str | None]] = []
 
   def walk(node: Any, path: Path) -> dict:
     if node is None:
@@ -244,7 +244,7 @@ def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any]]]:
     if is_box(node):  # metadata, not structure: stored as its value
       return walk(node.value, path)
     if _is_leaf(node):
-      leaves.append((path, node))
+      leaves.append((path, node, leaf_kind(node)))
       return {"t": "leaf", "i": len(leaves) - 1}
     if type(node) is dict:
       raw = sorted(node)
@@ -365,4 +365,4 @@ def structure_from_paths(paths: list[Path], sequences: frozenset[Path] = frozens
     return children
 
   structure, leaves = encode_structure(build(root, ()))
-  return structure, [slot.i for _, slot in leaves]
+  return structure, [slot.i for _, slot, _ in leaves]

@@ -717,13 +717,12 @@ class _Template:
     copied: list[tuple[tuple[str, int, bool], int]] = []
     for item, tree in items.items():
       structure, leaves = _tree.encode_structure(tree)
-      leaf_paths[item] = [path for path, _ in leaves]
+      leaf_paths[item] = [path for path, _, _ in leaves]
       records = []
       pack_sizes = [0] * nproc
       packed: list[Source] = []  # this process's packed leaves, by offset
       value_slots[item] = []
-      for i, (path, leaf) in enumerate(leaves):
-        kind = _tree.leaf_kind(leaf)
+      for i, (path, leaf, kind) in enumerate(leaves):
         if kind is None:
           raise _tree.unsupported_leaf_error(item, path, leaf)
         if kind == "value":

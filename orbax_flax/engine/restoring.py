@@ -421,9 +421,10 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[targets.Want],
     pieces = {i for i in window if max_host_bytes and _cast_in_pieces(wants[i])}
     # Each array's boxes, 64-byte aligned in one mapping of its own: JAX's CPU client
     # adopts aligned buffers without a copy, and each restored array frees its memory alone.
-    buffers = _staging.fresh_groups([[(_layout.box_shape(b), wants[i].dtype if i in pieces
-                                       else wants[i].rec.np_dtype)
-                                      for b in wants[i].boxes] for i in window])
+    shapes = _layout.box_shapes([wants[i].boxes for i in window])
+    buffers = _staging.fresh_groups([[(shape, wants[i].dtype if i in pieces else wants[i].rec.np_dtype)
+                                      for shape in box_shapes]
+                                     for i, box_shapes in zip(window, shapes)])
     datas = {id(wants[i]): bufs for i, bufs in zip(window, buffers)}
     requests = [(wants[i].item, wants[i].rec, b, buf) for i in window if i not in pieces
                 for b, buf in zip(wants[i].boxes, datas[id(wants[i])])]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -98,6 +98,11 @@ def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
 
 def box_shape(box: Box) -> tuple[int, ...]:
   return tuple(hi - lo for lo, hi in box)
+
+
+def box_shapes(groups: Iterable[Iterable[Box]]) -> list[list[tuple[int, ...]]]:
+  """The shapes of groups of boxes (each array's boxes), group by group."""
+  return [[tuple(hi - lo for lo, hi in box) for box in boxes] for boxes in groups]
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:

@@ -507,7 +507,7 @@ def open_item(loc: Location) -> tuple[Item, str | None]:
       structure, leaves = _tree.encode_structure(json_item)
     except RecursionError:
       raise errors.CheckpointFormatError(f"{loc}/metadata: nested too deeply") from None
-    return Item(structure, tuple(Value(tuple(p), _tree.encode_value(v)) for p, v in leaves)), None
+    return Item(structure, tuple(Value(tuple(p), _tree.encode_value(v)) for p, v, _ in leaves)), None
   entries, ocdbt, zarr3 = found
   keys = (read_array_metadatas(loc) if any(e.value_type == "jax.Array" and not e.skip_deserialize
                                            for e in entries) else {})

@@ -109,8 +109,7 @@ def encode(step: int, items: Mapping[str, Any], *, run: str = "", timeline: str 
   for item, tree in items.items():
     structure, leaves = _tree.encode_structure(tree)
     recs = []
-    for path, leaf in leaves:
-      kind = _tree.leaf_kind(leaf)
+    for path, leaf, kind in leaves:
       if kind is None:
         raise _tree.unsupported_leaf_error(item, path, leaf)
       if kind == "value":

@@ -607,11 +607,11 @@ def _saved_mesh_text(mesh: Any) -> str:
 def _encode(value: Any) -> str:
   """A data iterator state (dicts, lists, str, bytes, numbers) as one JSON string."""
   structure, leaves = _tree.encode_structure(value)
-  for path, leaf in leaves:
-    if _tree.leaf_kind(leaf) != "value":
+  for path, leaf, kind in leaves:
+    if kind != "value":
       raise TypeError(f"data iterator state leaf {_tree.path_str(path)} is a {type(leaf).__name__};"
                       " get_state() must return dicts, lists, str, bytes and numbers")
-  return json.dumps({"s": structure, "v": [_tree.encode_value(l) for _, l in leaves]})
+  return json.dumps({"s": structure, "v": [_tree.encode_value(l) for _, l, _ in leaves]})
 
 
 def _decode(text: str) -> Any:
