@@ -400,6 +400,47 @@ def test_checkpoint_appearing_during_a_save_is_kept(store, bucket, monkeypatch):
   assert len(gens) == 1, gens  # our data was removed again
 
 
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_checkpoint_committed_during_a_commit_is_never_replaced(s3_server, s3_bucket,
+                                                                  monkeypatch, overwrite):
+  """Two saves to one path: another committed between this commit's look at _CHECKPOINT and
+  its PUT (one round trip on a real network; here the other save runs inside that read). Both
+  reported success and the second PUT replaced the first's checkpoint, even without
+  overwrite (docs/engine.md: what appeared is never replaced unless it is a checkpoint and
+  overwrite=True; with overwrite, a checkpoint that changed after the look is not the one the
+  save meant to replace). The PUT is conditional now. S3 only: fake-gcs-server ignores
+  preconditions (tests/gcsserver.py)."""
+  from orbax_flax.core import _location  # pylint: disable=g-import-not-at-top
+  url = s3_server.url(s3_bucket, "race")
+  if overwrite:
+    ofx.save(url, {"state": {"who": "the first", "x": np.zeros(3)}})
+  read_key, commit = _location.read_key, saving.SaveRun._commit  # pylint: disable=protected-access
+  pending, armed = [True], []
+
+  def committing(run):  # our save's commit: its next read of _CHECKPOINT is its look
+    if pending:
+      armed.append(pending.pop())
+    commit(run)
+
+  def look(loc, key, *args, **kwargs):
+    got = read_key(loc, key, *args, **kwargs)
+    if key == "_CHECKPOINT" and armed:  # right after our look: someone else commits
+      armed.pop()
+      ofx.save(url, {"state": {"who": "someone else", "x": np.ones(3)}}, overwrite=overwrite)
+    return got
+
+  monkeypatch.setattr(saving.SaveRun, "_commit", committing)
+  monkeypatch.setattr(_location, "read_key", look)
+  with pytest.raises(ofx.CheckpointExistsError, match="during the save"):
+    ofx.save(url, {"state": _state(2)}, overwrite=overwrite)
+  assert not armed and not pending
+  monkeypatch.undo()
+  assert ofx.restore(url)["state"]["who"] == "someone else"
+  gens = {k.split("/")[2] for k in s3_server.keys(s3_bucket, "race/state/")}
+  kept = ofx.engine.restoring.read_manifest(_location.Location.parse(url)).generation
+  assert {g.rpartition("-")[2] for g in gens} == {kept}, gens  # ours was removed again
+
+
 def test_store_killed_mid_save_and_mid_restore(store, bucket):
   """The server dies under a save and under a restore: clear errors, nothing partial."""
   def url(step):  # a spec dict: its context shortens the retries to a few seconds

@@ -61,6 +61,7 @@ from typing import Any
 
 import jax
 import numpy as np
+import tensorstore as ts
 
 from orbax_flax.engine import _planning
 from orbax_flax.core import _location
@@ -1006,9 +1007,15 @@ def commit(plan: _planning.Plan, gen: str, nproc: int,
 
   ``complete`` adds what the writing decided (a differential save's references).
 
+  On an object store the manifest's PUT is conditional on what the commit looked at: absent,
+  or (an overwrite) the very manifest it replaces. Another save's commit since that look is
+  never replaced, even with ``plan.overwrite``: two saves to one path at once are refused
+  rather than one of them silently lost.
+
   Raises:
     CheckpointExistsError: a checkpoint appeared at the path during the save
-      and ``plan.overwrite`` is False (nothing was overwritten).
+      and ``plan.overwrite`` is False, or (object stores) another save committed
+      there during this commit (nothing was overwritten; this save's data is removed).
     StorageError: the storage refused.
   """
   final = plan.loc
@@ -1016,11 +1023,14 @@ def commit(plan: _planning.Plan, gen: str, nproc: int,
   data = _manifest.encode(manifest)
   if not final.is_local:
     old = _location.read_key(final, _manifest.MANIFEST_KEY)
-    if old is not None and not plan.overwrite:
+    if (old is not None and not plan.overwrite) or not _put_manifest(final, data, old):
       _delete_generations(final, _databases(manifest["items"], nproc, gen))  # ours
-      raise errors.CheckpointExistsError(f"a checkpoint appeared at {final} during the save;"
-                                         " nothing was overwritten.")
-    _location.write_key(final, _manifest.MANIFEST_KEY, data)
+      if not plan.overwrite:
+        raise errors.CheckpointExistsError(f"a checkpoint appeared at {final} during the save;"
+                                           " nothing was overwritten.")
+      raise errors.CheckpointExistsError(
+          f"another save committed a checkpoint at {final} during the save (two saves to one"
+          " path at once); it was kept, nothing was overwritten. Save again to replace it.")
     # Committed. What follows is cleanup: it may fail without undoing the commit.
     if old is not None:
       try:
@@ -1040,6 +1050,38 @@ def commit(plan: _planning.Plan, gen: str, nproc: int,
     raise
   except OSError as e:
     raise _location.storage_error(final, "committing the checkpoint", e) from e
+
+
+def _put_manifest(final: Location, data: bytes, seen: bytes | None) -> bool:
+  """Writes the manifest ``data`` at the object-store location ``final`` only if its manifest
+  is still ``seen`` (None: still absent). Returns whether it was written.
+
+  The write's condition is a storage generation (S3 ``If-None-Match``/``If-Match``, GCS
+  ``ifGenerationMatch``): that of a missing key, else the one read here, with the value
+  compared to ``seen``. A refusal whose manifest turns out to be ``data`` is our own write
+  (its reply lost, the retry refused): it committed.
+  """
+  key = _manifest.MANIFEST_KEY
+  try:
+    store = _location.open_kvstore(final)
+    if seen is None:
+      expected = _absent_generation()
+    else:
+      got = store.read(key).result()
+      if got.state != "value" or got.value != seen:
+        return False  # changed since the look: another save committed, or it was deleted
+      expected = got.stamp.generation
+    if store.write(key, data, if_equal=expected).result().generation:
+      return True
+  except ValueError as e:
+    raise _location.storage_error(final, f"writing {key!r}", e) from e
+  return _location.read_key(final, key) == data
+
+
+def _absent_generation() -> bytes:
+  """The storage generation tensorstore gives a key that does not exist."""
+  store = ts.KvStore.open({"driver": "memory"}).result()
+  return store.read("absent").result().stamp.generation
 
 
 def discard(plan: _planning.Plan, gen: str, nproc: int, after: BaseException | None = None
