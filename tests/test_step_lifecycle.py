@@ -409,6 +409,35 @@ def test_a_restore_to_look_at_an_older_step_then_training_on_abandons_nothing(tm
       assert restores_as(m.step_path(s), items(s)), s
 
 
+@pytest.mark.parametrize("refused_at", ["below", "above"])
+def test_a_refused_save_changes_nothing_a_rollback_decides(tmp_path, refused_at):
+  """A save refused for a leaf it cannot write (nothing written) between a restore of an older
+  step and the next save: below the newest, it counted as the new run's first save (its
+  rollback record was written before the refusal), so a save above every abandoned step then
+  ended the old run and deleted 2-4 (the long model run found it); above, it called the
+  rollback off, and training on from the restored step was refused as a save below the newest."""
+  with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(async_save=False)) as m:
+    for s in (1, 2, 3, 4):
+      m.save(s, items(s), force=True)
+    m.restore(1)
+    bad = items(99)
+    bad["state"]["bad"] = object()
+    with pytest.raises(ofx.UnsupportedLeafError):
+      m.save(2 if refused_at == "below" else 5, bad, force=True)
+    if refused_at == "below":  # the restore was a look: training goes on above the newest
+      m.save(5, items(5), force=True)
+      want = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5}
+    else:  # a rollback: training goes on from the restored step
+      m.save(2, items(20), force=True)
+      want = {1: 1, 2: 20}
+    m.wait()
+    assert m.all_steps() == sorted(want)
+  with ofx.CheckpointManager(str(tmp_path)) as m:
+    assert m.all_steps() == sorted(want)
+    for s, tag in want.items():
+      assert restores_as(m.step_path(s), items(tag)), s
+
+
 def _gate_commits(monkeypatch):
   """An event that holds every save's commit until set (set: commits go through): a save is
   kept in flight for as long as a test needs, whatever the machine's speed."""

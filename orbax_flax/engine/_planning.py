@@ -569,17 +569,7 @@ class Planner:
     """
     items, casts = cast_items(items, dtype)
     check_items(items)
-    try:
-      text = json.dumps(dict(custom_metadata or {}), allow_nan=False)
-      custom = json.loads(text)
-    except (TypeError, ValueError) as e:
-      raise TypeError(f"custom_metadata must be a JSON-serialisable dict: {e}") from None
-    if len(text) > _manifest.MAX_MANIFEST_BYTES // 2:  # checked here, before anything is written
-      raise ValueError(f"custom_metadata is {len(text) >> 20} MiB as JSON; it lives in the"
-                       f" checkpoint's manifest, which a reader takes up to"
-                       f" {_manifest.MAX_MANIFEST_BYTES >> 20} MiB: keep it under"
-                       f" {_manifest.MAX_MANIFEST_BYTES >> 21} MiB, and save large data as an"
-                       " item (arrays) instead.")
+    custom = _custom(custom_metadata)
     me, nproc = _multihost.process_index(), _multihost.process_count()
     template, flat = self._template(items, me, nproc)
     leaves = {item: leaves for item, (leaves, _) in flat.items()}
@@ -597,6 +587,15 @@ class Planner:
     if casts:
       manifest["casts"] = casts
     return Plan(loc, manifest, pieces, overwrite, template, leaves)
+
+  def check(self, items: Mapping[str, Any], custom_metadata: Mapping[str, Any] | None) -> None:
+    """Refuses what :meth:`plan` would refuse of ``items`` and ``custom_metadata`` (item
+    names, leaf types, deleted arrays, metadata), reading and writing nothing; the layout is
+    kept for the plan. (A ``dtype`` conversion's own refusals come at the plan.)"""
+    check_items(items)
+    _custom(custom_metadata)
+    template, flat = self._template(items, _multihost.process_index(), _multihost.process_count())
+    template.bind_records({item: leaves for item, (leaves, _) in flat.items()})
 
   def layout(self, items: Mapping[str, Any]) -> _Template:
     """The layout of a save of ``items``: this process's pieces (shapes and dtypes, no data
@@ -624,6 +623,22 @@ class Planner:
           self._layouts.pop(next(iter(self._layouts)))
         self._layouts[key] = template
     return template, flat
+
+
+def _custom(custom_metadata: Mapping[str, Any] | None) -> Any:
+  """``custom_metadata`` as the manifest will hold it (JSON), or a clear error."""
+  try:
+    text = json.dumps(dict(custom_metadata or {}), allow_nan=False)
+    custom = json.loads(text)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"custom_metadata must be a JSON-serialisable dict: {e}") from None
+  if len(text) > _manifest.MAX_MANIFEST_BYTES // 2:  # checked here, before anything is written
+    raise ValueError(f"custom_metadata is {len(text) >> 20} MiB as JSON; it lives in the"
+                     f" checkpoint's manifest, which a reader takes up to"
+                     f" {_manifest.MAX_MANIFEST_BYTES >> 20} MiB: keep it under"
+                     f" {_manifest.MAX_MANIFEST_BYTES >> 21} MiB, and save large data as an"
+                     " item (arrays) instead.")
+  return custom
 
 
 def _signature(leaf: Any) -> tuple:

@@ -314,6 +314,10 @@ class CheckpointManager:
         self.prepare(items)
       return False
     self._prepared = True
+    if self._rollback.active():
+      # What the save refuses is refused before the rollback's bookkeeping: a refused save
+      # is not the new run's first (it neither calls the rollback off nor records its run).
+      self._ckptr.check(items, custom_metadata)
     self._refuse_below_newest(step)  # before anything is written, like a second writer
     self._become_writer()  # before anything is written: a second writer is refused here
     # Again against the listing the writer took under its lease: another job may have saved
