@@ -139,8 +139,9 @@ class ManagerModel(RuleBasedStateMachine):
     self.tag += 1
     return self.tag
 
-  def _commit(self, step: int, tag: int, changed: float) -> None:
-    """The model's side of a save that returned: what it replaces or abandons."""
+  def _commit(self, step: int, tag: int, changed: float, keep: bool = True) -> None:
+    """The model's side of a save that returned: what it replaces or abandons, and (``keep``)
+    what this manager's keep rules drop at its commit."""
     if (self.rolled_to is not None and self.saved
         and step > max(max(self.saved), self.ceiling or 0)):
       self.rolled_to = None  # saved above every newer step: no rollback, nothing abandoned
@@ -151,7 +152,8 @@ class ManagerModel(RuleBasedStateMachine):
       self.rolled_to = None
     self.saved[step] = (tag, changed)
     self.last_saved = step
-    self._apply_keep()
+    if keep:
+      self._apply_keep()
 
   def _apply_keep(self):
     self.dropped = {}  # what the keep rules of the last save drop (at its commit)
@@ -396,7 +398,10 @@ class ManagerModel(RuleBasedStateMachine):
                           capture_output=True, text=True, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     self.rolled_to = to
-    self._commit(to + 1, tag, 0.5)  # the rollback holds from its first commit
+    # The rollback holds from its first commit; the keep rules are this job's (the killed
+    # writer keeps every step), and act at its next commit: until then what they would drop
+    # stays listed.
+    self._commit(to + 1, tag, 0.5, keep=False)
     self._open()
 
   # ------------------------------------------------------------------ the promise
