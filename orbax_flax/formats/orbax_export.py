@@ -6,8 +6,8 @@ importing orbax-checkpoint and without gathering the tree:
 
 * ``_METADATA``: each leaf's key path (``key_metadata``: dict keys and
   attribute names are type 2, sequence indices type 1) and ``value_type``
-  (``jax.Array``, ``np.ndarray``, ``scalar``, ``string``, or ``None`` for an
-  empty node), with ``use_ocdbt: false`` and ``use_zarr3: true``.
+  (``jax.Array``, ``np.ndarray``, ``scalar``, or ``None`` for an empty node),
+  with ``use_ocdbt: false`` and ``use_zarr3: true``.
 * one zarr3 array per array or numeric scalar leaf, in a directory named by
   its keys joined with ``.``: chunks tile the array's shards (a numpy array or
   scalar is one shard), split to at most about 64 MiB, zstd-compressed, each with a
@@ -16,8 +16,13 @@ importing orbax-checkpoint and without gathering the tree:
 * ``_sharding``: each ``jax.Array``'s sharding (mesh shape, axis names and
   types, partition spec, device ids) as orbax records it, so a restore without
   a target places arrays as they were (a restore with a target ignores it).
-* ``_strings.json`` for string leaves, ``_CHECKPOINT_METADATA`` naming the
-  ``StandardCheckpointHandler``, and ``commit_success.txt``.
+* ``_CHECKPOINT_METADATA`` naming the ``StandardCheckpointHandler``, and
+  ``commit_success.txt``.
+
+A string leaf is refused: the ``StandardCheckpointHandler`` that orbax's
+``StandardCheckpointer`` and ``StandardRestore`` use can neither save nor restore one
+(orbax-checkpoint 0.12.8: "Unsupported type: <class 'str'>"): an item holding one would
+restore with no target, neither one naming the string nor one leaving it out.
 
 With ``step`` the directory is a ``CheckpointManager`` run: the item sits in
 ``<path>/<step>/<item>`` beside the step's ``_CHECKPOINT_METADATA``. The
@@ -112,12 +117,11 @@ def _zarr3_lacks(where: str, dtype: Any) -> str | None:
             f" leave it out with select= (convert: SRC:<selector>) naming the other parts")
 
 
-def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[str, str]]:
-  """``(tree_metadata, arrays (name, value), strings)`` of ``tree``; ValueError for a leaf
-  orbax-checkpoint cannot hold, naming every one."""
+def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+  """``(tree_metadata, arrays (name, value))`` of ``tree``; ValueError for a leaf
+  orbax-checkpoint's ``StandardCheckpointer`` cannot save and restore, naming every one."""
   meta: dict[str, Any] = {}
   arrays: list[tuple[str, Any]] = []
-  strings: dict[str, str] = {}
   problems: list[str] = []
   seen: dict[str, str] = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_empty)[0]:
@@ -154,8 +158,11 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[s
         info["write_shape"] = [int(d) for d in leaf.sharding.shard_shape(leaf.shape)]
       arrays.append((name, leaf))
     elif isinstance(leaf, str):
-      info["value_type"] = "string"
-      strings[name] = leaf
+      problems.append(
+          f"{where}: a string ({_checks.short(leaf)}), which orbax-checkpoint's"
+          " StandardCheckpointer can neither save nor restore; leave it out with select="
+          " (convert: SRC:<selector>) naming the other parts")
+      continue
     elif isinstance(leaf, np.generic) and _tree.is_supported_dtype(leaf.dtype):
       if lacks := _zarr3_lacks(where, leaf.dtype):
         problems.append(lacks)
@@ -166,13 +173,13 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]], dict[s
       info["value_type"] = "scalar"
       arrays.append((name, np.asarray(leaf)))
     else:
-      problems.append(f"{where}: a {type(leaf).__name__} is not an array, number or string")
+      problems.append(f"{where}: a {type(leaf).__name__} is not an array or number")
       continue
     meta[str(parts)] = {"key_metadata": _keys(path), "value_metadata": info}
   if problems:
     raise ValueError("cannot export these leaves as an orbax-checkpoint:\n  "
                      + "\n  ".join(problems))
-  return meta, arrays, strings
+  return meta, arrays
 
 
 def _chunk_shape(value: Any, max_bytes: int = 64 << 20) -> tuple[int, ...]:
@@ -279,8 +286,9 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     path: the item directory to create (``step=None``), or the run directory
       of a ``CheckpointManager`` to add ``step`` to (local; shared by all
       processes).
-    tree: a pytree of ``jax.Array``, numpy arrays, numbers and strings (not a
-      single leaf); a Linen box is kept as orbax keeps it (``.../value``).
+    tree: a pytree of ``jax.Array``, numpy arrays and numbers (not a single
+      leaf; no strings, which ``StandardCheckpointer`` cannot restore); a Linen
+      box is kept as orbax keeps it (``.../value``).
     step: write ``<path>/<step>/<item>``, a step of a ``CheckpointManager``.
     item: the item's name in the step (``default`` is what a
       ``CheckpointManager`` without item names restores).
@@ -300,8 +308,8 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
   Raises:
     ValueError: a leaf orbax cannot hold (PRNG keys: export their key data; a
       dtype zarr3 lacks, such as uint4, uint2 or float8_e4m3: cast it or leave it
-      out with ``select``), two leaves with one stored name, the directory exists without
-      ``overwrite``, or it holds something an export may not replace even with
+      out with ``select``; a string: leave it out with ``select``), two leaves
+      with one stored name, the directory exists without ``overwrite``, or it holds something an export may not replace even with
       ``overwrite`` (:func:`orbax_flax.formats.safetensors_export.check_destination`);
       raised before anything is written.
     CheckpointCorruptedError: a source array failed its checksum while it was
@@ -321,7 +329,7 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     tree = _selecting.pick(tree, select)
   if max_chunk_bytes <= 0:
     raise ValueError(f"max_chunk_bytes={max_chunk_bytes}; give a positive size such as 64 << 20")
-  meta, arrays, strings = _leaf_plan(tree)
+  meta, arrays = _leaf_plan(tree)
   if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
     raise ValueError(f"step={step!r}; give a step number >= 0, or None for a lone item")
   if not item or "/" in item or item in (".", ".."):
@@ -378,8 +386,6 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
       _write_json(os.path.join(item_dir, "_METADATA"), {
           "tree_metadata": meta, "use_ocdbt": False, "use_zarr3": True,
           "store_array_data_equal_to_fill_value": True, "custom_metadata": None})
-      if strings:
-        _write_json(os.path.join(item_dir, "_strings.json"), strings)
       shardings = {base64.b64encode(n.encode()).decode(): e for n, v in arrays
                    if (e := _sharding_entry(v)) is not None}
       if shardings:
