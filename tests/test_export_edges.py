@@ -57,3 +57,27 @@ def test_export_orbax_refuses_a_string_leaf_standard_checkpointer_cannot_restore
   with ocp.CheckpointManager(run) as mgr:
     got = mgr.restore(7, args=ocp.args.StandardRestore(target))
   assert got["params"]["w"].tobytes() == state["params"]["w"].tobytes() and got["step"] == 7
+
+
+def test_export_orbax_refuses_a_python_int_beyond_64_bits_naming_it_before_writing(tmp_path,
+                                                                                   capsys):
+  """``tokens_seen = 2**64 + 1`` (ofx.save keeps it) became a numpy object array, which failed
+  in tensorstore as a StorageError after the temporary directory was made, naming neither the
+  leaf nor the fix. It is a ValueError naming the leaf, before anything is written; ints that
+  fit int64 or uint64 are written and restore through orbax as the same numbers."""
+  for big in (2**64 + 1, -2**63 - 1):
+    tree = {"params": {"w": np.ones(2, np.float32)}, "tokens_seen": big}
+    with pytest.raises(ValueError, match=r"tokens_seen: the int .* 64 bits.*select="):
+      ofx.export_orbax(str(tmp_path / "out"), tree)
+    assert not os.listdir(tmp_path)
+  src = str(tmp_path / "ckpt")
+  ofx.save(src, {"state": {"params": {"w": np.ones(2, np.float32)}, "tokens_seen": 2**64 + 1}})
+  code, err = _convert_to_orbax(src, str(tmp_path / "conv"), capsys)
+  assert code == cli.EXIT_MISSING and "tokens_seen: the int" in err, err
+  assert "StorageError" not in err and "failed (layout)" not in err, err
+  assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+  edges = {"w": np.ones(2, np.float32), "hi": 2**64 - 1, "lo": -2**63}
+  path = ofx.export_orbax(str(tmp_path / "edges"), edges)
+  with ocp.StandardCheckpointer() as c:
+    got = c.restore(path, edges)
+  assert got["hi"] == 2**64 - 1 and got["lo"] == -2**63

@@ -170,8 +170,16 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
       info["value_type"] = "np.ndarray"  # as orbax stores a numpy scalar: 0-d, its dtype kept
       arrays.append((name, np.asarray(leaf)))
     elif isinstance(leaf, (bool, int, float)):
+      value = np.asarray(leaf)  # an int outside int64 and uint64 is an object array
+      if value.dtype == object:
+        problems.append(
+            f"{where}: the int {_checks.short(leaf)} does not fit in 64 bits (int64 or uint64),"
+            " the widest integer orbax-checkpoint stores; keep it as a float"
+            " (float(x), if an approximation will do) or as several 64-bit ints, or leave it"
+            " out with select= (convert: SRC:<selector>) naming the other parts")
+        continue
       info["value_type"] = "scalar"
-      arrays.append((name, np.asarray(leaf)))
+      arrays.append((name, value))
     else:
       problems.append(f"{where}: a {type(leaf).__name__} is not an array or number")
       continue
@@ -308,7 +316,8 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
   Raises:
     ValueError: a leaf orbax cannot hold (PRNG keys: export their key data; a
       dtype zarr3 lacks, such as uint4, uint2 or float8_e4m3: cast it or leave it
-      out with ``select``; a string: leave it out with ``select``), two leaves
+      out with ``select``; a string: leave it out with ``select``; a Python int
+      outside int64 and uint64), two leaves
       with one stored name, the directory exists without ``overwrite``, or it holds something an export may not replace even with
       ``overwrite`` (:func:`orbax_flax.formats.safetensors_export.check_destination`);
       raised before anything is written.
