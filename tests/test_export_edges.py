@@ -6,6 +6,8 @@ an ``export_orbax`` onto any mesh) and the ``safetensors`` package.
 """
 
 import io
+import itertools
+import json
 import os
 
 import jax
@@ -81,3 +83,49 @@ def test_export_orbax_refuses_a_python_int_beyond_64_bits_naming_it_before_writi
   with ocp.StandardCheckpointer() as c:
     got = c.restore(path, edges)
   assert got["hi"] == 2**64 - 1 and got["lo"] == -2**63
+
+
+def _chunks(path, name):
+  zarr = json.load(open(os.path.join(path, name, "zarr.json"), encoding="utf-8"))
+  files = [f for _, _, fs in os.walk(os.path.join(path, name, "c")) for f in fs]
+  return zarr["chunk_grid"]["configuration"]["chunk_shape"], len(files)
+
+
+def test_export_orbax_cuts_a_prime_row_count_into_few_chunks_one_writer_each(tmp_path):
+  """A dimension with a prime length, held whole by each shard (a numpy array, an unsharded
+  dimension), was cut into chunks of one row, since a chunk's length had to divide it: a
+  (32003, 1024) float32 array became 32,007 files. Along such a dimension a chunk is as long
+  as the size limit allows, the last one partial (one shard holds it, so one writer); a
+  dimension split across shards is still cut at its divisors. orbax restores both bitwise."""
+  host = np.arange(1009 * 16, dtype=np.float32).reshape(1009, 16)  # 1009 is prime
+  path = ofx.export_orbax(str(tmp_path / "host"), {"x": host}, max_chunk_bytes=4096)
+  chunk, files = _chunks(path, "x")
+  assert chunk == [64, 16] and files == -(-1009 // 64) == 16, (chunk, files)
+  with ocp.StandardCheckpointer() as c:
+    assert c.restore(path)["x"].tobytes() == host.tobytes()
+  # Rows held whole by every shard, columns split over 8 devices: rows by the limit, columns
+  # at the shard's edges.
+  mesh = jax.make_mesh((8,), ("all",))
+  x = jax.device_put(jnp.arange(101 * 64, dtype=jnp.float32).reshape(101, 64),
+                     NamedSharding(mesh, P(None, "all")))  # shards of (101, 8)
+  path = ofx.export_orbax(str(tmp_path / "sharded"), {"x": x}, max_chunk_bytes=320)
+  chunk, files = _chunks(path, "x")
+  assert chunk == [10, 8] and files == 11 * 8, (chunk, files)
+  # Every chunk lies inside one shard written (replica 0): no two writers share a chunk.
+  owners = [[(s.start or 0, x.shape[d] if s.stop is None else s.stop)
+             for d, s in enumerate(shard.index)] for shard in x.addressable_shards
+            if shard.replica_id == 0]
+  for origin in itertools.product(*(range(0, n, c) for n, c in zip(x.shape, chunk))):
+    box = [(o, min(o + c, n)) for o, c, n in zip(origin, chunk, x.shape)]
+    inside = [b for b in owners if all(lo <= a and z <= hi for (a, z), (lo, hi) in zip(box, b))]
+    assert len(inside) == 1, (box, inside)
+  other = NamedSharding(jax.make_mesh((4,), ("all",), devices=jax.devices()[4:]), P(None, "all"))
+  with ocp.StandardCheckpointer() as c:
+    got = c.restore(path, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=other)})
+  assert got["x"].sharding == other and np.asarray(got["x"]).tobytes() == np.asarray(x).tobytes()
+  # A dimension split over shards keeps chunks that divide the shard: 32 rows per shard.
+  y = jax.device_put(jnp.ones((64, 12), jnp.float32), NamedSharding(
+      jax.make_mesh((2, 4), ("data", "model")), P("data", None)))
+  chunk, _ = _chunks(ofx.export_orbax(str(tmp_path / "split"), {"y": y}, max_chunk_bytes=480),
+                     "y")
+  assert chunk == [8, 12], chunk

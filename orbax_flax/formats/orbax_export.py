@@ -9,9 +9,10 @@ importing orbax-checkpoint and without gathering the tree:
   (``jax.Array``, ``np.ndarray``, ``scalar``, or ``None`` for an empty node),
   with ``use_ocdbt: false`` and ``use_zarr3: true``.
 * one zarr3 array per array or numeric scalar leaf, in a directory named by
-  its keys joined with ``.``: chunks tile the array's shards (a numpy array or
-  scalar is one shard), split to at most about 64 MiB, zstd-compressed, each with a
-  CRC-32C (zarr3's ``crc32c`` codec). Every process writes the chunks of
+  its keys joined with ``.``: chunks of at most about 64 MiB, each inside one of
+  the array's shards (a numpy array or scalar is one shard; along a dimension
+  every shard holds whole the last chunk may be partial), zstd-compressed, each
+  with a CRC-32C (zarr3's ``crc32c`` codec). Every process writes the chunks of
   the shards it owns (``replica_id`` 0); process 0 writes the metadata.
 * ``_sharding``: each ``jax.Array``'s sharding (mesh shape, axis names and
   types, partition spec, device ids) as orbax records it, so a restore without
@@ -191,8 +192,11 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
 
 
 def _chunk_shape(value: Any, max_bytes: int = 64 << 20) -> tuple[int, ...]:
-  """A chunk that tiles one shard (so each chunk has one writer), of at most about
-  ``max_bytes``: a shard's dimensions are divided, leading ones first, by their divisors.
+  """A chunk of at most about ``max_bytes`` that lies inside one shard wherever it is on
+  the chunk grid, so each chunk has one writer. Dimensions are cut leading ones first:
+  one the shards split is cut at a divisor of the shard's length (chunks tile each shard);
+  one every shard holds whole (every dimension of a numpy array) as long as the size allows, its
+  last chunk partial (zarr3 clips it to the array; it is inside every shard too).
 
   Example:
     >>> import numpy as np
@@ -200,18 +204,26 @@ def _chunk_shape(value: Any, max_bytes: int = 64 << 20) -> tuple[int, ...]:
     ((3, 4), ())
     >>> _chunk_shape(np.zeros((1024, 1024, 64), np.float32))
     (256, 1024, 64)
+    >>> _chunk_shape(np.zeros((1009, 16), np.float32), max_bytes=4096)  # 1009 is prime
+    (64, 16)
   """
   shape = tuple(int(s) for s in value.shape)
+  split = [False] * len(shape)
   if isinstance(value, jax.Array) and shape:
-    shape = tuple(int(s) for s in value.sharding.shard_shape(shape))
+    shard = tuple(int(s) for s in value.sharding.shard_shape(shape))
+    split = [s != n for s, n in zip(shard, shape)]
+    shape = shard
   chunk = [max(s, 1) for s in shape]
   itemsize = np.dtype(value.dtype).itemsize
   for d, size in enumerate(chunk):
     rest = itemsize * int(np.prod(chunk[:d] + chunk[d + 1:], dtype=np.int64))
     if rest * size <= max_bytes:
       break
-    chunk[d] = max((k for k in range(1, size + 1) if size % k == 0 and rest * k <= max_bytes),
-                   default=1)
+    if split[d]:
+      chunk[d] = max((k for k in range(1, size + 1) if size % k == 0 and rest * k <= max_bytes),
+                     default=1)
+    else:
+      chunk[d] = max(max_bytes // rest, 1)
   return tuple(chunk)
 
 
@@ -307,8 +319,8 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
     select: write only a part of ``tree``, named as ``init_from`` names it:
       ``"params"``, several joined by ``,`` (``"params,batch_stats"``); a
       TrainState's fields are its keys.
-    max_chunk_bytes: the most bytes per zarr chunk (a shard is split into
-      chunks that tile it; a reader decodes one chunk at a time).
+    max_chunk_bytes: the most bytes per zarr chunk (each chunk lies inside one
+      shard; a reader decodes one chunk at a time).
 
   Returns:
     The directory written (the item's, or the step's).
