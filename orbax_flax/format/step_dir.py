@@ -10,7 +10,9 @@ local directories only). A committed step that others borrow from and that a
 new save of its number replaces is *parked* there for the save, its
 ``_CHECKPOINT`` kept: retired once the new save commits, moved back if it does
 not (:func:`settle_parked` after a crash). Anything else carrying a step number
-is a leftover of an interrupted save or delete, except another library's steps:
+is a leftover of an interrupted save or delete (on an object store also a generation
+of data inside a committed step that its manifest does not name: an interrupted
+overwrite of the step, :class:`Leftover`), except another library's steps:
 a step prefix holding a key that only another library writes there
 (:data:`FOREIGN_MARKERS`: orbax-checkpoint's commit marker, step metadata and
 pytree metadata) is never a leftover of ours, on an object store as on a file
@@ -53,6 +55,7 @@ import shutil
 import uuid
 from collections.abc import Iterable, Sequence
 
+from orbax_flax import errors
 from orbax_flax.core import _location
 from orbax_flax.format import _manifest
 from orbax_flax.core._location import Location
@@ -60,9 +63,16 @@ from orbax_flax.core._location import Location
 
 @dataclasses.dataclass(frozen=True)
 class Leftover:
-  """Debris of an interrupted save or delete: safe to remove when nothing writes it."""
+  """Debris of an interrupted save or delete: safe to remove when nothing writes it.
+
+  ``name``: a directory (``<step>.ofx-tmp-<gen>``) or a step prefix without a manifest
+  (``<step>/``); on an object store, an overwrite of a committed step that did not commit
+  leaves its data inside the step, beside the data the manifest names: ``generation`` is
+  then that save's, and ``name`` says where its keys are, ``<step>/*/p*-<generation>/``.
+  """
   name: str
   step: int | None
+  generation: str | None = None
 
 
 TMP_MARKER = ".ofx-tmp-"  # <step>.ofx-tmp-<...>: an uncommitted save or a step being deleted
@@ -304,6 +314,7 @@ def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Le
           loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None], []
   keys = _location.list_keys(loc)
   committed, prefixes, foreign = set(), set(), set()
+  generations: dict[str, set[str]] = {}  # step -> the generations its data keys hold
   for k in keys:
     head, _, rest = k.partition("/")
     if _is_step(head):
@@ -312,9 +323,57 @@ def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Le
         committed.add(head)
       elif _is_foreign(rest):
         foreign.add(head)
+      elif (gen := _generation_of_key(rest)) is not None:
+        generations.setdefault(head, set()).add(gen)
   steps = sorted(int(h) for h in committed)
   leftovers = [Leftover(h + "/", int(h)) for h in sorted(prefixes - committed - foreign, key=int)]
-  return steps, leftovers
+  # A committed step's data of a generation its manifest does not name: an overwrite of it
+  # that did not commit (or whose commit could not remove the data it replaced). Only a step
+  # holding two generations has its manifest read (one small read): one is the step's own.
+  for h in sorted(committed, key=int):
+    if len(generations.get(h, ())) > 1:
+      current = committed_generation(loc.join(h))
+      if current is not None:  # (unreadable: which generation is the step's is not known)
+        leftovers += [Leftover(_generation_name(h, g), int(h), g)
+                      for g in sorted(generations[h] - {current})]
+  return steps, sorted(leftovers, key=lambda l: (l.step, l.name))
+
+
+def _generation_of_key(key: str) -> str | None:
+  """The generation of a data key inside a step (``<item>/p<process>-<generation>/...``)."""
+  parts = key.split("/", 2)
+  if len(parts) < 3:
+    return None
+  process, _, gen = parts[1].partition("-")
+  if process[:1] == "p" and process[1:].isdigit() and _manifest._GENERATION.match(gen):
+    return gen
+  return None
+
+
+def _generation_name(step: str, generation: str) -> str:
+  return f"{step}/*/p*-{generation}/"
+
+
+def committed_generation(loc: Location) -> str | None:
+  """The generation the committed manifest of the checkpoint ``loc`` names (read from its
+  summary: a few KB); None where it has none, or it cannot be read.
+
+  Example:
+    >>> import tempfile
+    >>> committed_generation(Location.parse(tempfile.mkdtemp())) is None
+    True
+  """
+  where = f"{loc}/{_manifest.MANIFEST_KEY}"
+  try:
+    data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
+    summary = None if data is None else _manifest.decode_summary(data, where)
+    extent = None if data is None or summary is not None else _manifest.summary_extent(data)
+    if extent is not None and len(data) < extent <= _manifest.MAX_MANIFEST_BYTES:  # long
+      data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=extent)
+      summary = None if data is None else _manifest.decode_summary(data, where)
+  except errors.CheckpointError:
+    return None
+  return (summary.generation or None) if summary is not None else None
 
 
 def _is_foreign(key: str) -> bool:
@@ -351,21 +410,33 @@ def _is_step(name: str) -> bool:
   return name.isascii() and name.isdigit()
 
 
-def remove(loc: Location, name: str) -> bool:
-  """Removes a leftover (a directory or a key prefix) entirely.
+def remove(loc: Location, leftover: Leftover) -> bool:
+  """Removes a leftover (a directory, a key prefix, or one generation's data in a step).
 
   On an object store a prefix whose manifest exists by now (its save committed
   since the listing), or that holds another library's step
-  (:data:`FOREIGN_MARKERS`), is left alone: it is no leftover of ours.
+  (:data:`FOREIGN_MARKERS`), is left alone: it is no leftover of ours. So is a
+  generation inside a step unless the step's manifest, read again here, names
+  another one (the save that wrote it may have committed since the listing).
 
   Returns:
     False if a local leftover is still there (a local removal ignores errors: it
     is tried again at a later sweep).
   """
+  name = leftover.name
   if loc.is_local:
     path = os.path.join(loc.local_path, name)
     remove_local(path)
     return not os.path.lexists(path)
+  if leftover.generation is not None:
+    step = loc.join(str(leftover.step))
+    current = committed_generation(step)
+    if current is not None and current != leftover.generation:
+      databases = {"/".join(k.split("/", 2)[:2]) for k in _location.list_keys(step)
+                   if _generation_of_key(k) == leftover.generation}
+      for db in sorted(databases):
+        _location.delete_prefix(step, db + "/")
+    return True
   prefix = loc.join(name.rstrip("/"))
   if (_location.read_key(prefix, _manifest.MANIFEST_KEY, max_bytes=1) is None
       and not any(_is_foreign(k) for k in _location.list_keys(prefix))):

@@ -177,7 +177,7 @@ class StepRegistry:
     leftovers and, where this process deletes and no other writer holds the directory,
     sweeps them and repairs the step index (holding the writer lease for that long)."""
     if self._leftovers:
-      log.warning("%s holds %d uncommitted step(s), saves in progress (of another job) or"
+      log.warning("%s holds %d uncommitted save(s), in progress (of another job) or"
                   " interrupted: %s. A save in progress becomes <step> when it commits; a training"
                   " job here removes the interrupted ones (at or below its latest step) itself.",
                   self._dir, len(self._leftovers), ", ".join(l.name for l in self._leftovers[:5]))
@@ -570,18 +570,27 @@ class StepRegistry:
       latest = committed[-1] if committed else None
       _, leftovers = step_dir.list_steps(self._dir, full=True)
       writing = self.writes.steps()
+      borrowed = self._borrowed(leftovers)
       kept = []
       for l in leftovers:
-        if l.step is None or l.step in writing or latest is None or l.step > latest:
+        if (l.step is None or l.step in writing or latest is None or l.step > latest
+            or not _unborrowed(l, borrowed)):
           kept.append(l)
           continue
         log.info("removing leftover %s of an interrupted save or delete", l.name)
-        if not step_dir.remove(self._dir, l.name):
+        if not step_dir.remove(self._dir, l):
           kept.append(l)  # still there: tried again at the next sweep
       # Retired data only; should its removal fail, what stays is found by the next sweep.
       self.retention.sweep(self._dir)
       # What is left, from the one listing: on an object store a listing reads every key.
       self._leftovers = kept
+
+  def _borrowed(self, leftovers: Sequence[step_dir.Leftover]) -> set[str] | None:
+    """The generations that committed steps borrow from (differential bases), read only
+    where ``leftovers`` hold a generation inside a committed step; None: not known."""
+    if not any(l.generation is not None for l in leftovers):
+      return set()
+    return restoring.referenced_generations(self._dir)
 
   @contextlib.contextmanager
   def saving(self, step: int) -> Iterator[None]:
@@ -595,9 +604,12 @@ class StepRegistry:
     self.writes.start(step)
     try:
       if not self._dir.is_local and self._deletes:
-        for l in [l for l in self._leftovers if l.step == step]:
-          log.info("removing leftover %s of an interrupted save of step %d", l.name, step)
-          step_dir.remove(self._dir, l.name)
+        mine = [l for l in self._leftovers if l.step == step]
+        borrowed = self._borrowed(mine)
+        for l in mine:
+          if _unborrowed(l, borrowed):
+            log.info("removing leftover %s of an interrupted save of step %d", l.name, step)
+            step_dir.remove(self._dir, l)
       yield
     except BaseException:
       self.writes.end(step)
@@ -623,6 +635,15 @@ class StepRegistry:
     if self._lease is not None:
       self._lease.release(retries=retries)
     self._writer = False
+
+
+def _unborrowed(leftover: step_dir.Leftover, borrowed: set[str] | None) -> bool:
+  """Whether no committed step may reference the data of ``leftover``: a generation inside a
+  committed step stays while one does, or while what they reference is not known (None).
+  (Differential saves are refused on object stores, where such generations lie, so a base
+  there is a step's own committed generation; this holds whatever wrote the steps.)"""
+  return leftover.generation is None or (borrowed is not None
+                                         and leftover.generation not in borrowed)
 
 
 class Rollback:
