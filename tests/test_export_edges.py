@@ -17,6 +17,8 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from safetensors import safe_open
+from safetensors.numpy import load_file
 
 import orbax_flax as ofx
 from orbax_flax import cli
@@ -129,3 +131,27 @@ def test_export_orbax_cuts_a_prime_row_count_into_few_chunks_one_writer_each(tmp
   chunk, _ = _chunks(ofx.export_orbax(str(tmp_path / "split"), {"y": y}, max_chunk_bytes=480),
                      "y")
   assert chunk == [8, 12], chunk
+
+
+def test_export_safetensors_writes_big_endian_numpy_arrays_in_little_endian(tmp_path):
+  """A '>f4' or '>i8' numpy array (what FITS, netCDF and HDF5 readers hand back) was refused
+  ("safetensors cannot store >f4"), advising dtype=, which does nothing for integers. It is
+  written as the little-endian dtype safetensors names (F32, I64), its bytes swapped."""
+  tree = {"w": (np.arange(6, dtype=">f4") / 7).reshape(2, 3), "ids": np.arange(3, dtype=">i8"),
+          "h": np.array([1.5, -2.0], dtype=">f2"), "flags": np.array([True, False])}
+  d = str(tmp_path / "st")
+  ofx.export_safetensors(d, tree)
+  file = os.path.join(d, "model.safetensors")
+  back = load_file(file)
+  for k, v in tree.items():
+    assert back[k].dtype == v.dtype.newbyteorder("<") and back[k].tobytes() == v.astype(
+        v.dtype.newbyteorder("<")).tobytes(), k
+    np.testing.assert_array_equal(back[k], v)
+  with safe_open(file, framework="numpy") as f:
+    assert f.get_slice("ids").get_dtype() == "I64" and f.get_slice("w").get_dtype() == "F32"
+  np.testing.assert_array_equal(ofx.restore(d)["params"]["ids"], tree["ids"])
+  # One dtype for the tree converts the floating ones, from big-endian too.
+  ofx.export_safetensors(str(tmp_path / "bf16"), tree, dtype="bfloat16")
+  back = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+  assert back["w"].dtype == jnp.bfloat16 and back["ids"].dtype == np.int64
+  np.testing.assert_array_equal(back["w"], tree["w"].astype(jnp.bfloat16))

@@ -35,7 +35,7 @@ from orbax_flax.differential import refs
 from orbax_flax.format import _manifest
 from orbax_flax.formats import _checks
 from orbax_flax.formats import _cbytes
-from orbax_flax.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, dtype_name
+from orbax_flax.formats.safetensors_io import INDEX_NAME, SINGLE_NAME, dtype_name, little_endian
 
 log = logging.getLogger("orbax_flax")
 _TMP = ".ofx-tmp-export"
@@ -181,8 +181,8 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
       problems.append(f"{where}: tensor name {name!r} is also the name of {seen[name]}")
       continue
     seen[name] = where
-    try:
-      out_dtype = _cast_to(dtype, name, np.dtype(leaf.dtype))
+    try:  # written little-endian, as safetensors stores it: a '>f4' array's bytes are swapped
+      out_dtype = little_endian(_cast_to(dtype, name, np.dtype(leaf.dtype)))
       dtype_name(out_dtype)
     except (ValueError, TypeError) as e:
       problems.append(f"{where}: {e}")

@@ -56,17 +56,31 @@ _DTYPES: dict[str, np.dtype] = {
 _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
-def dtype_name(dtype: Any) -> str:
-  """The safetensors name of a numpy dtype; ValueError naming the supported ones.
+def little_endian(dtype: Any) -> np.dtype:
+  """``dtype`` in the byte order safetensors stores, little-endian: a big-endian ``>f4``
+  (what FITS, netCDF and HDF5 readers hand back) is stored as ``<f4``, its bytes swapped.
 
   Example:
-    >>> dtype_name(np.float32), dtype_name(ml_dtypes.bfloat16)
-    ('F32', 'BF16')
+    >>> little_endian(">i8"), little_endian(np.float32), little_endian(ml_dtypes.bfloat16)
+    (dtype('int64'), dtype('float32'), dtype(bfloat16))
   """
-  name = _NAMES.get(np.dtype(dtype))
+  dtype = np.dtype(dtype)
+  return np.dtype(dtype.newbyteorder("<").str) if dtype.byteorder == ">" else dtype
+
+
+def dtype_name(dtype: Any) -> str:
+  """The safetensors name of a numpy dtype, in either byte order (safetensors stores it
+  little-endian: :func:`little_endian`); ValueError naming the supported ones.
+
+  Example:
+    >>> dtype_name(np.float32), dtype_name(ml_dtypes.bfloat16), dtype_name(">i8")
+    ('F32', 'BF16', 'I64')
+  """
+  name = _NAMES.get(little_endian(dtype))
   if name is None:
     raise ValueError(f"safetensors cannot store {np.dtype(dtype)}; it stores"
-                     f" {', '.join(str(d) for d in _NAMES)}. Cast it (dtype=...) or leave it out.")
+                     f" {', '.join(str(d) for d in _NAMES)}. Cast it (dtype=\"bfloat16\" casts"
+                     " floating arrays; dtype=lambda name, dt: ... any) or leave it out (select=).")
   return name
 
 
