@@ -177,15 +177,28 @@ class Checkpointer:
       self._finish_inflight()
 
   def close(self) -> None:
-    """Waits for the save in flight, then releases the staging memory and threads."""
+    """Waits for the save in flight, then releases the staging memory and threads.
+
+    Interrupted (Ctrl-C) while the save in flight writes, it abandons that save (it never
+    commits) and releases the staging memory, which the save may still be writing from, once
+    the save has ended.
+    """
     with self._one_save:
       if self._closed:
         return
       try:
         self._finish_inflight()
-      finally:
+      except BaseException as e:
         self._closed = True
-        self._staging.close()
+        running = self._inflight
+        if isinstance(e, Exception) or running is None or running.done():
+          self._staging.close()
+        else:
+          running.cancel()
+          running.add_done_callback(lambda _: self._staging.close())
+        raise
+      self._closed = True
+      self._staging.close()
 
   def __enter__(self) -> Checkpointer:
     return self
@@ -320,11 +333,13 @@ class Checkpointer:
       self._check_open()
       self._finish_inflight()
       plan, run, handle = self._start(path, items, overwrite, custom_metadata, dtype, bind=False)
+      # In flight from here, whatever interrupts this call: the next save waits for it (its
+      # writing may use the staging memory the next one copies into).
+      self._inflight = handle
       saving.save_async(plan, run, handle, host_transfer=self.host_transfer,
                         staging=self._staging, max_host_bytes=self.max_host_bytes,
                         watchdog_seconds=self.watchdog_seconds, cancellable=cancellable,
                         keep=self._is_own_snapshot, on_end=self._after_save)
-      self._inflight = handle
       return handle
 
   def _start(self, path: Any, items: Mapping[str, Any], overwrite: bool,

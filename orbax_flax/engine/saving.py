@@ -131,6 +131,8 @@ class AsyncSave:
     # waits only for the thread's last lines): a Ctrl-C that interrupts Thread.join on
     # Python 3.11 marks a running thread as stopped.
     self._over = threading.Event()
+    self._began = threading.Event()  # set first thing by the background thread
+    self._pid = os.getpid()  # the process whose exit waits for it (not a forked child)
     self.cancelled = threading.Event()
     self._callbacks: list[Callable[[AsyncSave], None]] | None = []  # None once they ran
     self._callbacks_lock = threading.Lock()
@@ -161,8 +163,14 @@ class AsyncSave:
         self._error.add_note(f"(its done-callback failed too: {type(e).__name__}: {e})")
 
   def run_in_background(self, work: Callable[[], None]) -> None:
-    """Runs ``work`` in a daemon thread; at interpreter exit it still commits unless cancelled."""
+    """Runs ``work`` in a daemon thread; at interpreter exit it still commits unless cancelled.
+
+    A KeyboardInterrupt (Ctrl-C) while the thread starts (``Thread.start`` waits for it) leaves
+    the save running where its caller never learns of it: it is cancelled before the
+    interrupt goes on (it never commits), and runs to its end like any cancelled save.
+    """
     def body() -> None:
+      self._began.set()
       try:
         work()
       except BaseException as e:  # pylint: disable=broad-except  # Re-raised in wait().
@@ -175,10 +183,21 @@ class AsyncSave:
           self._over.set()
     self._thread = threading.Thread(target=body, name=f"orbax_flax-save-{self.path}", daemon=True)
     atexit.register(self._finish_at_exit)
-    self._thread.start()
+    try:
+      self._thread.start()
+    except BaseException:
+      self.cancel()
+      # A thread is made in microseconds and runs at once: not begun after seconds, the
+      # interrupt came before it was made. Then a new one runs the (cancelled) save to its end.
+      if not self._began.wait(_THREAD_START_S):
+        self._thread = threading.Thread(target=body, name=f"orbax_flax-save-{self.path}",
+                                        daemon=True)
+        self._thread.start()
+      raise
 
   def _finish_at_exit(self) -> None:
-    if not self.cancelled.is_set():
+    # Not in a child forked while the save ran: its copy of the save has no thread to wait for.
+    if not self.cancelled.is_set() and os.getpid() == self._pid:
       self.join()
 
   def run_here(self, work: Callable[[], None]) -> None:
@@ -287,6 +306,11 @@ def save(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, staging: _sta
 
   with _progress.Monitor(run.progress, watchdog_seconds, terminal=False):
     handle.run_here(work)
+
+
+# How long a save's thread may take to begin before a Ctrl-C in its start counts as having
+# come before the thread was made (see AsyncSave.run_in_background).
+_THREAD_START_S = 5.0
 
 
 def save_async(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, host_transfer: str,

@@ -525,8 +525,10 @@ class WriterLease:
       if other.this_process():
         raise errors.WriterConflictError(
             f"{self._loc} has a writer already: another CheckpointManager of this very process"
-            f" ({other.describe(now)}), still open. A directory of steps has one writer: close()"
-            " that earlier manager (or use it instead of a new one); a manager dropped without"
+            f" ({other.describe(now)}), still open, or closed by an interrupted close() while the"
+            " save it abandoned still stops (it lets go once that save has ended). A directory"
+            " of steps has one writer: close() that earlier manager (or use it instead of a new"
+            " one); a manager dropped without"
             " close() lets go of the directory once collected and its save in flight has ended"
             " (`del` it and gc.collect(), e.g. after re-running a notebook cell), or restart the"
             " kernel.")

@@ -565,6 +565,11 @@ class CheckpointManager:
     """Waits for everything in flight, then releases the manager's threads and its writer
     lease. A save another thread is starting is waited for first.
 
+    Interrupted (Ctrl-C) while a save writes, it abandons that save (it never commits, as
+    :meth:`abandon_inflight`), waits up to ``ABANDON_WAIT_S`` seconds for its writing to stop,
+    and raises the interrupt; the lease and the threads are released once the save has ended,
+    never before (a second Ctrl-C stops the wait, not that order).
+
     After a save that failed because the store stopped answering (its retries ran out, and
     no save committed since), the cleanup makes one attempt per request: what it cannot
     remove is left to the next writer (docs/guarantees.md, section 5, gives the bound).
@@ -574,10 +579,28 @@ class CheckpointManager:
         return
       try:
         self.wait()
-      finally:
+      except BaseException as e:
         self._closed = True
-        self.registry.close(retries=not self._store_silent)
-        self._ckptr.close()
+        running = self._ckptr.inflight  # (also one whose save() call was interrupted)
+        if isinstance(e, Exception) or running is None or running.done():
+          self._release()
+        else:
+          # Interrupted (Ctrl-C) while a save writes: it is abandoned (it never commits), and
+          # the lease and the threads are released once it has ended, never before: a manager
+          # opened next (a notebook cell run again) would sweep the data it still writes.
+          self._inflight.abandon(started=running)
+          running.add_done_callback(lambda _: self._release())
+          running.join(ABANDON_WAIT_S)  # its writing stops (a second Ctrl-C: it goes on alone)
+        raise
+      self._closed = True
+      self._release()
+
+  def _release(self) -> None:
+    """The end of :meth:`close`: the registry's threads and writer lease, the checkpointer's."""
+    try:
+      self.registry.close(retries=not self._store_silent)
+    finally:
+      self._ckptr.close()
 
   def __enter__(self) -> CheckpointManager:
     return self
@@ -753,6 +776,9 @@ class InFlight:
 
 
 BEFORE_KEYS = ("total", "items", "data")
+# How long an interrupted close() (or the callback's second Ctrl-C) waits for the abandoned
+# save's writing to stop: about a second when it is cancellable, what it was handed otherwise.
+ABANDON_WAIT_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)

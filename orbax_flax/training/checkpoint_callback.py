@@ -46,6 +46,7 @@ from orbax_flax.training import preemption
 from orbax_flax.training import resume
 from orbax_flax.training import state_items
 from orbax_flax.manager.config import CheckpointPolicy
+from orbax_flax.manager import manager as manager_lib
 from orbax_flax.manager.manager import CheckpointManager
 from orbax_flax.tiers import saves
 
@@ -502,8 +503,6 @@ class CheckpointCallback(callbacks.Callback):
 # loss fails everywhere at once; a failure of one process alone leaves the
 # others inside a collective, and nothing can be saved without them).
 FAILED_AGREEMENT_S = 3.0
-# How long a second Ctrl-C waits for the abandoned save's writing to stop (about a second).
-ABANDON_WAIT_S = 10.0
 
 
 def stop_saving(manager: CheckpointManager, step: int) -> None:
@@ -513,7 +512,7 @@ def stop_saving(manager: CheckpointManager, step: int) -> None:
   writes may abort.
   """
   try:
-    manager.abandon_inflight(wait_s=ABANDON_WAIT_S)
+    manager.abandon_inflight(wait_s=manager_lib.ABANDON_WAIT_S)
     manager.close()  # its threads too (the staging memory's preparation)
   except KeyboardInterrupt:  # a third Ctrl-C: stop waiting
     pass
