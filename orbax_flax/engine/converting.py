@@ -14,7 +14,8 @@ go into the header's ``__metadata__`` (``bytes`` too, if they are UTF-8 text; ot
 are refused), numeric scalars become 0-d tensors.
 
 To orbax-checkpoint (:func:`orbax_flax.export_orbax`) the conversion streams
-the same way: each array is read and written as one zarr3 chunk.
+the same way: each array is read whole and written in zarr3 chunks of at most
+about 64 MiB (``max_chunk_bytes``).
 
 To orbax_flax the source is read whole into host memory and saved with one
 blocking save (peak: about the state's size), because a save commits every
