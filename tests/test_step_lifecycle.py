@@ -409,21 +409,24 @@ def test_a_restore_to_look_at_an_older_step_then_training_on_abandons_nothing(tm
       assert restores_as(m.step_path(s), items(s)), s
 
 
+@pytest.mark.parametrize("refused_for", ["leaf", "dtype"])
 @pytest.mark.parametrize("refused_at", ["below", "above"])
-def test_a_refused_save_changes_nothing_a_rollback_decides(tmp_path, refused_at):
-  """A save refused for a leaf it cannot write (nothing written) between a restore of an older
-  step and the next save: below the newest, it counted as the new run's first save (its
-  rollback record was written before the refusal), so a save above every abandoned step then
-  ended the old run and deleted 2-4 (the long model run found it); above, it called the
-  rollback off, and training on from the restored step was refused as a save below the newest."""
+def test_a_refused_save_changes_nothing_a_rollback_decides(tmp_path, refused_at, refused_for):
+  """A save refused for its input (a leaf it cannot write; a dtype= no one knows), nothing
+  written, between a restore of an older step and the next save: below the newest, it counted
+  as the new run's first save (its rollback record was written before the refusal), so a save
+  above every abandoned step then ended the old run and deleted 2-4 (the long model run found
+  it); above, it called the rollback off, and training on from the restored step was refused
+  as a save below the newest."""
   with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(async_save=False)) as m:
     for s in (1, 2, 3, 4):
       m.save(s, items(s), force=True)
     m.restore(1)
-    bad = items(99)
-    bad["state"]["bad"] = object()
-    with pytest.raises(ofx.UnsupportedLeafError):
-      m.save(2 if refused_at == "below" else 5, bad, force=True)
+    bad, options = items(99), {"dtype": "bfloat17"}  # (a typo)
+    if refused_for == "leaf":
+      bad["state"]["bad"], options = object(), {}
+    with pytest.raises(ofx.UnsupportedLeafError if refused_for == "leaf" else ValueError):
+      m.save(2 if refused_at == "below" else 5, bad, force=True, **options)
     if refused_at == "below":  # the restore was a look: training goes on above the newest
       m.save(5, items(5), force=True)
       want = {1: 1, 2: 2, 3: 3, 4: 4, 5: 5}

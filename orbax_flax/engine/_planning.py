@@ -588,10 +588,12 @@ class Planner:
       manifest["casts"] = casts
     return Plan(loc, manifest, pieces, overwrite, template, leaves)
 
-  def check(self, items: Mapping[str, Any], custom_metadata: Mapping[str, Any] | None) -> None:
-    """Refuses what :meth:`plan` would refuse of ``items`` and ``custom_metadata`` (item
-    names, leaf types, deleted arrays, metadata), reading and writing nothing; the layout is
-    kept for the plan. (A ``dtype`` conversion's own refusals come at the plan.)"""
+  def check(self, items: Mapping[str, Any], custom_metadata: Mapping[str, Any] | None,
+            dtype: Any = None) -> None:
+    """Refuses what :meth:`plan` would refuse of ``items``, ``custom_metadata`` and ``dtype``
+    (item names, leaf types, deleted arrays, metadata, conversions), reading and writing
+    nothing and converting nothing; the layout is kept for the plan."""
+    cast_items(items, dtype, check_only=True)
     check_items(items)
     _custom(custom_metadata)
     template, flat = self._template(items, _multihost.process_index(), _multihost.process_count())
@@ -650,8 +652,11 @@ def _signature(leaf: Any) -> tuple:
   return ("other", type(leaf))
 
 
-def cast_items(items: Mapping[str, Any], dtype: Any) -> tuple[Mapping[str, Any], dict[str, str]]:
+def cast_items(items: Mapping[str, Any], dtype: Any, check_only: bool = False
+               ) -> tuple[Mapping[str, Any], dict[str, str]]:
   """``items`` with arrays converted for ``save(..., dtype=...)``, and what each was.
+
+  ``check_only``: raise what the conversion refuses, convert nothing (``items`` as given).
 
   Example:
     >>> items, casts = cast_items({"s": {"w": np.ones(2, np.float32), "n": np.arange(2)}}, "float16")
@@ -691,7 +696,7 @@ def cast_items(items: Mapping[str, Any], dtype: Any) -> tuple[Mapping[str, Any],
             f" {np.dtype(leaf.dtype).name}); enable it (jax.config.update('jax_enable_x64',"
             f" True)), pass host arrays (jax.device_get), or choose a 32-bit dtype")
       casts[where] = np.dtype(leaf.dtype).name
-      return leaf.astype(to)
+      return leaf if check_only else leaf.astype(to)
     out[item] = jax.tree_util.tree_map_with_path(one, tree)
   return out, casts
 

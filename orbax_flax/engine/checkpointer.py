@@ -209,10 +209,11 @@ class Checkpointer:
   # ------------------------------------------------------------------ saving
 
   def check(self, items: Mapping[str, Any],
-            custom_metadata: Mapping[str, Any] | None = None) -> None:
+            custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None) -> None:
     """Raises what a save of ``items`` would refuse before writing (item names, leaf types,
-    deleted arrays, ``custom_metadata``), and reads and writes nothing: for a caller that
-    writes bookkeeping of its own before the save (the manager's rollback record).
+    deleted arrays, ``custom_metadata``, a ``dtype`` conversion), and reads, writes and
+    converts nothing: for a caller that writes bookkeeping of its own before the save (the
+    manager's rollback record).
 
     Example:
       >>> import numpy as np
@@ -223,7 +224,7 @@ class Checkpointer:
       orbax_flax.errors.UnsupportedLeafError: Cannot save leaf state/f: builtin_function_or_method is not a supported leaf type. ...
       >>> ckptr.close()
     """
-    self._planner.check(items, custom_metadata)
+    self._planner.check(items, custom_metadata, dtype)
 
   def prepare(self, items: Mapping[str, Any]) -> int:
     """Prepares the staging memory an async save of ``items`` will copy into, in the background.

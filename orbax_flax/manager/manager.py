@@ -317,7 +317,7 @@ class CheckpointManager:
     if self._rollback.active():
       # What the save refuses is refused before the rollback's bookkeeping: a refused save
       # is not the new run's first (it neither calls the rollback off nor records its run).
-      self._ckptr.check(items, custom_metadata)
+      self._ckptr.check(items, custom_metadata, dtype)
     self._refuse_below_newest(step)  # before anything is written, like a second writer
     self._become_writer()  # before anything is written: a second writer is refused here
     # Again against the listing the writer took under its lease: another job may have saved
