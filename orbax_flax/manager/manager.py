@@ -319,10 +319,11 @@ class CheckpointManager:
       # is not the new run's first (it neither calls the rollback off nor records its run).
       self._ckptr.check(items, custom_metadata, dtype)
     self._refuse_below_newest(step)  # before anything is written, like a second writer
-    self._become_writer()  # before anything is written: a second writer is refused here
-    # Again against the listing the writer took under its lease: another job may have saved
-    # newer steps since this manager listed the directory (only its lease is written then).
-    self._refuse_below_newest(step)
+    if self._become_writer():  # before anything is written: a second writer is refused here
+      # Again against the listing the writer took under its lease: another job may have
+      # saved newer steps since this manager listed the directory (a writer already holds
+      # the directory: its listing is its own).
+      self._refuse_below_newest(step)
     if self._inflight.saving(step):
       if not self._rollback.abandons(step) and decided != "forced":
         log.warning("step %d is being saved already in %s; not saving it again", step, self._dir)
@@ -468,12 +469,13 @@ class CheckpointManager:
     return json.loads(_multihost.decide_per_step(
         f"{self._key}/retain", n, decide, timeout_s=self.policy.coordination_timeout_seconds))
 
-  def _become_writer(self) -> None:
+  def _become_writer(self) -> bool:
     """Makes this job the directory's one writer (process 0 takes the lease; every process
-    learns the outcome), or raises :class:`~orbax_flax.errors.WriterConflictError`."""
+    learns the outcome), or raises :class:`~orbax_flax.errors.WriterConflictError`. Returns
+    whether it became the writer now (False: it was already)."""
     if self.registry.is_writer:
       self.registry.become_writer()  # raises if the lease was lost meanwhile
-      return
+      return False
     problem = ""
     if _multihost.process_index() == 0:
       problem = _foreign_steps(self._dir)
@@ -499,6 +501,7 @@ class CheckpointManager:
       self.registry.use_retention(referenced.Referenced(
           None, lock=self.registry.lock, key=f"{self._key}/room",
           timeout_s=self.policy.coordination_timeout_seconds))
+    return True
 
   def prepare(self, items: Mapping[str, Any]) -> int:
     """Prepares in the background the staging memory of the first async save of ``items`` (see
