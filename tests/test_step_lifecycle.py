@@ -507,3 +507,18 @@ def test_rollbacks_called_off_by_restoring_the_latest_abandon_nothing_on_disk(tm
     assert m.all_steps() == [10, 20, 25, 30, 40, 50]
   for s in (10, 20, 25, 30, 40, 50):
     assert restores_as(os.path.join(d, str(s)), items(s)), s
+
+
+def test_a_restore_of_an_older_step_on_one_process_of_a_job_is_refused_and_changes_nothing(
+    tmp_path):
+  """Only process 1 of 2 restores step 1 of 3 (a rank-conditioned look): it waited for process
+  0's timeline, then raised a bare coordination timeout whose advice (a longer timeout) was
+  wrong, its rollback begun on that process alone. It is refused, naming the fix (every
+  process restores together, or ofx.restore of the step's path), before anything changed:
+  the job saves on."""
+  res = jobs.run("rollback_worker.py", [f"--dir={tmp_path}"], 2, 2, timeout=120).check()
+  outs = [json.loads(o.split("RESULT ", 1)[1].splitlines()[0]) for o in res.outputs]
+  assert "is a rollback" in outs[1]["restore"] and "ofx.restore(manager.step_path(1))" in (
+      outs[1]["restore"]), outs[1]
+  for out in outs:
+    assert out["steps"] == [1, 2, 3, 4] and all(out["values"]), out

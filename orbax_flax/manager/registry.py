@@ -795,7 +795,17 @@ class Rollback:
 
   def restored(self, step: int, inflight: int | None) -> None:
     """``step`` was restored, ``inflight`` was the last save started (ended or not, its
-    commit perhaps not recorded yet): a rollback if newer steps exist."""
+    commit perhaps not recorded yet): a rollback if newer steps exist.
+
+    A rollback's new timeline is process 0's, so in a multi-process job every process makes
+    it (as every process saves); it is agreed on before anything here changes.
+    """
+    with self._lock:
+      drawn = None
+      if any(s > step for s in self._registry.committed()):
+        drawn = self._count + 1, None
+    if drawn is not None:
+      drawn = drawn[0], self._draw_timeline(drawn[0], step)
     with self._lock:
       newer = {s for s in self._registry.committed() if s > step}
       # A save of the abandoned run still in flight belongs to it too; so does one of an
@@ -835,8 +845,8 @@ class Rollback:
                " step is abandoned", step, self._dir)
     if not newer:
       return
-    self._timeline = _multihost.broadcast(f"{self._key}/timeline/{count}", uuid.uuid4().hex,
-                                          self._timeout_s)
+    # (Drawn above unless a save committed a newer step meanwhile.)
+    self._timeline = drawn[1] if drawn and drawn[0] == count else self._draw_timeline(count, step)
     with self._lock:
       self._timelines[count] = self._timeline
     log.info("rollback to step %d: new timeline %s (local-tier steps of the old one are"
@@ -844,6 +854,20 @@ class Rollback:
     log.info("restored step %d of %s, older than the latest (%d): saves of this run replace"
              " the newer steps, which are removed once this run commits a save", step,
              self._dir, max(newer))
+
+  def _draw_timeline(self, count: int, step: int) -> str:
+    """The timeline of rollback ``count``: process 0's draw, on every process."""
+    try:
+      return _multihost.broadcast(f"{self._key}/timeline/{count}", uuid.uuid4().hex,
+                                  self._timeout_s)
+    except _multihost.CoordinationTimeoutError as e:
+      raise _multihost.CoordinationTimeoutError(
+          f"restore({step}) of {self._dir}, older than its latest step, is a rollback: its new"
+          " run's timeline is process 0's, and process 0 did not make the same restore. In a"
+          " job of several processes every process restores an older step together (as every"
+          " process saves); to look at it on one process, read it without the manager:"
+          f" ofx.restore(manager.step_path({step})). Nothing was restored. ({e})",
+          e.missing) from e
 
   def committed(self, info: policy_lib.StepInfo, run: int | None) -> set[int]:
     """Commits ``info.step`` (a save started in ``run``, :meth:`run`) to the registry; returns
