@@ -71,3 +71,40 @@ def test_a_rollback_resave_of_a_borrowed_step_waits_for_every_process(tmp_path):
   res = jobs.run("diff_worker.py", ["--mode=rollback", f"--path={tmp_path / 'ckpt'}"], 2, 2,
                  timeout=120).check()
   assert all(f"ROLLBACK {i} OK" in out for i, out in enumerate(res.outputs)), res.outputs
+
+
+def _cases(res):
+  """``{case: [(outcome, seconds, message) per process]}`` of a mismatch_worker.py job."""
+  cases = {}
+  for out in res.outputs:
+    for line in out.splitlines():
+      if line.startswith("CASE "):
+        _, name, outcome, seconds, message = line.split(" ", 4)
+        cases.setdefault(name, []).append((outcome, float(seconds), message))
+  return cases
+
+
+def test_a_save_refused_on_one_process_fails_at_once_everywhere(tmp_path):
+  """A save one process refuses (an unsupported leaf, on process 1 or 0; a checkpoint there
+  and overwrite=True on the other process only) made the others wait the whole coordination timeout and blame
+  a process that "did not finish writing", and desynchronised every later save ("process 0
+  saves '1' and process 1 saves '2'"): the refusing process had not used up its save. Now
+  every process raises the refusing process's error type with its reason at once, also when
+  process 0 had begun writing, nothing is committed, and the next saves commit."""
+  res = jobs.run("mismatch_worker.py", ["--mode=refuse", f"--path={tmp_path}"], 2, 2,
+                 timeout=120).check()
+  cases = _cases(res)
+  refused = {"leaf": "UnsupportedLeafError", "late-leaf": "UnsupportedLeafError",
+             "leaf0": "UnsupportedLeafError", "overwrite": "CheckpointExistsError"}
+  for name, error in refused.items():
+    assert [o for o, _, _ in cases[name]] == ["raised", "raised"], (name, res.outputs)
+    for p, (_, seconds, message) in enumerate(cases[name]):
+      assert message.startswith(f"{error}:"), (name, p, message)
+      assert seconds < 10, (name, p, seconds)  # long before the coordination timeout (30 s)
+    refuser = 0 if name == "leaf0" else 1
+    assert f"process {refuser} refused" in cases[name][1 - refuser][2], cases[name]  # who, why
+    assert "Cannot save leaf state/cfg" in cases[name][1 - refuser][2] or name == "overwrite"
+  assert not any(os.path.exists(tmp_path / "run" / s) for s in ("1", "3", "5"))
+  assert all("OVERWRITTEN False" in out for out in res.outputs), res.outputs
+  for name in ("after-leaf", "after-late-leaf", "after-leaf0", "after-overwrite"):
+    assert [o for o, _, _ in cases[name]] == ["saved+committed"] * 2, (name, res.outputs)

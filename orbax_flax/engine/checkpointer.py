@@ -215,6 +215,10 @@ class Checkpointer:
     converts nothing: for a caller that writes bookkeeping of its own before the save (the
     manager's rollback record).
 
+    In a multi-process job a refusal here is the refusal of the save that was to follow: it
+    takes that save's turn and fails it on every other process (with this error's type and
+    reason), so that a caller that then saves only where the check passed stays in step.
+
     Example:
       >>> import numpy as np
       >>> ckptr = Checkpointer()
@@ -224,7 +228,13 @@ class Checkpointer:
       orbax_flax.errors.UnsupportedLeafError: Cannot save leaf state/f: builtin_function_or_method is not a supported leaf type. ...
       >>> ckptr.close()
     """
-    self._planner.check(items, custom_metadata, dtype)
+    try:
+      self._planner.check(items, custom_metadata, dtype)
+    except BaseException as e:
+      if _multihost.process_count() > 1:  # the refusal of the save that was to follow
+        saving.refuse(self._next_key(), "the save it checked", e,
+                      self.coordination_timeout_seconds)
+      raise
 
   def prepare(self, items: Mapping[str, Any]) -> int:
     """Prepares the staging memory an async save of ``items`` will copy into, in the background.
@@ -346,11 +356,13 @@ class Checkpointer:
   def _start(self, path: Any, items: Mapping[str, Any], overwrite: bool,
              custom_metadata: Mapping[str, Any] | None, dtype: Any, bind: bool = True):
     started = time.perf_counter()
-    plan = self._planner.plan(Location.parse(path), items, overwrite, custom_metadata, dtype,
-                              bind=bind)
-    with self._lock:
-      self._seq += 1
-      key = f"{self._key}/{self._seq}"
+    key = self._next_key()  # taken before anything can refuse: every process takes it
+    try:
+      plan = self._planner.plan(Location.parse(path), items, overwrite, custom_metadata, dtype,
+                                bind=bind)
+    except BaseException as e:
+      saving.refuse(key, f"the save to {path}", e, self.coordination_timeout_seconds)
+      raise
     run, handle = saving.start(plan, key, self.coordination_timeout_seconds, started)
     if self.differential is not None:
       run.hooks = self.differential.differ(plan, lambda: handle.total_s is None)
@@ -359,6 +371,18 @@ class Checkpointer:
                                                   plan.manifest["items"].values()
                                                   for r in item["leaves"]), "bytes_reused": 0}
     return plan, run, handle
+
+  def _next_key(self) -> str:
+    """The coordination prefix of the next save: one per save, the same on every process.
+
+    Every save takes its own, refused or not, so that the n-th save of every process has
+    the same key: a process that refused a save without taking its key would meet the
+    others' next save under the key of this one ("process 0 saves 'N' and process 1 saves
+    'N+1'", for every later save of the job).
+    """
+    with self._lock:
+      self._seq += 1
+      return f"{self._key}/{self._seq}"
 
   def host_snapshot(self, items: Mapping[str, Any]) -> Mapping[str, Any]:
     """``items`` as an async save of this checkpointer would snapshot them, to share.

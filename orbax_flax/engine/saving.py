@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import json
 import logging
 import math
 import os
@@ -730,6 +731,8 @@ class SaveRun:
     else:
       gen = _multihost.fetch(f"{self.key}/gen", self.timeout_s,
                              waiting_for=f"process 0 to start the save to {final}", missing=[0])
+      if gen.startswith(_REFUSED):
+        raise _refusal_error(gen)
       if gen.startswith("error: "):
         raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
       gen, name = gen.split(" ", 1)
@@ -912,6 +915,8 @@ class SaveRun:
           f"failed: save to {self.plan.loc} aborted by process {self.me} after waiting"
           f" {self.timeout_s:g} s (coordination_timeout_seconds): {who}; nothing was committed.",
           timeout_s=self.timeout_s)
+    if decision.startswith(_REFUSED):
+      raise _refusal_error(decision) from error
     if error is not None:
       if isinstance(error, errors.SaveCancelledError) or decision == "commit":
         raise error
@@ -963,6 +968,8 @@ class SaveRun:
       decision = _multihost.claim(f"{self.key}/decision", "commit", timeout_s=self.timeout_s)
     if decision != "commit":
       self._discard(error)  # every process reported: nobody writes any more
+      if decision.startswith(_REFUSED):  # the refusing process's error, on every process
+        raise _refusal_error(decision) from error
       if error is not None:
         raise error
       _raise_verdict(decision)
@@ -994,6 +1001,56 @@ class SaveRun:
 
 
 _CANCELLED = "cancelled: "  # a status or decision: some process cancelled the save
+_REFUSED = "refused: "  # a generation or decision: some process refused the save (JSON follows)
+
+
+def refuse(key: str, what: str, error: BaseException, timeout_s: float) -> None:
+  """Fails the save under ``key`` (``what``: "the save to <path>") on every process: this
+  process refused its part (``error``, raised while planning: its items, its destination,
+  its options).
+
+  The other processes wait for this save where :class:`SaveRun` makes them wait: process 0
+  for every status, the others for the generation (process 0's) and for the decision. So
+  the refusal is claimed as the decision (before any status can complete it: nothing
+  commits, also where process 0 published the generation and wrote its part already),
+  published as the generation by process 0, and reported as this process's status; then
+  this process leaves the save's keys. Every other process raises ``error``'s type with
+  its reason (:func:`_refusal_error`) as soon as it reaches the save's next wait, never
+  after the coordination timeout. A single-process job has nobody to tell. The service
+  not answering is logged: ``error`` is what the caller raises either way.
+  """
+  if _multihost.process_count() == 1:
+    return
+  me = _multihost.process_index()
+  value = _refusal(type(error).__name__, f"process {me} refused {what}:"
+                   f" {type(error).__name__}: {error} Every process of the job refuses it (a save is"
+                   " the whole job's: the same items, path and options on every process);"
+                   " nothing was committed.")
+  try:
+    _multihost.claim(f"{key}/decision", value, timeout_s=timeout_s)
+    if me == 0:
+      _multihost.publish(f"{key}/gen", value, timeout_s=timeout_s)
+    _multihost.arrive(f"{key}/status", _describe(error), timeout_s=timeout_s)
+    _multihost.leave(key, timeout_s=timeout_s)
+  except _multihost.CoordinationTimeoutError as e:
+    log.warning("%s refused on process %d; the other processes could not be told (they fail"
+                " after their coordination timeout): %s", what, me, e)
+
+
+def _refusal(type_name: str, message: str) -> str:
+  """A refusal as a generation or decision: the error's type and its message, as data."""
+  return _REFUSED + json.dumps({"type": type_name, "message": message})
+
+
+# The errors a refusal is raised as on the other processes, by name; any other as a StorageError.
+_REFUSAL_TYPES = {c.__name__: c for c in (ValueError, TypeError, *(
+    c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, errors.CheckpointError)))}
+
+
+def _refusal_error(value: str) -> BaseException:
+  """The error of a refusal (:func:`_refusal`) as every process raises it."""
+  refusal = json.loads(value[len(_REFUSED):])
+  return _REFUSAL_TYPES.get(refusal["type"], errors.StorageError)(refusal["message"])
 
 
 def _describe(error: BaseException) -> str:
@@ -1011,6 +1068,8 @@ def _verdict_text(decision: str) -> str:
 
 
 def _raise_verdict(decision: str) -> None:
+  if decision.startswith(_REFUSED):
+    raise _refusal_error(decision)
   if decision.startswith(_CANCELLED):
     raise errors.SaveCancelledError(decision[len(_CANCELLED):])
   raise errors.StorageError(_verdict_text(decision))
