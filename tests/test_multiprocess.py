@@ -84,6 +84,26 @@ def _cases(res):
   return cases
 
 
+def test_a_tree_that_differs_between_processes_is_refused_everywhere(tmp_path):
+  """Process 1 saves a renamed key, lacks a leaf, has another dtype, names its item otherwise:
+  each was committed (process 0's manifest over process 1's data: a renamed key restored half
+  of one array and half of another, and ``verify`` said OK). Now every process raises a
+  ValueError that names the first difference, and nothing is committed; the next save of the
+  same tree commits (the processes' saves stay in step)."""
+  res = jobs.run("mismatch_worker.py", ["--mode=tree", f"--path={tmp_path}"], 2, 2,
+                 timeout=120).check()
+  cases = _cases(res)
+  differs = {"rename": "leaf state/w2", "missing": "leaf state/w_", "dtype": "bfloat16", "item": "params"}
+  for name, shown in differs.items():
+    assert [o for o, _, _ in cases[name]] == ["raised", "raised"], (name, res.outputs)
+    for _, seconds, message in cases[name]:
+      assert message.startswith("ValueError:") and shown in message, (name, message)
+      assert "every process of a job must save the same tree" in message.lower(), message
+      assert seconds < 10, (name, seconds)  # long before the coordination timeout (30 s)
+    assert not os.path.exists(tmp_path / name), name  # nothing committed, nothing left
+  assert [o for o, _, _ in cases["same"]] == ["saved+committed"] * 2, res.outputs
+
+
 def test_a_save_refused_on_one_process_fails_at_once_everywhere(tmp_path):
   """A save one process refuses (an unsupported leaf, on process 1 or 0; a checkpoint there
   and overwrite=True on the other process only) made the others wait the whole coordination timeout and blame

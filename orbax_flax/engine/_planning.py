@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
@@ -146,6 +147,80 @@ class Plan:
   def bind(self, leaves: Mapping[str, list[Any]]) -> list[Piece]:
     """This plan's pieces, their sources the shards of ``leaves`` (same layout as planned)."""
     return self.layout.bind_pieces(leaves)
+
+  def layout_entries(self) -> list[tuple[str, dict[str, Any]]]:
+    """What every process of a multi-process save must plan alike (:meth:`_Template.entries`),
+    and the dtype conversions, which the manifest records too."""
+    return [*self.layout.entries, ("the dtype conversions", {"casts": self.manifest.get("casts", {})})]
+
+  def layout_digest(self) -> str:
+    """A digest of :meth:`layout_entries` (16 hex digits): equal on every process of a save.
+
+    Process 0 commits its own plan's manifest over every process's data: a process whose
+    plan differs (a renamed key, a missing leaf, another dtype or item name) would commit
+    bytes in the wrong place, or bytes the manifest cannot find. Process 0 publishes this
+    digest with the generation, and every other process compares it with its own
+    (:meth:`orbax_flax.engine.saving.SaveRun.begin`).
+    """
+    casts = json.dumps(self.manifest.get("casts", {}), sort_keys=True)
+    return _digest(self.layout.digest + casts)
+
+
+def layout_difference(ours: Sequence[tuple[str, dict[str, Any]]],
+                      theirs: Sequence[tuple[str, dict[str, Any]]], other: int,
+                      compared_all: bool = True) -> str:
+  """The first difference between process 0's layout entries (``ours``) and process
+  ``other``'s (:meth:`Plan.layout_entries`), in words: a name one of them lacks (an item,
+  a leaf), else the fields of the first entry that differ. ``compared_all`` False: ``theirs``
+  was cut short (see :func:`orbax_flax.engine.saving`), and may end before the difference.
+
+  Example:
+    >>> a = [("item 'state'", {}), ("leaf state/w", {"dtype": "float32"})]
+    >>> layout_difference(a, [("item 'state'", {}), ("leaf state/v", {"dtype": "float32"})], 1)
+    'process 0 saves leaf state/w where process 1 saves leaf state/v'
+    >>> layout_difference(a, [("item 'state'", {}), ("leaf state/w", {"dtype": "bfloat16"})], 1)
+    'leaf state/w: process 0 saves it with dtype float32, process 1 with dtype bfloat16'
+  """
+  names0, names1 = [n for n, _ in ours], [n for n, _ in theirs]
+  for k in range(max(len(names0), len(names1))):
+    a = names0[k] if k < len(names0) else None
+    b = names1[k] if k < len(names1) else None
+    if a == b:
+      continue
+    if b is None and not compared_all:
+      break
+    if b is None or (a is not None and b in names0[k:] and a not in names1[k:]):
+      return f"process 0 saves {a}, which process {other} does not save"
+    if a is None or (a in names1[k:] and b not in names0[k:]):
+      return f"process {other} saves {b}, which process 0 does not save"
+    if a in names1[k:] and b in names0[k:]:
+      return f"process 0 and process {other} save {a} and {b} in another order"
+    return f"process 0 saves {a} where process {other} saves {b}"
+  # Leaves first: an item's own fields (packed sizes, containers) follow from its leaves.
+  for (name, f0), (_, f1) in sorted(zip(ours, theirs), key=lambda e: e[0][0].startswith("item ")):
+    keys = [key for key in dict.fromkeys([*f0, *f1]) if f0.get(key) != f1.get(key)]
+    # What the user chose before what follows from it (stored dtype, bytes, chunks).
+    keys = [key for key in keys if key in _CHOSEN] or keys
+    if keys:
+      said = [_HASHED.get(key, key) for key in keys[:3]]
+      if all(key not in _HASHED for key in keys[:3]):
+        return (f"{name}: process 0 saves it with "
+                + ", ".join(f"{key} {f0.get(key)}" for key in keys[:3])
+                + f", process {other} with " + ", ".join(f"{key} {f1.get(key)}" for key in keys[:3]))
+      return f"{name}: its {', '.join(said)} differ between process 0 and process {other}"
+  return (f"they differ after the first {len(names1)} items and leaves, which process {other}"
+          " could not send in full")
+
+
+_CHOSEN = ("kind", "shape", "dtype", "key_impl", "key_shape", "casts")
+# Fields of a layout entry that are digests: what differs, in words.
+_HASHED = {"structure": "containers (dict keys, list or tuple, dataclass and namedtuple types)",
+           "owners": "chunk writers (which process writes which chunk: the array's sharding)"}
+
+
+def _digest(value: Any) -> str:
+  text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+  return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -726,6 +801,33 @@ class _Template:
   @property
   def nbytes(self) -> int:
     return sum(p.nbytes for p in self.pieces)
+
+  @functools.cached_property
+  def entries(self) -> tuple[tuple[str, dict[str, Any]], ...]:
+    """What every process must plan alike, in order: per item its position, containers and
+    packed buffer sizes; per leaf its path, and for an array its record (kind, shape, dtype,
+    stored dtype, PRNG key implementation, stored name, chunk shape, chunk writers, packed
+    offset). Not an inline value's value, which process 0 saves for every process, nor an
+    array's sharding text (its layout is in the chunks and their writers). Every process
+    computes the same records from the same tree (:mod:`this module <._planning>`)."""
+    out = []
+    for n, (item, meta) in enumerate(self.items_meta.items()):
+      out.append((f"item {item!r}", {"position": n, "structure": _digest(meta["structure"]),
+                                     "packed": meta["packed"]}))
+      values = dict(self.value_slots[item])
+      for r, rec in enumerate(meta["leaves"]):
+        if rec is None:  # an inline value
+          path = self.leaf_paths[item][values[r]]
+          out.append((f"leaf {item}/{_tree.path_str(path)}", {"kind": "value"}))
+          continue
+        fields = {k: v for k, v in rec.items() if k not in ("path", "sharding", "owners")}
+        fields["owners"] = _digest(rec["owners"])
+        out.append((f"leaf {item}/{_tree.path_str(tuple(rec['path']))}", fields))
+    return tuple(out)
+
+  @functools.cached_property
+  def digest(self) -> str:
+    return _digest(list(self.entries))
 
   @classmethod
   def build(cls, items: Mapping[str, Any], me: int, nproc: int) -> _Template:

@@ -705,7 +705,13 @@ class SaveRun:
   # ---------------------------------------------------------------- writing
 
   def begin(self) -> None:
-    """Agrees on the generation id and creates the temporary directory (process 0)."""
+    """Agrees on the generation id and creates the temporary directory (process 0).
+
+    The other processes check that they save what process 0 does: the same checkpoint, and
+    the same plan (:meth:`~orbax_flax.engine._planning.Plan.layout_digest`; process 0's
+    manifest describes every process's data). A plan that differs raises here, before this
+    process writes anything, and process 0 names the difference in the verdict.
+    """
     if self.gen is not None:
       return
     self.progress.phase = "agreeing on the generation" if self.nproc > 1 else "starting"
@@ -722,8 +728,12 @@ class SaveRun:
           except OSError as e:
             raise _location.storage_error(final, "creating the checkpoint directory", e) from e
         # With the name saved to: every process must save the same checkpoint (a process
-        # that names another, say one step ahead, fails the save on every process).
-        _multihost.publish(f"{self.key}/gen", f"{gen} {final.name}", timeout_s=self.timeout_s)
+        # that names another, say one step ahead, fails the save on every process); and
+        # with the digest of the plan: process 0's manifest must describe every process's
+        # data (a process whose tree differs fails the save on every process).
+        digest = self.plan.layout_digest() if self.nproc > 1 else "-"
+        _multihost.publish(f"{self.key}/gen", f"{gen} {digest} {final.name}",
+                           timeout_s=self.timeout_s)
       except BaseException as e:
         if not isinstance(e, _multihost.CoordinationTimeoutError):
           _multihost.publish(f"{self.key}/gen", f"error: {e}", timeout_s=self.timeout_s)
@@ -735,12 +745,16 @@ class SaveRun:
         raise _refusal_error(gen)
       if gen.startswith("error: "):
         raise errors.StorageError(f"process 0 could not start the save to {final}: {gen[7:]}")
-      gen, name = gen.split(" ", 1)
+      gen, digest, name = gen.split(" ", 2)
       if name != final.name:
         raise ValueError(
             f"process 0 saves {name!r} and process {self.me} saves {final.name!r} in the same"
             " save: every process of a job must save the same checkpoint (the same step) at"
             " the same time; one that runs other steps than the others is a bug in the loop")
+      if digest != self.plan.layout_digest():
+        raise _LayoutDiffers(self.plan.layout_entries(),
+                             f"process {self.me} saves another tree than process 0 to {final}"
+                             " (process 0 names the difference); nothing was written.")
     self.gen, self.target = gen, where or target(final, gen)
     self._ctx = _tsio.context()
     self.hooks.agree(self.key, self.timeout_s)
@@ -851,7 +865,7 @@ class SaveRun:
           error = e
       self._discard(error)
       raise error
-    status = "ok" if error is None else _describe(error)
+    status = _status(error)
     self.progress.phase = "waiting for every process to finish writing"
     answered = True
     try:
@@ -957,7 +971,10 @@ class SaveRun:
       failed = [(0, _CANCELLED)]
     if failed:
       cancelled = [p for p, s in failed if s.startswith(_CANCELLED)]
-      if cancelled:
+      differs = [(p, s) for p, s in failed if s.startswith(_LAYOUT)]
+      if differs:
+        text = self._differs(*differs[0])
+      elif cancelled:
         text = (f"cancelled: save to {final} was cancelled on process"
                 f" {', '.join(map(str, cancelled))}; nothing was committed.")
       else:
@@ -983,6 +1000,19 @@ class SaveRun:
       self._discard(e)
       raise
     _multihost.publish(f"{self.key}/outcome", "ok", timeout_s=self.timeout_s)
+
+  def _differs(self, p: int, status: str) -> str:
+    """The refusal of a save whose process ``p`` planned another layout (its ``status``
+    holds its layout entries): the first difference, as every process raises it."""
+    theirs = json.loads(status[len(_LAYOUT):])
+    difference = _planning.layout_difference(
+        self.plan.layout_entries(), [tuple(e) for e in theirs["entries"]], p,
+        compared_all=not theirs["cut"])
+    return _refusal("ValueError", (
+        f"the processes of this job save different trees to {self.plan.loc}: {difference}."
+        " Every process of a job must save the same tree (the same item names, keys, shapes,"
+        " dtypes, shardings and dtype= conversions): process 0 commits the checkpoint's"
+        " description of every process's data. Nothing was committed."))
 
   # ---------------------------------------------------------------- the commit
 
@@ -1051,6 +1081,35 @@ def _refusal_error(value: str) -> BaseException:
   """The error of a refusal (:func:`_refusal`) as every process raises it."""
   refusal = json.loads(value[len(_REFUSED):])
   return _REFUSAL_TYPES.get(refusal["type"], errors.StorageError)(refusal["message"])
+
+
+class _LayoutDiffers(ValueError):
+  """A process's plan differs from process 0's (:meth:`SaveRun.begin`); ``entries``: its
+  layout entries, which its status hands to process 0 to name the difference."""
+
+  def __init__(self, entries: Sequence[tuple[str, dict[str, Any]]], message: str):
+    super().__init__(message)
+    self.entries = entries
+
+
+_LAYOUT = "layout: "  # a status: this process's plan differs from process 0's (JSON follows)
+_LAYOUT_MAX_BYTES = 1 << 20  # a layout status is cut at about this size (the service's values)
+
+
+def _status(error: BaseException | None) -> str:
+  """This process's status at the vote: "ok", its layout (its plan differs from process 0's,
+  cut at about ``_LAYOUT_MAX_BYTES``), or its error (:func:`_describe`)."""
+  if error is None:
+    return "ok"
+  if not isinstance(error, _LayoutDiffers):
+    return _describe(error)
+  entries, size = [], 0
+  for e in error.entries:
+    size += len(json.dumps(e))
+    if size > _LAYOUT_MAX_BYTES:
+      break
+    entries.append(e)
+  return _LAYOUT + json.dumps({"entries": entries, "cut": len(entries) < len(error.entries)})
 
 
 def _describe(error: BaseException) -> str:
