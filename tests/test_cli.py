@@ -1,4 +1,6 @@
-"""The command-line tool, through real subprocesses."""
+"""The command-line tool: its main() in this process (every command, exit code and output),
+and the real command line, `python -m orbax_flax` in a subprocess, where the process matters
+(the entry point, help without heavy imports, a package not installed)."""
 
 import contextlib
 import io
@@ -18,6 +20,23 @@ CLI = [sys.executable, "-m", "orbax_flax"]
 
 
 def run(*args):
+  """``python -m orbax_flax ARGS`` as its main() runs it, in this process: (exit code, output)."""
+  out, err = io.StringIO(), io.StringIO()
+  cwd = os.getcwd()
+  os.chdir(jobs.ROOT)  # (paths such as configs/default.py are the repository's)
+  try:
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+      try:
+        rc = cli.main(list(args), out=out)
+      except SystemExit as e:  # argparse's refusals and --help
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+  finally:
+    os.chdir(cwd)
+  return rc, out.getvalue() + err.getvalue()
+
+
+def run_process(*args):
+  """``python -m orbax_flax ARGS`` in a subprocess, the real command line: (exit code, output)."""
   # One device: reading metadata and verifying need no particular device count.
   r = subprocess.run([*CLI, *args], capture_output=True, text=True, env=jobs.env_for(1), cwd=jobs.ROOT,
                      check=False)
@@ -36,7 +55,7 @@ def test_list_show_verify(tmp_path):
   d = str(tmp_path / "run")
   make_run_dir(d)
   os.makedirs(os.path.join(d, "40.ofx-tmp-0011223344556677"))
-  rc, out = run("list", d)
+  rc, out = run_process("list", d)
   assert rc == 0, out
   lines = out.splitlines()
   assert lines[0].split() == ["STEP", "SAVED", "REASON", "SIZE", "PROCS/DEVS", "METRICS"]
@@ -45,14 +64,14 @@ def test_list_show_verify(tmp_path):
   assert "2 committed step(s)" in out and "latest 30" in out
   assert "40.ofx-tmp-0011223344556677" in out
 
-  rc, out = run("show", os.path.join(d, "30"))
+  rc, out = run_process("show", os.path.join(d, "30"))
   assert rc == 0, out
   assert "item state: 1 arrays, 256.0 KiB" in out
   assert "w  float32[256, 256]" in out
   assert "state/lr = 0.1" in out and "extra/epoch = 3" in out
   assert "reason=interval" in out
 
-  rc, out = run("verify", os.path.join(d, "30"))
+  rc, out = run_process("verify", os.path.join(d, "30"))
   assert rc == 0 and out.startswith("OK"), out
 
 
@@ -201,7 +220,7 @@ def test_help_is_instant_it_imports_neither_jax_nor_tensorstore():
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "usage: python -m orbax_flax" in out, (args, out)
     assert f"EXIT {2 if not args else 0} HEAVY []" in r.stdout, (args, out)
-  rc, out = run("--help")  # and the real command line
+  rc, out = run_process("--help")  # and the real command line
   assert rc == 0 and "python -m orbax_flax list DIR" in out, out
 
 
