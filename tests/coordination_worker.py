@@ -2,7 +2,8 @@
 test) while the others call into the coordination service.
 
 Every other process makes each call of :mod:`orbax_flax.core._multihost` with a 1 s
-deadline, once the test says the process is stopped (it creates ``--go``), and
+deadline, all at once from threads of their own, once the test says the process is
+stopped (it creates ``--go``), and
 prints one line per call: ``CALL <name> <outcome> missing=<list> | <message>``,
 then ``DONE``. The test resumes the stopped process (SIGCONT) once
 every other process is done: a call without a deadline would hang until then.
@@ -11,6 +12,7 @@ answer; with another process stopped, the waits for that process time out.
 """
 
 import argparse
+import concurrent.futures
 import os
 import time
 
@@ -66,14 +68,20 @@ def main():
   while not os.path.exists(a.go):  # the test creates it once the process is stopped
     time.sleep(0.02)
   if jax.process_index() != a.stopped:
-    for name, call in calls(a.stopped).items():
+    def make(name, call):
       start = time.monotonic()
       try:
         call()
-        print(f"CALL {name} returned", flush=True)
+        return f"CALL {name} returned"
       except Exception as e:  # pylint: disable=broad-except
-        print(f"CALL {name} {type(e).__name__} missing={getattr(e, 'missing', None)}"
-              f" after={time.monotonic() - start:.1f} | {e}", flush=True)
+        return (f"CALL {name} {type(e).__name__} missing={getattr(e, 'missing', None)}"
+                f" after={time.monotonic() - start:.1f} | {e}")
+    # Every call at once, each from its own thread (as a save, a lease refresh and the
+    # preemption watcher call at once): each still ends within its own deadline.
+    todo = calls(a.stopped)
+    with concurrent.futures.ThreadPoolExecutor(len(todo)) as pool:
+      for line in pool.map(lambda item: make(*item), todo.items()):
+        print(line, flush=True)
     print("DONE", flush=True)
   jobs.exit_together(60)
 
