@@ -123,6 +123,7 @@ class ManagerModel(RuleBasedStateMachine):
     # A new rollback (or none): what an earlier one also abandoned, and how high it reached,
     # no longer count (see rollback_again_while_its_save_is_held).
     self._rolled_to, self.also_abandoned, self.ceiling = step, set(), None
+    self.run_saving = False  # the rollback's run started a save (committed or not)
 
   @initialize(async_save=st.booleans())
   def start(self, async_save):
@@ -142,7 +143,7 @@ class ManagerModel(RuleBasedStateMachine):
   def _commit(self, step: int, tag: int, changed: float, keep: bool = True) -> None:
     """The model's side of a save that returned: what it replaces or abandons, and (``keep``)
     what this manager's keep rules drop at its commit."""
-    if (self.rolled_to is not None and self.saved
+    if (self.rolled_to is not None and self.saved and not self.run_saving
         and step > max(max(self.saved), self.ceiling or 0)):
       self.rolled_to = None  # saved above every newer step: no rollback, nothing abandoned
     if self.rolled_to is not None:
@@ -271,6 +272,9 @@ class ManagerModel(RuleBasedStateMachine):
       self._commit(step, tag, changed)
     else:
       assert _equal(ofx.restore(self.mngr.step_path(step)), _items(*self.saved[step])), step
+      # Started, then abandoned: it was the rollback's run's first save all the same (a save
+      # above every newer step after it is that run going on, not a call-off).
+      self.run_saving = self.rolled_to is not None
 
   @rule(first=st.integers(0, 63), second=st.integers(0, 63))
   def rollback_again_while_its_save_is_held(self, first, second):
