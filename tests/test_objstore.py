@@ -476,7 +476,7 @@ def test_a_checkpoint_committed_during_a_commit_is_never_replaced(s3_server, s3_
   url = s3_server.url(s3_bucket, "race")
   if overwrite:
     ofx.save(url, {"state": {"who": "the first", "x": np.zeros(3)}})
-  read_key, commit = _location.read_key, saving.SaveRun._commit  # pylint: disable=protected-access
+  real_look, commit = saving._look, saving.SaveRun._commit  # pylint: disable=protected-access
   pending, armed = [True], []
 
   def committing(run):  # our save's commit: its next read of _CHECKPOINT is its look
@@ -484,15 +484,15 @@ def test_a_checkpoint_committed_during_a_commit_is_never_replaced(s3_server, s3_
       armed.append(pending.pop())
     commit(run)
 
-  def look(loc, key, *args, **kwargs):
-    got = read_key(loc, key, *args, **kwargs)
-    if key == "_CHECKPOINT" and armed:  # right after our look: someone else commits
+  def look(final):
+    got = real_look(final)
+    if armed:  # right after our look at _CHECKPOINT: someone else commits
       armed.pop()
       ofx.save(url, {"state": {"who": "someone else", "x": np.ones(3)}}, overwrite=overwrite)
     return got
 
   monkeypatch.setattr(saving.SaveRun, "_commit", committing)
-  monkeypatch.setattr(_location, "read_key", look)
+  monkeypatch.setattr(saving, "_look", look)
   with pytest.raises(ofx.CheckpointExistsError, match="during the save"):
     ofx.save(url, {"state": _state(2)}, overwrite=overwrite)
   assert not armed and not pending

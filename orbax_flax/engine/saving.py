@@ -62,7 +62,6 @@ from typing import Any
 
 import jax
 import numpy as np
-import tensorstore as ts
 
 from orbax_flax.engine import _planning
 from orbax_flax.core import _location
@@ -1164,8 +1163,8 @@ def commit(plan: _planning.Plan, gen: str, nproc: int,
   manifest = complete(dict(plan.manifest, generation=gen))
   data = _manifest.encode(manifest)
   if not final.is_local:
-    old = _location.read_key(final, _manifest.MANIFEST_KEY)
-    if (old is not None and not plan.overwrite) or not _put_manifest(final, data, old):
+    old, generation = _look(final)
+    if (old is not None and not plan.overwrite) or not _put_manifest(final, data, generation):
       _delete_generations(final, _databases(manifest["items"], nproc, gen))  # ours
       if not plan.overwrite:
         raise errors.CheckpointExistsError(f"a checkpoint appeared at {final} during the save;"
@@ -1194,36 +1193,33 @@ def commit(plan: _planning.Plan, gen: str, nproc: int,
     raise _location.storage_error(final, "committing the checkpoint", e) from e
 
 
-def _put_manifest(final: Location, data: bytes, seen: bytes | None) -> bool:
-  """Writes the manifest ``data`` at the object-store location ``final`` only if its manifest
-  is still ``seen`` (None: still absent). Returns whether it was written.
+def _look(final: Location) -> tuple[bytes | None, bytes]:
+  """The manifest at the object-store location ``final`` (None: none yet) and its storage
+  generation, which conditions the commit's write (a missing key has a generation too)."""
+  key = _manifest.MANIFEST_KEY
+  try:
+    got = _location.open_kvstore(final).read(key).result()
+  except ValueError as e:
+    raise _location.storage_error(final, f"reading {key!r}", e) from e
+  return (got.value if got.state == "value" else None), got.stamp.generation
 
-  The write's condition is a storage generation (S3 ``If-None-Match``/``If-Match``, GCS
-  ``ifGenerationMatch``): that of a missing key, else the one read here, with the value
-  compared to ``seen``. A refusal whose manifest turns out to be ``data`` is our own write
-  (its reply lost, the retry refused): it committed.
+
+def _put_manifest(final: Location, data: bytes, generation: bytes) -> bool:
+  """Writes the manifest ``data`` at the object-store location ``final`` only if the key is
+  still at ``generation``, what the commit looked at (:func:`_look`). Returns whether it was
+  written.
+
+  The condition is S3's ``If-None-Match``/``If-Match`` or GCS's ``ifGenerationMatch``, as
+  the writer lease's (:mod:`orbax_flax.manager.leases`). A refusal whose manifest turns out
+  to be ``data`` is our own write (its reply lost, the retry refused): it committed.
   """
   key = _manifest.MANIFEST_KEY
   try:
-    store = _location.open_kvstore(final)
-    if seen is None:
-      expected = _absent_generation()
-    else:
-      got = store.read(key).result()
-      if got.state != "value" or got.value != seen:
-        return False  # changed since the look: another save committed, or it was deleted
-      expected = got.stamp.generation
-    if store.write(key, data, if_equal=expected).result().generation:
+    if _location.open_kvstore(final).write(key, data, if_equal=generation).result().generation:
       return True
   except ValueError as e:
     raise _location.storage_error(final, f"writing {key!r}", e) from e
   return _location.read_key(final, key) == data
-
-
-def _absent_generation() -> bytes:
-  """The storage generation tensorstore gives a key that does not exist."""
-  store = ts.KvStore.open({"driver": "memory"}).result()
-  return store.read("absent").result().stamp.generation
 
 
 def discard(plan: _planning.Plan, gen: str, nproc: int, after: BaseException | None = None
