@@ -113,6 +113,10 @@ class ManagerModel(RuleBasedStateMachine):
     self.dropped: dict[int, tuple[int, float]] = {}
     self.dir = None
     self.mngr = None
+    # Steps the keep rules dropped while an evaluator held them: still committed on storage
+    # until this manager's next commit deletes them, so a manager opened before that lists
+    # them again (evaluator_holds_the_newest).
+    self.lingering: dict[int, tuple[int, float]] = {}
 
   @property
   def rolled_to(self) -> int | None:
@@ -133,6 +137,8 @@ class ManagerModel(RuleBasedStateMachine):
 
   def _open(self):
     self.writing = False
+    self.saved.update(self.lingering)  # a new manager's listing: committed steps, its to keep
+    self.lingering = {}
     self.mngr = ofx.CheckpointManager(self.dir, ofx.CheckpointPolicy(
         max_to_keep=self.keep or 0, differential=self.differential, async_save=self.async_save))
 
@@ -172,6 +178,7 @@ class ManagerModel(RuleBasedStateMachine):
     self.last_started = step
     self.writing = True
     self._commit(step, tag, changed)
+    self.lingering = {}  # deleted at this commit, their leases released before it
 
   def _new_step(self) -> int:
     return (max(self.saved) if self.saved else 0) + 1
@@ -365,6 +372,44 @@ class ManagerModel(RuleBasedStateMachine):
           reader.save(10**6, _items(0, 0.0), force=True)
     finally:
       reader.close()
+
+  @rule(ops=st.lists(st.sampled_from(["save", "rollback", "restart"]), min_size=1, max_size=3),
+        index=st.integers(0, 63))
+  def evaluator_holds_the_newest(self, ops, index):
+    """An evaluator (checkpoints_iterator) holds the newest step while this job saves on,
+    rolls back and restarts: the held step restores as saved for as long as it is held,
+    whatever the keep rules or a rollback drop (documented: "the yielded step stays readable
+    until the next one is yielded"); a step a rollback abandoned is never listed again, and
+    one the keep rules dropped goes at this manager's next commit after the release. (A save
+    of the held step's number, a rollback's run reaching it, replaces it: the evaluator then
+    reads the new save, and the iterator yields it again.)"""
+    self.mngr.wait()
+    listed = self.mngr.all_steps()
+    if not listed:
+      return
+    held = listed[-1]
+    want = self.saved[held]
+    evaluator = ofx.checkpoints_iterator(self.dir, timeout=0, start_after=held - 1)
+    try:
+      assert next(evaluator) == held
+      for op in ops:
+        older = sorted(s for s in self.saved if s < held and s + 1 != held)
+        if op == "rollback" and older:
+          self.rollback(index, then_save=False)  # to an older step; held is newer
+          if self.rolled_to + 1 != held:
+            self._save(self.rolled_to + 1, 0.25, force=True)
+        elif op == "restart":
+          self.restart(self.keep, self.async_save)
+        else:
+          self._save(self._new_step(), 0.25, force=True)
+        self.mngr.wait()
+        if held in self.saved:  # (perhaps saved over: a rollback's run reached its number)
+          want = self.saved[held]
+        elif held in self.dropped:  # the keep rules dropped it
+          self.lingering[held] = want
+        assert _equal(ofx.restore(f"{self.dir}/{held}"), _items(*want)), (held, op)
+    finally:
+      evaluator.close()  # its lease released
 
   @precondition(lambda self: self.kills)
   @rule(delay=st.floats(0.0, 1.5))
