@@ -131,6 +131,24 @@ def test_export_orbax_cuts_a_prime_row_count_into_few_chunks_one_writer_each(tmp
   chunk, _ = _chunks(ofx.export_orbax(str(tmp_path / "split"), {"y": y}, max_chunk_bytes=480),
                      "y")
   assert chunk == [8, 12], chunk
+  # Split into shards of a prime length (13 rows): no divisor but 1, so not one-row chunks
+  # (104 files) but the shard's 13 rows and the columns cut by the limit, each chunk in one
+  # shard.
+  z = jax.device_put(jnp.arange(104 * 64, dtype=jnp.float32).reshape(104, 64),
+                     NamedSharding(mesh, P("all", None)))
+  path = ofx.export_orbax(str(tmp_path / "prime"), {"z": z}, max_chunk_bytes=1024)
+  chunk, files = _chunks(path, "z")
+  assert chunk == [13, 19] and files == 8 * 4, (chunk, files)
+  owners = [[(s.start or 0, z.shape[d] if s.stop is None else s.stop)
+             for d, s in enumerate(shard.index)] for shard in z.addressable_shards
+            if shard.replica_id == 0]
+  for origin in itertools.product(*(range(0, n, c) for n, c in zip(z.shape, chunk))):
+    box = [(o, min(o + c, n)) for o, c, n in zip(origin, chunk, z.shape)]
+    inside = [b for b in owners if all(lo <= a and e <= hi for (a, e), (lo, hi) in zip(box, b))]
+    assert len(inside) == 1, (box, inside)
+  with ocp.StandardCheckpointer() as c:
+    got = c.restore(path, {"z": jax.ShapeDtypeStruct(z.shape, z.dtype, sharding=other)})
+  assert np.asarray(got["z"]).tobytes() == np.asarray(z).tobytes()
 
 
 def test_export_safetensors_writes_big_endian_numpy_arrays_in_little_endian(tmp_path):

@@ -194,9 +194,11 @@ def _leaf_plan(tree: Any) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
 def _chunk_shape(value: Any, max_bytes: int = 64 << 20) -> tuple[int, ...]:
   """A chunk of at most about ``max_bytes`` that lies inside one shard wherever it is on
   the chunk grid, so each chunk has one writer. Dimensions are cut leading ones first:
-  one the shards split is cut at a divisor of the shard's length (chunks tile each shard);
-  one every shard holds whole (every dimension of a numpy array) as long as the size allows, its
-  last chunk partial (zarr3 clips it to the array; it is inside every shard too).
+  one every shard holds whole (every dimension of a numpy array) as long as the size allows,
+  its last chunk partial (zarr3 clips it to the array; it is inside every shard too); one the
+  shards split at a divisor of the shard's length (chunks tile each shard), unless keeping
+  it whole and cutting the dimensions after it gives larger chunks (a prime shard length
+  has no divisor but 1 and itself: one-row chunks, thousands of files).
 
   Example:
     >>> import numpy as np
@@ -213,18 +215,31 @@ def _chunk_shape(value: Any, max_bytes: int = 64 << 20) -> tuple[int, ...]:
     shard = tuple(int(s) for s in value.sharding.shard_shape(shape))
     split = [s != n for s, n in zip(shard, shape)]
     shape = shard
-  chunk = [max(s, 1) for s in shape]
-  itemsize = np.dtype(value.dtype).itemsize
-  for d, size in enumerate(chunk):
+  return tuple(_cut([max(s, 1) for s in shape], split, 0, np.dtype(value.dtype).itemsize,
+                    max_bytes))
+
+
+def _cut(chunk: list[int], split: list[bool], d: int, itemsize: int,
+         max_bytes: int) -> list[int]:
+  """:func:`_chunk_shape`'s cut of ``chunk`` from dimension ``d`` on."""
+  chunk = list(chunk)
+  for d in range(d, len(chunk)):
+    size = chunk[d]
     rest = itemsize * int(np.prod(chunk[:d] + chunk[d + 1:], dtype=np.int64))
     if rest * size <= max_bytes:
       break
-    if split[d]:
-      chunk[d] = max((k for k in range(1, size + 1) if size % k == 0 and rest * k <= max_bytes),
-                     default=1)
-    else:
+    if not split[d]:
       chunk[d] = max(max_bytes // rest, 1)
-  return tuple(chunk)
+      continue
+    divisor = max((k for k in range(1, size + 1) if size % k == 0 and rest * k <= max_bytes),
+                  default=1)
+    cut = _cut(chunk[:d] + [divisor] + chunk[d + 1:], split, d + 1, itemsize, max_bytes)
+    whole = _cut(chunk, split, d + 1, itemsize, max_bytes) if d + 1 < len(chunk) else chunk
+    nbytes = lambda c: itemsize * int(np.prod(c, dtype=np.int64))
+    if max_bytes >= nbytes(whole) > nbytes(cut):
+      return whole
+    return cut
+  return chunk
 
 
 def _spec(directory: str, name: str, value: Any, max_chunk_bytes: int) -> dict[str, Any]:
