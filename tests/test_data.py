@@ -3,8 +3,12 @@ by which CheckpointCallback hands a data iterator every old process's state."""
 
 import ast
 import collections
+import logging
 import os
+import queue
 import re
+import threading
+import time
 
 import grain
 import hypothesis
@@ -569,3 +573,130 @@ def test_a_data_position_saved_by_another_kind_of_iterator_is_refused_naming_the
                      r" another kind of iterator than orbax_flax.data.ElasticIterator \(keys"
                      r" \[.*'next_index'.*\]\)\. " + options):
     run(tmp_path / "b", ElasticIterator(ds, 4, shard_index=0, shard_count=1), 4)
+
+
+# ---------------------------------------------------------------- where a save leaves the data
+# A resume continues the data exactly where the job stopped: no batch trained twice, none
+# skipped. The stops below are a failing train step (save_on_exception, the default) and a
+# read-ahead (Prefetched).
+
+
+class _Counter:
+  """A loader whose batches are their ids; ``live`` hands out its own state dict, as many
+  loaders do (the next batch changes it)."""
+
+  def __init__(self, live=False, delay=0.0, setter=True):
+    self.state, self.live, self.delay = {"i": 0}, live, delay
+    if not setter:
+      self.set_state = None
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    if self.delay:
+      time.sleep(self.delay)
+    self.state["i"] += 1
+    return self.state["i"] - 1
+
+  def get_state(self):
+    return self.state if self.live else dict(self.state)
+
+  def set_state(self, state):
+    self.state = dict(state)
+
+
+def _fit(workdir, data, num_steps, fail_at=None, trained=None, policy=None):
+  """Trainer.fit over ``data`` (batch ids), failing at batch ``fail_at``; the batches trained."""
+  trained = [] if trained is None else trained
+  def train_step(state, batch):
+    if batch == fail_at:
+      raise FloatingPointError("loss is NaN")
+    trained.append(int(batch))
+    return {"w": state["w"] + 1, "step": state["step"] + 1}, {}
+  ckpt = ofx.CheckpointCallback(str(workdir), policy or {"save_interval_steps": 100})
+  ofx.Trainer(train_step, [ckpt]).fit({"w": jnp.zeros(2), "step": 0}, data, num_steps)
+  return trained
+
+
+@pytest.mark.parametrize("live", [False, True])
+@pytest.mark.parametrize("fail_at", [0, 3])
+def test_an_exception_save_resumes_at_the_failing_batch(tmp_path, live, fail_at):
+  """The exception save holds the position after the last good step, not after the batch the
+  failing step took. Two ways it held the latter: a fresh run's first step failing (its
+  initial state saved as step 0, with batch 0 taken), and a loader whose get_state() hands
+  out its live dict (the position marked at step N became N+1's when step N+1 read)."""
+  trained = []
+  with pytest.raises(FloatingPointError):
+    _fit(tmp_path, _Counter(live), 6, fail_at=fail_at, trained=trained)
+  _fit(tmp_path, _Counter(live), 6, trained=trained)
+  assert trained == list(range(6)), trained
+
+
+def test_prefetched_positions_are_copies_of_the_source_state():
+  """A source whose get_state() is its live dict: every position Prefetched recorded was that
+  one dict, so get_state() gave the read-ahead's position, and a resume skipped the batches
+  read ahead (the very skip Prefetched exists to prevent)."""
+  def ahead(it):
+    queue = collections.deque()
+    for x in it:
+      queue.append(x)
+      if len(queue) > 2:
+        yield queue.popleft()
+  data = ofx.Prefetched(_Counter(live=True), ahead)
+  assert [next(data) for _ in range(3)] == [0, 1, 2]
+  assert data.get_state() == {"i": 3}
+  data.set_state({"i": 1})
+  assert next(data) == 1
+
+
+def test_a_resume_restarts_a_threaded_read_ahead_after_its_last_read(tmp_path):
+  """A background-thread read-ahead (the docs' queue) started before the restore (a batch
+  taken for shapes): the restore moved the source back while the old thread was inside the
+  source's next(), which then moved it on by one, and the resumed run skipped a batch."""
+  def background(it):
+    q, end = queue.Queue(64), object()
+    def work():
+      for x in it:
+        q.put(x)
+      q.put(end)
+    threading.Thread(target=work, daemon=True).start()
+    while (x := q.get()) is not end:
+      yield x
+  trained = _fit(tmp_path, ofx.Prefetched(_Counter(delay=0.02), background), 10,
+                 policy={"save_interval_steps": 5})
+  data = ofx.Prefetched(_Counter(delay=0.02), background)
+  next(data)  # a look at one batch before the restore
+  _fit(tmp_path, data, 20, trained=trained, policy={"save_interval_steps": 5})
+  assert trained == list(range(20)), trained
+
+
+@pytest.mark.parametrize("save_on_exception", [True, False])
+def test_an_unsaveable_data_state_is_refused_at_the_first_step(tmp_path, save_on_exception):
+  """numpy's RandomState.get_state() in the data state: refused only at the first periodic
+  save, a save interval of training later (and the exception save the same, so nothing was
+  committed)."""
+  class Shuffled(_Counter):
+    def get_state(self):
+      return {**self.state, "rng": np.random.RandomState(0).get_state()}
+  steps = []
+  def train_step(state, batch):
+    steps.append(batch)
+    return state, {}
+  ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 200,
+                                                "save_on_exception": save_on_exception})
+  with pytest.raises(TypeError, match=r"data iterator state leaf rng/1 is a ndarray; get_state\(\)"
+                                      r" must return dicts, lists, str, bytes and numbers"):
+    ofx.Trainer(train_step, [ckpt]).fit({"w": jnp.zeros(2)}, Shuffled(), 400)
+  assert len(steps) <= 1, len(steps)
+
+
+def test_an_iterator_without_set_state_is_not_checkpointed_and_a_warning_says_so(tmp_path,
+                                                                               caplog):
+  """get_state() without set_state(): its position was saved without a word, and the restart
+  then failed in restore_or_init, saying it "was saved by another kind of iterator"."""
+  with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+    _fit(tmp_path, _Counter(setter=False), 10, policy={"save_interval_steps": 5})
+  assert "has no set_state(): its position is not checkpointed" in caplog.text
+  assert _fit(tmp_path, _Counter(setter=False), 12) == [0, 1]  # resumed at 10, data afresh
+  assert resume.DATA_ITEM not in ofx.restore(f"{tmp_path}/checkpoints/10")

@@ -112,6 +112,7 @@ class CheckpointCallback(callbacks.Callback):
     self._closed = False
     self._built: tuple[float, float, float] | None = None  # _items: (start, items_s, data_s)
     self._state_checked = False     # the state's leaves, checked once (restore_or_init or step 1)
+    self._data_checked = False      # the data position, checked at the first step (see _check_step)
     # restore_or_init's leaf shapes, compared with the first step's state (pmap replication)
     self._template: dict[tuple[str, ...], tuple[int, ...]] | None = None
 
@@ -179,6 +180,11 @@ class CheckpointCallback(callbacks.Callback):
       # The last step so far: a run that ends without another (its steps were all done) still
       # gets its final save, if the persistent tier lacks it (restored from the local tier).
       self._last = (self.restored_step, state)
+    elif self._data is not None and self.policy.save_on_exception:
+      # Where a new run's data starts, for an exception save of the step it starts from (its
+      # first train step failed: that step's batch was taken, and no step was computed).
+      start = state_items.step_of(state)
+      self._data.mark(0 if start is None else start)
     self._restart.joined(self.restored_step)
     # The first save's staging memory, prepared in the background from now on.
     self.manager.prepare(state_items.to_items(state))
@@ -306,7 +312,9 @@ class CheckpointCallback(callbacks.Callback):
     """What a save would refuse, refused at the step it is first seen, not at the first save:
     the state's leaves once (unless :meth:`restore_or_init` did), its shapes against
     :meth:`restore_or_init`'s at the first step (:func:`_refuse_replicated`), the metrics at
-    every step that passes them (see :func:`orbax_flax.manager.policy.check_step_metrics`)."""
+    every step that passes them (see :func:`orbax_flax.manager.policy.check_step_metrics`),
+    the data iterator's position at the first step (and at every step where
+    ``save_on_exception`` marks it)."""
     if not self._state_checked:
       state_items.check(state)
       self._state_checked = True
@@ -315,6 +323,12 @@ class CheckpointCallback(callbacks.Callback):
       _refuse_replicated(template, state_items.to_items(state))
     if metrics is not None:
       self.manager.check_metrics(metrics)
+    if not self._data_checked and self._data is not None:
+      # With save_on_exception every step's position is checked as it is marked; without,
+      # the first step's is, not the first save's a save interval later.
+      self._data_checked = True
+      if not self.policy.save_on_exception:
+        resume.check_data_state(self._data.get())
 
   def _save_preemption(self, step: int, state: Any, metrics: Any, data_state: Any,
                        data_s: float) -> None:
@@ -409,11 +423,13 @@ class CheckpointCallback(callbacks.Callback):
       self._data.mark(step)
       data_state = self._data.after(step)
     if self._data is not None and not self._data.marked(step):
-      # The mark failed: get_state() raised at this step (perhaps the very error). Saved
-      # without its data position, a resume would train on the data from its start.
+      # The mark failed: get_state() raised at this step (perhaps the very error), or gave
+      # what cannot be saved. Saved without its data position, a resume would train on the
+      # data from its start.
       log.error("%s; not saving it: the data iterator's position after step %d is unknown"
-                " (its get_state() failed), and a save without it would make a resume replay"
-                " the data from its start. %s", failure(step, error), step, latest)
+                " (its get_state() failed, or returned what cannot be saved), and a save"
+                " without it would make a resume replay the data from its start. %s",
+                failure(step, error), step, latest)
       return
     (log.warning if interrupted else log.error)("%s; saving that step.%s",
                                                 failure(step, error), hint)

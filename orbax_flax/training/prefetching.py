@@ -15,6 +15,8 @@ consumed, and ``set_state`` skips that many batches of a fresh source.
 from __future__ import annotations
 
 import collections
+import copy
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -63,10 +65,16 @@ class Prefetched:
           " a function returning a fresh iterator (the position is then a count of batches)")
     self._source = source
     self._prefetch = prefetch
-    self._state = source.get_state() if self._stateful else 0
+    # A copy of each state the source gives: its get_state() may hand out its own live dict,
+    # which the read-ahead's next batches would change under the position recorded.
+    self._state = copy.deepcopy(source.get_state()) if self._stateful else 0
     self._it: Iterator[Any] | None = None  # the read-ahead, started by the first next()
     self._after: collections.deque = collections.deque()  # source state after each batch read
     self._generation = 0  # of the read-ahead: one that a set_state replaced reads no more
+    # Held around each read from the source and each move of it: a read-ahead on a thread
+    # of its own that a set_state replaced may be inside the source's next() at that moment;
+    # the move waits for that read, after which the old read-ahead reads no more.
+    self._lock = threading.RLock()
 
   def _start(self) -> None:
     """Reads ahead from ``self._state``: the source there, and a new prefetching iterator.
@@ -75,10 +83,12 @@ class Prefetched:
     a thread of its own (a background queue) cannot be stopped, and one started before
     ``set_state`` would move the source under the restored position.
     """
-    self._generation += 1
-    self._after = collections.deque()
+    with self._lock:
+      self._generation += 1
+      self._after = collections.deque()
+      if self._stateful:
+        self._source.set_state(copy.deepcopy(self._state))
     if self._stateful:
-      self._source.set_state(self._state)
       it = self._source
     else:
       it = iter(self._source())
@@ -91,18 +101,19 @@ class Prefetched:
     """The source's batches, each with its position in ``after``; ends once a ``set_state``
     started another read-ahead (then its source position belongs to the new one)."""
     count = self._state if not self._stateful else None
-    while generation == self._generation:
-      try:
-        batch = next(it)
-      except StopIteration:
-        return
-      if generation != self._generation:
-        return
-      if self._stateful:
-        after.append(self._source.get_state())
-      else:
-        count += 1
-        after.append(count)
+    while True:
+      with self._lock:
+        if generation != self._generation:
+          return
+        try:
+          batch = next(it)
+        except StopIteration:
+          return
+        if self._stateful:
+          after.append(copy.deepcopy(self._source.get_state()))
+        else:
+          count += 1
+          after.append(count)
       yield batch
 
   def __iter__(self) -> Prefetched:
@@ -137,8 +148,10 @@ class Prefetched:
       raise TypeError(f"Prefetched.set_state_from_shards: the source"
                       f" ({type(self._source).__name__}) is not elastic (it does not set"
                       " checkpoint_state_is_elastic = True); use set_state(state)")
-    self._source.set_state_from_shards(list(states))
-    self._restart_at(self._source.get_state())
+    with self._lock:  # (a replaced read-ahead's read in flight ends first)
+      self._generation += 1
+      self._source.set_state_from_shards(list(states))
+      self._restart_at(copy.deepcopy(self._source.get_state()))
 
   def get_state(self) -> Any:
     """The source's position after the last batch this iterator handed out."""
@@ -153,6 +166,7 @@ class Prefetched:
 
   def _restart_at(self, state: Any) -> None:
     """The next ``next()`` reads ahead from ``state``; the current read-ahead reads no more."""
-    self._generation += 1
-    self._it = None
-    self._state = state
+    with self._lock:
+      self._generation += 1
+      self._it = None
+      self._state = state

@@ -160,13 +160,21 @@ class DataPosition:
   def of(cls, iterator: Any, coordination_key: str,
          timeout_s: float = _multihost.DEFAULT_TIMEOUT_S,
          restore: bool = True) -> DataPosition | None:
-    """The position of ``iterator``; None (with a warning) if it cannot say where it is."""
-    if hasattr(iterator, "get_state"):
+    """The position of ``iterator``; None (with a warning) if it cannot say where it is, or
+    cannot be moved back there (``get_state()`` without ``set_state()``, or an elastic one
+    without ``set_state_from_shards()``): saved, such a position could not be resumed."""
+    if iterator is None:
+      return None
+    setter = "set_state_from_shards" if state_is_elastic(iterator) else "set_state"
+    if callable(getattr(iterator, "get_state", None)) and callable(getattr(iterator, setter,
+                                                                           None)):
       return cls(iterator, coordination_key, timeout_s, restore)
-    if iterator is not None:
-      log.warning("the data iterator (%s) has no get_state()/set_state(): its position is not"
-                  " checkpointed, so a resumed run restarts it (grain iterators have both)",
-                  type(iterator).__name__)
+    missing = "/".join(f"{m}()" for m in ("get_state", setter)
+                       if not callable(getattr(iterator, m, None)))
+    log.warning("the data iterator (%s) has no %s: its position is not checkpointed, so a"
+                " resumed run restarts it (grain iterators, orbax_flax.data.ElasticIterator"
+                " and orbax_flax.Prefetched have get_state()/set_state())",
+                type(iterator).__name__, missing)
     return None
 
   @property
@@ -184,20 +192,29 @@ class DataPosition:
     return self.iterator.get_state()
 
   def mark(self, step: int) -> None:
-    """Records the position now as where step ``step`` left the data (see :meth:`after`)."""
-    self._after = (step, self.get())
+    """Records the position now as where step ``step`` left the data (see :meth:`after`).
+
+    Recorded encoded, as a save writes it: a copy that the iterator's next batch cannot
+    change (``get_state()`` may hand out its own live dict), and checked at once.
+
+    Raises:
+      TypeError: the state holds something a save cannot write (see :meth:`item`); the
+        mark is then not made.
+    """
+    self._after = None
+    self._after = (step, _encode(self.get()))
 
   def marked(self, step: int) -> bool:
     """Whether :meth:`mark` recorded where step ``step`` left the data."""
     return self._after is not None and self._after[0] == step
 
   def after(self, step: int) -> Any:
-    """The position :meth:`mark` recorded for ``step``, or None.
+    """The position :meth:`mark` recorded for ``step`` (a copy of its own), or None.
 
     A save after a training error takes it, not :meth:`get`: the failing step
     had already taken its batch, and a resume must not skip that batch.
     """
-    return self._after[1] if self._after is not None and self._after[0] == step else None
+    return _decode(self._after[1]) if self.marked(step) else None
 
   def item(self, step: int, state: Any) -> dict[str, Any]:
     """The item that saves ``state`` (this process's) at ``step``, gathered from every process.
@@ -612,6 +629,20 @@ def _encode(value: Any) -> str:
       raise TypeError(f"data iterator state leaf {_tree.path_str(path)} is a {type(leaf).__name__};"
                       " get_state() must return dicts, lists, str, bytes and numbers")
   return json.dumps({"s": structure, "v": [_tree.encode_value(l) for _, l, _ in leaves]})
+
+
+def check_data_state(value: Any) -> None:
+  """Raises the TypeError a save of the data iterator state ``value`` would raise.
+
+  Example:
+    >>> check_data_state({"pos": 3, "files": ["a", "b"]})
+    >>> import numpy as np
+    >>> check_data_state({"rng": np.zeros(2)})
+    Traceback (most recent call last):
+    ...
+    TypeError: data iterator state leaf rng is a ndarray; get_state() must return dicts, lists, str, bytes and numbers
+  """
+  _encode(value)
 
 
 def _decode(text: str) -> Any:
