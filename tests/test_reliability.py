@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -283,6 +284,22 @@ def test_the_grace_period_counts_from_the_signal_under_jax_preemption_sync(tmp_p
     assert "(0.00 s of the 2 s grace period left)" in out, out
     assert "did not commit within the 2 s grace period" in out, out
     assert "RESULT preempted=True stopped_at=3 committed=[]" in out, out
+
+
+def test_a_sigterm_during_the_restore_of_a_multiprocess_job_saves_the_next_step(tmp_path):
+  """Two processes resumed from step 3, SIGTERM on process 1 while the restore runs (before
+  the run's first step). JAX's sync point is the call after the highest count any process
+  had given it, which was 0 before a first step: it picked 1, and a run resumed at 3 never
+  reaches step 1. The job trained on to its end and exited 0, the signal lost."""
+  first = jobs.run("restore_signal_worker.py", [f"--dir={tmp_path / 'run'}", "--mode=first"],
+                   2, 2).check()
+  assert all("committed=[3]" in out for out in first.outputs), first.outputs
+  for mode in ("sync", "async"):
+    shutil.copytree(tmp_path / "run", tmp_path / mode)
+    res = jobs.run("restore_signal_worker.py", [f"--dir={tmp_path / mode}", f"--mode={mode}"],
+                   2, 2).check()
+    for out in res.outputs:
+      assert "RESULT preempted=True stopped_at=4 committed=[3, 4]" in out, (mode, out[-3000:])
 
 
 # ---------------------------------------------------------------------- 6. restore while saving

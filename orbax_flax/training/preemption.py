@@ -4,8 +4,13 @@ Two mechanisms, chosen automatically:
 
 * In a job started with ``jax.distributed.initialize`` JAX's own preemption
   sync manager catches SIGTERM in C++ and tells every process;
-  ``reached_preemption_sync_point(step)`` then returns True on every process at
-  the same step (a sub-microsecond call otherwise). A Python SIGTERM handler
+  ``reached_preemption_sync_point(n)`` then returns True on every process at
+  the same call (a sub-microsecond call otherwise). JAX picks the call after the
+  highest ``n`` any process had passed when the notice came, and matches it
+  exactly, so ``n`` counts this watcher's calls (1, 2, ...; 0 when it is built),
+  not the training step: a resumed run's steps start at the restored one, and a
+  signal before its first step (during the restore, or the compile) made JAX pick
+  1, a number such a run never reaches. A Python SIGTERM handler
   would replace JAX's, so we never install one there. Other configured signals
   (e.g. SIGUSR1) get a Python handler that re-sends SIGTERM to this process,
   which JAX then handles. Only one process needs to receive the signal.
@@ -60,8 +65,8 @@ def _jax_sync_manager_active() -> bool:
 class PreemptionWatcher:
   """Watches for preemption signals; ``reached(step)`` says when to save and stop.
 
-  Call :meth:`reached` on every process at every step with the same step
-  numbering. Use as a context manager (or call :meth:`close`) to put the
+  Call :meth:`reached` on every process once at every step: the processes agree
+  on the how-manieth call to stop at. Use as a context manager (or call :meth:`close`) to put the
   previous signal handlers back.
 
   Args:
@@ -86,6 +91,7 @@ class PreemptionWatcher:
     self._flag = threading.Event()
     self._previous: dict[signal.Signals, object] = {}
     self._received = 0
+    self._calls = 0  # reached() calls so far: the count JAX's sync manager is given
     if threading.current_thread() is not threading.main_thread():
       raise RuntimeError("PreemptionWatcher must be created in the main thread (Python only"
                          " delivers signals there).")
@@ -93,6 +99,10 @@ class PreemptionWatcher:
       if self._use_jax and sig == signal.SIGTERM:
         continue  # JAX's C++ notifier owns SIGTERM.
       self._previous[sig] = signal.signal(sig, self._handle)
+    if self._use_jax:
+      # No call yet (an earlier watcher in this process may have left a higher count): a
+      # notice from now on makes the first reached() the one to stop at.
+      self._reached_jax(0)
 
   @property
   def mechanism(self) -> str:
@@ -120,14 +130,21 @@ class PreemptionWatcher:
       previous(signum, frame)
 
   def reached(self, step: int) -> bool:
-    """True at the step every process saves after a preemption signal."""
+    """True at the step every process saves after a preemption signal (``step``: this one,
+    for the record; the processes agree on the how-manieth call, see the module docstring)."""
+    del step
     if self._use_jax:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      hit = multihost_utils.reached_preemption_sync_point(step)
+      self._calls += 1
+      hit = self._reached_jax(self._calls)
       if hit:
         self._note_signal_time()
       return hit
     return self._flag.is_set()
+
+  @staticmethod
+  def _reached_jax(count: int) -> bool:
+    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+    return multihost_utils.reached_preemption_sync_point(count)
 
   def _note_signal_time(self) -> None:
     """Sets :attr:`signal_time` from JAX's notice (or our handler's time, if earlier).
