@@ -192,3 +192,38 @@ def test_a_child_forked_while_a_save_runs_exits_without_waiting_for_it(tmp_path)
   assert "child exited" in proc.stdout, (proc.stdout, proc.stderr[-2000:])  # (not "hung")
   with ofx.CheckpointManager(str(tmp_path)) as m:
     assert m.all_steps() == [1]
+
+
+def test_a_ctrl_c_in_a_pending_restores_join_leaves_it_pending(tmp_path):
+  """A Ctrl-C in ``restore_or_init_async(...).join()``: on CPython 3.11/3.12 an interrupted
+  Thread.join() leaves the thread looking ended while it runs, so the restore said it was
+  done, a second restore_or_init was allowed beside it, close() did not wait, and the stale
+  restore later moved the data iterator back to the checkpoint's position mid-training."""
+  class Data:
+    def __init__(self, seek_s=0.0):
+      self.i, self.seek_s, self.seeking = 0, seek_s, threading.Event()
+    def get_state(self):
+      return {"i": self.i}
+    def set_state(self, state):
+      self.seeking.set()
+      threading.Event().wait(self.seek_s)  # a seek into a large dataset
+      self.i = state["i"]
+  policy = {"save_interval_steps": 1, "save_final_step": False}
+  with ofx.CheckpointCallback(str(tmp_path), policy) as ckpt:
+    state = ckpt.restore_or_init({"w": np.zeros(4, np.float32)}, data_iterator=Data())
+    ckpt.on_step_end(1, state)
+  ckpt = ofx.CheckpointCallback(str(tmp_path), policy)
+  data = Data(seek_s=2.0)
+  data.i = 7  # where the data iterator stands before the restore
+  pending = ckpt.restore_or_init_async({"w": np.zeros(4, np.float32)}, data_iterator=data)
+  assert data.seeking.wait(30)
+  _ctrl_c_soon(0.1)
+  with pytest.raises(KeyboardInterrupt):
+    pending.join()
+  assert not pending.done() and pending.error() is None  # the restore runs on
+  with pytest.raises(RuntimeError, match="still pending: join"):
+    ckpt.restore_or_init({"w": np.zeros(4, np.float32)}, data_iterator=data)
+  ckpt.close()  # waits for the restore, then its join() says the callback closed
+  assert pending.done() and data.i == 0  # moved to step 1's position, before close returned
+  with pytest.raises(RuntimeError, match="closed while this restore was pending"):
+    pending.join()

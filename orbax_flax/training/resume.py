@@ -769,6 +769,10 @@ class PendingRestore:
     self._error: BaseException | None = None
     self._joined = False
     self._closed: str | None = None  # why join() raises (its owner closed before it was joined)
+    # Set when the restore has ended: waited on instead of the thread, whose join() a Ctrl-C
+    # can leave looking ended while it runs (CPython 3.11/3.12: is_alive() False after a
+    # KeyboardInterrupt inside join()), and a retry would then run beside it.
+    self._finished = threading.Event()
     self._thread = threading.Thread(target=self._work, name="ofx-restore", daemon=True)
     self._thread.start()
 
@@ -779,14 +783,16 @@ class PendingRestore:
         self._clock.restored()
     except BaseException as e:  # pylint: disable=broad-except  # re-raised by join()
       self._error = e
+    finally:
+      self._finished.set()
 
   def done(self) -> bool:
     """Whether the restore has finished (successfully or not)."""
-    return not self._thread.is_alive()
+    return self._finished.is_set()
 
   def error(self) -> BaseException | None:
     """The restore's error, once it has failed (:meth:`join` raises it); else None."""
-    return None if self._thread.is_alive() else self._error
+    return self._error if self._finished.is_set() else None
 
   def join(self, timeout: float | None = None) -> Any:
     """Waits for the restore and returns the state (the restored one, or the one passed in).
@@ -798,8 +804,7 @@ class PendingRestore:
       TimeoutError: the restore did not finish within ``timeout``.
       Exception: the restore's own error, re-raised here.
     """
-    self._thread.join(timeout)
-    if self._thread.is_alive():
+    if not self._finished.wait(timeout):
       raise TimeoutError(f"the restore is still running after {timeout} s")
     if self._closed is not None:
       raise RuntimeError(self._closed) from self._error
@@ -807,16 +812,16 @@ class PendingRestore:
       self._joined = True  # (its caller has the error)
       raise self._error
     if not self._joined:
-      self._joined = True
-      if self._on_done is not None:
+      if self._on_done is not None:  # (raises: join() again runs it again)
         self._result = self._on_done(self._result)
+      self._joined = True
     return self._result
 
   def close(self, why: str) -> BaseException | None:
     """Waits for the restore to end (as long as the restore itself takes), then, unless it was
     joined, makes :meth:`join` raise ``RuntimeError(why)``: its owner is closing. Returns the
     restore's error, if it failed and was never joined."""
-    self._thread.join()
+    self._finished.wait()
     if self._joined:
       return None
     self._closed = why
