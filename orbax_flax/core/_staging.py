@@ -209,6 +209,9 @@ class Staging:
     self._prepared = 0
     self._preparer: threading.Thread | None = None
     self._stop = threading.Event()
+    # Set by the preparer as it ends: waited on instead of joining its thread, which a Ctrl-C
+    # in join() can leave looking ended while it still writes (CPython 3.11/3.12).
+    self._ended = threading.Event()
     self._zeroing = False  # the preparer writes zeros (no MADV_POPULATE_WRITE): always joined
 
   @property
@@ -220,7 +223,7 @@ class Staging:
     """What is held and prepared now (see :class:`Stats`)."""
     preparer = self._preparer
     return Stats(self.nbytes, self._prepared, self._mappings,
-                 preparer is not None and preparer.is_alive() and not self._stop.is_set())
+                 preparer is not None and not self._ended.is_set() and not self._stop.is_set())
 
   def _size_for(self, need: int) -> int:
     size = -(-need // _GRAIN) * _GRAIN
@@ -256,34 +259,38 @@ class Staging:
     if self._limit and self._size_for(need) > self._limit:
       return 0
     self._map(need)
-    self._stop = threading.Event()
+    self._stop, self._ended = threading.Event(), threading.Event()
     self._zeroing = not _can_populate(self._arena.ctypes.data)
     self._preparer = threading.Thread(target=self._touch,
-                                      args=(self._arena, self._stop, not self._zeroing),
+                                      args=(self._arena, self._stop, not self._zeroing,
+                                            self._ended),
                                       name="orbax_flax-prepare-staging", daemon=True)
     self._preparer.start()
     return self._arena.nbytes
 
-  def _touch(self, arena: np.ndarray, stop: threading.Event, populate: bool) -> None:
-    if populate:  # it never writes: nothing has to wait for it, so it may wait for everyone
-      _lower_priority()
-    address, n, done = arena.ctypes.data, arena.nbytes, 0
-    while done < n and not stop.is_set():
-      size = min(_TOUCH_SLICE, n - done)
-      start = time.perf_counter()
-      touch(address + done, size, populate)
-      done += size
-      if not stop.is_set():
-        self._prepared = done
-      stop.wait((time.perf_counter() - start) * (1 / _TOUCH_DUTY - 1))
+  def _touch(self, arena: np.ndarray, stop: threading.Event, populate: bool,
+             ended: threading.Event) -> None:
+    try:
+      if populate:  # it never writes: nothing has to wait for it, so it may wait for everyone
+        _lower_priority()
+      address, n, done = arena.ctypes.data, arena.nbytes, 0
+      while done < n and not stop.is_set():
+        size = min(_TOUCH_SLICE, n - done)
+        start = time.perf_counter()
+        touch(address + done, size, populate)
+        done += size
+        if not stop.is_set():
+          self._prepared = done
+        stop.wait((time.perf_counter() - start) * (1 / _TOUCH_DUTY - 1))
+    finally:
+      ended.set()
 
   def wait_prepared(self, timeout: float | None = None) -> bool:
     """Waits for the background touching to end; True if none is pending any more."""
     preparer = self._preparer
     if preparer is None or self._stop.is_set():
       return True
-    preparer.join(timeout)
-    return not preparer.is_alive()
+    return self._ended.wait(timeout)
 
   def _stop_preparing(self, wait: bool = False) -> None:
     """Stops the background touching before anything else uses the arena.
@@ -296,7 +303,7 @@ class Staging:
       return
     self._stop.set()
     if wait or self._zeroing:
-      preparer.join()
+      self._ended.wait()  # (its last slice: milliseconds)
       self._preparer = None
 
   def arrays(self, specs: Sequence[tuple[tuple[int, ...], np.dtype]]) -> list[np.ndarray]:
