@@ -623,12 +623,37 @@ def _saved_mesh_text(mesh: Any) -> str:
 
 def _encode(value: Any) -> str:
   """A data iterator state (dicts, lists, str, bytes, numbers) as one JSON string."""
-  structure, leaves = _tree.encode_structure(value)
+  try:
+    structure, leaves = _tree.encode_structure(value)
+  except ValueError as e:  # jax sorts each dict's keys: mixed kinds (str and int) do not sort
+    mixed = _mixed_keys(value)
+    if mixed is None:
+      raise
+    raise TypeError(f"data iterator state dict {mixed} has keys of several types"
+                    " (e.g. str and int), which cannot be ordered; get_state() must return"
+                    " dicts whose keys are all str or all int") from e
   for path, leaf, kind in leaves:
     if kind != "value":
       raise TypeError(f"data iterator state leaf {_tree.path_str(path)} is a {type(leaf).__name__};"
                       " get_state() must return dicts, lists, str, bytes and numbers")
   return json.dumps({"s": structure, "v": [_tree.encode_value(l) for _, l, _ in leaves]})
+
+
+def _mixed_keys(value: Any, where: str = "at the top") -> str | None:
+  """Where in ``value`` a dict's keys are of several types, or None."""
+  if isinstance(value, dict):
+    if len({type(k) for k in value}) > 1:
+      return where
+    items = value.items()
+  elif isinstance(value, (list, tuple)):
+    items = enumerate(value)
+  else:
+    return None
+  for k, v in items:
+    found = _mixed_keys(v, f"at {k}" if where == "at the top" else f"{where}/{k}")
+    if found is not None:
+      return found
+  return None
 
 
 def check_data_state(value: Any) -> None:
@@ -641,6 +666,10 @@ def check_data_state(value: Any) -> None:
     Traceback (most recent call last):
     ...
     TypeError: data iterator state leaf rng is a ndarray; get_state() must return dicts, lists, str, bytes and numbers
+    >>> check_data_state({"shards": {"a": 1, 2: 3}})
+    Traceback (most recent call last):
+    ...
+    TypeError: data iterator state dict at shards has keys of several types (e.g. str and int), which cannot be ordered; get_state() must return dicts whose keys are all str or all int
   """
   _encode(value)
 
