@@ -7,6 +7,7 @@ import logging
 import os
 import queue
 import re
+import shutil
 import threading
 import time
 
@@ -711,3 +712,19 @@ def test_an_iterator_without_set_state_is_not_checkpointed_and_a_warning_says_so
   assert "has no set_state(): its position is not checkpointed" in caplog.text
   assert _fit(tmp_path, _Counter(setter=False), 12) == [0, 1]  # resumed at 10, data afresh
   assert resume.DATA_ITEM not in ofx.restore(f"{tmp_path}/checkpoints/10")
+
+
+def test_a_first_step_failure_after_a_resume_from_the_local_tier_saves_where_it_resumed(
+    tmp_path):
+  """Resumed from a step only the local tier held, the first train step fails: the exception
+  save of that step (the persistent tier lacks it) was refused, the log blaming a failed
+  get_state(); it is saved, with the position the restore set."""
+  policy = {"save_interval_steps": 100, "save_final_step": False,
+            "local_directory": str(tmp_path / "local"), "local_save_interval_steps": 5}
+  trained = _fit(tmp_path, _Counter(), 7, policy=policy)  # local step 5; persistent: none
+  with pytest.raises(FloatingPointError):
+    _fit(tmp_path, _Counter(), 9, fail_at=5, trained=trained, policy=policy)
+  assert ofx.CheckpointManager(str(tmp_path / "checkpoints")).all_steps() == [5]
+  shutil.rmtree(tmp_path / "local")  # (a replaced host): the persistent step 5 it is
+  _fit(tmp_path, _Counter(), 9, trained=trained, policy=policy)
+  assert trained == list(range(7)) + list(range(5, 9)), trained

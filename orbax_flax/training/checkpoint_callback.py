@@ -180,10 +180,13 @@ class CheckpointCallback(callbacks.Callback):
       # The last step so far: a run that ends without another (its steps were all done) still
       # gets its final save, if the persistent tier lacks it (restored from the local tier).
       self._last = (self.restored_step, state)
-    elif self._data is not None and self.policy.save_on_exception:
-      # Where a new run's data starts, for an exception save of the step it starts from (its
-      # first train step failed: that step's batch was taken, and no step was computed).
-      start = state_items.step_of(state)
+    if self._data is not None and self.policy.save_on_exception:
+      # Where the run's data starts, for an exception save of the step it starts from (its
+      # first train step failed: that step's batch was taken, and no step was computed):
+      # saved where the persistent tier lacks it (a new run; a resume from the local tier
+      # or from another library's run).
+      start = self.restored_step if self.restored_step is not None else state_items.step_of(
+          state)
       self._data.mark(0 if start is None else start)
     self._restart.joined(self.restored_step)
     # The first save's staging memory, prepared in the background from now on.
