@@ -405,3 +405,44 @@ def test_auto_interval_needs_an_mtbf_and_plan_shows_the_choice(tmp_path):
   assert r.returncode == 0, text
   assert "every 120.0 s, about every 120 step(s); a failure loses 60.0 s" in text
   assert re.search(r"auto\s+8\s+120, 240, 360, 480, 600, 720, 840, 960", text), text
+
+
+def test_a_held_step_a_differential_save_replaces_reads_as_it_was_until_that_save_commits(
+    tmp_path, monkeypatch):
+  """Differential saves; the evaluator holds step 30, which step 40 borrows from; the trainer
+  rolls back to 20 and its new run saves step 30. That save parks the old 30 aside
+  (``30.ofx-base-<generation>``) while it writes: the evaluator's restore of the step it holds
+  failed with CheckpointNotFoundError for the whole save. It now reads the parked step (still
+  the committed one), and after the commit the new save."""
+  from orbax_flax.engine import saving  # pylint: disable=g-import-not-at-top
+  gate, held = threading.Event(), threading.Event()
+  commit = saving.commit
+  def gated(*args, **kwargs):
+    if not gate.is_set():
+      held.set()
+      assert gate.wait(60)
+    return commit(*args, **kwargs)
+  monkeypatch.setattr(saving, "commit", gated)
+  frozen = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+  def items(v):
+    return {"state": {"base": frozen + (1.0 if v >= 30 else 0.0), "w": np.full(4, v, np.float32)}}
+  d = str(tmp_path)
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=True)) as m:
+    gate.set()
+    for s in (10, 20, 30, 40):
+      m.save(s, items(s), force=True)
+    m.wait()
+    gate.clear()
+    evaluator = ofx.checkpoints_iterator(d, timeout=0, start_after=20)
+    assert next(evaluator) == 30
+    m.restore(20)
+    m.save(30, items(-30), force=True)
+    assert held.wait(60)  # the new save of 30 is written, its commit held
+    assert [n for n in os.listdir(d) if n.startswith("30.ofx-base-")], os.listdir(d)  # parked
+    assert ofx.restore(os.path.join(d, "30"))["state"]["w"][0] == 30.0
+    assert ofx.metadata(os.path.join(d, "30")).custom["reason"] is not None
+    gate.set()
+    m.wait()
+    assert ofx.restore(os.path.join(d, "30"))["state"]["w"][0] == -30.0
+    assert next(evaluator) == 30  # the new save at that number comes next
+    evaluator.close()

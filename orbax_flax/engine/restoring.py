@@ -144,16 +144,39 @@ def read_manifest(loc: Location) -> Manifest:
   return _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
 
 
+def _parked_instead(loc: Location) -> Location | None:
+  """Where the committed step ``loc`` (a local ``<root>/<step>`` without a manifest) is
+  parked while a differential save of its number runs
+  (:func:`orbax_flax.differential.retention.make_room`): still the committed step until that
+  save commits (then it is retired, its bytes left where they are, so a read under way goes
+  on), or back at ``loc`` if it does not. None if it is not parked."""
+  if not loc.is_local:
+    return None
+  root, name = os.path.split(loc.local_path)
+  try:
+    names = os.listdir(root)
+  except OSError:
+    return None
+  for other in names:
+    parsed = step_dir.parse_retired(other)
+    if parsed is not None and parsed[0] == name and step_dir.is_parked(os.path.join(root, other)):
+      return Location.parse(os.path.join(root, other))
+  return None
+
+
 def open_manifest(path: Any) -> tuple[Location, Manifest]:
   """The manifest of the checkpoint at ``path``, in any format ``restore`` reads.
 
   Ours is read and verified; an orbax-checkpoint or safetensors checkpoint is
   described by an in-memory manifest of the same shape (see
-  :mod:`orbax_flax.formats`).
+  :mod:`orbax_flax.formats`). A step parked for a differential save of its number is read
+  where it is parked (:func:`_parked_instead`).
   """
   loc = Location.parse(path)
   if TMP_MARKER not in loc.name:
     data = _manifest_bytes(loc)
+    if data is None and (parked := _parked_instead(loc)) is not None:
+      loc, data = parked, _manifest_bytes(parked)
     if data is not None:
       return loc, _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
     foreign = formats.open_foreign(loc)
@@ -176,6 +199,9 @@ def read_summary(loc: Location) -> Summary:
   if TMP_MARKER in loc.name:
     raise _not_found(loc)
   data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
+  if data is None and (parked := _parked_instead(loc)) is not None:  # (see open_manifest)
+    loc, where = parked, f"{parked}/{_manifest.MANIFEST_KEY}"
+    data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
   if data is None:
     raise _not_found(loc)
   summary = _manifest.decode_summary(data, where)

@@ -43,7 +43,9 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   A step the training job's retention deleted (or is deleting) before the
   iterator reached it is skipped with a log line. A rollback of the training
   job past the step yielded last (or a save over it) makes the new run's steps
-  come next, at the numbers they have: each committed save is yielded once. A directory that does not
+  come next, at the numbers they have: each committed save is yielded once
+  (a save at the number of the step being held replaces it: the lease keeps a
+  step from deletion, not from a new save of its number). A directory that does not
   exist yet is waited for like an empty one, with a WARNING that says so (once,
   and again if the timeout ends the wait); so is one that holds no step while
   its ``checkpoints/`` does (a workdir), the WARNING naming
