@@ -446,3 +446,32 @@ def test_a_held_step_a_differential_save_replaces_reads_as_it_was_until_that_sav
     assert ofx.restore(os.path.join(d, "30"))["state"]["w"][0] == -30.0
     assert next(evaluator) == 30  # the new save at that number comes next
     evaluator.close()
+
+
+def test_the_timeout_is_not_overshot_by_a_long_poll_interval(tmp_path):
+  """timeout=0.5 with poll_interval=6 (a costly bucket listing) waited a whole poll
+  interval, 6 s, before it looked at the clock again: no sleep now goes past the timeout."""
+  now, slept = [0.0], []
+  def sleep(s):
+    slept.append(s)
+    now[0] += s
+  assert list(ofx.checkpoints_iterator(str(tmp_path), timeout=0.5, poll_interval=6,
+                                       clock=lambda: now[0], sleep=sleep)) == []
+  assert now[0] == pytest.approx(0.5) and max(slept) <= 0.5, slept
+
+
+def test_finished_rollbacks_leave_no_records_behind(tmp_path):
+  """A loop that goes back to step 20 after each bad step 30, keep-all: each rollback's new
+  run saved step 30 again, nothing was deleted, and the records of the finished rollbacks
+  (read by every listing and every poll of an evaluator) were kept for the whole run."""
+  d = str(tmp_path)
+  with ofx.CheckpointManager(d) as m:
+    for s in (10, 20, 30):
+      m.save(s, {"state": {"w": np.full(4, s, np.float32)}}, force=True)
+    m.wait()
+    for k in range(5):
+      m.restore(20)
+      m.save(30, {"state": {"w": np.full(4, -k, np.float32)}}, force=True)
+      m.wait()
+    assert not os.path.exists(os.path.join(d, ".rollbacks")), open(os.path.join(d, ".rollbacks")).read()
+    assert m.all_steps() == [10, 20, 30]

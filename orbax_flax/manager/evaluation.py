@@ -144,7 +144,9 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
           _stopping(loc, absent, f"after waiting {timeout:g} s",
                     f"no new step in {loc} for {timeout:g} s (the timeout)")
           return
-        sleep(poll_interval)
+        # Not past the timeout: a listing every poll_interval, and one more at the timeout.
+        left = None if timeout is None else timeout - (clock() - waited_since)
+        sleep(poll_interval if left is None else max(0.0, min(poll_interval, left)))
       if last_yield is not None and min_interval:
         pause = min_interval - (clock() - last_yield)
         if pause > 0:

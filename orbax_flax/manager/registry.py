@@ -487,7 +487,9 @@ class StepRegistry:
     """
     steps = sorted(steps)
     self._deletions = [f for f in self._deletions if not f.done() or f.exception() is not None]
-    if self._deletes and self._writer and (steps or self._leftovers or self._later):
+    with self._records_lock:  # (a committed rollback's record, perhaps to drop now)
+      settled = any(r.committed for r in self._records)
+    if self._deletes and self._writer and (steps or self._leftovers or self._later or settled):
       self._deletions.append(self._deleter.submit(self._delete, steps))
 
   def _delete(self, steps: list[int]) -> None:
@@ -499,7 +501,8 @@ class StepRegistry:
     steps = sorted(set(steps) | self._later)
     if self._stopping.is_set():
       return
-    if not steps:
+    if not steps:  # (a rollback whose new run saved every step it abandoned again)
+      self._prune_rollbacks()
       self.sweep()
       return
     try:
