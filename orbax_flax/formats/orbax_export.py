@@ -197,8 +197,8 @@ def _chunk_shape(value: Any, max_bytes: int = 64 << 20) -> tuple[int, ...]:
   one every shard holds whole (every dimension of a numpy array) as long as the size allows,
   its last chunk partial (zarr3 clips it to the array; it is inside every shard too); one the
   shards split at a divisor of the shard's length (chunks tile each shard), unless keeping
-  it whole and cutting the dimensions after it gives larger chunks (a prime shard length
-  has no divisor but 1 and itself: one-row chunks, thousands of files).
+  it whole and cutting the dimensions after it gives chunks at least twice as large (a
+  prime shard length has no divisor but 1 and itself: one-row chunks, thousands of files).
 
   Example:
     >>> import numpy as np
@@ -236,7 +236,7 @@ def _cut(chunk: list[int], split: list[bool], d: int, itemsize: int,
     cut = _cut(chunk[:d] + [divisor] + chunk[d + 1:], split, d + 1, itemsize, max_bytes)
     whole = _cut(chunk, split, d + 1, itemsize, max_bytes) if d + 1 < len(chunk) else chunk
     nbytes = lambda c: itemsize * int(np.prod(c, dtype=np.int64))
-    if max_bytes >= nbytes(whole) > nbytes(cut):
+    if max_bytes >= nbytes(whole) >= 2 * nbytes(cut):  # (leading dimensions cut first, else)
       return whole
     return cut
   return chunk
