@@ -1,6 +1,7 @@
 """Several processes save one checkpoint together; other jobs restore it."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -128,3 +129,45 @@ def test_a_save_refused_on_one_process_fails_at_once_everywhere(tmp_path):
   assert all("OVERWRITTEN False" in out for out in res.outputs), res.outputs
   for name in ("after-leaf", "after-late-leaf", "after-leaf0", "after-overwrite"):
     assert [o for o, _, _ in cases[name]] == ["saved+committed"] * 2, (name, res.outputs)
+
+
+def _donor(root):
+  """A pretraining run's workdir holding step 10 (kernel 10.0); its step 20 (kernel 20.0)
+  committed beside it, then moved out to ``<root>/staged20`` (moved back by the worker)."""
+  import jax, jax.numpy as jnp, optax  # pylint: disable=g-import-not-at-top,multiple-statements
+  from flax import linen as nn  # pylint: disable=g-import-not-at-top
+  from flax.training import train_state  # pylint: disable=g-import-not-at-top
+  params = nn.Dense(16).init(jax.random.key(0), jnp.ones((1, 8)))
+  state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+  with ofx.CheckpointCallback(os.path.join(root, "donor"), {"save_interval_steps": 10}) as ck:
+    ck.restore_or_init(state)
+    for step in (10, 20):
+      ck.on_step_end(step, state.replace(
+          step=step, params=jax.tree.map(lambda a, s=step: jnp.full_like(a, s), params)))
+  os.rename(os.path.join(root, "donor", "checkpoints", "20"), os.path.join(root, "staged20"))
+
+
+def test_init_from_a_run_takes_one_step_on_every_process(tmp_path):
+  """A 2-process fine-tune from a pretraining run's workdir (its latest step) while that run
+  commits step 20 beside step 10: each process resolved "the latest step" on its own, and
+  the params mixed shards of both (kernel values 10.0 and 20.0), without a word. Process 0
+  resolves it for every process now."""
+  _donor(str(tmp_path))
+  res = jobs.run("init_from_worker.py", [f"--root={tmp_path}", "--case=race"], 2, 2).check()
+  for out in res.outputs:
+    assert "VALUES [10.0]" in out, out[-3000:]
+
+
+def test_init_from_refused_on_one_process_stops_every_process_at_once(tmp_path):
+  """init_from fails on process 1 only (its config names a part the checkpoint lacks; a
+  per-host download one host lacks is the same): process 0 trained on into its first
+  collective and was aborted about 100 s later with no word of init_from. Every process
+  now raises at once, process 0 naming process 1's error."""
+  _donor(str(tmp_path))
+  res = jobs.run("init_from_worker.py", [f"--root={tmp_path}", "--case=refused"], 2, 2).check()
+  assert "REFUSED TreeMismatchError" in res.outputs[1], res.outputs[1][-3000:]
+  assert re.search(r"REFUSED TreeMismatchError: init_from=.* failed on another process, so every"
+                   r" process stops here: process 1: TreeMismatchError", res.outputs[0]), (
+                       res.outputs[0][-3000:])
+  for out in res.outputs:
+    assert float(re.search(r"TOOK ([\d.]+)", out).group(1)) < 30, out[-2000:]

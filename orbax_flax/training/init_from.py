@@ -48,9 +48,19 @@ from orbax_flax.formats import orbax_checkpoint
 from orbax_flax.manager import registry
 
 
+def source_of(text: str) -> Location:
+  """The checkpoint ``init_from=text`` points at: a run's or a directory's latest step
+  resolved to that step (what :func:`load` reads, unless it is given another ``source``).
+
+  Raises:
+    CheckpointNotFoundError: nothing committed where ``text`` points.
+  """
+  return _checkpoint_in(_selecting.split(text)[0], text)
+
+
 def load(text: str, name: str, target: Any, ckptr: checkpointer.Checkpointer, *,
          allow_lossy_casts: bool = False, casts: list | None = None,
-         variables: Any = None) -> tuple[Any, Any, Location]:
+         variables: Any = None, source: Location | None = None) -> tuple[Any, Any, Location]:
   """What ``init_from=text`` names, restored into ``target``; and the step it came from.
 
   Args:
@@ -68,6 +78,9 @@ def load(text: str, name: str, target: Any, ckptr: checkpointer.Checkpointer, *,
       (its ``train_state`` item: BatchNorm statistics), as a restore target.
       When the part taken holds any of them (``nnx.state(model)`` saved whole),
       it must hold them all, and they are restored too.
+    source: the checkpoint to read (:func:`source_of`, resolved once for every process
+      of a job: a run's latest step may change between two processes' looks); None:
+      resolved here.
 
   Returns:
     ``(params, variables, step)``: ``target`` restored; ``variables`` restored,
@@ -80,7 +93,7 @@ def load(text: str, name: str, target: Any, ckptr: checkpointer.Checkpointer, *,
       ``target``; the message lists what the checkpoint holds.
   """
   path, selector = _selecting.split(text)
-  source = _checkpoint_in(path, text)
+  source = _checkpoint_in(path, text) if source is None else source
   _, manifest = restoring.open_manifest(source)
   cast = _Casts(allow_lossy_casts, casts)
   if selector:
@@ -110,7 +123,8 @@ def several(text: str) -> bool:
 
 
 def load_parts(text: str, targets: dict[str, Any], ckptr: checkpointer.Checkpointer, *,
-               allow_lossy_casts: bool = False, casts: list | None = None
+               allow_lossy_casts: bool = False, casts: list | None = None,
+               source: Location | None = None
                ) -> tuple[dict[tuple[str, ...], Any], Location]:
   """Several parts of a checkpoint (``"<ckpt>:params,train_state/batch_stats"``), each restored
   into the same part of this run's state; ``dst=src`` takes ``src`` into ``dst``
@@ -120,7 +134,7 @@ def load_parts(text: str, targets: dict[str, Any], ckptr: checkpointer.Checkpoin
     text: the policy's ``init_from``.
     targets: this run's items as restore targets.
     ckptr: the checkpointer that restores them.
-    allow_lossy_casts, casts: as :func:`load`.
+    allow_lossy_casts, casts, source: as :func:`load`.
 
   Returns:
     ``({destination key path: restored subtree}, the step it came from)``.
@@ -130,7 +144,7 @@ def load_parts(text: str, targets: dict[str, Any], ckptr: checkpointer.Checkpoin
     destination that is not part of this run's state (naming what is).
   """
   path, selector = _selecting.split(text)
-  source = _checkpoint_in(path, text)
+  source = _checkpoint_in(path, text) if source is None else source
   _, manifest = restoring.open_manifest(source)
   out = {}
   for dst, src in _selecting.selections(selector):

@@ -319,6 +319,7 @@ class Resume:
                local: LocalTier | None = None, workdir: str | None = None):
     self._manager, self._policy, self._local = manager, policy, local
     self._workdir = workdir
+    self._inits = 0  # init_from agreements so far (each has keys of its own)
 
   def restore(self, state: Any, data: DataPosition | None = None) -> tuple[Any, int | None]:
     """``(state, step)``: ``state`` restored from the step the run continues from.
@@ -346,7 +347,7 @@ class Resume:
         if previous is not None:
           log.warning("%s; init_from=%r is set, so this run starts from that instead",
                       previous.description(), self._policy.init_from)
-        return self._init_from(state), None
+        return self._init_from_together(state), None
       if previous is not None:
         return self._continue(previous, state, data)
       _progress.say("no checkpoint in %s: starting from scratch", self._manager.directory)
@@ -447,7 +448,7 @@ class Resume:
                                       what=f"restore step {step}")
         stopped = [(p, v[len(_STOPPED):]) for p, v in enumerate(votes) if v.startswith(_STOPPED)]
         if stopped:
-          raise _failed_elsewhere(step, manager.directory, stopped)
+          raise _failed_elsewhere(f"resuming from step {step} of {manager.directory}", stopped)
         bad = [f"process {p}: {v}" for p, v in enumerate(votes) if v != "ok"]
         if bad and error is None:
           error = errors.CheckpointCorruptedError("; ".join(bad))
@@ -480,10 +481,51 @@ class Resume:
     except _multihost.CoordinationTimeoutError as e:
       error.add_note(f"orbax_flax: the other processes could not be told: {e}")
 
-  def _init_from(self, state: Any) -> Any:
+  def _init_from_together(self, state: Any) -> Any:
+    """:meth:`_init_from` on every process of the job from one checkpoint, or on none.
+
+    Process 0 resolves ``init_from`` (a run's latest step may change while the processes
+    look: each would take another step, and the params would mix two checkpoints), and
+    the processes then vote: one that failed (the checkpoint missing on its host, a
+    mismatch) makes every process raise at once, instead of the others training on into
+    their first collective, to be aborted minutes later by the coordination service.
+    """
+    if jax.process_count() == 1:
+      return self._init_from(state, None)
+    self._inits += 1
+    key = f"{self._manager.coordination_key}/init_from/{self._inits}"
+    timeout_s, text = self._policy.coordination_timeout_seconds, self._policy.init_from
+    word, failed = None, None
+    if jax.process_index() == 0:
+      try:
+        word = str(init_from.source_of(text))
+      except Exception as e:  # pylint: disable=broad-except  # raised once the others know
+        failed, word = e, f"{_STOPPED}{type(e).__name__}: {e}"
+    word = _multihost.broadcast(f"{key}/source", word, timeout_s)
+    if failed is not None:
+      raise failed
+    what = f"init_from={text!r}"
+    if word.startswith(_STOPPED):
+      raise _failed_elsewhere(what, [(0, word[len(_STOPPED):])])
+    try:
+      state = self._init_from(state, Location.parse(word))
+    except BaseException as e:
+      try:  # the others learn it at the vote, at once
+        _multihost.arrive(f"{key}/taken", f"{_STOPPED}{type(e).__name__}: {e}",
+                          timeout_s=timeout_s)
+      except _multihost.CoordinationTimeoutError as told:
+        e.add_note(f"orbax_flax: the other processes could not be told: {told}")
+      raise
+    votes = _multihost.all_gather(f"{key}/taken", "ok", timeout_s, what=f"take {what}")
+    stopped = [(p, v[len(_STOPPED):]) for p, v in enumerate(votes) if v.startswith(_STOPPED)]
+    if stopped:
+      raise _failed_elsewhere(what, stopped)
+    return state
+
+  def _init_from(self, state: Any, source: Location | None) -> Any:
     items = state_items.to_items(state)
     if init_from.several(self._policy.init_from):
-      return self._init_parts(state, items)
+      return self._init_parts(state, items, source)
     name = "params" if "params" in items else "state"
     target = _targets({name: items[name]})[name]
     # An NNX model's other variables (batch stats): taken too from a model saved whole.
@@ -497,7 +539,7 @@ class Resume:
                                    watchdog_seconds=p.watchdog_seconds) as ckptr:
       items[name], taken, source = init_from.load(
           p.init_from, name, target, ckptr, allow_lossy_casts=p.allow_lossy_casts, casts=casts,
-          variables=variables)
+          variables=variables, source=source)
     if taken is not None:
       items["train_state"] = taken
       name += " and the model's other non-RNG variables"
@@ -506,7 +548,7 @@ class Resume:
                   self._manager.directory)
     return state_items.from_items(state, items)
 
-  def _init_parts(self, state: Any, items: dict[str, Any]) -> Any:
+  def _init_parts(self, state: Any, items: dict[str, Any], source: Location | None) -> Any:
     """``init_from`` naming several parts (params and batch_stats): each into its place."""
     p, casts = self._policy, []
     with checkpointer.Checkpointer(max_host_bytes=p.max_host_bytes,
@@ -514,7 +556,8 @@ class Resume:
                                    coordination_key=f"{self._manager.coordination_key}/init_from",
                                    watchdog_seconds=p.watchdog_seconds) as ckptr:
       parts, source = init_from.load_parts(p.init_from, _targets(items), ckptr,
-                                           allow_lossy_casts=p.allow_lossy_casts, casts=casts)
+                                           allow_lossy_casts=p.allow_lossy_casts, casts=casts,
+                                           source=source)
     _log_casts(casts, "init_from")
     for dst, value in parts.items():
       items[dst[0]] = _selecting.put(items[dst[0]], dst[1:], value)
@@ -554,11 +597,12 @@ class Resume:
 _STOPPED = "stopped: "  # a resume vote: this process raised (not damage that falls back)
 
 
-def _failed_elsewhere(step: int, directory: Any, stopped: list[tuple[int, str]]) -> Exception:
-  """What a process raises when others raised while restoring ``step``: the kind of the first
-  one's error (an orbax_flax error or a builtin; else RuntimeError), naming each process."""
-  text = (f"resuming from step {step} of {directory} failed on another process, so every process"
-          " stops here: " + "; ".join(f"process {p}: {v}" for p, v in stopped))
+def _failed_elsewhere(what: str, stopped: list[tuple[int, str]]) -> Exception:
+  """What a process raises when others raised doing ``what`` (restoring a step, taking
+  ``init_from``): the kind of the first one's error (an orbax_flax error or a builtin; else
+  RuntimeError), naming each process."""
+  text = (f"{what} failed on another process, so every process stops here: "
+          + "; ".join(f"process {p}: {v}" for p, v in stopped))
   kind = stopped[0][1].split(":", 1)[0]
   cls = getattr(errors, kind, None) or getattr(builtins, kind, None)
   if cls is errors.TreeMismatchError:
