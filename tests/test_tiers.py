@@ -565,7 +565,7 @@ def _run_long(workdir, steps, flags, n=3, devices=2):
 
 def _launch(workdir, local_dir, steps, n=3, devices=2, extra=(), timeout=600):
   """tier_launch_worker.py as ``n`` processes of one job through ``python -m orbax_flax.launch``;
-  a job still running after ``timeout`` seconds is killed (the launcher and its workers) and
+  a job still running after ``timeout`` seconds is killed (its workers, then the launcher) and
   fails the test."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
@@ -579,7 +579,12 @@ def _launch(workdir, local_dir, steps, n=3, devices=2, extra=(), timeout=600):
   try:
     out, _ = job.communicate(timeout=timeout)
   except subprocess.TimeoutExpired:
-    os.killpg(job.pid, signal.SIGKILL)  # the job's own session: the launcher and its workers
+    import psutil  # pylint: disable=g-import-not-at-top
+    # The workers run in sessions of their own (the launcher's Ctrl-C is theirs once): each
+    # is killed, then the launcher.
+    for child in psutil.Process(job.pid).children(recursive=True):
+      child.kill()
+    os.killpg(job.pid, signal.SIGKILL)
     out, _ = job.communicate()
     pytest.fail(f"the job hung: still running after {timeout} s\n{out[-5000:]}")
   assert job.returncode == 0, out[-5000:]
