@@ -626,6 +626,35 @@ def test_init_from_another_run_params_only(tmp_path):
   bad.close()
 
 
+def test_init_from_into_a_plain_pytree_takes_its_params_only(tmp_path):
+  """A plain dict state {params, opt_state, step}: init_from took the donor's whole state, its
+  step counter (10) and Adam state too, so a fine-tune of num_steps=10 ran no step. The
+  params are taken, from a plain-pytree run's state/params or a TrainState run's params."""
+  tx = optax.adam(1e-1)
+  def make(seed):
+    params = {"w": jax.random.normal(jax.random.key(seed), (4, 4))}
+    return {"params": params, "opt_state": tx.init(params), "step": 0}
+  @jax.jit
+  def train_step(s, x):
+    grads = jax.grad(lambda p: ((x @ p["w"]) ** 2).mean())(s["params"])
+    updates, opt_state = tx.update(grads, s["opt_state"], s["params"])
+    return {"params": optax.apply_updates(s["params"], updates), "opt_state": opt_state,
+            "step": s["step"] + 1}
+  with ofx.CheckpointCallback(str(tmp_path / "pretrain"), {"save_interval_steps": 10}) as ckpt:
+    state = ckpt.restore_or_init(make(0))
+    for step in range(1, 11):
+      state = train_step(state, jnp.ones((2, 4)))
+      ckpt.on_step_end(step, state)
+  with ofx.CheckpointCallback(str(tmp_path / "finetune"), {"init_from": str(tmp_path / "pretrain")}
+                              ) as ckpt:
+    fine = ckpt.restore_or_init(make(1))
+    leaves_equal(fine["params"], state["params"])
+    assert int(fine["step"]) == 0 and int(fine["opt_state"][0].count) == 0
+    fine = train_step(fine, jnp.ones((2, 4)))  # the user's jitted step on it
+    ckpt.on_step_end(1, fine)
+  assert ofx.CheckpointManager(str(tmp_path / "finetune" / "checkpoints")).all_steps() == [1]
+
+
 @pytest.mark.parametrize("init_from", ["{}", "{}:params=params"])  # load and load_parts
 def test_init_from_with_allow_lossy_casts_fine_tunes_a_bfloat16_model(tmp_path, caplog, init_from):
   """A bfloat16 model fine-tuned from a float32 run with allow_lossy_casts=True: the policy's

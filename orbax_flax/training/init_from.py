@@ -41,6 +41,7 @@ from orbax_flax.engine import checkpointer
 from orbax_flax import errors
 from orbax_flax.engine import restoring
 from orbax_flax.engine import targets as targets_lib
+from orbax_flax.format import _manifest
 from orbax_flax.format import step_dir
 from orbax_flax.core._location import Location
 from orbax_flax.format._manifest import Manifest
@@ -56,6 +57,36 @@ def source_of(text: str) -> Location:
     CheckpointNotFoundError: nothing committed where ``text`` points.
   """
   return _checkpoint_in(_selecting.split(text)[0], text)
+
+
+def params_part(text: str, source: Location) -> str | None:
+  """For a run whose state is a plain pytree with a ``params`` key and an ``init_from``
+  naming no part: the ``init_from`` that takes only the params (``dst=src``), not the whole
+  state with its optimizer state and step counter; None where the checkpoint holds no
+  params part to take (an orbax-checkpoint, a state without ``params``).
+
+  Example:
+    >>> import numpy as np, orbax_flax as ofx, tempfile, os
+    >>> path = os.path.join(tempfile.mkdtemp(), "10")
+    >>> ofx.save(path, {"state": {"params": {"w": np.ones(2)}, "step": 10}})
+    >>> params_part(path, Location.parse(path)).endswith(":state/params=state/params")
+    True
+  """
+  path, selector = _selecting.split(text)
+  if selector:
+    return None
+  _, manifest = restoring.open_manifest(source)
+  if manifest.format != _manifest.FORMAT:
+    return None
+  for item in ("params", "state"):
+    saved = manifest.items.get(item)
+    if saved is None:
+      continue
+    if item == "params":
+      return f"{path}:state/params=params"
+    if any(r.path[:1] == ("params",) and len(r.path) > 1 for r in saved.leaves):
+      return f"{path}:state/params=state/params"
+  return None
 
 
 def load(text: str, name: str, target: Any, ckptr: checkpointer.Checkpointer, *,

@@ -44,7 +44,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -524,9 +524,16 @@ class Resume:
 
   def _init_from(self, state: Any, source: Location | None) -> Any:
     items = state_items.to_items(state)
-    if init_from.several(self._policy.init_from):
-      return self._init_parts(state, items, source)
+    text = self._policy.init_from
+    if init_from.several(text):
+      return self._init_parts(state, items, source, text)
     name = "params" if "params" in items else "state"
+    if name == "state" and isinstance(items["state"], Mapping) and "params" in items["state"]:
+      # A plain pytree with params (and an optimizer state, a step): its params are taken,
+      # as from a TrainState, not the donor's optimizer state and step counter too.
+      params = init_from.params_part(text, source or init_from.source_of(text))
+      if params is not None:
+        return self._init_parts(state, items, source, params)
     target = _targets({name: items[name]})[name]
     # An NNX model's other variables (batch stats): taken too from a model saved whole.
     nnx_vars = state_items.kind(state) == "nnx" and jax.tree.leaves(items.get("train_state"))
@@ -548,14 +555,16 @@ class Resume:
                   self._manager.directory)
     return state_items.from_items(state, items)
 
-  def _init_parts(self, state: Any, items: dict[str, Any], source: Location | None) -> Any:
-    """``init_from`` naming several parts (params and batch_stats): each into its place."""
+  def _init_parts(self, state: Any, items: dict[str, Any], source: Location | None,
+                  text: str) -> Any:
+    """``init_from=text`` naming several parts (params and batch_stats), or one put elsewhere
+    (``dst=src``): each into its place."""
     p, casts = self._policy, []
     with checkpointer.Checkpointer(max_host_bytes=p.max_host_bytes,
                                    coordination_timeout_seconds=p.coordination_timeout_seconds,
                                    coordination_key=f"{self._manager.coordination_key}/init_from",
                                    watchdog_seconds=p.watchdog_seconds) as ckptr:
-      parts, source = init_from.load_parts(p.init_from, _targets(items), ckptr,
+      parts, source = init_from.load_parts(text, _targets(items), ckptr,
                                            allow_lossy_casts=p.allow_lossy_casts, casts=casts,
                                            source=source)
     _log_casts(casts, "init_from")
