@@ -715,6 +715,39 @@ def test_init_from_refuses_a_model_that_lacks_layers_of_the_part_it_takes(tmp_pa
   leaves_equal(state.params["params"]["Dense_0"], deep_state(2, seed=2).params["params"]["Dense_0"])
 
 
+class _Classifier(nn.Module):
+  classes: int
+
+  @nn.compact
+  def __call__(self, x):
+    return nn.Dense(self.classes, name="head")(nn.relu(nn.Dense(16, name="trunk")(x)))
+
+
+@pytest.mark.parametrize("selector", ["", ":params/params/trunk"])
+def test_init_from_into_a_new_head_suggests_an_init_from_that_works(tmp_path, selector):
+  """A pretrained 10-class model fine-tuned with a new 4-class head: the refusal suggested
+  init_from='<ckpt>:params', counted by key paths alone, which failed again on the head's
+  shapes, and never the dst=src form that takes the trunk. The advice now fits, and
+  following it restores the trunk (the head fresh)."""
+  def classifier(classes, seed):
+    model = _Classifier(classes)
+    return train_state.TrainState.create(apply_fn=model.apply, tx=optax.adam(1e-2),
+                                         params=model.init(jax.random.key(seed), jnp.ones((1, 8))))
+  pretrained = classifier(10, seed=0)
+  with ofx.CheckpointCallback(str(tmp_path / "pretrain"), {}) as ckpt:
+    ckpt.on_step_end(1, ckpt.restore_or_init(pretrained))
+  source = str(tmp_path / "pretrain")
+  with pytest.raises(ofx.TreeMismatchError, match="write it as dst=src") as e:
+    with ofx.CheckpointCallback(str(tmp_path / "a"), {"init_from": source + selector}) as ckpt:
+      ckpt.restore_or_init(classifier(4, seed=1))
+  advice = re.search(r"dst=src: '([^']+)'", str(e.value)).group(1)
+  assert advice == f"{source}:params/params/trunk=params/params/trunk", advice
+  with ofx.CheckpointCallback(str(tmp_path / "b"), {"init_from": advice}) as ckpt:
+    state = ckpt.restore_or_init(classifier(4, seed=1))
+  leaves_equal(state.params["params"]["trunk"], pretrained.params["params"]["trunk"])
+  leaves_equal(state.params["params"]["head"], classifier(4, seed=1).params["params"]["head"])
+
+
 _PURE_JAX_LOOP = """
 import sys
 import jax.numpy as jnp

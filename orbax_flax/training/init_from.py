@@ -128,11 +128,12 @@ def load(text: str, name: str, target: Any, ckptr: checkpointer.Checkpointer, *,
   _, manifest = restoring.open_manifest(source)
   cast = _Casts(allow_lossy_casts, casts)
   if selector:
-    return *_take(text, source, manifest, selector, target, ckptr, cast, variables), source
+    return *_take(text, source, manifest, selector, target, ckptr, cast, variables,
+                  name), source
   if manifest.format == "orbax-checkpoint":
     return *_from_orbax_checkpoint(text, source, manifest, name, target, ckptr, cast,
                                    variables), source
-  return *_take(text, source, manifest, name, target, ckptr, cast, variables), source
+  return *_take(text, source, manifest, name, target, ckptr, cast, variables, name), source
 
 
 class _Casts(NamedTuple):
@@ -243,40 +244,105 @@ def _holdings(manifest: Manifest, item: str | None = None,
 
 def _init_from_mismatch(text: str, source: Location, manifest: Manifest, problem: str,
                         target: Any, item: str | None = None, under: tuple[str, ...] = (),
-                        diffs: list[str] | None = None) -> errors.TreeMismatchError:
+                        diffs: list[str] | None = None,
+                        name: str | None = None) -> errors.TreeMismatchError:
   other = _another_part(text, manifest, target, "/".join((item,) + under) if item else "")
-  advice = (f"Name the item and subtree that hold the model with"
-            f" init_from='<checkpoint>:<item>/<sub/tree>', e.g. {other!r}." if other else
-            "No other item or params subtree of it holds this run's key paths: make this run's"
-            " model the checkpoint's (the differences above), or point init_from at another"
-            " checkpoint.")
+  into = _into_the_same_place(text, manifest, target, item, under, name) if not other else None
+  if not other and not into and name and not under:
+    into = _fitting_parts(text, manifest, target, item or name, name)
+  if other:
+    advice = (f"Name the item and subtree that hold the model with"
+              f" init_from='<checkpoint>:<item>/<sub/tree>', e.g. {other!r}.")
+  elif into:
+    advice = (f"To take what fits into the same place of this run's state (the rest starting"
+              f" fresh, e.g. a new head), write it as dst=src: {into!r}.")
+  else:
+    advice = ("No other item or params subtree of it holds this run's key paths with their"
+              " shapes: make this run's model the checkpoint's (the differences above), take"
+              " the parts that fit with init_from='<checkpoint>:<dst>=<src>' (each a key path"
+              " as `python -m orbax_flax show` prints it), or point init_from at another"
+              " checkpoint.")
   return errors.TreeMismatchError(
       f"init_from={text!r}: {problem}.\n{source} holds {_holdings(manifest, item, under)}.\n"
       + advice, diffs or [])
 
 
 def _another_part(text: str, manifest: Manifest, target: Any, refused: str) -> str | None:
-  """An ``init_from`` for the error to suggest: the item or ``<item>/params`` subtree holding
-  the most of ``target``'s key paths (at least one), never the part just ``refused`` (nor
-  the one ``text`` names); None when there is none."""
+  """An ``init_from`` for the error to suggest: an item or ``<item>/params`` subtree that
+  holds every one of ``target``'s key paths with its shape (one that would be refused again
+  is no advice), never the part just ``refused`` (nor the one ``text`` names); None when
+  there is none."""
   path, selector = _selecting.split(text)
-  wanted = [p for p, _ in _tree.flatten(target)]
-  best, most = None, 0
   for name, saved in sorted(manifest.items.items()):
-    paths = {r.path for r in saved.leaves}
     for under in (("params",), ()):
       part = "/".join((name,) + under)
       if part in (refused, selector.strip("/")):
         continue
-      held = sum(under + p in paths or under + p + ("value",) in paths for p in wanted)
-      if held > most:
-        best, most = f"{path}:{part}", held
-  return best
+      if _fits(saved.leaves, under, target):
+        return f"{path}:{part}"
+  return None
+
+
+def _into_the_same_place(text: str, manifest: Manifest, target: Any, item: str | None,
+                         under: tuple[str, ...], name: str | None) -> str | None:
+  """For a selector ``item/under`` that names a part of the checkpoint fitting the same part
+  of this run's ``name`` item (the trunk, without a head of another size): the ``dst=src``
+  ``init_from`` that takes it there; else None."""
+  if not (item in manifest.items and under and name):
+    return None
+  part = target
+  for k in under:
+    if not isinstance(part, dict) or k not in part:
+      return None
+    part = part[k]
+  if not _fits(manifest.items[item].leaves, under, part):
+    return None
+  path = _selecting.split(text)[0]
+  src = "/".join((item,) + under)
+  return f"{path}:{'/'.join((name,) + under)}={src}"
+
+
+def _fitting_parts(text: str, manifest: Manifest, target: Any, item: str,
+                   name: str) -> str | None:
+  """The ``dst=src`` ``init_from`` taking every largest subtree of ``target`` (this run's
+  ``name`` item) that ``item`` of the checkpoint holds at the same key path with the same
+  shapes (the trunk of a model whose head changed), or None where none fits."""
+  if item not in manifest.items or not isinstance(target, dict):
+    return None
+  leaves, found = manifest.items[item].leaves, []
+  def walk(tree, under):
+    if not isinstance(tree, dict) or len(under) > 4:
+      return
+    for k, sub in sorted(tree.items()):
+      if _fits(leaves, under + (k,), sub):
+        found.append(under + (k,))
+      else:
+        walk(sub, under + (k,))
+  walk(target, ())
+  if not found:
+    return None
+  path = _selecting.split(text)[0]
+  return f"{path}:" + ",".join(f"{'/'.join((name,) + p)}={'/'.join((item,) + p)}" for p in found)
+
+
+def _fits(leaves: list, under: tuple[str, ...], target: Any) -> bool:
+  """Whether the records ``leaves`` hold below ``under`` exactly ``target``'s key paths (the
+  part taken is compared strictly), each with the target's shape."""
+  def bare(path):  # a box's value may be recorded below the box's path
+    return path[:-1] if path[-1:] == ("value",) else path
+  records = {bare(r.path[len(under):]): r for r in leaves
+             if r.path[:len(under)] == under and len(r.path) > len(under)}
+  wanted = {bare(p): leaf for p, leaf in _tree.flatten(target)}
+  if not wanted or set(records) != set(wanted):
+    return False
+  return all(getattr(leaf, "shape", None) is None
+             or tuple(getattr(records[p], "shape", ())) == tuple(leaf.shape)
+             for p, leaf in wanted.items())
 
 
 def _take(text: str, source: Location, manifest: Manifest, selector: str, target: Any,
           ckptr: checkpointer.Checkpointer, cast: _Casts,
-          variables: Any = None) -> tuple[Any, Any]:
+          variables: Any = None, name: str | None = None) -> tuple[Any, Any]:
   """``init_from`` with a selector: the named item's subtree, restored into ``target`` (and
   into ``variables`` where the subtree holds them, else None: see :func:`load`)."""
   item, _, sub = selector.partition("/")
@@ -309,7 +375,7 @@ def _take(text: str, source: Location, manifest: Manifest, selector: str, target
     raise _init_from_mismatch(text, source, manifest,
                               f"this run's state does not match {'/'.join((item,) + under)} of"
                               f" the checkpoint: {_shown(e)}", target, item, under,
-                              e.differences) from None
+                              e.differences, name) from None
   for k in under:
     out = out[k]
   if not both:
