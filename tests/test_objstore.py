@@ -763,3 +763,29 @@ def test_cleanup_after_a_store_stopped_answering_makes_one_attempt_per_call(s3_s
   assert len(listings) == 1, listings
   assert 2 < out["wait_s"] < 5.5, out
   assert out["close_s"] < 2, out
+
+
+def test_an_evaluators_idle_poll_reads_no_manifest_of_the_steps_it_has_seen(s3_server,
+                                                                           s3_bucket):
+  """Every poll of checkpoints_iterator on S3 read each indexed step's _CHECKPOINT (an entry
+  outlives a step deleted by hand): an idle evaluator beside a keep-all run sent one GET per
+  step every second. A poll now checks only entries newer than the step yielded last. Seen
+  here through a manifest removed by hand behind the index: an entry the evaluator has seen
+  is not read again, a new one is."""
+  from orbax_flax.core import _location  # pylint: disable=g-import-not-at-top
+  from orbax_flax.core._location import Location  # pylint: disable=g-import-not-at-top
+  from orbax_flax.format import step_dir  # pylint: disable=g-import-not-at-top
+  url = s3_server.url(s3_bucket, "ck")
+  with ofx.CheckpointManager(url) as m:
+    for s in (1, 2, 3):
+      m.save(s, {"state": {"w": np.full(2, s)}}, force=True)
+    m.wait()
+  loc = Location.parse(url)
+  _location.delete_key(loc.join("2"), "_CHECKPOINT")  # by hand: its index entry stays
+  assert step_dir.list_steps(loc)[0] == [1, 3]  # a full check reads every entry
+  assert step_dir.list_steps(loc, trusted_to=3)[0] == [1, 2, 3]  # none read
+  assert step_dir.list_steps(loc, trusted_to=1)[0] == [1, 3]  # only the newer ones
+  seen = []
+  for step in ofx.checkpoints_iterator(url, timeout=0):
+    seen.append(step)
+  assert seen == [1, 3], seen

@@ -274,11 +274,16 @@ def settle_parked(loc: Location) -> list[int]:
   return back
 
 
-def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Leftover]]:
+def list_steps(loc: Location, *, full: bool = False,
+               trusted_to: int | None = None) -> tuple[list[int], list[Leftover]]:
   """Committed steps and leftovers under ``loc``, from one listing.
 
   On an object store the step index is listed when it has entries, and then
   no leftovers are reported; ``full=True`` lists every key (to find leftovers).
+  An index entry is checked against its manifest (one small read each: an entry
+  outlives a step deleted by hand), except entries up to ``trusted_to``: a
+  poller that checked those at an earlier listing (a deletion of ours takes the
+  entry out first) reads only the new ones.
   A step prefix holding another library's step (:data:`FOREIGN_MARKERS`) and
   no manifest of ours is neither a step nor a leftover there.
 
@@ -310,8 +315,9 @@ def list_steps(loc: Location, *, full: bool = False) -> tuple[list[int], list[Le
   if not full:
     indexed = sorted(int(k) for k in _location.list_keys(loc.join(INDEX)) if _is_step(k))
     if indexed:  # an entry is a step only while its manifest exists (one small read each)
-      return [s for s in indexed if _location.read_key(
-          loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None], []
+      return [s for s in indexed if (trusted_to is not None and s <= trusted_to)
+              or _location.read_key(loc.join(str(s)), _manifest.MANIFEST_KEY,
+                                    max_bytes=1) is not None], []
   keys = _location.list_keys(loc)
   committed, prefixes, foreign = set(), set(), set()
   generations: dict[str, set[str]] = {}  # step -> the generations its data keys hold

@@ -97,7 +97,9 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
       waited_since = clock()
       step = None
       while step is None:
-        steps, leftovers = step_dir.list_steps(loc)
+        # (On an object store the steps up to the one yielded last were checked when they
+        # were yielded: only newer index entries are read, not one per step every poll.)
+        steps, leftovers = step_dir.list_steps(loc, trusted_to=last)
         # Not the steps a committed rollback abandoned. If the save yielded last was taken
         # back (seen while its lease keeps it on storage), the new run's steps come next, at
         # whatever numbers: after the newest step it kept from before.
