@@ -316,8 +316,7 @@ class CheckpointCallback(callbacks.Callback):
     the state's leaves once (unless :meth:`restore_or_init` did), its shapes against
     :meth:`restore_or_init`'s at the first step (:func:`_refuse_replicated`), the metrics at
     every step that passes them (see :func:`orbax_flax.manager.policy.check_step_metrics`),
-    the data iterator's position at the first step (and at every step where
-    ``save_on_exception`` marks it)."""
+    the data iterator's position at the first step."""
     if not self._state_checked:
       state_items.check(state)
       self._state_checked = True
@@ -327,11 +326,10 @@ class CheckpointCallback(callbacks.Callback):
     if metrics is not None:
       self.manager.check_metrics(metrics)
     if not self._data_checked and self._data is not None:
-      # With save_on_exception every step's position is checked as it is marked; without,
-      # the first step's is, not the first save's a save interval later.
+      # The first step's position, not the first save's a save interval later (once: a
+      # large state takes milliseconds to check; a save checks it again).
       self._data_checked = True
-      if not self.policy.save_on_exception:
-        resume.check_data_state(self._data.get())
+      resume.check_data_state(self._data.get())
 
   def _save_preemption(self, step: int, state: Any, metrics: Any, data_state: Any,
                        data_s: float) -> None:

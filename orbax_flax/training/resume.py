@@ -38,6 +38,7 @@ and what else the workdir holds (another library's run to continue, slips to ref
 from __future__ import annotations
 
 import builtins
+import copy
 import json
 import logging
 import os
@@ -194,15 +195,12 @@ class DataPosition:
   def mark(self, step: int) -> None:
     """Records the position now as where step ``step`` left the data (see :meth:`after`).
 
-    Recorded encoded, as a save writes it: a copy that the iterator's next batch cannot
-    change (``get_state()`` may hand out its own live dict), and checked at once.
-
-    Raises:
-      TypeError: the state holds something a save cannot write (see :meth:`item`); the
-        mark is then not made.
+    A copy of it: the iterator's next batch must not change it (``get_state()`` may hand
+    out its own live dict). Not checked here (see :func:`check_data_state`: milliseconds
+    for a large state, every step).
     """
     self._after = None
-    self._after = (step, _encode(self.get()))
+    self._after = (step, copy.deepcopy(self.get()))
 
   def marked(self, step: int) -> bool:
     """Whether :meth:`mark` recorded where step ``step`` left the data."""
@@ -214,7 +212,7 @@ class DataPosition:
     A save after a training error takes it, not :meth:`get`: the failing step
     had already taken its batch, and a resume must not skip that batch.
     """
-    return _decode(self._after[1]) if self.marked(step) else None
+    return self._after[1] if self.marked(step) else None
 
   def item(self, step: int, state: Any) -> dict[str, Any]:
     """The item that saves ``state`` (this process's) at ``step``, gathered from every process.
