@@ -176,7 +176,11 @@ def open_manifest(path: Any) -> tuple[Location, Manifest]:
   if TMP_MARKER not in loc.name:
     data = _manifest_bytes(loc)
     if data is None and (parked := _parked_instead(loc)) is not None:
-      loc, data = parked, _manifest_bytes(parked)
+      at, data = parked, _manifest_bytes(parked)
+      if data is None:  # retired since: the new save has committed where it belongs
+        data = _manifest_bytes(loc)
+      else:
+        loc = at
     if data is not None:
       return loc, _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
     foreign = formats.open_foreign(loc)
@@ -200,8 +204,12 @@ def read_summary(loc: Location) -> Summary:
     raise _not_found(loc)
   data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
   if data is None and (parked := _parked_instead(loc)) is not None:  # (see open_manifest)
-    loc, where = parked, f"{parked}/{_manifest.MANIFEST_KEY}"
-    data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
+    data = _location.read_key(parked, _manifest.MANIFEST_KEY,
+                              max_bytes=_manifest.SUMMARY_READ_BYTES)
+    if data is None:  # retired since: the new save has committed where it belongs
+      data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
+    else:
+      loc, where = parked, f"{parked}/{_manifest.MANIFEST_KEY}"
   if data is None:
     raise _not_found(loc)
   summary = _manifest.decode_summary(data, where)

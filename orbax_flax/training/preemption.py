@@ -10,7 +10,10 @@ Two mechanisms, chosen automatically:
   exactly, so ``n`` counts this watcher's calls (1, 2, ...; 0 when it is built),
   not the training step: a resumed run's steps start at the restored one, and a
   signal before its first step (during the restore, or the compile) made JAX pick
-  1, a number such a run never reaches. A Python SIGTERM handler
+  1, a number such a run never reaches. JAX keeps one count per process: nothing
+  else in the job may call ``reached_preemption_sync_point`` (orbax-checkpoint's
+  ``CheckpointManager.should_save`` does, with steps), nor a second watcher
+  (one ``CheckpointCallback`` per training loop). A Python SIGTERM handler
   would replace JAX's, so we never install one there. Other configured signals
   (e.g. SIGUSR1) get a Python handler that re-sends SIGTERM to this process,
   which JAX then handles. Only one process needs to receive the signal.
