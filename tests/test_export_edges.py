@@ -93,6 +93,17 @@ def _chunks(path, name):
   return zarr["chunk_grid"]["configuration"]["chunk_shape"], len(files)
 
 
+def _one_writer_each(x, chunk):
+  """Every chunk of ``x`` lies inside one shard written (replica 0): no two writers share one."""
+  owners = [[(s.start or 0, x.shape[d] if s.stop is None else s.stop)
+             for d, s in enumerate(shard.index)] for shard in x.addressable_shards
+            if shard.replica_id == 0]
+  for origin in itertools.product(*(range(0, n, c) for n, c in zip(x.shape, chunk))):
+    box = [(o, min(o + c, n)) for o, c, n in zip(origin, chunk, x.shape)]
+    inside = [b for b in owners if all(lo <= a and z <= hi for (a, z), (lo, hi) in zip(box, b))]
+    assert len(inside) == 1, (box, inside)
+
+
 def test_export_orbax_cuts_a_prime_row_count_into_few_chunks_one_writer_each(tmp_path):
   """A dimension with a prime length, held whole by each shard (a numpy array, an unsharded
   dimension), was cut into chunks of one row, since a chunk's length had to divide it: a
@@ -113,14 +124,7 @@ def test_export_orbax_cuts_a_prime_row_count_into_few_chunks_one_writer_each(tmp
   path = ofx.export_orbax(str(tmp_path / "sharded"), {"x": x}, max_chunk_bytes=320)
   chunk, files = _chunks(path, "x")
   assert chunk == [10, 8] and files == 11 * 8, (chunk, files)
-  # Every chunk lies inside one shard written (replica 0): no two writers share a chunk.
-  owners = [[(s.start or 0, x.shape[d] if s.stop is None else s.stop)
-             for d, s in enumerate(shard.index)] for shard in x.addressable_shards
-            if shard.replica_id == 0]
-  for origin in itertools.product(*(range(0, n, c) for n, c in zip(x.shape, chunk))):
-    box = [(o, min(o + c, n)) for o, c, n in zip(origin, chunk, x.shape)]
-    inside = [b for b in owners if all(lo <= a and z <= hi for (a, z), (lo, hi) in zip(box, b))]
-    assert len(inside) == 1, (box, inside)
+  _one_writer_each(x, chunk)
   other = NamedSharding(jax.make_mesh((4,), ("all",), devices=jax.devices()[4:]), P(None, "all"))
   with ocp.StandardCheckpointer() as c:
     got = c.restore(path, {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=other)})
@@ -139,13 +143,7 @@ def test_export_orbax_cuts_a_prime_row_count_into_few_chunks_one_writer_each(tmp
   path = ofx.export_orbax(str(tmp_path / "prime"), {"z": z}, max_chunk_bytes=1024)
   chunk, files = _chunks(path, "z")
   assert chunk == [13, 19] and files == 8 * 4, (chunk, files)
-  owners = [[(s.start or 0, z.shape[d] if s.stop is None else s.stop)
-             for d, s in enumerate(shard.index)] for shard in z.addressable_shards
-            if shard.replica_id == 0]
-  for origin in itertools.product(*(range(0, n, c) for n, c in zip(z.shape, chunk))):
-    box = [(o, min(o + c, n)) for o, c, n in zip(origin, chunk, z.shape)]
-    inside = [b for b in owners if all(lo <= a and e <= hi for (a, e), (lo, hi) in zip(box, b))]
-    assert len(inside) == 1, (box, inside)
+  _one_writer_each(z, chunk)
   with ocp.StandardCheckpointer() as c:
     got = c.restore(path, {"z": jax.ShapeDtypeStruct(z.shape, z.dtype, sharding=other)})
   assert np.asarray(got["z"]).tobytes() == np.asarray(z).tobytes()
