@@ -541,3 +541,33 @@ def test_a_retired_step_is_named_retired_by_restore_and_show(tmp_path):
   with contextlib.redirect_stderr(out):
     assert cli.main(["show", os.path.join(root, "0")], out=out) == 2
   assert "is retired data" in out.getvalue(), out.getvalue()
+
+
+def test_a_differential_manifest_is_one_a_reader_from_before_differential_saves_refuses(
+    tmp_path, monkeypatch):
+  """A differential step's manifest said format version 1 (or 2): an orbax_flax from before
+  differential saves read its borrowed packed arrays as zeros, and its verify said OK (the
+  own database holds the shared chunk with zeros where the step borrows; its CRC is valid).
+  It is version 3 now, which such a reader refuses, naming a newer orbax_flax; a full save
+  stays version 1, readable by every orbax_flax."""
+  from orbax_flax.format import _manifest  # pylint: disable=g-import-not-at-top
+  frozen = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+  with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(differential=True)) as m:
+    for step in (1, 2):
+      m.save(step, {"state": {"frozen": frozen, "w": np.full(8, step, np.float32)}}, force=True)
+    m.wait()
+  def version(step):
+    with open(os.path.join(tmp_path, str(step), "_CHECKPOINT"), "rb") as f:
+      _, summary, body = f.read().split(b"\n", 2)
+    return json.loads(summary)["version"], json.loads(body)["version"], json.loads(summary).get(
+        "bases")
+  assert version(1)[:2] == (1, 1) and not version(1)[2]
+  v2, b2, bases = version(2)
+  assert (v2, b2) == (3, 3) and bases, version(2)
+  np.testing.assert_array_equal(ofx.restore(str(tmp_path / "2"))["state"]["frozen"], frozen)
+  monkeypatch.setattr(_manifest, "READS", (1, 2))  # what an orbax_flax before version 3 reads
+  monkeypatch.setattr(_manifest, "VERSION", 2)
+  with pytest.raises(errors.CheckpointFormatError, match=r"format version 3 \(by a newer"
+                                                         r" orbax_flax\).*Upgrade orbax_flax"):
+    ofx.restore(str(tmp_path / "2"))
+  ofx.restore(str(tmp_path / "1"))

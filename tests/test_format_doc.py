@@ -135,9 +135,9 @@ def test_newer_format_version_names_both_versions(tmp_path):
   ofx.save(path, {"s": {"x": np.ones(3)}})
   f = os.path.join(path, "_CHECKPOINT")
   header, summary, body = open(f, "rb").read().split(b"\n", 2)
-  body = body.replace(b'"version":1', b'"version":3')
+  body = body.replace(b'"version":1', b'"version":4')
   header = (b"orbax_flax checkpoint v1 summary_sha256=" + hashlib.sha256(summary).hexdigest().encode()
             + b" sha256=" + hashlib.sha256(body).hexdigest().encode())
   open(f, "wb").write(header + b"\n" + summary + b"\n" + body)
-  with pytest.raises(ofx.errors.CheckpointFormatError, match=r"version 3.*newer.*reads format versions 1, 2"):
+  with pytest.raises(ofx.errors.CheckpointFormatError, match=r"version 4.*newer.*reads format versions 1, 2, 3"):
     ofx.restore(path)

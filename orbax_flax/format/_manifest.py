@@ -28,8 +28,9 @@ strings) live here too. This module reads top to bottom in three parts:
    parsed. An array of many chunks (thousands of hosts) stores its chunk owners
    compactly (``owners_z``: zlib-compressed little-endian uint32, base64), which
    makes the manifest format version 2; :func:`decode` turns them back into the
-   ``owners`` list. A manifest without such an array is written as version 1,
-   readable by every orbax_flax.
+   ``owners`` list. A differential save's manifest (it borrows from other steps:
+   ``bases``) is version 3. Any other manifest is written as version 1, readable
+   by every orbax_flax.
 3. **Checking**: a manifest's hashes only say it is intact, not that it was
    written by this library: names become paths, offsets select bytes and dtypes
    become buffers. Every field a reader will use is checked in the pass that
@@ -67,8 +68,8 @@ from orbax_flax import errors
 
 MANIFEST_KEY = "_CHECKPOINT"
 FORMAT = "orbax_flax"
-VERSION = 2                 # the newest format version, written only when needed (see encode)
-READS = (1, 2)              # the format versions this library reads
+VERSION = 3                 # the newest format version, written only when needed (see encode)
+READS = (1, 2, 3)           # the format versions this library reads
 COMPACT_OWNERS = 1024       # an array of this many chunks or more stores its owners compactly
 _MAX_OWNERS = 1 << 24       # chunks of one array a reader accepts (512 TB at 32 MiB a chunk)
 _MAGIC = b"orbax_flax checkpoint v1 "
@@ -252,8 +253,10 @@ def encode(manifest: dict[str, Any], compact_owners: int = COMPACT_OWNERS) -> by
   """Serialises a manifest: header, summary line, body.
 
   Owner lists of ``compact_owners`` chunks or more are stored as ``owners_z``
-  (format version 2); a manifest without any is version 1. The records of
-  ``manifest`` are not changed.
+  (format version 2); a differential save's manifest (``bases``) is version 3, so that a
+  reader from before differential saves, which would read fill values where the step
+  borrows, refuses it; any other manifest is version 1. The records of ``manifest`` are
+  not changed.
   """
   items, compacted = {}, False
   for name, item in manifest["items"].items():
@@ -266,7 +269,7 @@ def encode(manifest: dict[str, Any], compact_owners: int = COMPACT_OWNERS) -> by
         compacted = True
       leaves.append(rec)
     items[name] = dict(item, leaves=leaves)
-  version = 2 if compacted else 1
+  version = 3 if manifest.get("bases") else 2 if compacted else 1
   summary = {k: v for k, v in manifest.items() if k != "items"}
   summary["version"] = version
   summary["item_bytes"] = {name: sum(r.get("nbytes", 0) for r in item["leaves"])
@@ -424,7 +427,8 @@ def _expand_owners(items: Any, where: str) -> None:
   if not isinstance(items, dict):
     return  # the decoder says what is wrong
   for name, item in items.items():
-    for rec in item.get("leaves", []) if isinstance(item, dict) else []:
+    leaves = item.get("leaves") if isinstance(item, dict) else None
+    for rec in leaves if isinstance(leaves, list) else []:  # (else: the decoder says)
       if not isinstance(rec, dict) or "owners_z" not in rec:
         continue
       shape, chunk, text = rec.get("shape"), rec.get("chunk_shape"), rec.pop("owners_z")
