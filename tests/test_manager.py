@@ -770,3 +770,100 @@ def test_on_save_error_warn_logs_a_failed_save_and_the_manager_goes_on(tmp_path,
         assert m.all_steps() == [2, 4]
     for step in (2, 4):
       assert ofx.restore(os.path.join(d, str(step)))["state"]["w"][0] == step
+
+
+# ---------------------------------------------------------------------- threads and handlers
+
+
+def test_an_evaluation_thread_restoring_the_best_step_abandons_nothing(tmp_path):
+  """A training thread saves every step; an evaluation thread of the same process loops over
+  restore(best_step()), a look at an old step (docs/manager.md: nothing is abandoned, as the
+  next save is above every step). A restore landing inside a save's decisions (the rollback
+  called off, then, after waiting for the save before, the run recorded) started a rollback
+  that save then ran: 133-142 of 150 committed steps were deleted as an abandoned run."""
+  steps_saved = 60
+  m = ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(save_interval_steps=1,
+                                                                 best_metric="loss"))
+  done, looks = threading.Event(), []
+  def train():
+    try:
+      for step in range(1, steps_saved + 1):
+        m.save(step, {"state": {"w": np.full(256, step, np.float32)}},
+               metrics={"loss": abs(step - 3) + 0.5})  # step 3 stays the best
+    finally:
+      done.set()
+  def evaluate():
+    while not done.is_set():
+      best = m.best_step()
+      if best is not None:
+        looks.append(float(m.restore(best)["state"]["w"][0]))
+  threads = [threading.Thread(target=train), threading.Thread(target=evaluate)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join(120)
+  m.wait()
+  try:
+    assert looks and m.all_steps() == list(range(1, steps_saved + 1)), m.all_steps()
+  finally:
+    m.close()
+
+
+def test_close_in_a_signal_handler_inside_save_closes_as_that_save_ends(tmp_path):
+  """A SIGTERM handler that closes the manager (a loop without the training callback) while
+  the main thread is inside save(): close() waited for the save lock the interrupted save()
+  held on the same thread, for ever. It returns at once and the manager closes as that
+  save() ends; a save() or restore() from such a handler is refused, naming why."""
+  script = textwrap.dedent(f"""
+      import os, signal, sys, threading
+      import numpy as np, orbax_flax as ofx
+      from orbax_flax.manager import manager as manager_lib
+      m = ofx.CheckpointManager({str(tmp_path)!r}, ofx.CheckpointPolicy(save_interval_steps=1))
+      state = {{"s": {{"w": np.ones((16, 1024, 1024), np.float32)}}}}  # 64 MiB
+      m.save(1, state)
+      said = {{}}
+      def on_term(signum, frame):
+        try:
+          m.restore(1)
+        except RuntimeError as e:
+          said["restore"] = str(e)
+        m.close()
+        raise SystemExit(0)
+      signal.signal(signal.SIGTERM, on_term)
+      save = manager_lib.CheckpointManager._save
+      def _save(self, *args, **kwargs):  # the signal, inside save(), every time
+        os.kill(os.getpid(), signal.SIGTERM)
+        return save(self, *args, **kwargs)
+      manager_lib.CheckpointManager._save = _save
+      try:
+        m.save(2, state)
+      except SystemExit:
+        pass
+      print("REFUSED", said.get("restore", "")[:80])
+      print("CLOSED", m._closed, ofx.CheckpointManager({str(tmp_path)!r}).all_steps())
+      """)
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, check=False)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "REFUSED CheckpointManager.restore() called while this thread is inside save()" in (
+      out.stdout), out.stdout
+  assert "CLOSED True [1]" in out.stdout, out.stdout
+
+
+def test_close_in_an_atexit_hook_with_a_save_in_flight_applies_the_keep_rules(tmp_path):
+  """atexit.register(manager.close), and the script ends with a save in flight: its commit's
+  deletion was refused by the interpreter ('cannot schedule new futures after interpreter
+  shutdown'), close() raised it, and max_to_keep was not applied. The deletion runs in the
+  closing thread then."""
+  script = textwrap.dedent(f"""
+      import atexit
+      import numpy as np, orbax_flax as ofx
+      m = ofx.CheckpointManager({str(tmp_path)!r}, ofx.CheckpointPolicy(max_to_keep=2))
+      atexit.register(m.close)
+      for step in (1, 2, 3):
+        m.save(step, {{"s": {{"w": np.full((8, 1024, 1024), step, np.float32)}}}}, force=True)
+      """)
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, check=False)
+  assert out.returncode == 0 and "Error" not in out.stderr, out.stderr[-3000:]
+  assert ofx.CheckpointManager(str(tmp_path)).all_steps() == [2, 3]

@@ -25,6 +25,7 @@ discovery; nothing else is read until step metadata is needed.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import json
@@ -33,6 +34,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from collections.abc import Iterator
 from collections.abc import Mapping
 from typing import Any
 
@@ -107,7 +109,10 @@ class CheckpointManager:
     self._prepared = False  # staging memory prepared (or a save made): see prepare()
     self._inflight = InFlight()  # the save in flight, and the error it left
     self._completing = threading.Lock()  # held by _completed: one completion at a time
-    self._one_save = threading.Lock()  # held by save() and close(): one caller at a time
+    # Held by save(), close() and a restore's rollback bookkeeping: one caller at a time.
+    self._one_save = threading.Lock()
+    self._saving_thread: int | None = None  # the thread inside save() (see _turn)
+    self._close_requested = False  # close() from inside save() on its thread: at its end
     self._events = EventLog()
     self._metric_names: frozenset | None = None  # the metric names last checked for best_metric
     self._closed = False
@@ -269,18 +274,56 @@ class CheckpointManager:
     """
     # One save at a time, also when threads share the manager: its staging memory, the save
     # in flight and the step bookkeeping are one save's until it returns. close() waits too.
-    with self._one_save:
-      self._check_open()
+    with self._turn("save()"):
+      self._saving_thread = threading.get_ident()
       try:
-        return self._save(step, items, force=force, custom_metadata=custom_metadata,
-                          dtype=dtype, metrics=metrics, reason=reason,
-                          blocking_before=blocking_before, local_copy=local_copy)
-      except errors.StorageError as e:
-        self._store_silent = _location.unanswered(e)
-        if self.policy.on_save_error != "warn":
+        self._check_open()
+        started = self._save(step, items, force=force, custom_metadata=custom_metadata,
+                             dtype=dtype, metrics=metrics, reason=reason,
+                             blocking_before=blocking_before, local_copy=local_copy)
+      except BaseException as e:
+        self._saving_thread = None
+        if isinstance(e, errors.StorageError):
+          self._store_silent = _location.unanswered(e)
+        self._close_if_asked(raising=e)
+        if not isinstance(e, errors.StorageError) or self.policy.on_save_error != "warn":
           raise
         self._save_failed(e, step)
         return False
+      self._saving_thread = None
+      self._close_if_asked()
+      return started
+
+  def _close_if_asked(self, raising: BaseException | None = None) -> None:
+    """Closes the manager if a signal handler asked to inside the save() now ending (see
+    :meth:`close`); with ``raising`` (that save's error), a failing close is logged, not
+    raised over it."""
+    if not self._close_requested:
+      return
+    self._close_requested = False
+    if raising is None:
+      self._close_now()
+      return
+    try:
+      self._close_now()
+    except BaseException:  # pylint: disable=broad-except  # the save's error is the one raised
+      log.exception("closing %s after save() raised %s", self._dir, type(raising).__name__)
+
+  @contextlib.contextmanager
+  def _turn(self, what: str) -> Iterator[None]:
+    """This thread's turn at the manager (``_one_save``), after another thread's save().
+
+    A signal handler runs on the thread it interrupts: one that calls ``what`` while this
+    thread is inside save() would wait for the lock this thread holds, for ever. It is
+    refused instead, naming what to do (close() is not: see :meth:`close`)."""
+    if self._saving_thread == threading.get_ident():
+      raise RuntimeError(
+          f"CheckpointManager.{what} called while this thread is inside save() (from a signal"
+          " handler?): it would wait for that save() for ever. Set a flag in the handler and"
+          f" call {what} after the step; for preemption, CheckpointCallback saves the next step"
+          " on every process (save_on_preemption).")
+    with self._one_save:
+      yield
 
   def _save_failed(self, error: errors.StorageError, step: int | None) -> None:
     """With ``on_save_error="warn"``: a failed save (or a deletion it made due) is logged
@@ -576,27 +619,41 @@ class CheckpointManager:
     After a save that failed because the store stopped answering (its retries ran out, and
     no save committed since), the cleanup makes one attempt per request: what it cannot
     remove is left to the next writer (docs/guarantees.md, section 5, gives the bound).
+
+    Called from a signal handler while the thread it interrupted is inside :meth:`save`
+    (the handler of a loop without the training callback), it returns at once, and the
+    manager closes as that save() call ends, returning or raising (the handler's
+    ``SystemExit``, say): waiting here for that save() would wait for ever.
     """
+    if self._saving_thread == threading.get_ident():
+      log.warning("close() called inside save() on the same thread (a signal handler?): the"
+                  " manager closes as that save() call ends")
+      self._close_requested = True
+      return
     with self._one_save:
-      if self._closed:
-        return
-      try:
-        self.wait()
-      except BaseException as e:
-        self._closed = True
-        running = self._ckptr.inflight  # (also one whose save() call was interrupted)
-        if isinstance(e, Exception) or running is None or running.done():
-          self._release()
-        else:
-          # Interrupted (Ctrl-C) while a save writes: it is abandoned (it never commits), and
-          # the lease and the threads are released once it has ended, never before: a manager
-          # opened next (a notebook cell run again) would sweep the data it still writes.
-          self._inflight.abandon(started=running)
-          running.add_done_callback(lambda _: self._release())
-          running.join(ABANDON_WAIT_S)  # its writing stops (a second Ctrl-C: it goes on alone)
-        raise
+      self._close_now()
+
+  def _close_now(self) -> None:
+    """:meth:`close`, on this thread's turn."""
+    if self._closed:
+      return
+    try:
+      self.wait()
+    except BaseException as e:
       self._closed = True
-      self._release()
+      running = self._ckptr.inflight  # (also one whose save() call was interrupted)
+      if isinstance(e, Exception) or running is None or running.done():
+        self._release()
+      else:
+        # Interrupted (Ctrl-C) while a save writes: it is abandoned (it never commits), and
+        # the lease and the threads are released once it has ended, never before: a manager
+        # opened next (a notebook cell run again) would sweep the data it still writes.
+        self._inflight.abandon(started=running)
+        running.add_done_callback(lambda _: self._release())
+        running.join(ABANDON_WAIT_S)  # its writing stops (a second Ctrl-C: it goes on alone)
+      raise
+    self._closed = True
+    self._release()
 
   def _release(self) -> None:
     """The end of :meth:`close`: the registry's threads and writer lease, the checkpointer's."""
@@ -679,9 +736,14 @@ class CheckpointManager:
           " (latest_step() lists again), or evaluate beside training with"
           " ofx.checkpoints_iterator, whose reader lease keeps each yielded step until it is"
           " read.") from gone
-    self._schedule.saved(step)
-    # The save started last counts as newer even if its commit is not recorded yet.
-    self._rollback.restored(step, self._inflight.started_step())
+    # Between two saves, never inside one: a save decides in steps (a rollback called off,
+    # then, after waiting for the save before it, the run it belongs to), and a restore from
+    # another thread (an evaluation loop) in between started a rollback that save then ran,
+    # deleting every newer step at its commit.
+    with self._turn("restore()"):
+      self._schedule.saved(step)
+      # The save started last counts as newer even if its commit is not recorded yet.
+      self._rollback.restored(step, self._inflight.started_step())
     return out
 
 

@@ -490,7 +490,16 @@ class StepRegistry:
     with self._records_lock:  # (a committed rollback's record, perhaps to drop now)
       settled = any(r.committed for r in self._records)
     if self._deletes and self._writer and (steps or self._leftovers or self._later or settled):
-      self._deletions.append(self._deleter.submit(self._delete, steps))
+      try:
+        self._deletions.append(self._deleter.submit(self._delete, steps))
+      except RuntimeError:  # the interpreter is shutting down (a save ending in an atexit
+        done = concurrent.futures.Future()  # hook): no new thread, so here, now
+        try:
+          self._delete(steps)
+          done.set_result(None)
+        except Exception as e:  # pylint: disable=broad-except  # raised by wait(), as above
+          done.set_exception(e)
+        self._deletions.append(done)
 
   def _delete(self, steps: list[int]) -> None:
     """Deletes ``steps`` unless a restore here or an evaluator's lease still reads them.
