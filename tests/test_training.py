@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import flax.linen as nn
@@ -770,3 +771,49 @@ def test_a_pure_jax_loop_with_the_callback_imports_no_flax(tmp_path):
   out = r.stdout + r.stderr
   assert r.returncode == 0, out
   assert "W [2.0, 2.0, 2.0] IMPORTED []" in out, out  # resumed from step 1, trained on
+
+
+def test_a_run_off_the_main_thread_is_told_what_to_do_and_closes_from_there(tmp_path):
+  """A loop in a worker thread: restore_or_init raised 'PreemptionWatcher must be created in
+  the main thread', naming a class the user never made and no fix; and a run started in the
+  main thread whose loop and close() ran in a worker raised from close() ('signal only works
+  in main thread'), leaving the callback's SIGTERM handler catching signals after the run."""
+  out = {}
+  def worker(policy):
+    try:
+      ckpt = ofx.CheckpointCallback(str(tmp_path / "a"), policy)
+      ckpt.restore_or_init({"w": np.zeros(4, np.float32)})
+      ckpt.close()
+      out["ok"] = True
+    except RuntimeError as e:
+      out["error"] = str(e)
+  t = threading.Thread(target=worker, args=({"save_interval_steps": 5},))
+  t.start()
+  t.join(60)
+  assert "set save_on_preemption=False" in out.get("error", ""), out
+  t = threading.Thread(target=worker, args=({"save_on_preemption": False},))
+  t.start()
+  t.join(60)
+  assert out.get("ok"), out
+  got = []
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+  try:
+    ckpt = ofx.CheckpointCallback(str(tmp_path / "b"), {"save_interval_steps": 5})
+    state = ckpt.restore_or_init({"w": np.zeros(4, np.float32)})  # handlers: the main thread
+    def loop():
+      try:
+        for step in range(1, 11):
+          ckpt.on_step_end(step, {"w": state["w"] + step})
+        ckpt.close()
+      except Exception as e:  # pylint: disable=broad-except
+        out["close"] = e
+    t = threading.Thread(target=loop)
+    t.start()
+    t.join(120)
+    assert "close" not in out, out
+    assert ckpt.manager.all_steps() == [5, 10]
+    os.kill(os.getpid(), signal.SIGTERM)  # after the run: the handler from before gets it
+    time.sleep(0.1)
+    assert got == [signal.SIGTERM] and not ckpt.preempted
+  finally:
+    signal.signal(signal.SIGTERM, previous)

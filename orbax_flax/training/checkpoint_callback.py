@@ -289,6 +289,9 @@ class CheckpointCallback(callbacks.Callback):
       marking = time.perf_counter()
       self._data.mark(step)  # where the data stood after this step, for an exception save
       data_state, data_s = self._data.after(step), time.perf_counter() - marking
+      if not self._data_checked:  # (see _check_step)
+        self._data_checked = True
+        resume.check_data_state(data_state)
     self._flush_events()
     self._watch()  # at the run's first call
     if self._watcher is not None and self._watcher.reached(step):
@@ -325,9 +328,10 @@ class CheckpointCallback(callbacks.Callback):
       _refuse_replicated(template, state_items.to_items(state))
     if metrics is not None:
       self.manager.check_metrics(metrics)
-    if not self._data_checked and self._data is not None:
+    if not self._data_checked and self._data is not None and not self.policy.save_on_exception:
       # The first step's position, not the first save's a save interval later (once: a
-      # large state takes milliseconds to check; a save checks it again).
+      # large state takes milliseconds to check; a save checks it again). With
+      # save_on_exception, the position marked at the step is (on_step_end).
       self._data_checked = True
       resume.check_data_state(self._data.get())
 

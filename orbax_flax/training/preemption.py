@@ -65,6 +65,15 @@ def _jax_sync_manager_active() -> bool:
   return getattr(state, "preemption_sync_manager", None) is not None
 
 
+def _pass_on(previous: object, signum: int, frame: object) -> None:
+  """What ``previous`` (a signal's handler before ours) would do with the signal."""
+  if callable(previous):
+    previous(signum, frame)
+  elif previous == signal.SIG_DFL or previous is None:  # the default action: re-sent, by it
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
 class PreemptionWatcher:
   """Watches for preemption signals; ``reached(step)`` says when to save and stop.
 
@@ -95,12 +104,18 @@ class PreemptionWatcher:
     self._previous: dict[signal.Signals, object] = {}
     self._received = 0
     self._calls = 0  # reached() calls so far: the count JAX's sync manager is given
-    if threading.current_thread() is not threading.main_thread():
-      raise RuntimeError("PreemptionWatcher must be created in the main thread (Python only"
-                         " delivers signals there).")
-    for sig in self._signals:
-      if self._use_jax and sig == signal.SIGTERM:
-        continue  # JAX's C++ notifier owns SIGTERM.
+    self._closed = False  # closed off the main thread: the handlers pass the signals on
+    ours = [s for s in self._signals if not (self._use_jax and s == signal.SIGTERM)]
+    if ours and threading.current_thread() is not threading.main_thread():
+      names = ", ".join(s.name for s in ours)
+      raise RuntimeError(
+          f"the checkpoint callback watches for preemption signals ({names}), and Python lets"
+          " only the main thread install signal handlers: start the run (restore_or_init, or"
+          " the first on_step_end) in the main thread (the steps may then run elsewhere), or"
+          " set save_on_preemption=False (a preemption then ends the process without a save;"
+          " in a job started with jax.distributed, JAX's own watcher catches SIGTERM from any"
+          " thread: preemption_signals=('SIGTERM',) needs no handler of ours).")
+    for sig in ours:  # (JAX's C++ notifier owns SIGTERM where it runs.)
       self._previous[sig] = signal.signal(sig, self._handle)
     if self._use_jax:
       # No call yet (an earlier watcher in this process may have left a higher count): a
@@ -112,6 +127,9 @@ class PreemptionWatcher:
     return "jax preemption sync point" if self._use_jax else "signal handler"
 
   def _handle(self, signum, frame) -> None:  # pylint: disable=unused-argument
+    if self._closed:  # closed off the main thread, which alone can put the previous back
+      _pass_on(self._previous.get(signal.Signals(signum)), signum, frame)
+      return
     self._received += 1
     if self._received > 1:
       log.warning("second signal %s: exiting now; no half-written checkpoint is ever committed",
@@ -168,7 +186,12 @@ class PreemptionWatcher:
     self.signal_time = at if self.signal_time is None else min(self.signal_time, at)
 
   def close(self) -> None:
-    """Restores the signal handlers that were there before."""
+    """Restores the signal handlers that were there before. Off the main thread, which
+    alone may install handlers, ours stay installed but pass every signal on to the
+    previous ones, as if they were back."""
+    if threading.current_thread() is not threading.main_thread():
+      self._closed = True
+      return
     for sig, previous in self._previous.items():
       signal.signal(sig, previous)
     self._previous = {}
