@@ -124,9 +124,9 @@ def _rewrite_manifest(path, edit):
 def test_a_manifest_of_a_future_format_version_names_both_versions(tmp_path):
   path = str(tmp_path / "c")
   ofx.save(path, {"s": {"x": np.arange(3)}})
-  _rewrite_manifest(path, lambda m: m.update(version_override=3))
-  with pytest.raises(ofx.CheckpointCorruptedError, match=r"format version 3 \(by a newer orbax_flax\);"
-                                                         r" this orbax_flax reads format versions 1, 2"):
+  _rewrite_manifest(path, lambda m: m.update(version_override=4))
+  with pytest.raises(ofx.CheckpointCorruptedError, match=r"format version 4 \(by a newer orbax_flax\);"
+                                                         r" this orbax_flax reads format versions 1, 2, 3"):
     ofx.restore(path)
   with pytest.raises(ofx.CheckpointCorruptedError, match="Upgrade orbax_flax"):
     ofx.metadata(path)
