@@ -110,7 +110,8 @@ class CheckpointManager:
     self._inflight = InFlight()  # the save in flight, and the error it left
     self._completing = threading.Lock()  # held by _completed: one completion at a time
     # Held by save(), close() and a restore's rollback bookkeeping: one caller at a time.
-    self._one_save = threading.Lock()
+    # Reentrant for a signal handler that runs as save() ends, its work done (see _turn).
+    self._one_save = threading.RLock()
     self._saving_thread: int | None = None  # the thread inside save() (see _turn)
     self._close_requested = False  # close() from inside save() on its thread: at its end
     self._events = EventLog()
