@@ -529,7 +529,8 @@ class Resume:
     if name == "state" and isinstance(items["state"], Mapping) and "params" in items["state"]:
       # A plain pytree with params (and an optimizer state, a step): its params are taken,
       # as from a TrainState, not the donor's optimizer state and step counter too.
-      params = init_from.params_part(text, source or init_from.source_of(text))
+      source = source or init_from.source_of(text)  # (resolved once: read below as well)
+      params = init_from.params_part(text, source)
       if params is not None:
         return self._init_parts(state, items, source, params)
     target = _targets({name: items[name]})[name]
