@@ -475,3 +475,21 @@ def test_finished_rollbacks_leave_no_records_behind(tmp_path):
       m.wait()
     assert not os.path.exists(os.path.join(d, ".rollbacks")), open(os.path.join(d, ".rollbacks")).read()
     assert m.all_steps() == [10, 20, 30]
+
+
+def test_a_dead_writers_deletion_notice_does_not_hide_a_later_save_of_that_step(tmp_path):
+  """A writer SIGKILLed between announcing the deletion of step 3 and withdrawing the notice
+  (the lifecycle model's long run found it: a rollback abandoned 3, the job was killed while
+  deleting it) left .readers/deleting-3 behind; the next writer saved a new step 3, and every
+  evaluator skipped it as 'being deleted' for an hour (LEASE_SECONDS). The next writer
+  withdraws a dead writer's notices when it becomes the writer."""
+  d = str(tmp_path)
+  with ofx.CheckpointManager(d) as m:
+    for s in (1, 2):
+      m.save(s, {"s": {"w": np.full(2, s)}}, force=True)
+  os.makedirs(os.path.join(d, ".readers"), exist_ok=True)
+  with open(os.path.join(d, ".readers", "deleting-3"), "w") as f:  # what the kill left
+    f.write(str(time.time()))
+  with ofx.CheckpointManager(d) as m:
+    m.save(3, {"s": {"w": np.full(2, 3)}}, force=True)
+  assert list(ofx.checkpoints_iterator(d, timeout=0, start_after=2)) == [3]

@@ -177,6 +177,25 @@ def withdraw_deletion(loc: Location, steps: Iterable[int]) -> None:
       pass
 
 
+def withdraw_stale_notices(loc: Location) -> list[int]:
+  """Removes every deletion notice under ``loc``: called by a job that has just become the
+  directory's writer (no other writer lives), they are a dead writer's, killed between its
+  notice and its withdrawal. Left, one would make evaluators skip a later save of that step
+  number (a rollback's new run) for ``LEASE_SECONDS``. Returns the steps they named."""
+  if loc.is_local:
+    try:
+      names = os.listdir(os.path.join(loc.local_path, READERS))
+    except (FileNotFoundError, NotADirectoryError):
+      return []
+  else:
+    names = _location.list_keys(_lease_dir(loc))
+  steps = sorted(int(n[len(DELETING):]) for n in names
+                 if n.startswith(DELETING) and n[len(DELETING):].isdigit())
+  if steps:
+    withdraw_deletion(loc, steps)
+  return steps
+
+
 def deletion_announced(loc: Location, step: int, now: float | None = None) -> bool:
   """Whether a manager has announced that it deletes ``step`` (a live notice)."""
   return _fresh(loc, _notice(step), time.time() if now is None else now)

@@ -241,12 +241,17 @@ class StepRegistry:
 
   def _tidy(self) -> None:
     """Under a writer lease: parked steps settled (a killed job's save that was replacing a
-    step others borrow from), the full listing, the sweep, the index made to match."""
+    step others borrow from), a dead writer's deletion notices withdrawn, the full listing,
+    the sweep, the index made to match."""
     with self.lock:
       back = step_dir.settle_parked(self._dir)
       if back:
         log.warning("%s: step(s) %s are back: a save that was replacing them did not commit"
                     " (the job was stopped)", self._dir, short(back))
+      stale = leases.withdraw_stale_notices(self._dir)
+      if stale:
+        log.info("%s: withdrew the deletion notices of step(s) %s, left by a writer stopped"
+                 " while it deleted them", self._dir, short(stale))
       self.reload(full=True)
       self.sweep()
       step_dir.reindex(self._dir, self.committed())
