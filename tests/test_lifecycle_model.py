@@ -117,6 +117,7 @@ class ManagerModel(RuleBasedStateMachine):
     # until this manager's next commit deletes them, so a manager opened before that lists
     # them again (evaluator_holds_the_newest).
     self.lingering: dict[int, tuple[int, float]] = {}
+    self.holding: int | None = None  # the step an evaluator holds now (its lease)
 
   @property
   def rolled_to(self) -> int | None:
@@ -178,7 +179,8 @@ class ManagerModel(RuleBasedStateMachine):
     self.last_started = step
     self.writing = True
     self._commit(step, tag, changed)
-    self.lingering = {}  # deleted at this commit, their leases released before it
+    # Deleted at this commit, their leases released before it (not one still held).
+    self.lingering = {s: v for s, v in self.lingering.items() if s == self.holding}
 
   def _new_step(self) -> int:
     return (max(self.saved) if self.saved else 0) + 1
@@ -394,6 +396,7 @@ class ManagerModel(RuleBasedStateMachine):
     held = listed[-1]
     want = self.saved[held]
     evaluator = ofx.checkpoints_iterator(self.dir, timeout=0, start_after=held - 1)
+    self.holding = held
     try:
       assert next(evaluator) == held
       for op in ops:
@@ -414,6 +417,7 @@ class ManagerModel(RuleBasedStateMachine):
         assert _equal(ofx.restore(f"{self.dir}/{held}"), _items(*want)), (held, op)
     finally:
       evaluator.close()  # its lease released
+      self.holding = None
 
   @precondition(lambda self: self.kills)
   @rule(delay=st.floats(0.0, 1.5))
