@@ -137,18 +137,21 @@ def _fresh(loc: Location, key: str, now: float) -> bool:
     return False
 
 
+def _reader_keys(loc: Location) -> list[str]:
+  """The names under ``<loc>/.readers`` (leases and deletion notices); none if it is absent."""
+  if not loc.is_local:
+    return _location.list_keys(_lease_dir(loc))
+  try:
+    return os.listdir(os.path.join(loc.local_path, READERS))
+  except (FileNotFoundError, NotADirectoryError):
+    return []
+
+
 def leased_steps(loc: Location, now: float | None = None) -> set[int]:
   """Steps under ``loc`` that a live reader lease protects from deletion."""
   now = time.time() if now is None else now
   out: set[int] = set()
-  if loc.is_local:
-    try:
-      names = os.listdir(os.path.join(loc.local_path, READERS))
-    except (FileNotFoundError, NotADirectoryError):
-      return out
-  else:
-    names = _location.list_keys(_lease_dir(loc))
-  for name in names:
+  for name in _reader_keys(loc):
     head, _, rest = name.partition("-")
     if head.isdigit() and rest and _fresh(loc, name, now):
       out.add(int(head))
@@ -182,13 +185,7 @@ def withdraw_stale_notices(loc: Location) -> list[int]:
   directory's writer (no other writer lives), they are a dead writer's, killed between its
   notice and its withdrawal. Left, one would make evaluators skip a later save of that step
   number (a rollback's new run) for ``LEASE_SECONDS``. Returns the steps they named."""
-  if loc.is_local:
-    try:
-      names = os.listdir(os.path.join(loc.local_path, READERS))
-    except (FileNotFoundError, NotADirectoryError):
-      return []
-  else:
-    names = _location.list_keys(_lease_dir(loc))
+  names = _reader_keys(loc)
   steps = sorted(int(n[len(DELETING):]) for n in names
                  if n.startswith(DELETING) and n[len(DELETING):].isdigit())
   if steps:
