@@ -106,6 +106,61 @@ def test_trainer_resume_is_bitwise_and_items_are_separate(tmp_path):
   assert ckpt2.manager.all_steps() == [10, 12]
 
 
+def test_trainer_after_restore_or_init_starts_data_afresh_and_restores_once(tmp_path):
+  """`Trainer.fit` after `ckpt.restore_or_init(state, data_iterator=it, restore_data=False)`
+  (the call a changed dataset's refusal names): the model resumes, the data goes on from where
+  it is (not moved back to the saved position), and the checkpoint is read once."""
+  cfg = {"save_interval_steps": 5, "max_to_keep": 2}
+  ckpt = ofx.CheckpointCallback(str(tmp_path), cfg)
+  first = ofx.Trainer(linen_step, [ckpt]).fit(linen_state(), Dataset(), num_steps=5)
+
+  data = Dataset()
+  data.i = 1000  # the new dataset's order starts elsewhere
+  ckpt2 = ofx.CheckpointCallback(str(tmp_path), cfg)
+  state = ckpt2.restore_or_init(linen_state(seed=9), data_iterator=data, restore_data=False)
+  assert ckpt2.restored_step == 5 and data.i == 1000
+  leaves_equal((state.params, state.opt_state), (first.params, first.opt_state))
+  reads = []
+  original = ckpt2.manager.restore
+  ckpt2.manager.restore = lambda *a, **k: reads.append(a) or original(*a, **k)
+  resumed = ofx.Trainer(linen_step, [ckpt2]).fit(state, data, num_steps=8)
+  assert reads == []  # fit did not restore a second time
+  assert int(resumed.step) == 8 and data.i == 1003  # three batches of the new order
+  # The new order's position is saved: the next restart continues it.
+  data3 = Dataset()
+  ckpt3 = ofx.CheckpointCallback(str(tmp_path), cfg)
+  again = ofx.Trainer(linen_step, [ckpt3]).fit(linen_state(seed=4), data3, num_steps=8)
+  assert ckpt3.restored_step == 8 and data3.i == 1003 and int(again.step) == 8
+
+
+def test_trainer_restores_again_when_restore_or_init_result_was_not_passed_on(tmp_path):
+  """`ckpt.restore_or_init(fresh, data_iterator=it, restore_data=False)` whose result is
+  dropped, then `fit(fresh, it)`: `fit` restores again (with restore_data=False still), rather
+  than train the fresh state."""
+  cfg = {"save_interval_steps": 5}
+  ofx.Trainer(linen_step, [ofx.CheckpointCallback(str(tmp_path), cfg)]).fit(
+      linen_state(), Dataset(), num_steps=5)
+  ckpt = ofx.CheckpointCallback(str(tmp_path), cfg)
+  fresh, data = linen_state(seed=2), Dataset()
+  data.i = 1000
+  ckpt.restore_or_init(fresh, data_iterator=data, restore_data=False)
+  resumed = ofx.Trainer(linen_step, [ckpt]).fit(fresh, data, num_steps=7)
+  assert ckpt.restored_step == 5 and int(resumed.step) == 7 and data.i == 1002
+
+
+def test_trainer_restores_the_data_when_restore_or_init_was_given_no_iterator(tmp_path):
+  """A `restore_or_init(state)` without the iterator, then `fit(state, data)`: the data's
+  position is restored by `fit` (nothing skips a batch silently)."""
+  cfg = {"save_interval_steps": 5}
+  ofx.Trainer(linen_step, [ofx.CheckpointCallback(str(tmp_path), cfg)]).fit(
+      linen_state(), Dataset(), num_steps=5)
+  ckpt = ofx.CheckpointCallback(str(tmp_path), cfg)
+  state = ckpt.restore_or_init(linen_state(seed=2))
+  data = Dataset()
+  resumed = ofx.Trainer(linen_step, [ckpt]).fit(state, data, num_steps=7)
+  assert int(resumed.step) == 7 and data.i == 7
+
+
 def test_hand_written_loop_and_final_save(tmp_path):
   it = Dataset()
   with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 4}) as ckpt:

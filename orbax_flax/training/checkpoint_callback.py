@@ -115,6 +115,10 @@ class CheckpointCallback(callbacks.Callback):
     self._data_checked = False      # the data position, checked at the first step (see _check_step)
     # restore_or_init's leaf shapes, compared with the first step's state (pmap replication)
     self._template: dict[tuple[str, ...], tuple[int, ...]] | None = None
+    # (data_iterator, restore_data) of the last restore_or_init that ended: on_train_start
+    # does not restore again for the same iterator.
+    self._restore_ran: tuple[Any, bool] | None = None
+    self._restore_asked: tuple[Any, bool] | None = None
 
   def restore_or_init(self, state: Any, *, data_iterator: Any = None,
                       restore_data: bool = True) -> Any:
@@ -171,11 +175,14 @@ class CheckpointCallback(callbacks.Callback):
     self._watch()
     self._data = resume.DataPosition.of(data_iterator, self.manager.coordination_key,
                                         self.policy.coordination_timeout_seconds, restore_data)
+    self._restore_ran = None  # set when this restore ends (_restored)
+    self._restore_asked = (data_iterator, restore_data)
     self._restart.restore_began(background)
 
   def _restored(self, got: tuple[Any, int | None]) -> Any:
     state, self.restored_step = got
     self._pending = None
+    self._restore_ran = self._restore_asked
     if self.restored_step is not None:
       # The last step so far: a run that ends without another (its steps were all done) still
       # gets its final save, if the persistent tier lacks it (restored from the local tier).
@@ -194,7 +201,21 @@ class CheckpointCallback(callbacks.Callback):
     return state
 
   def on_train_start(self, state: Any, data: Any) -> Any:
-    return self.restore_or_init(state, data_iterator=data)
+    """:meth:`restore_or_init` with ``data``, unless this callback restored already.
+
+    A run that called ``state = ckpt.restore_or_init(state, data_iterator=it,
+    restore_data=False)`` (a changed dataset, started afresh) before ``Trainer.fit(state, it,
+    ...)`` is not restored a second time, which would move ``it`` back. It is, as before, when
+    that restore was given no iterator and ``fit`` is (the data's position is restored then),
+    or when ``state`` is not at the step restored (``restore_or_init``'s result not passed
+    on), with the same ``restore_data``."""
+    done = self._restore_ran
+    if done is not None and (data is None or data is done[0]):
+      step = state_items.step_of(state)
+      if step is None or step == (self.restored_step or 0):
+        return state
+    return self.restore_or_init(state, data_iterator=data,
+                                restore_data=True if done is None else done[1])
 
   def _items(self, step: int, state: Any, data_state: Any = _CURRENT,
              data_s: float = 0.0) -> dict[str, Any]:
