@@ -112,6 +112,35 @@ def test_iterator_on_a_workdir_names_its_checkpoints_directory(tmp_path, caplog)
   assert list(ofx.checkpoints_iterator(inner, timeout=0)) == [1, 2]
 
 
+def test_iterator_on_an_empty_directory_looks_at_its_checkpoints_once_a_minute(
+    tmp_path, monkeypatch, caplog):
+  """An evaluator waiting on an empty manager directory listed <directory>/checkpoints at
+  every poll too (a second request per poll on an object store); it looks once a minute, and
+  still names a workdir's checkpoints/ once a job has saved there."""
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  inner = str(workdir / "checkpoints")
+  looked = []
+  listdir = os.listdir
+  monkeypatch.setattr(os, "listdir", lambda p=".": (looked.append(str(p)), listdir(p))[1])
+  t = [0.0]
+
+  def sleep(s):
+    t[0] += s
+    if t[0] >= 100 and not os.path.isdir(inner):  # a job starts saving into the workdir
+      ofx.save(os.path.join(inner, "1"), {"s": {"w": np.ones(2)}})
+
+  with caplog.at_level(logging.INFO, logger="orbax_flax"):
+    out = list(ofx.checkpoints_iterator(str(workdir), timeout=200, poll_interval=1,
+                                        clock=lambda: t[0], sleep=sleep))
+  assert out == []
+  own = sum(1 for p in looked if p.rstrip("/") == str(workdir))
+  nested = sum(1 for p in looked if p.rstrip("/") == inner)
+  assert own >= 190 and nested <= 5, (own, nested)  # at 0, 60, 120 (then it holds steps)
+  warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert any(f"holds no step, but {inner} does: is it a workdir?" in w for w in warned), warned
+
+
 def test_a_held_step_is_not_deleted_by_retention(tmp_path, caplog):
   d = str(tmp_path / "ckpts")
   mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(save_interval_steps=1, max_to_keep=1,

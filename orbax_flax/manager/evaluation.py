@@ -88,6 +88,7 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
   leasing = True  # False once a lease cannot be written (read-only access)
   finished = False  # timeout_fn() said no new step will come: end once none is left
   nested = False  # the directory holds no step and its checkpoints/ does (a workdir)
+  look_nested = clock()  # when to look at <directory>/checkpoints next, while it is empty
   # The lease on the step last yielded, kept while the caller works and while the iterator
   # waits for the next step: a rollback that abandons that step cannot delete it meanwhile,
   # so the listings that follow see that it was abandoned (released at the next yield).
@@ -118,9 +119,14 @@ def checkpoints_iterator(directory: Any, *, timeout: float | None = None,
           step = newer[0]
           break
         absent = _absent(loc, steps, leftovers)
-        if absent is None and not steps and (nested or _holds_steps(loc.join("checkpoints"))):
+        if absent is None and not steps and (nested or (
+            clock() >= look_nested and _holds_steps(loc.join("checkpoints")))):
           nested = True  # a workdir: its steps are in checkpoints/
           absent = f"holds no step, but {loc.join('checkpoints')} does"
+        elif absent is None and not steps and clock() >= look_nested:
+          # Looked at (a listing more) once a minute, not every poll: it only names the
+          # directory to pass instead, and a job's first save may take that long to come.
+          look_nested = clock() + _NESTED_LOOK_S
         if finished:  # timeout_fn() said no new step will come, and none had come since
           _stopping(loc, absent, "as timeout_fn() says no new step will come",
                     f"timeout_fn() says no new step will come to {loc}")
@@ -228,6 +234,10 @@ def _stopping(loc: Location, absent: str | None, when: str, why: str) -> None:
                 absent)
   else:
     log.info("checkpoints_iterator: stopping: %s", why)
+
+
+# Seconds between two looks at <directory>/checkpoints while the directory holds no step.
+_NESTED_LOOK_S = 60.0
 
 
 def _holds_steps(loc: Location) -> bool:
