@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -147,21 +147,33 @@ def read_manifest(loc: Location) -> Manifest:
 def _parked_instead(loc: Location) -> Location | None:
   """Where the committed step ``loc`` (a local ``<root>/<step>`` without a manifest) is
   parked while a differential save of its number runs
-  (:func:`orbax_flax.differential.retention.make_room`): still the committed step until that
-  save commits (then it is retired, its bytes left where they are, so a read under way goes
-  on), or back at ``loc`` if it does not. None if it is not parked."""
+  (:func:`orbax_flax.differential.retention.make_room`). None if it is not parked."""
   if not loc.is_local:
     return None
   root, name = os.path.split(loc.local_path)
-  try:
-    names = os.listdir(root)
-  except OSError:
-    return None
-  for other in names:
+  for other in step_dir.retired_dirs(root):
     parsed = step_dir.parse_retired(other)
     if parsed is not None and parsed[0] == name and step_dir.is_parked(os.path.join(root, other)):
       return Location.parse(os.path.join(root, other))
   return None
+
+
+def _committed_manifest(loc: Location, read: Callable[[Location], bytes | None]
+                        ) -> tuple[Location, bytes | None]:
+  """Where the committed step ``loc`` is, and what ``read`` reads of its manifest there
+  (None: no committed manifest). A step parked for a differential save of its number is still
+  the committed step until that save commits, read where it is parked; once it is retired
+  (that save committed: its bytes stay where they are, so a read under way goes on), or
+  moved back (the save failed), it is read at ``loc`` again."""
+  if TMP_MARKER in loc.name:
+    return loc, None
+  data = read(loc)
+  if data is None and (parked := _parked_instead(loc)) is not None:
+    data = read(parked)
+    if data is not None:
+      return parked, data
+    data = read(loc)  # retired or moved back since
+  return loc, data
 
 
 def open_manifest(path: Any) -> tuple[Location, Manifest]:
@@ -170,17 +182,11 @@ def open_manifest(path: Any) -> tuple[Location, Manifest]:
   Ours is read and verified; an orbax-checkpoint or safetensors checkpoint is
   described by an in-memory manifest of the same shape (see
   :mod:`orbax_flax.formats`). A step parked for a differential save of its number is read
-  where it is parked (:func:`_parked_instead`).
+  where it is parked (:func:`_committed_manifest`).
   """
   loc = Location.parse(path)
   if TMP_MARKER not in loc.name:
-    data = _manifest_bytes(loc)
-    if data is None and (parked := _parked_instead(loc)) is not None:
-      at, data = parked, _manifest_bytes(parked)
-      if data is None:  # retired since: the new save has committed where it belongs
-        data = _manifest_bytes(loc)
-      else:
-        loc = at
+    loc, data = _committed_manifest(loc, _manifest_bytes)
     if data is not None:
       return loc, _manifest.decode(data, f"{loc}/{_manifest.MANIFEST_KEY}")
     foreign = formats.open_foreign(loc)
@@ -199,19 +205,11 @@ def reader_for(loc: Location, manifest: Manifest, max_host_bytes: int = 0,
 
 def read_summary(loc: Location) -> Summary:
   """The manifest's summary (time, sizes, custom metadata), reading a few KB."""
-  where = f"{loc}/{_manifest.MANIFEST_KEY}"
-  if TMP_MARKER in loc.name:
-    raise _not_found(loc)
-  data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
-  if data is None and (parked := _parked_instead(loc)) is not None:  # (see open_manifest)
-    data = _location.read_key(parked, _manifest.MANIFEST_KEY,
-                              max_bytes=_manifest.SUMMARY_READ_BYTES)
-    if data is None:  # retired since: the new save has committed where it belongs
-      data = _location.read_key(loc, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES)
-    else:
-      loc, where = parked, f"{parked}/{_manifest.MANIFEST_KEY}"
+  loc, data = _committed_manifest(loc, lambda at: _location.read_key(
+      at, _manifest.MANIFEST_KEY, max_bytes=_manifest.SUMMARY_READ_BYTES))
   if data is None:
     raise _not_found(loc)
+  where = f"{loc}/{_manifest.MANIFEST_KEY}"
   summary = _manifest.decode_summary(data, where)
   extent = _manifest.summary_extent(data) if summary is None else None
   if extent is not None and len(data) < extent <= _manifest.MAX_MANIFEST_BYTES:  # a long summary
