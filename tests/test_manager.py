@@ -559,6 +559,27 @@ def test_should_save_then_save_agree_and_asking_twice_gives_one_answer(tmp_path)
     assert mngr.all_steps() == [2] and mngr.should_save(3) is None
 
 
+def test_should_save_is_none_for_a_committed_step_and_yes_for_an_abandoned_one(tmp_path):
+  """After a restart, should_save(10) said 'interval' for the committed step 10 and save(10)
+  then declined it (returned False): `if should_save(step): save(step, items)` was told of a
+  save that never happened. A step a rollback abandoned is still saved over."""
+  policy = ofx.CheckpointPolicy(save_interval_steps=10, async_save=False)
+  d = str(tmp_path / "c")
+  with ofx.CheckpointManager(d, policy) as mngr:
+    for step in (10, 20):
+      assert mngr.save(step, {"state": state(step)})
+  with ofx.CheckpointManager(d, policy) as mngr:  # a restart
+    mngr.restore()
+    assert mngr.should_save(20) is None and mngr.should_save(30) == "interval"
+    assert not mngr.save(20, {"state": state(99)})
+    mngr.restore(10)  # a rollback: 20 belongs to the abandoned run
+    assert mngr.should_save(10) is None and mngr.should_save(20) == "interval"
+    assert mngr.save(20, {"state": state(21)})
+    assert mngr.should_save(20) is None
+    assert mngr.all_steps() == [10, 20]
+    np.testing.assert_array_equal(mngr.restore(20)["state"]["w"], state(21)["w"])
+
+
 def test_a_manager_that_only_lists_and_restores_writes_nothing_without_write_access(tmp_path,
                                                                                   caplog):
   """Its start-up sweep took the writer lease, so a manager over a directory it may read but

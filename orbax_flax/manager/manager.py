@@ -226,8 +226,21 @@ class CheckpointManager:
 
   def should_save(self, step: int) -> str | None:
     """The reason the policy saves ``step``, or None. Call it on every process: a time-based
-    decision is process 0's, shared (see :class:`~orbax_flax.manager.schedule.Schedule`)."""
-    return self._schedule.due(step)
+    decision is process 0's, shared (see :class:`~orbax_flax.manager.schedule.Schedule`).
+
+    None also for a step committed here or being saved, which :meth:`save` would decline
+    (unless forced): a loop that restarts at the restored step is not told it saved it again.
+    A step of a run a rollback abandoned is saved over (its reason is given)."""
+    reason = self._schedule.due(step)  # first, on every process (a time-based one is shared)
+    if reason is None:
+      return None
+    committed, abandoned = self._rollback.knows(step)
+    if abandoned or not (committed or self._inflight.saving(step)):
+      return reason
+    log.warning("step %d is %s in %s: the policy's save of it (%s) is declined (force=True"
+                " replaces it)", step, "already saved" if committed else "being saved",
+                self._dir, reason)
+    return None
 
   def save(self, step: int, items: Mapping[str, Any], *, force: bool = False,
            custom_metadata: Mapping[str, Any] | None = None, dtype: Any = None,
@@ -352,7 +365,8 @@ class CheckpointManager:
       self.check_metrics(metrics)
     if reason is not None and reason not in policy_lib.REASONS:
       raise ValueError(f"reason must be one of {policy_lib.REASONS}, got {reason!r}")
-    decided = reason or ("forced" if force else None) or self.should_save(step)
+    # (the schedule alone: a committed step is declined below, saying why)
+    decided = reason or ("forced" if force else None) or self._schedule.due(step)
     if decided is None:
       if not self._prepared:  # the first call that does not save: the memory of the first that will
         self.prepare(items)
