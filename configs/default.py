@@ -78,7 +78,8 @@ def get_checkpoint_config() -> ml_collections.ConfigDict:
   c.max_host_bytes = _DEFAULTS.max_host_bytes
   # Keep the host staging copy between async saves (fast blocking phase); False releases it each save.
   c.keep_staging_memory = _DEFAULTS.keep_staging_memory
-  # How an async save snapshots device arrays: "memcpy", "pinned_host", "auto" (the platform's).
+  # How an async save snapshots device arrays: "device_copy", "memcpy", "pinned_host", "auto"
+  # (the platform's).
   c.host_transfer = _DEFAULTS.host_transfer
   # Write only the chunks that changed since the latest step; reference the rest (issue 19).
   c.differential = _DEFAULTS.differential

@@ -14,11 +14,15 @@ To let the cost of a local save choose its interval instead, set
 --config=configs/tiered.py ...`` shows the choice).
 """
 
-from configs import default
+import os
+import runpy
+
+# configs/default.py, found next to this file (works from any working directory).
+_DEFAULT = runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "default.py"))
 
 
 def get_config():
-  config = default.get_config()
+  config = _DEFAULT["get_config"]()
   c = config.checkpoint
   c.local_directory = "/dev/shm/ckpt"
   c.local_save_interval_steps = 50

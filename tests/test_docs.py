@@ -324,3 +324,14 @@ def test_every_ofx_attribute_path_the_docs_write_resolves_in_a_fresh_process():
     if r.returncode:
       bad.append(f"ofx{chain}: " + (r.stderr.strip().splitlines() or ["?"])[-1])
   assert not bad, bad
+
+
+def test_the_manager_signature_the_docs_open_with_is_the_code_s():
+  """docs/manager.md opened with `CheckpointManager(..., writes=None)`, an argument the class
+  does not take (TypeError for whoever copied it)."""
+  text = open(os.path.join(ROOT, "docs", "manager.md")).read()
+  shown = re.search(r"`ofx\.CheckpointManager\((.*?)\)`", text, re.S).group(1)
+  names = [p.strip().split("=")[0] for p in shown.replace("\n", " ").split(",")]
+  names = [n for n in names if n and n != "*"]
+  import inspect  # pylint: disable=g-import-not-at-top
+  assert names == list(inspect.signature(ofx.CheckpointManager).parameters), names

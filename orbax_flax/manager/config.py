@@ -60,8 +60,10 @@ class Plan(NamedTuple):
 class CheckpointPolicy:
   """When to save, what to keep, and how a training run checkpoints.
 
-  Save triggers combine: a step is saved if any of them fires. Keep rules:
-  ``max_to_keep`` and ``keep_best`` delete the steps they do not keep;
+  Save triggers combine: a step is saved if any of them fires. Keep rules combine
+  too: a step is kept if any rule keeps it. ``max_to_keep`` and ``keep_best``
+  delete the steps neither keeps (with both, up to ``max_to_keep + keep_best``
+  steps stay);
   ``keep_period`` and ``keep_time_interval_seconds`` protect steps from that
   deletion forever. With neither ``max_to_keep`` nor ``keep_best`` set, every
   step is kept. The newest committed step is never deleted, and a step is
@@ -82,8 +84,8 @@ class CheckpointPolicy:
     save_first_step: save the first step of every run.
     save_final_step: save the last step of a run (the trainer and the
       callback know the run length).
-    max_to_keep: keep the N most recent steps, deleting older ones (0: keep
-      all).
+    max_to_keep: keep the N most recent steps, deleting older ones that no
+      other rule keeps (0: keep all).
     keep_period: keep every step that is a multiple of M forever: protects it
       from deletion (0: off).
     keep_time_interval_seconds: keep one step per this many seconds of wall
@@ -93,7 +95,7 @@ class CheckpointPolicy:
     best_mode: whether a smaller ("min") or larger ("max") ``best_metric``
       is better.
     keep_best: keep the N best steps by ``best_metric``, deleting the others
-      (0: off).
+      that no other rule keeps (0: off).
     best_missing: steps saved without the metric are ranked "worst" (after
       every scored step, newest first) or always "keep"-ed.
     async_save: write in the background; training blocks only for the copy
