@@ -270,7 +270,7 @@ def cmd_convert(argv: list[str], out) -> int:
       " data position or config)")
   parser.add_argument("src", help="the checkpoint to read; SRC:<item>/<sub/tree> takes a part"
                       " (several joined by ',', e.g. ckpt:params,train_state/batch_stats)")
-  parser.add_argument("dst", help="where to write (must not exist unless --overwrite)")
+  parser.add_argument("dst", help="where to write (must not exist, or be an empty directory, unless --overwrite)")
   parser.add_argument("--format", choices=["orbax_flax", "safetensors", "orbax"],
                       default="orbax_flax",
                       help="orbax: an orbax-checkpoint item that StandardCheckpointer restores")

@@ -426,6 +426,13 @@ def test_an_export_with_overwrite_replaces_only_an_export_a_checkpoint_or_nothin
     (got,) = ofx.restore(str(tmp_path / name)).values()
     np.testing.assert_array_equal(got["w"], tree["w"])
   assert sorted(os.listdir(tmp_path)) == ["ckpt", "earlier", "empty", "keep"]
+  # An empty directory (made first, as for ofx.save) needs no overwrite: it holds nothing.
+  (tmp_path / "made").mkdir()
+  export(str(tmp_path / "made"), tree)
+  (got,) = ofx.restore(str(tmp_path / "made")).values()
+  np.testing.assert_array_equal(got["w"], tree["w"])
+  with pytest.raises(ValueError, match="exists; pass overwrite=True"):
+    export(str(tmp_path / "made"), tree)  # now it holds the export
 
 
 def test_a_lost_shard_or_orbax_metadata_is_corruption_not_a_missing_checkpoint(tmp_path):

@@ -356,8 +356,8 @@ def check_destination(path: str, overwrite: bool, fmt: str,
   what it must not.
 
   An export commits by putting its directory where ``path`` was, and what was there
-  goes (:func:`commit_dir`). So ``path`` may hold, with ``overwrite``: an empty
-  directory, an orbax_flax checkpoint (``_CHECKPOINT``; disposed of as every
+  goes (:func:`commit_dir`). So ``path`` may be an empty directory (even without
+  ``overwrite``, as for :func:`orbax_flax.save`), or hold, with ``overwrite``: an orbax_flax checkpoint (``_CHECKPOINT``; disposed of as every
   overwrite disposes of one, kept while differential steps borrow from it), or an
   earlier export of the same format (``is_earlier_export(path)``). Anything else, a
   file, a symbolic link, a directory of steps or of someone's files, is refused even
@@ -383,6 +383,7 @@ def check_destination(path: str, overwrite: bool, fmt: str,
   """
   if not os.path.lexists(path):
     return
+  names = None
   if os.path.islink(path):
     there = "is a symbolic link"
   elif not os.path.isdir(path):
@@ -402,7 +403,7 @@ def check_destination(path: str, overwrite: bool, fmt: str,
         f" empty directory: it {there}; refusing to replace it (even with overwrite=True), which"
         " would delete what it holds. Nothing was written. Export to a new path (e.g. a"
         " directory inside it), or remove it first if it is to go.")
-  if not overwrite:
+  if not overwrite and names:  # an empty directory holds nothing to lose (as orbax_flax.save)
     raise ValueError(f"{path} exists; pass overwrite=True to replace it (the old one stays"
                      " until the new one is complete)")
 
