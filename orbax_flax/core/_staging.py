@@ -21,7 +21,6 @@ what is there (the rest is faulted in by the copy, as without preparation).
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import functools
 import math
@@ -33,6 +32,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
+
+from orbax_flax.core import _threads
 
 _ALIGN = 64          # JAX's CPU client adopts 64-byte aligned host buffers without a copy
 _GRAIN = 2 << 20     # arenas grow in 2 MiB steps
@@ -202,8 +203,6 @@ class Staging:
   def __init__(self, threads: int | None = None, limit: int = 0):
     self._arena: np.ndarray | None = None
     self._threads = threads or min(8, max(2, os.cpu_count() or 1))
-    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-    self._lock = threading.Lock()
     self._limit = limit
     self._mappings = 0
     self._prepared = 0
@@ -328,10 +327,6 @@ class Staging:
     if len(pairs) == 1 or total < (4 << 20):
       copy_all(pairs)
       return
-    with self._lock:
-      if self._pool is None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(self._threads,
-                                                           thread_name_prefix="orbax_flax-copy")
     # One task per thread, balanced by bytes (largest first): few tasks, not one per copy.
     groups: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(self._threads)]
     loads = [0] * self._threads
@@ -339,8 +334,8 @@ class Staging:
       i = loads.index(min(loads))
       groups[i].append(pair)
       loads[i] += pair[1].nbytes
-    for f in [self._pool.submit(copy_all, g) for g in groups if g]:
-      f.result()
+    _threads.parallel_map(copy_all, [g for g in groups if g], self._threads,
+                          name="orbax_flax-copy")
 
   def release(self) -> None:
     """Hands the staging memory back to the OS (its arrays must be unused).
@@ -353,9 +348,5 @@ class Staging:
     self._prepared = 0
 
   def close(self) -> None:
-    """Releases the memory and stops the copy threads."""
+    """Releases the memory, as :meth:`release` (the copy threads end with each copy)."""
     self.release()
-    with self._lock:
-      pool, self._pool = self._pool, None
-    if pool is not None:
-      pool.shutdown(wait=True)

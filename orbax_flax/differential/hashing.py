@@ -24,12 +24,13 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 from collections.abc import Sequence
 
 import numpy as np
 import xxhash
+
+from orbax_flax.core import _threads
 
 _STRIDED_BYTES = 4 << 20  # a strided block is copied into a buffer of about this size per step
 _PARALLEL_BYTES = 8 << 20  # below this, one thread hashes everything
@@ -60,6 +61,4 @@ def hash_all(blocks: Sequence[np.ndarray], threads: int | None = None) -> list[s
   threads = threads or min(8, max(2, os.cpu_count() or 1))
   if len(blocks) < 2 or total < _PARALLEL_BYTES:
     return [block_hash(b) for b in blocks]
-  with concurrent.futures.ThreadPoolExecutor(min(threads, len(blocks)),
-                                             thread_name_prefix="orbax_flax-hash") as ex:
-    return list(ex.map(block_hash, blocks))
+  return _threads.parallel_map(block_hash, blocks, threads, name="orbax_flax-hash")

@@ -27,7 +27,6 @@ chunk.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import math
 import os
@@ -40,6 +39,7 @@ import numpy as np
 import tensorstore as ts
 
 from orbax_flax.core import _crc
+from orbax_flax.core import _threads
 from orbax_flax.format import _layout
 from orbax_flax.format import _manifest
 from orbax_flax.core import _location
@@ -374,27 +374,14 @@ class Reader:
     thread waiting for temporary memory is woken. Every wait here is on reads
     of local files, each of which ends.
     """
-    if not calls:
-      return
-    if len(calls) == 1:
-      fn, args = calls[0]
-      fn(*args)
-      return
-    ex = concurrent.futures.ThreadPoolExecutor(min(_THREADS, len(calls)),
-                                               thread_name_prefix="orbax_flax-read")
-    futures = []
-    try:
-      futures = [ex.submit(fn, *args) for fn, args in calls]
-      concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
-    finally:  # all done, one failed, or this thread interrupted: the others stop now
+    def wake() -> None:  # the running calls stop after their current chunk
       stop.set()
       self.temps.abort(errors.CheckpointError("the restore's read ended"))
-      ex.shutdown(wait=True, cancel_futures=True)
+    try:
+      _threads.parallel_map(lambda call: call[0](*call[1]), calls, _THREADS,
+                            name="orbax_flax-read", wake=wake)
+    finally:
       self.temps.reset()
-    errs = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
-    real = [e for e in errs if not isinstance(e, Aborted)]
-    if errs:
-      raise (real or errs)[0]
 
   # ------------------------------------------------------------------ direct reads
 
@@ -671,10 +658,6 @@ def read_requests(reader: Reader | None, requests: Sequence[tuple], progress: An
 def _read_sourced(sourced: list[tuple]) -> None:
   """Foreign records' boxes, on a few threads with an even share of the bytes each (reads
   release the GIL)."""
-  if len(sourced) <= 1:
-    for rec, box, out in sourced:
-      rec.source.read(box, out)
-    return
   shares: list[list[tuple]] = [[] for _ in range(min(_THREADS, len(sourced)))]
   loads = [0] * len(shares)
   for req in sorted(sourced, key=lambda r: -r[2].nbytes):
@@ -685,9 +668,7 @@ def _read_sourced(sourced: list[tuple]) -> None:
   def run(share):
     for rec, box, out in share:
       rec.source.read(box, out)
-  with concurrent.futures.ThreadPoolExecutor(len(shares)) as pool:
-    for f in [pool.submit(run, share) for share in shares]:
-      f.result()
+  _threads.parallel_map(run, shares, len(shares), name="orbax_flax-read")
 
 
 def read_whole(reader: Reader | None, item: str, rec: Array) -> np.ndarray:

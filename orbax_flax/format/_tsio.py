@@ -20,7 +20,6 @@ length of every value on any store, before a reader allocates anything.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -34,6 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 from orbax_flax.core import _location
+from orbax_flax.core import _threads
 from orbax_flax import errors
 from orbax_flax.core._location import Location
 
@@ -308,9 +308,8 @@ class ChunkIndex:
   def load(self, keys: Sequence[tuple[str, int]]) -> None:
     todo = [k for k in dict.fromkeys(keys) if k not in self._dbs]
     if todo:
-      with concurrent.futures.ThreadPoolExecutor(min(8, len(todo))) as ex:
-        for k, v in zip(todo, ex.map(self._load_one, todo)):
-          self._dbs[k] = v
+      loaded = _threads.parallel_map(self._load_one, todo, 8, name="orbax_flax-index")
+      self._dbs.update(zip(todo, loaded))
 
   def get(self, item: str, owner: int) -> dict[bytes, Located] | None:
     return self._dbs.get((item, owner))

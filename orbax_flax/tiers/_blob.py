@@ -24,7 +24,6 @@ result, or the same error, as the persistent tier.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import os
@@ -42,6 +41,7 @@ from orbax_flax.format import _manifest
 from orbax_flax.engine import targets
 from orbax_flax.engine import _planning
 from orbax_flax.core import _staging
+from orbax_flax.core import _threads
 from orbax_flax.core import _tree
 from orbax_flax import errors
 from orbax_flax.engine import restoring
@@ -319,13 +319,7 @@ def _check(payload: Payload, t: tuple[int, int, str, int], where: str) -> None:
 
 def parallel(fn, tasks: list) -> None:
   """``fn`` over ``tasks`` on up to :data:`WRITERS` threads; the first error is raised."""
-  if len(tasks) <= 1:
-    for t in tasks:
-      fn(t)
-    return
-  with concurrent.futures.ThreadPoolExecutor(min(WRITERS, len(tasks))) as pool:
-    for f in [pool.submit(fn, t) for t in tasks]:
-      f.result()
+  _threads.parallel_map(fn, tasks, WRITERS, name="orbax_flax-blob")
 
 
 def match(index: Manifest, target: Mapping[str, Any], *, partial: bool = False,
