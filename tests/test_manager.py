@@ -888,3 +888,23 @@ def test_close_in_an_atexit_hook_with_a_save_in_flight_applies_the_keep_rules(tm
                        timeout=120, check=False)
   assert out.returncode == 0 and "Error" not in out.stderr, out.stderr[-3000:]
   assert ofx.CheckpointManager(str(tmp_path)).all_steps() == [2, 3]
+
+
+def test_a_directory_named_like_a_step_without_a_manifest_is_no_step_and_never_deleted(tmp_path):
+  """<root>/7 without _CHECKPOINT (here another live manager's directory; or someone's files,
+  a step being copied in) was listed as committed step 7, and max_to_keep deleted it with
+  everything under it (paths review)."""
+  root = str(tmp_path / "root")
+  child_dir = os.path.join(root, "7")
+  with ofx.CheckpointManager(child_dir, ofx.CheckpointPolicy(async_save=False)) as child:
+    child.save(1, {"state": state(1)}, force=True)
+    os.makedirs(os.path.join(root, "3", "mine"))  # a user's directory of files
+    with ofx.CheckpointManager(root, ofx.CheckpointPolicy(max_to_keep=1)) as parent:
+      assert parent.all_steps() == []
+      for step in (8, 9):
+        parent.save(step, {"state": state(step)}, force=True)
+      parent.wait()
+      assert parent.all_steps() == [9] and parent.latest_step() == 9
+    assert child.all_steps() == [1]
+    np.testing.assert_array_equal(child.restore(1)["state"]["w"], state(1)["w"])
+  assert os.path.isdir(os.path.join(root, "3", "mine"))

@@ -1,8 +1,9 @@
 """A directory of steps: which are committed, what is debris, how a step is deleted.
 
-``<directory>/<step>/`` is a committed checkpoint (on a file system the name
-appears only by the atomic rename of a finished save; on an object store the
-step's ``_CHECKPOINT`` manifest exists). Retired data is not a step either: a
+``<directory>/<step>/`` is a committed checkpoint when its ``_CHECKPOINT`` manifest
+exists (on a file system that name appears with it, by the atomic rename of a finished
+save; a directory of that name without it is no step of ours, and nothing here deletes
+it: someone's files, a step being copied in, another manager's directory). Retired data is not a step either: a
 step that differential saves still borrow from, deleted by retention, keeps its
 data with its manifest renamed ``_RETIRED``, or moved aside to
 ``<step>.ofx-base-<generation>`` (:func:`retired_name`, :func:`retired_dirs`;
@@ -17,7 +18,7 @@ a step prefix holding a key that only another library writes there
 (:data:`FOREIGN_MARKERS`: orbax-checkpoint's commit marker, step metadata and
 pytree metadata) is never a leftover of ours, on an object store as on a file
 system (where a leftover is always an ``.ofx-tmp-`` name): nothing sweeps or
-removes it. On an object store it is not a step either (a step has our
+removes it. It is not a step either (a step has our
 manifest); the callback's resume refuses to write beside it
 (:func:`orbax_flax.training.resume.refuse_foreign_steps`).
 
@@ -285,7 +286,8 @@ def list_steps(loc: Location, *, full: bool = False,
   poller that checked those at an earlier listing (a deletion of ours takes the
   entry out first) reads only the new ones.
   A step prefix holding another library's step (:data:`FOREIGN_MARKERS`) and
-  no manifest of ours is neither a step nor a leftover there.
+  no manifest of ours is neither a step nor a leftover there; on a file system a
+  step directory without our manifest is neither.
 
   Example:
     >>> import tempfile
@@ -306,8 +308,13 @@ def list_steps(loc: Location, *, full: bool = False,
     except OSError as e:
       raise _location.storage_error(loc, "listing the steps", e) from e
     for name in names:
-      if _is_step(name) and not os.path.exists(os.path.join(loc.local_path, name, RETIRED_KEY)):
-        steps.append(int(name))  # (_RETIRED: a step retention retired, whose data others use)
+      if _is_step(name):
+        # A step only with its manifest (one stat each): a directory of that name without
+        # it is no save of ours (commits rename whole directories into place) but another
+        # library's step, someone's files, a directory being copied in, or a step retention
+        # retired (_RETIRED), whose data other steps use. Keep rules must never delete it.
+        if os.path.exists(os.path.join(loc.local_path, name, _manifest.MANIFEST_KEY)):
+          steps.append(int(name))
       elif TMP_MARKER in name:
         head = name.split(".", 1)[0]
         leftovers.append(Leftover(name, int(head) if _is_step(head) else None))
