@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from orbax_flax.core import _location
 from orbax_flax.core import _multihost
+from orbax_flax.core import _threads
 from orbax_flax import errors
 from orbax_flax.manager import leases
 from orbax_flax.manager import policy as policy_lib
@@ -325,8 +326,8 @@ class StepRegistry:
     steps = self.committed()
     missing = [s for s in steps if s not in self._infos]
     if missing:
-      with concurrent.futures.ThreadPoolExecutor(8 if not self._dir.is_local else 1) as ex:
-        list(ex.map(self._info_or_unknown, missing))
+      _threads.parallel_map(self._info_or_unknown, missing, 1 if self._dir.is_local else 8,
+                            name="orbax_flax-infos")
     with self._lock:
       return [self._infos[s] for s in steps if s in self._infos]
 
