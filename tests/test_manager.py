@@ -1,6 +1,7 @@
 """The manager end to end: real files, a fake clock, "steps on disk == [...]"."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -908,3 +909,25 @@ def test_a_directory_named_like_a_step_without_a_manifest_is_no_step_and_never_d
     assert child.all_steps() == [1]
     np.testing.assert_array_equal(child.restore(1)["state"]["w"], state(1)["w"])
   assert os.path.isdir(os.path.join(root, "3", "mine"))
+
+
+def test_a_manager_refuses_a_directory_that_is_one_checkpoint_and_step_queries_check_the_step(
+    tmp_path):
+  """CheckpointManager('<run>/checkpoints/5') saved its steps inside committed step 5 (which
+  the run's keep rules then deleted with them); has_step('5') said False for committed step 5
+  and step_path(5.0) named '.../5.0' (paths review)."""
+  run = str(tmp_path / "checkpoints")
+  with ofx.CheckpointManager(run, ofx.CheckpointPolicy(async_save=False)) as m:
+    m.save(5, {"state": state(5)}, force=True)
+    for bad in ("5", 5.0, -1):
+      for query in (m.has_step, m.step_info, m.metadata, m.step_path):
+        with pytest.raises(ValueError, match="step must be a non-negative int"):
+          query(bad)
+    assert m.has_step(np.int64(5)) and m.step_path(np.int32(5)) == os.path.join(run, "5")
+  step5 = os.path.join(run, "5")
+  before = sorted(os.listdir(step5))
+  with pytest.raises(ofx.errors.CheckpointExistsError,
+                     match=re.escape(f"{step5} is one checkpoint") + ".*Pass the directory of"
+                     " steps that holds it " + re.escape(f"({run})")):
+    ofx.CheckpointManager(step5)
+  assert sorted(os.listdir(step5)) == before

@@ -53,6 +53,7 @@ from orbax_flax.engine import saving
 from orbax_flax.formats import orbax_checkpoint
 from orbax_flax.core import _location
 from orbax_flax.core._location import Location
+from orbax_flax.format import _manifest
 from orbax_flax.manager.config import CheckpointPolicy
 from orbax_flax.manager.schedule import Schedule
 from orbax_flax.differential import retention as referenced
@@ -98,6 +99,14 @@ class CheckpointManager:
                trigger: policy_lib.Trigger | None = None, keep: Any = None,
                clock: Callable[[], float] = time.time):
     self._dir = Location.parse(directory)
+    if _location.read_key(self._dir, _manifest.MANIFEST_KEY, max_bytes=1) is not None:
+      parent = self._dir.sibling("")
+      raise errors.CheckpointExistsError(
+          f"{self._dir} is one checkpoint (it holds {_manifest.MANIFEST_KEY}), not a directory"
+          " of steps: a manager there would save its steps inside it, and the run that owns it"
+          f" would delete them with it. Nothing was written. Pass the directory of steps that"
+          f" holds it ({str(parent).rstrip('/')}), or restore this one with"
+          f" ofx.restore({str(self._dir)!r}).")
     self.policy = policy if policy is not None else CheckpointPolicy()
     if not isinstance(self.policy, CheckpointPolicy):
       raise TypeError(f"policy must be a CheckpointPolicy (use CheckpointPolicy.from_config("
@@ -163,7 +172,7 @@ class CheckpointManager:
 
   def step_path(self, step: int) -> str:
     """Where ``step`` is (or would be) stored."""
-    return str(self._dir.join(str(step)))
+    return str(self._dir.join(str(policy_lib.as_step(step))))
 
   def reload(self) -> None:
     """Re-lists the directory (other jobs may have changed it)."""
@@ -176,6 +185,7 @@ class CheckpointManager:
 
   def has_step(self, step: int) -> bool:
     """True if ``step`` is committed or its save is in flight (so saving it again is moot)."""
+    step = policy_lib.as_step(step)
     committed, abandoned = self._rollback.knows(step)
     return self._inflight.saving(step) or (committed and not abandoned)
 
@@ -190,7 +200,7 @@ class CheckpointManager:
 
   def step_info(self, step: int) -> policy_lib.StepInfo:
     """Time, metrics and reason recorded with ``step`` (reads a few KB once)."""
-    return self.registry.info(step)
+    return self.registry.info(policy_lib.as_step(step))
 
   def best_step(self) -> int | None:
     """The committed step with the best ``policy.best_metric``; None if none has it."""
@@ -202,6 +212,7 @@ class CheckpointManager:
 
   def metadata(self, step: int | None = None) -> metadata_lib.CheckpointMetadata:
     """The engine metadata of ``step`` (default: latest)."""
+    step = None if step is None else policy_lib.as_step(step)
     return metadata_lib.metadata(self._dir.join(str(self._resolve(step))))
 
   # -------------------------------------------------------------------- saving
