@@ -446,3 +446,34 @@ def test_a_misspelt_dtype_name_is_refused_naming_it_before_anything_is_written(t
   with pytest.raises(ValueError, match="dtype 'bf16' is not a name"):
     ofx.restore(path, {"s": {"w": np.zeros(3, np.float16)}},
                 transforms=[ofx.transforms.Cast("w", "bf16")])
+
+
+@pytest.mark.parametrize("how", ["save", "save_async"])
+def test_a_save_through_a_symbolic_link_writes_where_it_points_and_keeps_the_link(tmp_path, how):
+  """`model -> /bigdisk/model`: an overwrite swapped the link itself for a new directory on the
+  link's disk (the target kept the old checkpoint, read as current); a link to an empty
+  directory (or to nothing yet) was written in full, then refused as "created by someone else
+  during the save" (paths review)."""
+  def save(path, value, **kw):
+    tree = {"s": {"w": np.full(3, value, np.float32)}}
+    if how == "save":
+      ofx.save(path, tree, **kw)
+    else:
+      ofx.save_async(path, tree, **kw).wait()
+
+  disk = tmp_path / "bigdisk"
+  disk.mkdir()
+  target, link = str(disk / "model"), str(tmp_path / "model")
+  save(target, 0.0)
+  os.symlink(target, link)
+  save(link, 1.0, overwrite=True)
+  assert os.path.islink(link) and os.readlink(link) == target
+  assert ofx.restore(target)["s"]["w"][0] == 1.0 and ofx.restore(link)["s"]["w"][0] == 1.0
+  assert sorted(os.listdir(tmp_path)) == ["bigdisk", "model"]  # nothing left beside the link
+  for name, made in (("empty", True), ("later", False)):
+    dest, link2 = str(disk / name), str(tmp_path / f"to_{name}")
+    if made:
+      os.makedirs(dest)
+    os.symlink(dest, link2)
+    save(link2, 2.0)
+    assert os.path.islink(link2) and ofx.restore(dest)["s"]["w"][0] == 2.0

@@ -21,6 +21,7 @@ the first save. docs/engine.md ("Host memory and the blocking phase") has the re
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -358,8 +359,12 @@ class Checkpointer:
     started = time.perf_counter()
     key = self._next_key()  # taken before anything can refuse: every process takes it
     try:
-      plan = self._planner.plan(Location.parse(path), items, overwrite, custom_metadata, dtype,
-                                bind=bind)
+      loc = Location.parse(path)
+      if loc.is_local and os.path.islink(loc.local_path):
+        # A link (model -> /bigdisk/model): the checkpoint goes where it points, its
+        # temporary directory beside it (one disk: the commit's rename), and the link stays.
+        loc = Location.parse(os.path.realpath(loc.local_path))
+      plan = self._planner.plan(loc, items, overwrite, custom_metadata, dtype, bind=bind)
     except BaseException as e:
       saving.refuse(key, f"the save to {path}", e, self.coordination_timeout_seconds)
       raise
