@@ -20,10 +20,12 @@ length of every value on any store, before a reader allocates anything.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import os
 import re
+import sys
 import threading
 from collections.abc import Iterator
 from collections.abc import Sequence
@@ -215,6 +217,60 @@ def locate(loc: Location, db: str, message: str) -> str:
   return f"{os.path.join(base, file)} (key {key}, bytes {offset}+{length})"
 
 
+def _dumped(future: Any) -> Any:
+  """The result of a ``tensorstore.ocdbt.dump``, without the references it leaks.
+
+  tensorstore (0.1.86 and earlier: ``JsonToPyObject`` hands ``PyDict_SetItem`` references
+  it releases, and that call takes none) leaves one reference too many on every key and
+  value of every dict it returns: each dump of an index leaked it whole, every restore
+  (about 100 KiB a restore of a 300-array model; an evaluator restores every step for
+  weeks). Where the installed tensorstore does so (:func:`_dump_leaks`, probed on the first
+  dump), each of those references is released here; a fixed tensorstore is left alone.
+  """
+  result = future.result()
+  if _DUMP_LEAKS[0] is None and isinstance(result, dict) and result:
+    _DUMP_LEAKS[0] = _dump_leaks(result)
+  if _DUMP_LEAKS[0]:
+    _release_extra(result)
+  return result
+
+
+_DUMP_LEAKS: list[bool | None] = [None]  # whether tensorstore's dicts hold a reference too many
+
+
+def _key_refs(d: dict[Any, Any]) -> int:
+  k = next(iter(d))
+  return sys.getrefcount(k)
+
+
+def _dump_leaks(result: dict[Any, Any]) -> bool:
+  """Whether a key of tensorstore's ``result`` holds one reference more than the key of a
+  dict Python built (each seen through the same frames, so only the dict's own reference
+  differs). Anything else than exactly one more: left alone (never released)."""
+  built = {"".join(["ver", "sions"]): None}
+  extra = _key_refs(result) - _key_refs(built)
+  if extra not in (0, 1):
+    return False
+  return extra == 1
+
+
+def _release_extra(tree: Any) -> None:
+  """Releases the reference too many on every key and value of every dict in ``tree``."""
+  if isinstance(tree, list):
+    for x in tree:
+      _release_extra(x)
+  elif isinstance(tree, dict):
+    for k, v in list(tree.items()):
+      _release_extra(v)
+      _DECREF(k)
+      _DECREF(v)
+
+
+_DECREF = ctypes.pythonapi.Py_DecRef
+_DECREF.argtypes = [ctypes.py_object]
+_DECREF.restype = None
+
+
 def index_entries(store: ts.KvStore) -> Iterator[dict[str, Any]]:
   """Every value entry of an OCDBT database's index (a ``key`` with an ``indirect_value``
   ``"...::<file>:<offset>:<length>"`` or an ``inline_value``): the one walk of the index tree,
@@ -226,12 +282,12 @@ def index_entries(store: ts.KvStore) -> Iterator[dict[str, Any]]:
     KeyError, TypeError, IndexError, AttributeError: a layout of the dump this walk does
       not know.
   """
-  root = ts.ocdbt.dump(store).result()["versions"][-1]["root"].get("location")
+  root = _dumped(ts.ocdbt.dump(store))["versions"][-1]["root"].get("location")
   level = [root] if root else []
   while level:
     nodes = [ts.ocdbt.dump(store, node) for node in level]
     level = []
-    for entry in (e for node in nodes for e in node.result().get("entries", [])):
+    for entry in (e for node in nodes for e in _dumped(node).get("entries", [])):
       child = entry.get("node") or entry.get("location")
       if isinstance(child, str) and child.startswith("btreenode::"):
         level.append(child)
