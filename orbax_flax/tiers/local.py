@@ -77,6 +77,8 @@ class LocalTier:
     directory: a fast local directory (e.g. ``/dev/shm/ckpt``), which jobs
       may share: each run uses its own ``run-<digest>`` below it
       (:func:`run_dir`), each process its own ``process_<i>`` below that.
+      ``~`` is the home directory, and a relative path is made absolute here,
+      once: a later ``os.chdir`` does not move the tier.
     run: what identifies the run, the persistent tier's directory (the
       callback passes its manager's): a local step of another run is never
       read, listed or deleted.
@@ -106,8 +108,8 @@ class LocalTier:
     if max_to_keep < 1:
       raise ValueError(f"local_max_to_keep={max_to_keep}: keep at least 1 local step")
     self.run = run
-    self.directory = directory
-    self.root = os.path.join(directory, run_dir(run), f"process_{jax.process_index()}")
+    self.directory = os.path.abspath(os.path.expanduser(directory))
+    self.root = os.path.join(self.directory, run_dir(run), f"process_{jax.process_index()}")
     self.steps = StepDirectory(self.root, run)
     self.replicas = replicas if n > 1 else 0
     self.max_to_keep = max_to_keep
