@@ -522,3 +522,32 @@ def test_a_dead_writers_deletion_notice_does_not_hide_a_later_save_of_that_step(
   with ofx.CheckpointManager(d) as m:
     m.save(3, {"s": {"w": np.full(2, 3)}}, force=True)
   assert list(ofx.checkpoints_iterator(d, timeout=0, start_after=2)) == [3]
+
+
+def test_the_lease_of_a_killed_evaluator_goes_once_it_is_stale(tmp_path):
+  """An evaluator SIGKILLed while it held a step left <dir>/.readers/<step>-<token>: ignored
+  after an hour, but never removed, one more per killed evaluator for the life of the
+  directory, listed (read, on an object store) at every deletion (soak review)."""
+  d = str(tmp_path / "ckpts")
+  evaluator = ("import sys, time, orbax_flax as ofx\n"
+               "for s in ofx.checkpoints_iterator(sys.argv[1], poll_interval=0.05):\n"
+               "  print('holding', s, flush=True); time.sleep(600)\n")
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(max_to_keep=1, async_save=False)) as m:
+    m.save(1, {"s": {"w": np.ones(2)}}, force=True)
+    p = subprocess.Popen([sys.executable, "-c", evaluator, d], stdout=subprocess.PIPE, text=True)
+    try:
+      assert p.stdout.readline().split() == ["holding", "1"]
+    finally:
+      p.kill()
+      p.wait()
+    readers = os.path.join(d, ".readers")
+    (lease,) = os.listdir(readers)
+    m.save(2, {"s": {"w": np.ones(2)}}, force=True)  # step 1 is leased: kept on storage
+    m.wait()
+    assert os.path.isdir(os.path.join(d, "1")) and os.listdir(readers) == [lease]
+    old = time.time() - 2 * 3600  # an hour and more later: the lease is stale
+    os.utime(os.path.join(readers, lease), (old, old))
+    m.save(3, {"s": {"w": np.ones(2)}}, force=True)
+    m.wait()
+    assert m.all_steps() == [3] and [n for n in os.listdir(d) if n[0] != "."] == ["3"]
+    assert not os.path.exists(readers) or os.listdir(readers) == []

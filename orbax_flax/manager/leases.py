@@ -148,13 +148,21 @@ def _reader_keys(loc: Location) -> list[str]:
 
 
 def leased_steps(loc: Location, now: float | None = None) -> set[int]:
-  """Steps under ``loc`` that a live reader lease protects from deletion."""
+  """Steps under ``loc`` that a live reader lease protects from deletion.
+
+  Called by the directory's writer as it deletes: a lease not refreshed for
+  ``LEASE_SECONDS`` (a reader killed holding it) is removed here, so that one per killed
+  evaluator does not stay for the life of the directory, listed (read, on an object store)
+  at every deletion. A reader that was only stalled writes it again at its next refresh."""
   now = time.time() if now is None else now
   out: set[int] = set()
   for name in _reader_keys(loc):
     head, _, rest = name.partition("-")
-    if head.isdigit() and rest and _fresh(loc, name, now):
-      out.add(int(head))
+    if head.isdigit() and rest:
+      if _fresh(loc, name, now):
+        out.add(int(head))
+      else:
+        _location.delete_key(_lease_dir(loc), name)
   return out
 
 
