@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import orbax_flax as ofx
+from orbax_flax.tiers import local
 
 
 @pytest.fixture(autouse=True)
@@ -16,6 +17,59 @@ def _quiet():
   logger.setLevel(logging.ERROR)
   yield
   logger.setLevel(level)
+
+
+def _tree():
+  return {"w": np.arange(4, dtype=np.float32)}
+
+
+def test_file_urls_are_percent_decoded_and_take_an_empty_host_or_localhost(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  p = tmp_path / "my run#1"
+  uri = p.as_uri()  # file:///.../my%20run%231, as pathlib writes it
+  assert "%20" in uri and "%23" in uri
+  ofx.save(uri, {"s": _tree()})
+  assert (p / "_CHECKPOINT").is_file(), sorted(os.listdir(tmp_path))
+  assert ofx.restore(str(p))["s"]["w"].tolist() == [0, 1, 2, 3]
+  assert ofx.restore(uri)["s"]["w"].tolist() == [0, 1, 2, 3]
+  q = tmp_path / "lh"
+  ofx.save(f"file://localhost{q}", {"s": _tree()})
+  assert (q / "_CHECKPOINT").is_file()
+  assert not (tmp_path / "localhost").exists()  # not a directory named localhost in the cwd
+  # Another host is not this machine's file system: refused, naming the URL.
+  other = f"file://otherhost{tmp_path}/x"
+  with pytest.raises(ValueError, match="otherhost"):
+    ofx.save(other, {"s": _tree()})
+  assert sorted(os.listdir(tmp_path)) == ["lh", "my run#1"]
+  # Exports take the same URLs as the file-system paths they are.
+  st = tmp_path / "st dir"
+  ofx.export_safetensors(st.as_uri(), _tree())
+  assert any(n.endswith(".safetensors") for n in os.listdir(st))
+  assert ofx.restore(str(st))["params"]["w"].tolist() == [0, 1, 2, 3]
+  with pytest.raises(ValueError, match="otherhost"):
+    ofx.export_safetensors(f"file://otherhost{tmp_path}/e", _tree())
+
+
+def test_tilde_is_the_home_directory_for_exports_convert_and_local_directory(tmp_path, monkeypatch):
+  home, cwd = tmp_path / "home", tmp_path / "cwd"
+  home.mkdir()
+  cwd.mkdir()
+  monkeypatch.setenv("HOME", str(home))
+  monkeypatch.chdir(cwd)
+  ofx.export_safetensors("~/st", _tree())
+  ofx.export_orbax("~/ob", _tree())
+  ofx.save("~/ck", {"params": _tree()})
+  ofx.convert("~/ck", "~/conv", format="safetensors")
+  policy = ofx.CheckpointPolicy(local_directory="~/fast", local_save_interval_steps=1)
+  with ofx.CheckpointCallback(str(home / "wd"), policy) as ckpt:
+    ckpt.restore_or_init({"w": np.zeros(3)})
+    ckpt.on_step_end(1, {"w": np.ones(3)})
+  assert os.listdir(cwd) == []  # no directory named '~' here
+  assert sorted(os.listdir(home)) == ["ck", "conv", "fast", "ob", "st", "wd"]
+  assert ofx.restore("~/st")["params"]["w"].tolist() == [0, 1, 2, 3]
+  assert ofx.restore("~/conv")["params"]["w"].tolist() == [0, 1, 2, 3]
+  (run,) = os.listdir(home / "fast")
+  assert run == local.run_dir(str(home / "wd" / "checkpoints"))
 
 
 def test_a_relative_local_directory_is_fixed_when_the_run_starts(tmp_path, monkeypatch):

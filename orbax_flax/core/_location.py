@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import stat
+import urllib.parse
 from typing import Any
 
 import tensorstore as ts
@@ -41,6 +42,8 @@ class Location:
       >>> url = Location.parse("s3://bucket/exp%231")   # the key prefix exp#1/
       >>> url.spec()["path"], str(url), Location.parse(str(url)) == url
       ('exp#1/', 's3://bucket/exp%231/', True)
+      >>> Location.parse("file:///tmp/my%20run%231").local_path   # pathlib's as_uri()
+      '/tmp/my run#1'
     """
     if isinstance(path, Location):
       return path
@@ -62,7 +65,7 @@ class Location:
     if "://" not in path:
       return cls._local(path)
     if path.startswith("file://"):
-      return cls._local(path[len("file://"):])
+      return cls._local(_file_url_path(path))
     try:
       spec = ts.KvStore.Spec(path).to_json()
     except ValueError as e:
@@ -142,6 +145,33 @@ class Location:
 
   def __hash__(self) -> int:
     return hash(str(self))
+
+
+def _file_url_path(url: str) -> str:
+  """The path a ``file://`` URL names, read as tensorstore reads it: percent-decoded, with an
+  empty host or ``localhost`` (``file:///tmp/a%20b`` and ``file://localhost/tmp/a%20b`` are
+  ``/tmp/a b``). Escaped bytes are decoded as the file system's (what ``Path.as_uri()``
+  escaped).
+
+  Raises:
+    ValueError: another host, a query or fragment, or an escaped NUL, naming the URL.
+  """
+  host, slash, rest = url[len("file://"):].partition("/")
+  fix = (" Give a local path, or a file URL of this machine: file:///abs/path (as"
+         " pathlib.Path(path).as_uri() writes it), with '#', '?' and '%' escaped as %23, %3F"
+         " and %25.")
+  if host not in ("", "localhost"):
+    raise ValueError(f"cannot use checkpoint URL {url!r}: a file:// URL names a path on this"
+                     f" machine: its host is empty or 'localhost', not {host!r} (a relative path"
+                     f" is given as itself, {host}/..., not as a URL).{fix}")
+  if "?" in rest or "#" in rest:
+    raise ValueError(f"cannot use checkpoint URL {url!r}: a URL ends its path at '?' or '#' (a"
+                     f" query or fragment), which a checkpoint path cannot have.{fix}")
+  path = os.fsdecode(urllib.parse.unquote_to_bytes(slash + rest))
+  if not slash or "\0" in path:
+    raise ValueError(f"cannot use checkpoint URL {url!r}: it names no absolute path, or one"
+                     f" with a NUL byte (%00).{fix}")
+  return path
 
 
 # Retries of object-store requests: transient errors are retried with backoff

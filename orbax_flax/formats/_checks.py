@@ -16,6 +16,7 @@ import os
 from typing import Any
 
 from orbax_flax import errors
+from orbax_flax.core import _location
 
 
 class _DuplicateKey(ValueError):
@@ -134,22 +135,27 @@ def inside(directory: str, name: Any, where: str, field: str) -> str:
 
 def local_directory(path: Any, what: str) -> str:
   """``path`` made absolute, if it is a directory on a file system (local, or a shared
-  mount); an object-store URL or a kvstore spec is refused (``what`` writes files).
+  mount), spelled as a save takes it: ``~`` is the home directory, and a ``file://`` URL
+  is the path it names; an object-store URL or a kvstore spec is refused (``what``
+  writes files).
 
   Raises:
     ValueError: ``path`` is not a file-system path, naming it and the fix.
 
   Example:
+    >>> local_directory("file:///tmp/my%20model", "export_safetensors")
+    '/tmp/my model'
     >>> local_directory("s3://bucket/model", "export_safetensors")
     Traceback (most recent call last):
     ...
     ValueError: export_safetensors writes files to a file system (local, or a shared mount): 's3://bucket/model' is not one. Export to a local directory, then copy it to the store (with the store's own tools).
   """
-  if not isinstance(path, (str, os.PathLike)) or "://" in os.fspath(path):
-    raise ValueError(f"{what} writes files to a file system (local, or a shared mount):"
-                     f" {path!r} is not one. Export to a local directory, then copy it to the"
-                     " store (with the store's own tools).")
-  return os.path.abspath(path)
+  text = os.fspath(path) if isinstance(path, (str, os.PathLike)) else None
+  if isinstance(text, str) and ("://" not in text or text.startswith("file://")):
+    return _location.Location.parse(text).local_path  # the rules of ofx.save's paths
+  raise ValueError(f"{what} writes files to a file system (local, or a shared mount):"
+                   f" {path!r} is not one. Export to a local directory, then copy it to the"
+                   " store (with the store's own tools).")
 
 
 def is_int(x: Any) -> bool:
