@@ -1,5 +1,6 @@
 """Paths as users spell them: file:// URLs, '~', relative and symlinked directories, long names."""
 
+import hashlib
 import logging
 import os
 
@@ -88,3 +89,31 @@ def test_a_relative_local_directory_is_fixed_when_the_run_starts(tmp_path, monke
   (run,) = os.listdir(a / "fast")
   # One directory holds the run's local steps, so local_max_to_keep applies to all of them.
   assert os.listdir(a / "fast" / run / "process_0") == ["2"]
+
+
+def test_the_local_tier_finds_its_steps_through_any_spelling_of_the_workdir(tmp_path):
+  real = tmp_path / "disk" / "workdir"
+  real.mkdir(parents=True)
+  link = tmp_path / "wlink"
+  link.symlink_to(real)
+  fast = tmp_path / "fast"
+  policy = ofx.CheckpointPolicy(local_directory=str(fast), local_save_interval_steps=5,
+                                save_interval_steps=20, save_final_step=False)
+  restored = []
+  for wd, last in ((real, 12), (link, 17)):  # the first run stops at 12: local 10, persistent none
+    with ofx.CheckpointCallback(str(wd), policy) as ckpt:
+      state = ckpt.restore_or_init({"w": np.zeros(3)})
+      for step in range((ckpt.restored_step or 0) + 1, last + 1):
+        state = {"w": state["w"] + 1}
+        ckpt.on_step_end(step, state)
+      restored.append((ckpt.restored_step, None if ckpt.restored_step is None
+                       else float(np.asarray(state["w"])[0])))
+  assert restored == [(None, None), (10, 17.0)]
+  assert len(os.listdir(fast)) == 1  # one run, not one per spelling
+  # Where no link is on the way, the digest is the one of the path as spelled: runs that
+  # exist keep their local steps.
+  plain = str(real / "checkpoints")
+  assert local.run_dir(plain) == "run-" + hashlib.sha256(plain.encode()).hexdigest()[:16]
+  assert local.run_dir(str(link / "checkpoints")) == local.run_dir(plain)
+  assert local.run_dir("s3://bucket/run") == (
+      "run-" + hashlib.sha256(b"s3://bucket/run").hexdigest()[:16])

@@ -34,20 +34,36 @@ TMP = ".ofx-tmp-local"     # in the name of a step directory still being written
 _RECORD_MAGIC = b"orbax_flax local step v1"
 
 
+def run_identity(run: str) -> str:
+  """What identifies the run whose persistent directory is ``run`` in the local tier.
+
+  A local directory (an absolute path, as the manager spells it) is identified by its real
+  path, symbolic links resolved: a restart through another spelling of the same workdir
+  (``/home/u/exp`` linked to ``/mnt/disk/exp``, ``pwd -L`` and ``pwd -P``) finds the steps
+  it saved. A path without links is its own real path, so its identity (and the digest of
+  :func:`run_dir`) is the path as spelled. An object-store URL or a spec is taken as given.
+
+  Example:
+    >>> run_identity("s3://bucket/exp1/checkpoints")
+    's3://bucket/exp1/checkpoints'
+  """
+  return os.path.realpath(run) if os.path.isabs(run) else run
+
+
 def run_dir(run: str) -> str:
   """The subdirectory of the local directory that holds the steps of ``run``.
 
-  A digest of the run's persistent directory: two jobs that share a
-  ``local_directory`` (``/dev/shm/ckpt`` on one host) but save to different
+  A digest of the run's persistent directory (its :func:`run_identity`): two jobs that
+  share a ``local_directory`` (``/dev/shm/ckpt`` on one host) but save to different
   places never see nor delete each other's local steps.
 
   Example:
     >>> run_dir("/tmp/exp1/checkpoints") != run_dir("/tmp/exp2/checkpoints")
     True
-    >>> run_dir("/tmp/exp1/checkpoints")
+    >>> run_dir("/tmp/exp1/checkpoints")   # sha256 of the path: /tmp holds no link
     'run-c948a8532e42830d'
   """
-  return "run-" + hashlib.sha256(run.encode()).hexdigest()[:16]
+  return "run-" + hashlib.sha256(run_identity(run).encode()).hexdigest()[:16]
 
 
 @dataclasses.dataclass(frozen=True)

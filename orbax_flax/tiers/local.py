@@ -53,11 +53,12 @@ from orbax_flax import errors
 from orbax_flax.tiers import _blob
 from orbax_flax.tiers import _exchange
 from orbax_flax.tiers import placement
-from orbax_flax.tiers._local_steps import COMMITTED, OWN, TMP, Sink, StepDirectory, run_dir
+from orbax_flax.tiers._local_steps import (COMMITTED, OWN, TMP, Sink, StepDirectory, run_dir,
+                                           run_identity)
 from orbax_flax.tiers.placement import Holdings
 from orbax_flax.tiers.placement import RestorePlan
 
-__all__ = ["COMMITTED", "OWN", "LocalTier", "run_dir"]
+__all__ = ["COMMITTED", "OWN", "LocalTier", "run_dir", "run_identity"]
 
 log = logging.getLogger("orbax_flax")
 
@@ -81,7 +82,8 @@ class LocalTier:
       once: a later ``os.chdir`` does not move the tier.
     run: what identifies the run, the persistent tier's directory (the
       callback passes its manager's): a local step of another run is never
-      read, listed or deleted.
+      read, listed or deleted. A local directory is identified by its real
+      path (:func:`run_identity`): any spelling of it finds the same steps.
     replicas: how many other processes hold a copy of each process's shards
       (losing any ``replicas`` local directories loses no local step).
     max_to_keep: committed local steps kept (the newest commits).
@@ -107,13 +109,14 @@ class LocalTier:
                        " can hold a copy; lower replicas")
     if max_to_keep < 1:
       raise ValueError(f"local_max_to_keep={max_to_keep}: keep at least 1 local step")
-    self.run = run
+    self.run = run_identity(run)  # what this process's records and blobs name
     self.directory = os.path.abspath(os.path.expanduser(directory))
     self.root = os.path.join(self.directory, run_dir(run), f"process_{jax.process_index()}")
-    self.steps = StepDirectory(self.root, run)
+    self.steps = StepDirectory(self.root, self.run)
     self.replicas = replicas if n > 1 else 0
     self.max_to_keep = max_to_keep
     self.timeout = coordination_timeout_seconds
+    # As every process spells the run (a real path may differ between hosts).
     self._key = _multihost.namespace("local_tier", run, coordination_timeout_seconds)
     self._calls = 0
     self.host = host if host is not None else (os.environ.get(placement.HOST_ENV)
