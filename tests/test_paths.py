@@ -8,6 +8,9 @@ import numpy as np
 import pytest
 
 import orbax_flax as ofx
+from orbax_flax.core import _location
+from orbax_flax.format import _manifest
+from orbax_flax.format import step_dir
 from orbax_flax.tiers import local
 
 
@@ -117,3 +120,22 @@ def test_the_local_tier_finds_its_steps_through_any_spelling_of_the_workdir(tmp_
   assert local.run_dir(str(link / "checkpoints")) == local.run_dir(plain)
   assert local.run_dir("s3://bucket/run") == (
       "run-" + hashlib.sha256(b"s3://bucket/run").hexdigest()[:16])
+
+
+def test_a_name_too_long_for_the_save_s_temporary_sibling_names_the_limit(tmp_path):
+  # What a save puts beside a checkpoint's name: <name>.ofx-tmp-<gen>, <name>.ofx-base-<gen>.
+  gen = "0123456789abcdef"
+  assert _manifest._GENERATION.match(gen)
+  suffix = max(len(step_dir.TMP_MARKER + gen), len(step_dir.retired_name("", gen)))
+  limit = os.pathconf(tmp_path, "PC_NAME_MAX") - suffix  # 229 where names have 255 bytes
+  parent = tmp_path / "p"
+  parent.mkdir()
+  with pytest.raises(ofx.StorageError) as e:
+    ofx.save(str(parent / ("x" * (limit + 11))), {"s": _tree()})
+  text = str(e.value)
+  assert f"at most {limit} bytes" in text and "writable" not in text, text
+  assert os.listdir(parent) == []
+  ok = parent / ("y" * limit)
+  ofx.save(str(ok), {"s": _tree()})
+  assert ofx.restore(str(ok))["s"]["w"].tolist() == [0, 1, 2, 3]
+  assert _location.SIBLING_SUFFIX_BYTES == suffix  # the limit the message computes

@@ -265,6 +265,44 @@ def _mount_of(path: str) -> tuple[str, str, bool] | None:
   return best
 
 
+# What a save puts after a local checkpoint's name for the directories beside it: the
+# temporary "<name>.ofx-tmp-<generation>" it is written to (engine.saving.target), and
+# "<name>.ofx-base-<generation>", where an overwritten checkpoint that others reference moves
+# (format.step_dir.retired_name); a generation is 16 hex digits. Both names must fit the file
+# system's NAME_MAX, so the checkpoint's own name has at most NAME_MAX - 26 bytes (229 where
+# a name has at most 255, as on ext4, xfs, btrfs and tmpfs).
+SIBLING_SUFFIX_BYTES = max(len(".ofx-tmp-"), len(".ofx-base-")) + 16
+
+
+def _limit(probe: str, name: str, default: int) -> int:
+  """``os.pathconf(probe, name)``, or ``default`` where the file system does not say."""
+  try:
+    return os.pathconf(probe, name)
+  except (OSError, ValueError):
+    return default
+
+
+def _name_too_long(path: str, probe: str) -> str:
+  """Which name of the local ``path`` is too long (ENAMETOOLONG), and the fix."""
+  name_max = _limit(probe, "PC_NAME_MAX", 255)
+  most = name_max - SIBLING_SUFFIX_BYTES
+  last = os.fsencode(os.path.basename(path))
+  if len(last) > most:
+    return (f"its last component is {len(last)} bytes, and a save writes a directory named"
+            f" '<that name>.ofx-tmp-<16 hex digits>' beside it (and may move the checkpoint aside"
+            f" as '<that name>.ofx-base-<16 hex digits>'), {SIBLING_SUFFIX_BYTES} bytes longer,"
+            f" whose name must fit this file system's limit of {name_max} bytes per name."
+            f" Fix: shorten the last path component to at most {most} bytes.")
+  longest = max(os.fsencode(path).split(b"/"), key=len)
+  if len(longest) > name_max:
+    return (f"a component of the path is {len(longest)} bytes ({os.fsdecode(longest[:40])}...),"
+            f" more than this file system's limit of {name_max} bytes per name. Fix: shorten it.")
+  path_max = _limit(probe, "PC_PATH_MAX", 4096)
+  return (f"the path is {len(os.fsencode(path))} bytes, and the files a save writes under it"
+          f" must have paths of less than {path_max} bytes (PATH_MAX). Fix: save to a shorter"
+          " path (a directory nearer the root, or shorter names).")
+
+
 def _local_cause(path: str, code: int | None) -> str | None:
   """Why a write under the local ``path`` failed, with the fix, from what is on disk."""
   # The nearest part of the path that exists says most: a file in the way, a
@@ -272,6 +310,8 @@ def _local_cause(path: str, code: int | None) -> str | None:
   probe = os.path.abspath(path)
   while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
     probe = os.path.dirname(probe)
+  if code == errno.ENAMETOOLONG:
+    return _name_too_long(os.path.abspath(path), probe)
   if os.path.lexists(probe) and not os.path.isdir(probe) and probe != os.path.abspath(path):
     return (f"{probe} is a file, not a directory, so nothing can be created under it (a file is"
             " in the way). Fix: remove or rename that file, or choose another path.")
@@ -300,6 +340,9 @@ def storage_error(loc: Location, what: str, e: BaseException) -> errors.StorageE
     >>> e = storage_error(Location.parse("/tmp/x"), "writing", OSError(28, "No space left on device"))
     >>> type(e).__name__, "the store is full" in str(e)
     ('StorageError', True)
+    >>> e = storage_error(Location.parse("/tmp/" + "x" * 240), "writing", OSError(36, "File name too long"))
+    >>> str(e)[-58:]   # where names have at most 255 bytes
+    'Fix: shorten the last path component to at most 229 bytes.'
   """
   text = str(e)
   code = _os_errno(e)
