@@ -82,10 +82,10 @@ def exit_together(timeout_s: float = 120) -> None:
   _multihost.all_gather("jobs/exit", "1", timeout_s)
   me, n = jax.process_index(), jax.process_count()
   if me != 0:
-    _multihost.publish(f"jobs/exit/left/{me}", "1", timeout_s=timeout_s)
+    _multihost.publish(f"jobs/left/{me}", "1", timeout_s=timeout_s)
   else:
     for p in range(1, n):
-      _multihost.fetch(f"jobs/exit/left/{p}", timeout_s)
+      _multihost.fetch(f"jobs/left/{p}", timeout_s)
     time.sleep(0.5)
   os._exit(0)  # pylint: disable=protected-access
 

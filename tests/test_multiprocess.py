@@ -171,3 +171,18 @@ def test_init_from_refused_on_one_process_stops_every_process_at_once(tmp_path):
                        res.outputs[0][-3000:])
   for out in res.outputs:
     assert float(re.search(r"TOOK ([\d.]+)", out).group(1)) < 30, out[-2000:]
+
+
+def test_a_long_job_leaves_no_coordination_keys_behind_per_save(tmp_path):
+  """The coordination service (process 0's) grew with every save, for as long as a job ran:
+  two or more keys a save from each all_gather (the data positions, if_busy="skip", the local
+  tier's verdicts), two a local save from its barrier, one a time decision whose bucket of
+  1024 steps a loop asking every third step entered past its first step (soak review)."""
+  r = jobs.run("coordkeys_worker.py", [str(tmp_path)], num_processes=2, devices_per_process=1,
+               timeout=240).check()
+  import json  # pylint: disable=g-import-not-at-top
+  grown = json.loads(r.outputs[0].split("RESULT ", 1)[1].splitlines()[0])
+  # 600 time decisions, 40 due steps, 40 steps with 20 saves and 40 local saves: bounded
+  # (the buckets in use, a few keys of the manager), not per save.
+  assert grown["time"] <= 2 * 1024 // 3 + 10 and grown["busy"] <= 10, grown
+  assert grown["callback"] <= 10, grown

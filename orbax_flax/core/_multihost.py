@@ -306,20 +306,29 @@ def broadcast(key: str, value: str | None, timeout_s: float) -> str:
   return fetch(key, timeout_s, waiting_for="process 0", missing=[0])
 
 
-def decide_per_step(prefix: str, step: int, decide, *, timeout_s: float) -> str:
+def decide_per_step(prefix: str, step: int, decide, *, timeout_s: float,
+                    previous: int | None = None) -> str:
   """Process 0's ``decide()`` for ``step``, on every process (a clock-based decision).
 
   Others do not call ``decide``. One key per step under ``prefix``, in buckets
-  of 1024 steps; process 0 deletes the bucket two behind, so the key space
-  stays bounded over a long run.
+  of 1024 steps; process 0 deletes the buckets two behind the one it enters, so the key
+  space stays bounded over a long run. ``previous``: the step decided last under
+  ``prefix`` (None: the steps come one by one, 0, 1, 2, ...); a caller that asks about
+  every third step passes it, or the buckets it skips the first step of would stay.
   """
   if client() is None:
     return decide()
   value = None
   if process_index() == 0:
     value = decide()
-    if step % 1024 == 0 and step >= 2048:
-      delete(f"{prefix}/{step // 1024 - 2}", timeout_s=timeout_s)
+    bucket = step // 1024
+    if previous is None:
+      behind = [bucket - 2] if step % 1024 == 0 else []
+    else:
+      behind = range(previous // 1024 - 1, bucket - 1) if bucket > previous // 1024 else []
+    for old in behind:
+      if old >= 0:
+        delete(f"{prefix}/{old}", timeout_s=timeout_s)
   return broadcast(f"{prefix}/{step // 1024}/{step}", value, timeout_s)
 
 
@@ -412,12 +421,21 @@ def barrier(key: str, timeout_s: float, *, what: str = "reach this point") -> No
     raise CoordinationTimeoutError(
         f"process {process_index()} waited at most {timeout_s:g} s for every process to {what};"
         f" {who}. Raise coordination_timeout_seconds if they are only slow.", missing) from e
+  # Passed: its report names nobody any more (a barrier a save left two keys for good).
+  _within(timeout_s, f"delete {key!r}", c.key_value_delete, f"{key}/v/{process_index()}")
 
 
 def all_gather(key: str, value: str, timeout_s: float,
                *, what: str = "report") -> list[str]:
-  """Every process publishes ``value``; returns all values in process order."""
+  """Every process publishes ``value``; returns all values in process order.
+
+  The keys under ``key`` go once every process has its values (:func:`leave`): a job that
+  gathers at every save (data positions, local saves, ``if_busy``) left a few keys a save in
+  the coordination service, for as long as the job ran. A process that gave up waiting never
+  leaves: the values stay for one that comes late."""
   if client() is None:
     return [value]
   arrive(key, value, timeout_s=timeout_s)
-  return gather(key, timeout_s, what=what)
+  values = gather(key, timeout_s, what=what)
+  leave(key, timeout_s=timeout_s)
+  return values

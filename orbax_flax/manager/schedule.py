@@ -134,8 +134,10 @@ class Schedule:
         return self._answer[1]
       self._answer = None
       first, self._first = self._first, False
+      previous = self._asked  # the step asked before in this round (its time keys' buckets)
       if self._asked is not None and step <= self._asked:  # again after a save or a rollback
         self._round += 1
+        previous = None
       self._asked = step
       state = policy_lib.SaveState(step, now, self._last_step, self._last_time, first,
                                    self._costs.median())
@@ -147,7 +149,7 @@ class Schedule:
       else:
         reason = _multihost.decide_per_step(f"{key}/time", step,
                                             lambda: self._timed(state) or "",
-                                            timeout_s=self._timeout_s) or None
+                                            timeout_s=self._timeout_s, previous=previous) or None
     with self._lock:
       if self._asked == step:
         self._answer = (step, reason)
