@@ -3,6 +3,7 @@
 import hashlib
 import logging
 import os
+import re
 
 import numpy as np
 import pytest
@@ -139,3 +140,10 @@ def test_a_name_too_long_for_the_save_s_temporary_sibling_names_the_limit(tmp_pa
   ofx.save(str(ok), {"s": _tree()})
   assert ofx.restore(str(ok))["s"]["w"].tolist() == [0, 1, 2, 3]
   assert _location.SIBLING_SUFFIX_BYTES == suffix  # the limit the message computes
+
+
+def test_a_file_url_as_local_directory_is_refused_naming_the_path_it_means():
+  """The refusal of local_directory='file:///a%20b/c' suggested '/a%20b/c', not the path the
+  URL names."""
+  with pytest.raises(ValueError, match=re.escape("give the path itself, '/a b/c'")):
+    ofx.CheckpointPolicy(local_directory="file:///a%20b/c", local_save_interval_steps=1)

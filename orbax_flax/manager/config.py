@@ -27,6 +27,7 @@ import signal
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from orbax_flax.core._location import Location
 from orbax_flax.engine.saving import HOST_TRANSFERS
 from orbax_flax.manager import policy as policy_lib
 from orbax_flax.manager.schedule import Schedule
@@ -350,7 +351,12 @@ def _check(p: CheckpointPolicy) -> None:
   policy_lib.check_int("local_save_interval_steps", p.local_save_interval_steps, 0, " (0: off)")
   scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", p.local_directory)
   if scheme:  # os paths would take it as a relative directory named "gs:" in the cwd
-    path = p.local_directory[len(scheme.group(0)):] if scheme.group(1) == "file" else ""
+    path = ""
+    if scheme.group(1) == "file":  # the path a file:// URL names, as orbax_flax reads one
+      try:
+        path = Location.parse(p.local_directory).local_path
+      except ValueError:
+        path = ""
     _fail("local_directory", p.local_directory, "is a URL, but the local tier writes plain"
           " files on each host's own fast disk (RAM disk or local SSD); give "
           + (f"the path itself, {path!r}" if path else "a local path such as '/dev/shm/ckpt'")
