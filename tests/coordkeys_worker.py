@@ -10,23 +10,7 @@ import json
 import os
 
 import jobs
-
-
-class Data:
-  """A resumable iterator: get_state()/set_state()."""
-
-  def __init__(self):
-    self.i = 0
-
-  def __next__(self):
-    self.i += 1
-    return self.i
-
-  def get_state(self):
-    return {"i": self.i}
-
-  def set_state(self, s):
-    self.i = s["i"]
+from test_resume import Positions  # a resumable iterator: get_state()/set_state()
 
 
 def main():
@@ -72,7 +56,7 @@ def main():
   policy = ofx.CheckpointPolicy(save_interval_steps=2, max_to_keep=1, save_final_step=False,
                                 local_directory=os.path.join(a.dir, "local"),
                                 local_save_interval_steps=1)
-  data = Data()
+  data = Positions()
   with ofx.CheckpointCallback(os.path.join(a.dir, "run"), policy) as ckpt:
     state = ckpt.restore_or_init({"b": np.zeros(4, np.float32)}, data_iterator=data)
     for s in range(1, 61):
