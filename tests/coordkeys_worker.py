@@ -41,6 +41,16 @@ def main():
       if s == 3 * 100:
         before = count()
     grown["time"] = count() - before
+  # With a step trigger too, whose steps make no time decision (512 fires at every 1024th).
+  with ofx.CheckpointManager(os.path.join(a.dir, "time2"), ofx.CheckpointPolicy(
+      save_interval_seconds=3600, save_interval_steps=512)) as m:
+    m.save(3, tree, force=True)
+    m.wait()
+    for s in range(4, 2600):
+      m.should_save(s)
+      if s == 1100:
+        before = count()
+    grown["time_and_steps"] = count() - before
   # if_busy="skip": every process skips the same steps (a gather a due step).
   with ofx.CheckpointManager(os.path.join(a.dir, "busy"), ofx.CheckpointPolicy(
       save_interval_steps=1, max_to_keep=1, if_busy="skip")) as m:

@@ -177,7 +177,8 @@ def test_a_long_job_leaves_no_coordination_keys_behind_per_save(tmp_path):
   """The coordination service (process 0's) grew with every save, for as long as a job ran:
   two or more keys a save from each all_gather (the data positions, if_busy="skip", the local
   tier's verdicts), two a local save from its barrier, one a time decision whose bucket of
-  1024 steps a loop asking every third step entered past its first step (soak review)."""
+  1024 steps a loop asking every third step entered past its first step, or whose first step
+  a step trigger saved (soak review, then the review of the fix)."""
   r = jobs.run("coordkeys_worker.py", [str(tmp_path)], num_processes=2, devices_per_process=1,
                timeout=240).check()
   import json  # pylint: disable=g-import-not-at-top
@@ -185,4 +186,5 @@ def test_a_long_job_leaves_no_coordination_keys_behind_per_save(tmp_path):
   # 600 time decisions, 40 due steps, 40 steps with 20 saves and 40 local saves: bounded
   # (the buckets in use, a few keys of the manager), not per save.
   assert grown["time"] <= 2 * 1024 // 3 + 10 and grown["busy"] <= 10, grown
+  assert grown["time_and_steps"] <= 1100, grown  # bucket 0 goes: 2600 - 1100 steps - 1024
   assert grown["callback"] <= 10, grown

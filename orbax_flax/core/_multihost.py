@@ -422,7 +422,18 @@ def barrier(key: str, timeout_s: float, *, what: str = "reach this point") -> No
         f"process {process_index()} waited at most {timeout_s:g} s for every process to {what};"
         f" {who}. Raise coordination_timeout_seconds if they are only slow.", missing) from e
   # Passed: its report names nobody any more (a barrier a save left two keys for good).
-  _within(timeout_s, f"delete {key!r}", c.key_value_delete, f"{key}/v/{process_index()}")
+  _tidy(delete, f"{key}/v/{process_index()}", timeout_s=timeout_s)
+
+
+def _tidy(clean, key: str, *, timeout_s: float) -> None:
+  """``clean(key)``, the removal of keys nobody reads any more, after a rendezvous passed on
+  every process: a failure is logged, never raised, so that no process turns back alone from
+  what the others go on to (a collective without a timeout, after a barrier); the keys stay."""
+  try:
+    clean(key, timeout_s=timeout_s)
+  except Exception as e:  # pylint: disable=broad-except  # the service's errors: XlaRuntimeError
+    log.warning("could not remove the coordination service's keys under %r (%s: %s); they"
+                " stay there", key, type(e).__name__, e)
 
 
 def all_gather(key: str, value: str, timeout_s: float,
@@ -437,5 +448,5 @@ def all_gather(key: str, value: str, timeout_s: float,
     return [value]
   arrive(key, value, timeout_s=timeout_s)
   values = gather(key, timeout_s, what=what)
-  leave(key, timeout_s=timeout_s)
+  _tidy(leave, key, timeout_s=timeout_s)
   return values

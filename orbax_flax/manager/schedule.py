@@ -93,6 +93,9 @@ class Schedule:
     # and its decisions (keys in the coordination service, complete once) need new keys. Every
     # process asks for the same steps, so each counts the same rounds.
     self._round, self._asked = 0, None
+    # The step of the round's last time decision (a step trigger's steps make none): the
+    # buckets of its keys that the next decision leaves behind are deleted.
+    self._timed_asked: int | None = None
     # (step, reason) of the last question, until a save or restore (saved()) or another step:
     # asking again about that step gives the same answer (should_save(step), then save(step)).
     self._answer: tuple[int, str | None] | None = None
@@ -134,11 +137,11 @@ class Schedule:
         return self._answer[1]
       self._answer = None
       first, self._first = self._first, False
-      previous = self._asked  # the step asked before in this round (its time keys' buckets)
       if self._asked is not None and step <= self._asked:  # again after a save or a rollback
         self._round += 1
-        previous = None
+        self._timed_asked = None
       self._asked = step
+      previous = self._timed_asked  # the step of this round's last time decision (its keys)
       state = policy_lib.SaveState(step, now, self._last_step, self._last_time, first,
                                    self._costs.median())
       key = f"{self._key}/{self._round}"
@@ -147,6 +150,8 @@ class Schedule:
       if not self._shared:
         reason = self._timed(state)
       else:
+        with self._lock:
+          self._timed_asked = step
         reason = _multihost.decide_per_step(f"{key}/time", step,
                                             lambda: self._timed(state) or "",
                                             timeout_s=self._timeout_s, previous=previous) or None
