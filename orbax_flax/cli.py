@@ -54,7 +54,7 @@ def cmd_list(directory: str, out) -> int:
   # CheckpointManager's committed steps are listed too.
   steps, leftovers = step_dir.list_steps(loc, full=True)
   theirs = orbax_checkpoint.steps(loc)
-  if not steps and not leftovers and not theirs:
+  if not steps and not leftovers and not theirs and not _without_manifest(loc, set()):
     sub = loc.join("checkpoints")  # a workdir: CheckpointCallback keeps its steps there
     try:
       steps, leftovers = step_dir.list_steps(sub, full=True)
@@ -117,11 +117,7 @@ def cmd_list(directory: str, out) -> int:
                  metadata_lib.human_bytes(sum(s.item_bytes.values())),
                  "-" if stored is None else metadata_lib.human_bytes(stored["borrowed"]),
                  f"{s.process_count}p/{s.device_count}d", metrics])
-  for step in _without_manifest(loc, set(steps) | set(theirs) | set(abandoned)):
-    damaged += 1
-    rows.append([str(step), "?", "NO MANIFEST", "?", "?", "?",
-                 "a directory named like a step, without a manifest: no step (never deleted)"])
-  rows.sort(key=lambda r: int(r[0]))
+  strays = _without_manifest(loc, set(steps) | set(theirs) | set(abandoned))  # no damage either
   if rows:
     header = ["STEP", "SAVED", "REASON", "SIZE", "BORROWED", "PROCS/DEVS", "METRICS"]
     if all(r[4] in ("-", "?") for r in rows):  # no differential step: no column
@@ -139,6 +135,10 @@ def cmd_list(directory: str, out) -> int:
     print(f"abandoned by a rollback, not steps: {', '.join(map(str, abandoned))} (the run"
           " went back to an older step and has committed since; the next training job here"
           " deletes them)", file=out)
+  if strays:
+    print(f"NO MANIFEST, not steps: {', '.join(map(str, strays))}: directories named like"
+          " steps without a manifest of ours (someone's files, a copy in progress, another"
+          " library's data); no keep rule deletes them.", file=out)
   retired = step_dir.retired_dirs(loc.local_path) if loc.is_local else []
   if retired:
     print(f"retired, not steps: {', '.join(retired)}: data of deleted steps that kept"

@@ -341,3 +341,19 @@ def test_plan_refuses_negative_steps_and_seconds(flag, says):
   cost was taken as 0. Each is a usage error (exit 2) naming the flag and what to give."""
   rc, out = run("plan", "--config=configs/default.py", "--steps=100", flag)
   assert rc == 2 and says in out and "policy over steps" not in out, out
+
+
+def test_list_shows_a_directory_named_like_a_step_apart_from_the_steps(tmp_path):
+  """A directory `5/` without a manifest (someone's files) beside committed step 1 was counted
+  among the committed steps and called the latest, exit 1; alone, it was "no checkpoints"
+  and not shown (review of 23029af)."""
+  d = str(tmp_path / "run")
+  ofx.save(os.path.join(d, "1"), {"p": np.zeros(4, np.float32)})
+  os.makedirs(os.path.join(d, "5"))
+  rc, out = run("list", d)
+  assert rc == 0 and "1 committed step(s)" in out and "latest 1" in out, out
+  assert "NO MANIFEST, not steps: 5" in out, out
+  alone = str(tmp_path / "alone")
+  os.makedirs(os.path.join(alone, "7"))
+  rc, out = run("list", alone)
+  assert rc == 0 and "NO MANIFEST, not steps: 7" in out and "no checkpoints" not in out, out

@@ -924,6 +924,7 @@ def test_a_manager_refuses_a_directory_that_is_one_checkpoint_and_step_queries_c
         with pytest.raises(ValueError, match="step must be a non-negative int"):
           query(bad)
     assert m.has_step(np.int64(5)) and m.step_path(np.int32(5)) == os.path.join(run, "5")
+    assert not m.has_step(None)  # has_step(mngr.latest_step()) in an empty directory
   step5 = os.path.join(run, "5")
   before = sorted(os.listdir(step5))
   with pytest.raises(ofx.errors.CheckpointExistsError,

@@ -238,20 +238,21 @@ def _dumped(future: Any) -> Any:
 _DUMP_LEAKS: list[bool | None] = [None]  # whether tensorstore's dicts hold a reference too many
 
 
-def _key_refs(d: dict[Any, Any]) -> int:
+def _refs(d: dict[Any, Any]) -> tuple[int, int]:
+  """The reference counts of ``d``'s first key and of its value."""
   k = next(iter(d))
-  return sys.getrefcount(k)
+  v = d[k]
+  return sys.getrefcount(k), sys.getrefcount(v)
 
 
 def _dump_leaks(result: dict[Any, Any]) -> bool:
-  """Whether a key of tensorstore's ``result`` holds one reference more than the key of a
-  dict Python built (each seen through the same frames, so only the dict's own reference
-  differs). Anything else than exactly one more: left alone (never released)."""
-  built = {"".join(["ver", "sions"]): None}
-  extra = _key_refs(result) - _key_refs(built)
-  if extra not in (0, 1):
-    return False
-  return extra == 1
+  """Whether the first key of tensorstore's ``result`` and its value each hold exactly one
+  reference more than a key and a value of a dict Python built (each seen through the same
+  frames, so only the dict's own references differ). Anything else: left alone (nothing is
+  ever released that might be held)."""
+  built = {"".join(["ver", "sions"]): ["".join(["v", "1"])]}
+  (key, value), (key0, value0) = _refs(result), _refs(built)
+  return key - key0 == 1 and value - value0 == 1
 
 
 def _release_extra(tree: Any) -> None:

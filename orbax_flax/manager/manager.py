@@ -184,7 +184,10 @@ class CheckpointManager:
     return self.registry.committed()
 
   def has_step(self, step: int) -> bool:
-    """True if ``step`` is committed or its save is in flight (so saving it again is moot)."""
+    """True if ``step`` is committed or its save is in flight (so saving it again is moot);
+    False for None (``has_step(mngr.latest_step())`` in an empty directory)."""
+    if step is None:
+      return False
     step = policy_lib.as_step(step)
     committed, abandoned = self._rollback.knows(step)
     return self._inflight.saving(step) or (committed and not abandoned)
