@@ -43,6 +43,15 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false  # jax and torch share the device
 unset XLA_FLAGS
 "$PY" -c "import jax; print('devices:', jax.devices())"
+# On an accelerator machine, a jax without the accelerator's plugin (one installed beside the
+# machine's own, e.g. into a --target folder put first on PYTHONPATH) falls back to the host
+# CPU with a warning only, and the tables would be the host's (the TPU run of 2026-12-07 at
+# 2019f59 was). Refused here; ALLOW_CPU=1 runs anyway.
+if [ "${ALLOW_CPU:-0}" != 1 ] && [ "$("$PY" -c 'import jax; print(jax.default_backend())' 2>/dev/null)" = cpu ]; then
+  echo "error: jax runs on the CPU here (PYTHONPATH=${PYTHONPATH}): put the machine's own jax" \
+       "first (append folders to PYTHONPATH, do not replace it), or ALLOW_CPU=1 to measure the host" >&2
+  exit 3
+fi
 "$PY" benchmarks/save_restore.py --size="$SIZE" --reps="${REPS:-1}" --pause=1 \
   --json="$OUTDIR/device-$SIZE.json" > "$OUTDIR/device-$SIZE.log"
 "$PY" benchmarks/report.py --runs "$SIZE=$OUTDIR/device-$SIZE.json"
