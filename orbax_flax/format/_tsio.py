@@ -224,18 +224,13 @@ def _dumped(future: Any) -> Any:
   it releases, and that call takes none) leaves one reference too many on every key and
   value of every dict it returns: each dump of an index leaked it whole, every restore
   (about 100 KiB a restore of a 300-array model; an evaluator restores every step for
-  weeks). Where the installed tensorstore does so (:func:`_dump_leaks`, probed on the first
-  dump), each of those references is released here; a fixed tensorstore is left alone.
+  weeks). Where the installed tensorstore does so (:func:`_dump_leaks`), each of those
+  references is released here; a fixed tensorstore is left alone.
   """
   result = future.result()
-  if _DUMP_LEAKS[0] is None and isinstance(result, dict) and result:
-    _DUMP_LEAKS[0] = _dump_leaks(result)
-  if _DUMP_LEAKS[0]:
+  if _dump_leaks():
     _release_extra(result)
   return result
-
-
-_DUMP_LEAKS: list[bool | None] = [None]  # whether tensorstore's dicts hold a reference too many
 
 
 def _refs(d: dict[Any, Any]) -> tuple[int, int]:
@@ -245,14 +240,22 @@ def _refs(d: dict[Any, Any]) -> tuple[int, int]:
   return sys.getrefcount(k), sys.getrefcount(v)
 
 
-def _dump_leaks(result: dict[Any, Any]) -> bool:
-  """Whether the first key of tensorstore's ``result`` and its value each hold exactly one
-  reference more than a key and a value of a dict Python built (each seen through the same
-  frames, so only the dict's own references differ). Anything else: left alone (nothing is
-  ever released that might be held)."""
-  built = {"".join(["ver", "sions"]): ["".join(["v", "1"])]}
+@functools.cache
+def _dump_leaks() -> bool:
+  """Whether the installed tensorstore's dumps leak (probed once, on a database in memory):
+  the first key of a dump and its value each hold exactly one reference more than a key
+  and a value of a dict Python built (each seen through the same frames, so only the dict's
+  own references differ). Anything else: nothing is ever released that might be held."""
+  ctx = ts.Context()
+  db = ts.KvStore.open({"driver": "ocdbt", "base": "memory://"}, context=ctx).result()
+  db.write("probe", b"x").result()
+  result = ts.ocdbt.dump(ts.KvStore.open("memory://", context=ctx).result()).result()
+  built = {"".join(["con", "fig"]): {"".join(["k", "1"]): None}}
   (key, value), (key0, value0) = _refs(result), _refs(built)
-  return key - key0 == 1 and value - value0 == 1
+  leaks = key - key0 == 1 and value - value0 == 1
+  if leaks:
+    _release_extra(result)
+  return leaks
 
 
 def _release_extra(tree: Any) -> None:

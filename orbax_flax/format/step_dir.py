@@ -2,8 +2,9 @@
 
 ``<directory>/<step>/`` is a committed checkpoint when its ``_CHECKPOINT`` manifest
 exists (on a file system that name appears with it, by the atomic rename of a finished
-save; a directory of that name without it is no step of ours, and nothing here deletes
-it: someone's files, a step being copied in, another manager's directory). Retired data is not a step either: a
+save; a local directory of that name without it, or without an orbax-checkpoint step's
+commit marker, is no step, and nothing here deletes it: someone's files, a step being
+copied in, another manager's directory). Retired data is not a step either: a
 step that differential saves still borrow from, deleted by retention, keeps its
 data with its manifest renamed ``_RETIRED``, or moved aside to
 ``<step>.ofx-base-<generation>`` (:func:`retired_name`, :func:`retired_dirs`;
@@ -18,8 +19,9 @@ a step prefix holding a key that only another library writes there
 (:data:`FOREIGN_MARKERS`: orbax-checkpoint's commit marker, step metadata and
 pytree metadata) is never a leftover of ours, on an object store as on a file
 system (where a leftover is always an ``.ofx-tmp-`` name): nothing sweeps or
-removes it. It is not a step either (a step has our
-manifest); the callback's resume refuses to write beside it
+removes it. On an object store it is not a step either (a step has our
+manifest); on a file system a manager lists it, to read it. A manager refuses to write
+beside it; the callback's resume too
 (:func:`orbax_flax.training.resume.refuse_foreign_steps`).
 
 On an object store a listing names every key of every step (tensorstore lists
@@ -88,6 +90,9 @@ ROLLBACKS = ".rollbacks"  # JSON: the rollbacks whose abandoned steps may still 
 # it holds these). A step prefix holding one, at any depth, is another library's step.
 FOREIGN_MARKERS = frozenset({"commit_success.txt", "_CHECKPOINT_METADATA", "_METADATA",
                              "_sharding"})
+# What makes a local directory named like a step a committed one: our manifest, or
+# orbax-checkpoint's commit markers (a manager lists and reads those steps).
+_COMMIT_RECORDS = (_manifest.MANIFEST_KEY, "_CHECKPOINT_METADATA", "commit_success.txt")
 
 
 def retired_name(directory: str, generation: str) -> str:
@@ -287,7 +292,7 @@ def list_steps(loc: Location, *, full: bool = False,
   entry out first) reads only the new ones.
   A step prefix holding another library's step (:data:`FOREIGN_MARKERS`) and
   no manifest of ours is neither a step nor a leftover there; on a file system a
-  step directory without our manifest is neither.
+  step directory without our manifest or orbax-checkpoint's commit marker is neither.
 
   Example:
     >>> import tempfile
@@ -309,11 +314,14 @@ def list_steps(loc: Location, *, full: bool = False,
       raise _location.storage_error(loc, "listing the steps", e) from e
     for name in names:
       if _is_step(name):
-        # A step only with its manifest (one stat each): a directory of that name without
-        # it is no save of ours (commits rename whole directories into place) but another
-        # library's step, someone's files, a directory being copied in, or a step retention
-        # retired (_RETIRED), whose data other steps use. Keep rules must never delete it.
-        if os.path.exists(os.path.join(loc.local_path, name, _manifest.MANIFEST_KEY)):
+        # A step only with a commit record (one stat for ours): our manifest, or an
+        # orbax-checkpoint step's (read, never written: a manager refuses to write beside
+        # them). A directory of that name without one is no save (commits rename whole
+        # directories into place) but someone's files, a directory being copied in, another
+        # manager's directory, or a step retention retired (_RETIRED), whose data other
+        # steps use. Keep rules must never delete it.
+        path = os.path.join(loc.local_path, name)
+        if any(os.path.exists(os.path.join(path, m)) for m in _COMMIT_RECORDS):
           steps.append(int(name))
       elif TMP_MARKER in name:
         head = name.split(".", 1)[0]

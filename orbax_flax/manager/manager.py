@@ -1030,15 +1030,16 @@ _FOREIGN = "foreign: "  # how process 0's refusal of another library's steps rea
 
 def _foreign_steps(directory: Location) -> str:
   """Why a manager may not write ``directory`` (prefixed :data:`_FOREIGN`), or "": it holds
-  orbax-checkpoint steps, whose directory (or prefix) a save of the same number would
-  write into, and which a step of ours of that number would then stand for."""
+  orbax-checkpoint steps, which a listing of steps counts as ours (a file system) or whose
+  prefix a save of the same number would write into (an object store), and which keep
+  rules would then delete."""
   foreign = orbax_checkpoint.steps(directory)
   if not foreign:
     return ""
   newest = directory.join(str(foreign[-1]))
   return (f"{_FOREIGN}{directory} holds orbax-checkpoint steps {registry_lib.short(foreign)}:"
-          " a manager writing here would mix its steps with them (a save of a number they"
-          " hold would write into that step). Nothing was written. Save to a directory of your own; to"
+          " a manager writing here would take them for steps of its own, and its keep rules"
+          " would delete them. Nothing was written. Save to a directory of your own; to"
           f" continue that run there, restore its newest step (ofx.restore({str(newest)!r},"
           " target)) and save it as the new directory's first step (the training callback"
           " continues such a run by itself: docs/training.md).")
