@@ -54,7 +54,7 @@ def cmd_list(directory: str, out) -> int:
   # CheckpointManager's committed steps are listed too.
   steps, leftovers = step_dir.list_steps(loc, full=True)
   theirs = orbax_checkpoint.steps(loc)
-  if not steps and not leftovers and not theirs and not _without_manifest(loc, set()):
+  if not steps and not leftovers and not theirs and not step_dir.unlisted_steps(loc):
     sub = loc.join("checkpoints")  # a workdir: CheckpointCallback keeps its steps there
     try:
       steps, leftovers = step_dir.list_steps(sub, full=True)
@@ -117,7 +117,7 @@ def cmd_list(directory: str, out) -> int:
                  metadata_lib.human_bytes(sum(s.item_bytes.values())),
                  "-" if stored is None else metadata_lib.human_bytes(stored["borrowed"]),
                  f"{s.process_count}p/{s.device_count}d", metrics])
-  strays = _without_manifest(loc, set(steps) | set(theirs) | set(abandoned))  # no damage either
+  strays = step_dir.unlisted_steps(loc)  # no steps, and no damage either
   if rows:
     header = ["STEP", "SAVED", "REASON", "SIZE", "BORROWED", "PROCS/DEVS", "METRICS"]
     if all(r[4] in ("-", "?") for r in rows):  # no differential step: no column
@@ -173,23 +173,6 @@ def _orbax_row(loc, step: int) -> list[str] | None:
     return None  # its metadata is gone with it (orbax's own keep rule)
   return [str(step), _when(meta.time_ns / 1e9) if meta.time_ns else "-", "orbax-checkpoint",
           "-", "-", "-", _metrics_text(meta.metrics)]
-
-
-def _without_manifest(loc, known: set[int]) -> list[int]:
-  """Step numbers of local directories that are no step (``known``: those accounted for):
-  no manifest of ours, nor another library's, nor retired data (the keep rules never delete
-  them; :func:`orbax_flax.format.step_dir.list_steps`)."""
-  from orbax_flax.format import step_dir  # pylint: disable=g-import-not-at-top
-  if not loc.is_local:
-    return []
-  try:
-    names = os.listdir(loc.local_path)
-  except OSError:
-    return []
-  return sorted(int(n) for n in names
-                if n.isascii() and n.isdigit() and int(n) not in known
-                and os.path.isdir(os.path.join(loc.local_path, n))
-                and not os.path.exists(os.path.join(loc.local_path, n, step_dir.RETIRED_KEY)))
 
 
 def _where_they_are(loc) -> str:

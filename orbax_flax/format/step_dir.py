@@ -320,8 +320,7 @@ def list_steps(loc: Location, *, full: bool = False,
         # directories into place) but someone's files, a directory being copied in, another
         # manager's directory, or a step retention retired (_RETIRED), whose data other
         # steps use. Keep rules must never delete it.
-        path = os.path.join(loc.local_path, name)
-        if any(os.path.exists(os.path.join(path, m)) for m in _COMMIT_RECORDS):
+        if _committed_dir(os.path.join(loc.local_path, name)):
           steps.append(int(name))
       elif TMP_MARKER in name:
         head = name.split(".", 1)[0]
@@ -425,6 +424,34 @@ def reindex(loc: Location, committed: Iterable[int]) -> None:
   for mark in marks:
     if not (_is_step(mark) and int(mark) in committed):
       _location.delete_key(loc.join(INDEX), mark)
+
+
+def _committed_dir(path: str) -> bool:
+  """Whether the local directory ``path``, named like a step, is a committed one: it holds a
+  commit record (:data:`_COMMIT_RECORDS`; one stat for ours)."""
+  return any(os.path.exists(os.path.join(path, m)) for m in _COMMIT_RECORDS)
+
+
+def unlisted_steps(loc: Location) -> list[int]:
+  """The numbers of the local directories named like steps that are no step: without a
+  commit record, and not retired data (:func:`list_steps` leaves them out; nothing deletes
+  them); none on an object store, where a step prefix without a manifest is a leftover.
+
+  Example:
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); os.makedirs(os.path.join(d, "7", "notes"))
+    >>> unlisted_steps(Location.parse(d))
+    [7]
+  """
+  if not loc.is_local:
+    return []
+  try:
+    names = os.listdir(loc.local_path)
+  except OSError:
+    return []
+  return sorted(int(n) for n in names if _is_step(n) and (
+      os.path.isdir(path := os.path.join(loc.local_path, n)) and not _committed_dir(path)
+      and not os.path.exists(os.path.join(path, RETIRED_KEY))))
 
 
 def _is_step(name: str) -> bool:
