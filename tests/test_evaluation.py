@@ -551,3 +551,25 @@ def test_the_lease_of_a_killed_evaluator_goes_once_it_is_stale(tmp_path):
     m.wait()
     assert m.all_steps() == [3] and [n for n in os.listdir(d) if n[0] != "."] == ["3"]
     assert not os.path.exists(readers) or os.listdir(readers) == []
+
+
+def test_a_stale_lease_that_cannot_be_removed_does_not_stop_the_keep_rules(tmp_path, caplog):
+  """The writer removes a stale reader lease as it deletes; when that removal fails (here
+  the lease is a directory: what a failing delete looks like to a root user, whom
+  permissions do not stop) the lease is stale all the same: the deletion goes on, and the
+  failure is a WARNING, not a StorageError that kept every later deletion from happening."""
+  d = str(tmp_path / "ckpts")
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(max_to_keep=1, async_save=False)) as m:
+    m.save(1, {"s": {"w": np.ones(2)}}, force=True)
+    stuck = os.path.join(d, ".readers", "1-0123456789ab")
+    os.makedirs(os.path.join(stuck, "x"))
+    old = time.time() - 2 * 3600
+    os.utime(stuck, (old, old))
+    with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+      m.save(2, {"s": {"w": np.full(2, 2)}}, force=True)
+      m.wait()
+      m.save(3, {"s": {"w": np.full(2, 3)}}, force=True)
+      m.wait()
+    assert m.all_steps() == [3]
+    assert [n for n in os.listdir(d) if n[0] != "."] == ["3"]
+  assert "stale reader lease" in caplog.text and "1-0123456789ab" in caplog.text

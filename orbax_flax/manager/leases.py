@@ -153,7 +153,9 @@ def leased_steps(loc: Location, now: float | None = None) -> set[int]:
   Called by the directory's writer as it deletes: a lease not refreshed for
   ``LEASE_SECONDS`` (a reader killed holding it) is removed here, so that one per killed
   evaluator does not stay for the life of the directory, listed (read, on an object store)
-  at every deletion. A reader that was only stalled writes it again at its next refresh."""
+  at every deletion. A reader that was only stalled writes it again at its next refresh.
+  The removal is best effort: a lease that cannot be removed is stale all the same (it
+  protects nothing), so its failure is logged and the deletion goes on."""
   now = time.time() if now is None else now
   out: set[int] = set()
   for name in _reader_keys(loc):
@@ -161,8 +163,12 @@ def leased_steps(loc: Location, now: float | None = None) -> set[int]:
     if head.isdigit() and rest:
       if _fresh(loc, name, now):
         out.add(int(head))
-      else:
+        continue
+      try:
         _location.delete_key(_lease_dir(loc), name)
+      except errors.StorageError as e:
+        log.warning("could not remove the stale reader lease %s (it protects nothing and is"
+                    " tried again at the next deletion): %s", name, e)
   return out
 
 
