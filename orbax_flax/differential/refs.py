@@ -36,6 +36,7 @@ from typing import Any
 
 from orbax_flax.core import _location
 from orbax_flax.format import _manifest
+from orbax_flax.format import _tsio
 from orbax_flax.format import step_dir
 from orbax_flax import errors
 from orbax_flax.core._location import Location
@@ -230,8 +231,8 @@ class Homes:
     """
     h, process = split(owner)
     if not h:
-      return f"{item}/p{process}-{self.generation}"
-    return f"../{self._dir(h - 1)}/{item}/p{process}-{self.bases[h - 1].generation}"
+      return _tsio.db_name(item, process, self.generation)
+    return f"../{self._dir(h - 1)}/{_tsio.db_name(item, process, self.bases[h - 1].generation)}"
 
   def home(self, item: str, owner: int) -> tuple[Location, str]:
     """(checkpoint location, database name) of the chunks of ``owner``."""
@@ -239,4 +240,4 @@ class Homes:
     if not h:
       return self.loc, self.db_name(item, owner)
     return (self.loc.sibling(self._dir(h - 1)),
-            f"{item}/p{process}-{self.bases[h - 1].generation}")
+            _tsio.db_name(item, process, self.bases[h - 1].generation))

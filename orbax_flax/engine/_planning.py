@@ -127,6 +127,8 @@ class Plan:
   manifest: dict[str, Any]
   pieces: list[Piece]
   overwrite: bool
+  me: int     # this process's index, and the number of processes, as planned
+  nproc: int
   layout: _Template | None = None
   leaves: Mapping[str, list[Any]] | None = None  # the saved items' leaves, in flatten order
 
@@ -661,7 +663,7 @@ class Planner:
     }
     if casts:
       manifest["casts"] = casts
-    return Plan(loc, manifest, pieces, overwrite, template, leaves)
+    return Plan(loc, manifest, pieces, overwrite, me, nproc, template, leaves)
 
   def check(self, items: Mapping[str, Any], custom_metadata: Mapping[str, Any] | None,
             dtype: Any = None) -> None:

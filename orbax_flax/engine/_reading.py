@@ -128,7 +128,7 @@ class OwnDatabases:
     self.loc, self.generation = loc, generation
 
   def db_name(self, item: str, owner: int) -> str:
-    return f"{item}/p{owner}-{self.generation}"
+    return _tsio.db_name(item, owner, self.generation)
 
   def home(self, item: str, owner: int) -> tuple[Location, str]:
     """(checkpoint location, database name) of the chunks of ``owner``."""

@@ -284,7 +284,7 @@ def start(plan: _planning.Plan, key: str, timeout_s: float,
           started: float) -> tuple[SaveRun, AsyncSave]:
   """The run and the handle of a planned save (``key``: its coordination prefix)."""
   handle = AsyncSave(plan.loc, plan.nbytes, started)
-  return SaveRun(plan, key, timeout_s, handle.cancelled), handle
+  return SaveRun(plan, key, timeout_s, handle), handle
 
 
 def save(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, staging: _staging.Staging,
@@ -684,21 +684,21 @@ class SaveRun:
     key: a coordination-service prefix unique to this save, same on every process.
     timeout_s: the deadline of each call to the coordination service and of each wait
       for another process (coordination_timeout_seconds).
-    cancelled: set by ``AsyncSave.cancel()``.
+    handle: the save's handle: its ``cancelled`` (set by ``AsyncSave.cancel()``), the path and
+      bytes its progress reports.
 
   The keys of a save are deleted by the last process done with them.
   """
 
-  def __init__(self, plan: _planning.Plan, key: str, timeout_s: float,
-               cancelled: threading.Event):
-    self.plan, self.key, self.timeout_s, self.cancelled = plan, key, timeout_s, cancelled
-    self.me, self.nproc = _multihost.process_index(), _multihost.process_count()
+  def __init__(self, plan: _planning.Plan, key: str, timeout_s: float, handle: AsyncSave):
+    self.plan, self.key, self.timeout_s, self.cancelled = plan, key, timeout_s, handle.cancelled
+    self.me, self.nproc = plan.me, plan.nproc  # as planned: one value for the whole save
     self.gen: str | None = None
     self.target: Location | None = None
-    self.writers: dict[str, _tsio.DatabaseWriter] = {}
+    self.writer: _tsio.ProcessWriter | None = None  # this process's databases, once begun
     self._ctx = None
     self.bytes_written = 0
-    self.progress = _progress.Progress(f"save to {plan.loc}", plan.nbytes)
+    self.progress = _progress.Progress(f"save to {handle.path}", handle.nbytes)
     self.hooks: SaveHooks = PLAIN  # a differential save's Differ, or the plain hooks
 
   # ---------------------------------------------------------------- writing
@@ -756,13 +756,8 @@ class SaveRun:
                              " (process 0 names the difference); nothing was written.")
     self.gen, self.target = gen, where or target(final, gen)
     self._ctx = _tsio.context()
+    self.writer = _tsio.ProcessWriter(self.target, self.me, self.gen, self._ctx)
     self.hooks.agree(self.key, self.timeout_s)
-
-  def _writer(self, item: str) -> _tsio.DatabaseWriter:
-    db = f"{item}/p{self.me}-{self.gen}"
-    if db not in self.writers:
-      self.writers[db] = _tsio.DatabaseWriter(self.target, db, self._ctx)
-    return self.writers[db]
 
   def write(self, pieces: Sequence[Piece], materialize: Callable[[Sequence[Piece]], None] | None = None,
             max_batch_bytes: int = 0, cancellable: bool = False) -> None:
@@ -794,18 +789,16 @@ class SaveRun:
           materialize(batch)
         for p in self.hooks.select(batch):
           a = p.array
-          self._writer(a.item).add(a.name, a.shape, a.dtype, a.chunk_shape, p.slices, p.data)
+          self.writer.add(a.item, a.name, a.shape, a.dtype, a.chunk_shape, p.slices, p.data)
         # Two batches in flight: the next one is issued while this one commits.
-        for w in self.writers.values():
-          w.flush(depth=2)
+        self.writer.flush(depth=2)
         in_flight.append((batch, size))
         if len(in_flight) > 1:  # the oldest batch is committed by now
           self._done(*in_flight.pop(0))
           if cancellable:
             rate = self.bytes_written / max(time.perf_counter() - began, 1e-3)
             limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
-      for w in self.writers.values():
-        w.wait()
+      self.writer.wait()
     except ValueError as e:
       raise _location.storage_error(self.plan.loc, "writing array data", e) from e
     for batch, size in in_flight:
@@ -833,11 +826,13 @@ class SaveRun:
       raise _location.storage_error(self.plan.loc, "syncing the written data to disk", e) from e
 
   def _sync_local(self) -> None:
-    for db in self.writers:
+    items = set()
+    for db in self.writer.databases:
+      items.add(db.split("/")[0])
       path = os.path.join(self.target.local_path, db)
       if os.path.isdir(path):
         _location.fsync_tree(path)
-    for item in {db.split("/")[0] for db in self.writers}:
+    for item in sorted(items):
       path = os.path.join(self.target.local_path, item)
       if os.path.isdir(path):
         _location.fsync_dir(path)
@@ -1025,8 +1020,8 @@ class SaveRun:
     """Process 0: write the manifest last, then make it visible atomically."""
     if self.gen is None:  # nothing to write at all, e.g. only scalars: still a checkpoint
       self.begin()
-    commit(self.plan, self.gen, self.nproc,
-                       lambda m: self.hooks.complete(m, self.key, self.timeout_s))
+    commit(self.plan, self.gen, self.nproc, self.target,
+           lambda m: self.hooks.complete(m, self.key, self.timeout_s))
 
 
 _CANCELLED = "cancelled: "  # a status or decision: some process cancelled the save
@@ -1142,11 +1137,12 @@ def target(final: Location, gen: str) -> Location:
   return final.sibling(f"{final.name}{TMP_MARKER}{gen}") if final.is_local else final
 
 
-def commit(plan: _planning.Plan, gen: str, nproc: int,
+def commit(plan: _planning.Plan, gen: str, nproc: int, written: Location,
            complete: Callable[[dict[str, Any]], dict[str, Any]] = lambda m: m) -> None:
   """Process 0: writes the manifest of generation ``gen`` last, then makes it visible atomically.
 
-  ``complete`` adds what the writing decided (a differential save's references).
+  ``written``: where the data was written (:func:`target`). ``complete`` adds what the
+  writing decided (a differential save's references).
 
   On an object store the manifest's PUT is conditional on what the commit looked at: absent,
   or (an overwrite) the very manifest it replaces. Another save's commit since that look is
@@ -1186,7 +1182,7 @@ def commit(plan: _planning.Plan, gen: str, nproc: int,
                     final, e)
     return
   try:
-    _commit_local(plan, gen, target(final, gen), data)
+    _commit_local(plan, gen, written, data)
   except errors.CheckpointError:
     raise
   except OSError as e:
@@ -1322,7 +1318,7 @@ def _replace_in_place(final: Location, tmp: str, dst: str, gen: str, manifest: b
 
 def _databases(items: Any, process_count: int, gen: str) -> list[str]:
   """The process databases ``<item>/p<i>-<gen>`` of one generation."""
-  return [f"{item}/p{p}-{gen}" for item in items for p in range(process_count)]
+  return [_tsio.db_name(item, p, gen) for item in items for p in range(process_count)]
 
 
 def _delete_generations(loc: Location, dbs: Sequence[str] | None, keep: str | None = None) -> None:

@@ -74,7 +74,12 @@ DATA_FILE_BYTES = 64 << 20
 
 
 def db_spec(loc: Location, db: str) -> dict[str, Any]:
-  return {"driver": "ocdbt", "base": loc.spec(db + "/"), "target_data_file_size": DATA_FILE_BYTES}
+  """The OCDBT spec of database ``db`` (:func:`db_name`) of the checkpoint at ``loc``."""
+  return _ocdbt(loc.spec(db + "/"))
+
+
+def _ocdbt(base: dict[str, Any]) -> dict[str, Any]:
+  return {"driver": "ocdbt", "base": base, "target_data_file_size": DATA_FILE_BYTES}
 
 
 def array_spec(db: dict[str, Any], name: str, shape: Sequence[int], dtype: str,
@@ -112,6 +117,45 @@ def as_stored(data: np.ndarray, dtype: str) -> np.ndarray:
   return data if data.dtype.name == dtype else data.view(dtype)
 
 
+def db_name(item: str, process: int, generation: str) -> str:
+  """The database of ``process``'s chunks of ``item`` in the checkpoint of ``generation``,
+  relative to the checkpoint (docs/format.md).
+
+  Example:
+    >>> db_name("params", 1, "0123456789abcdef")
+    'params/p1-0123456789abcdef'
+  """
+  return f"{item}/p{process}-{generation}"
+
+
+class ProcessWriter:
+  """One process's databases in one checkpoint, one an item, each made as its item's first
+  block arrives: :meth:`add` queues a block, :meth:`flush` and :meth:`wait` act on them all
+  (see :class:`DatabaseWriter`)."""
+
+  def __init__(self, loc: Location, process: int, generation: str, ctx: ts.Context):
+    self._root, self._process, self._gen, self._ctx = loc.spec(), process, generation, ctx
+    self.databases: dict[str, DatabaseWriter] = {}  # by name (:func:`db_name`)
+
+  def add(self, item: str, name: str, shape: Sequence[int], dtype: str,
+          chunk_shape: Sequence[int], slices: Any, data: np.ndarray) -> None:
+    """Queues ``data`` for ``array[slices]`` of the array ``name`` of ``item``."""
+    db = db_name(item, self._process, self._gen)
+    w = self.databases.get(db)
+    if w is None:  # (the root's spec with the database's path, as Location.spec makes it)
+      base = {**self._root, "path": self._root["path"] + db + "/"}
+      w = self.databases[db] = DatabaseWriter(db, _ocdbt(base), self._ctx)
+    w.add(name, shape, dtype, chunk_shape, slices, data)
+
+  def flush(self, depth: int = 2) -> None:
+    for w in self.databases.values():
+      w.flush(depth=depth)
+
+  def wait(self) -> None:
+    for w in self.databases.values():
+      w.wait()
+
+
 class DatabaseWriter:
   """Writes blocks of several arrays into one OCDBT database, one transaction per batch.
 
@@ -122,9 +166,8 @@ class DatabaseWriter:
   batch is committed (tensorstore references it, without a copy).
   """
 
-  def __init__(self, loc: Location, db: str, ctx: ts.Context):
-    self._db, self._ctx = db, ctx
-    self._spec = db_spec(loc, db)
+  def __init__(self, db: str, spec: dict[str, Any], ctx: ts.Context):
+    self._db, self._spec, self._ctx = db, spec, ctx  # spec: the database's (:func:`db_spec`)
     self._named = False  # the database's identity key written (with its first batch)
     self._pending: list[tuple[Any, Any, np.ndarray]] = []
     self._stores: dict[str, Any] = {}

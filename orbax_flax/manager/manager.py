@@ -419,8 +419,9 @@ class CheckpointManager:
     if local_copy:
       custom["local_copy"] = str(local_copy)
     start, handle = time.perf_counter(), None
-    path, options = self._dir.join(str(step)), dict(custom_metadata=custom, overwrite=overwrite,
-                                                    dtype=dtype)
+    path = self._dir.join(str(step))
+    where = str(path)  # (its commit's log line)
+    options = dict(custom_metadata=custom, overwrite=overwrite, dtype=dtype)
     with self.registry.saving(step):  # a write in progress until _completed ends it
       with self.registry.lock:  # one order with deletions: claim the step, then make room
         overwrite = self.registry.claim(step) or overwrite  # a pending deletion is called off
@@ -440,7 +441,7 @@ class CheckpointManager:
     blocked = blocking_event(step, decided, before, entered, wait_s, ready_s,
                              handle.blocking_s if handle is not None else returned - start)
     save = _Save(policy_lib.StepInfo(step, now, custom["metrics"], decided), handle,
-                 entered - before["total"], run, blocked)
+                 entered - before["total"], run, blocked, where)
     self._schedule.saved(step, now)
     self._inflight.start(save)
     if handle is None:  # a blocking save: committed already
@@ -499,7 +500,7 @@ class CheckpointManager:
         gone = self._rollback.committed(save.info, save.run)
         self._events.committed(save.blocked, time.perf_counter() - save.start,
                                handle.nbytes if handle is not None else 0,
-                               self.step_path(step), self._schedule, self._stored(step, handle))
+                               save.where, self._schedule, self._stored(step, handle))
         doomed = self._agree_on_retention()
         self.registry.doom(doomed)
         self.registry.delete(set(doomed) | gone)
@@ -785,6 +786,7 @@ class _Save:
   run: int | None                  # the rollback it started after (Rollback.run): its
                                    # commit ends that rollback's old run
   blocked: SaveEvent               # its blocking times
+  where: str                       # the step's path (its commit's log line)
 
   @property
   def step(self) -> int:
