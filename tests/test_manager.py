@@ -98,6 +98,44 @@ def test_keep_one_per_time_window(tmp_path):
   assert on_disk(tmp_path) == [1, 4, 7, 10, 14, 17, 20, 24, 25]
 
 
+def test_a_wall_clock_stepped_back_does_not_stop_time_based_saves(tmp_path):
+  """save_interval_seconds measured the interval as a difference of wall-clock readings: a
+  clock stepped back an hour (an NTP correction) made the next save wait an hour and a
+  minute (the preemptible config keeps one step: up to an hour of work lost). The interval
+  restarts where the clock went back: the next save comes one interval later."""
+  clock = FakeClock()
+  saved = []
+  with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(
+      save_interval_seconds=60, save_final_step=False), clock=clock) as mngr:
+    for step in range(1, 401):
+      clock.t += 1.0
+      if step == 100:
+        clock.t -= 3600.0
+      if mngr.save(step, {"state": state(step)}):
+        saved.append(step)
+    mngr.wait()
+  assert saved[:1] == [60]
+  after = [s for s in saved if s >= 100]
+  assert after and after[0] <= 100 + 60 and len(after) >= 4, saved
+
+
+def test_keep_one_per_window_keeps_the_first_step_saved_there_after_the_clock_went_back(tmp_path):
+  """keep_time_interval_seconds keeps the first step of each window of wall time for ever;
+  it ordered steps by their recorded time, so a later step saved after the clock stepped
+  back (or by a restarted job on a host whose clock is behind) displaced the step it had
+  kept, and the keep rules deleted it. The first step saved in a window is its first step."""
+  clock = FakeClock(start=0.0)
+  policy = ofx.CheckpointPolicy(max_to_keep=1, keep_time_interval_seconds=100)
+  with ofx.CheckpointManager(str(tmp_path), policy, clock=clock) as mngr:
+    for step, t in [(1, 1050.0), (2, 1080.0), (3, 1150.0), (4, 1030.0), (5, 1040.0)]:
+      clock.t = t
+      mngr.save(step, {"state": state(step)}, force=True)
+      mngr.wait()
+      if step == 3:
+        assert mngr.all_steps() == [1, 3]
+    assert mngr.all_steps() == [1, 3, 5]
+
+
 @pytest.mark.parametrize("mode,kept", [("min", [8, 9, 10]), ("max", [1, 2, 10])])
 def test_keep_best(tmp_path, mode, kept):
   policy = ofx.CheckpointPolicy(save_interval_steps=1, keep_best=2, best_metric="loss", best_mode=mode)

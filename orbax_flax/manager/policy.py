@@ -293,7 +293,7 @@ class StepInfo:
 
   Attributes:
     step: the step number.
-    time: commit wall time, seconds since the epoch.
+    time: wall time when the save was started (the manager's clock), seconds since the epoch.
     metrics: scalar metrics recorded with the save.
     reason: why it was saved.
   """
@@ -384,7 +384,10 @@ class KeepBest:
 
 @dataclasses.dataclass(frozen=True)
 class KeepOnePer:
-  """Keeps the first step committed in each ``seconds``-long window of wall time."""
+  """Keeps the first step saved in each ``seconds``-long window of wall time: the lowest step
+  whose recorded time falls in it (not the earliest time: a step saved after the wall clock
+  stepped back, or by a job restarted on a host whose clock is behind, never displaces the
+  step a window has kept)."""
   reads_metadata: ClassVar[bool] = True
   seconds: float
 
@@ -394,7 +397,7 @@ class KeepOnePer:
 
   def keep(self, steps: Sequence[StepInfo]) -> set[int]:
     first: dict[int, StepInfo] = {}
-    for s in sorted(steps, key=lambda s: (s.time, s.step)):
+    for s in sorted(steps, key=lambda s: s.step):
       first.setdefault(math.floor(s.time / self.seconds), s)
     return {s.step for s in first.values()}
 

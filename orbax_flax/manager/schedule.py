@@ -141,6 +141,13 @@ class Schedule:
         self._round += 1
         self._timed_asked = None
       self._asked = step
+      if now < self._last_time:
+        # The wall clock went back (an NTP step, a VM's clock fixed): measured from the last
+        # save's reading, the next time-based save would wait the jump as well. The interval
+        # restarts here instead (a clock gone forward saves once, at once).
+        log.warning("the clock went back %.0f s since the last save; the save interval"
+                    " restarts now", self._last_time - now)
+        self._last_time = now
       previous = self._timed_asked  # the step of this round's last time decision (its keys)
       state = policy_lib.SaveState(step, now, self._last_step, self._last_time, first,
                                    self._costs.median())
