@@ -286,6 +286,27 @@ def test_the_grace_period_counts_from_the_signal_under_jax_preemption_sync(tmp_p
     assert "RESULT preempted=True stopped_at=3 committed=[]" in out, out
 
 
+def test_a_wall_clock_ahead_does_not_spend_the_grace_period_under_jax_preemption_sync(tmp_path):
+  """Two processes, JAX's preemption sync (SIGTERM on process 1), process 0's wall clock 60 s
+  ahead of process 1's, a 20 s grace period and a sub-second save: JAX's notice carries
+  process 1's wall-clock time, and process 0 counted the clocks' difference as grace period
+  spent (60 s after the signal, the save cancelled at once, nothing committed). It counts
+  from no earlier than its own step two calls before the agreed one, and says the clocks
+  disagree."""
+  res = jobs.run("grace_skew_worker.py", [f"--dir={tmp_path}"], 2, 1).check()
+  stopped = []
+  for out in res.outputs:
+    after, = re.findall(r"preempted: saving step \d+, ([\d.]+) s after the signal", out) or [out]
+    # The signal came during a 0.2 s step; JAX's notifier looks once a second.
+    assert float(after) < 3.0, out
+    assert "did not commit" not in out, out
+    step, = re.findall(r"RESULT preempted=True stopped_at=(\d+) committed=\[(\d+)\]", out)
+    assert step[0] == step[1], out
+    stopped.append(step[0])
+  assert stopped[0] == stopped[1], res.outputs
+  assert re.search(r"clock.*ahead", res.outputs[0]), res.outputs[0]
+
+
 def test_a_sigterm_during_the_restore_of_a_multiprocess_job_saves_the_next_step(tmp_path):
   """Two processes resumed from step 3, SIGTERM on process 1 while the restore runs (before
   the run's first step). JAX's sync point is the call after the highest count any process

@@ -35,11 +35,16 @@ process (a grace period counts from it, not from the step the processes agree
 on, which may come many seconds later): the time of this process's own
 handler, or else the time JAX's notifier recorded in the coordination service
 when it caught SIGTERM on whichever process got it (it looks once a second, so
-up to about a second after the signal).
+up to about a second after the signal). That time is read on the signalled
+host's wall clock, so it is kept within what this process saw itself: no
+earlier than its ``reached`` call two before the agreed one, no later than the
+agreed one (a host's clock ahead or behind cannot spend or extend the grace
+period by more than about two steps' time).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -55,6 +60,10 @@ log = logging.getLogger("orbax_flax")
 # The key under which JAX's preemption sync manager (XLA's preemption_sync_manager.cc) records
 # the time its notifier caught SIGTERM, as RFC 3339 text, for every process to read.
 _JAX_NOTICE_KEY = "RECEIVED_PREEMPTION_NOTICE"
+
+# How far (seconds) JAX's notice may fall outside the range this process saw before that is
+# logged as a disagreement between the hosts' clocks (it is bounded either way).
+_CLOCK_TOLERANCE_S = 1.0
 
 
 def _jax_sync_manager_active() -> bool:
@@ -104,6 +113,9 @@ class PreemptionWatcher:
     self._previous: dict[signal.Signals, object] = {}
     self._received = 0
     self._calls = 0  # reached() calls so far: the count JAX's sync manager is given
+    # time.monotonic() of the last three calls, the newest last; the watcher's creation is
+    # call 0. The oldest bounds when JAX's notice can have come (_note_signal_time).
+    self._call_times = collections.deque([time.monotonic()], maxlen=3)
     self._closed = False  # closed off the main thread: the handlers pass the signals on
     ours = [s for s in self._signals if not (self._use_jax and s == signal.SIGTERM)]
     if ours and threading.current_thread() is not threading.main_thread():
@@ -156,6 +168,7 @@ class PreemptionWatcher:
     del step
     if self._use_jax:
       self._calls += 1
+      self._call_times.append(time.monotonic())
       hit = self._reached_jax(self._calls)
       if hit:
         self._note_signal_time()
@@ -170,6 +183,18 @@ class PreemptionWatcher:
   def _note_signal_time(self) -> None:
     """Sets :attr:`signal_time` from JAX's notice (or our handler's time, if earlier).
 
+    The notice is the signalled host's wall-clock time, read here against this
+    host's wall clock: a difference between the two clocks moves it by as much.
+    So it is kept within what this process saw. Every process learns of the
+    notice within milliseconds of its being recorded and gives JAX the count of
+    the call it had passed; JAX picks one past the highest count. Processes run
+    within a step of each other, so this process had passed the call two before
+    the agreed one (or was built, call 0): the notice came no earlier than that
+    call, and no later than now, the agreed call. (Processes further apart make
+    the start later, never earlier: a grace period is not spent by a clock.)
+    Outside that range by more than a second it is logged as the hosts' clocks
+    disagreeing.
+
     Without a readable notice, the sync point is the time (late: a grace period
     then counts from here, as it did before the notice was read).
     """
@@ -179,11 +204,29 @@ class PreemptionWatcher:
       notice = None if _multihost.client() is None else _multihost.try_fetch(
           _JAX_NOTICE_KEY, timeout_s=self._timeout_s)
       if notice is not None:
-        at = now - max(0.0, now_wall - datetime.fromisoformat(notice).timestamp())
+        at = self._plausible(now - (now_wall - datetime.fromisoformat(notice).timestamp()), now)
     except (ValueError, TimeoutError) as e:
       log.warning("preemption: cannot read when the signal came (%s); the grace period counts"
                   " from the step the processes agreed on", e)
     self.signal_time = at if self.signal_time is None else min(self.signal_time, at)
+
+  def _plausible(self, noticed: float, now: float) -> float:
+    """``noticed`` (the notice's time on this monotonic clock, through the wall clocks) kept
+    between this process's call two before the agreed one and ``now`` (the agreed one)."""
+    earliest = self._call_times[0]
+    if noticed < earliest - _CLOCK_TOLERANCE_S:
+      log.warning(
+          "preemption: JAX's notice of the signal is %.2f s older than this process's call"
+          " two before the one the processes agreed on, which it had passed when it learned"
+          " of the notice: this host's wall clock is at least %.2f s ahead of the signalled"
+          " host's; the grace period counts from that call", earliest - noticed,
+          earliest - noticed)
+    elif noticed > now + _CLOCK_TOLERANCE_S:
+      log.warning(
+          "preemption: JAX's notice of the signal is %.2f s in this process's future: this"
+          " host's wall clock is at least %.2f s behind the signalled host's; the grace"
+          " period counts from the step the processes agreed on", noticed - now, noticed - now)
+    return min(max(noticed, earliest), now)
 
   def close(self) -> None:
     """Restores the signal handlers that were there before. Off the main thread, which
