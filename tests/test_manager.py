@@ -970,3 +970,89 @@ def test_a_manager_refuses_a_directory_that_is_one_checkpoint_and_step_queries_c
                      " steps that holds it " + re.escape(f"({run})")):
     ofx.CheckpointManager(step5)
   assert sorted(os.listdir(step5)) == before
+
+
+def _other_hosts_lease(d, owner, skew, stop, refresh_s=0.5):
+  """Another host's live training job holding the writer lease of ``d``: it rewrites its record
+  every ``refresh_s`` with its own clock, ``skew`` seconds off this host's, until ``stop``."""
+  import json  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  path = os.path.join(d, ".writer")
+  while True:
+    try:
+      with open(path) as f:
+        if json.load(f).get("owner") != owner:
+          return  # taken over
+    except (OSError, ValueError):
+      pass
+    with open(path + ".tmp", "w") as f:
+      json.dump({"owner": owner, "host": "trainer-host-b", "pid": 4242,
+                 "time": time.time() + skew, "purpose": "writer"}, f)
+    os.replace(path + ".tmp", path)
+    if stop.wait(refresh_s):
+      return
+
+
+def test_a_live_writer_on_a_host_whose_clock_is_behind_is_not_taken_for_dead(tmp_path):
+  """A holder on another host was judged by its record's time against this host's clock: a
+  live writer whose clock is two minutes behind looked unrefreshed for two minutes, and a
+  second job's save took the directory over at once (two jobs writing one directory). Another
+  host's lease is judged by what this process sees: its record changes at each refresh."""
+  d = str(tmp_path / "ckpt")
+  os.makedirs(d)
+  stop = threading.Event()
+  holder = threading.Thread(target=_other_hosts_lease, args=(d, "host-b-job", -120.0, stop))
+  holder.start()
+  result = {}
+
+  def second_job():
+    try:
+      with ofx.CheckpointManager(d) as m:
+        result["saved"] = m.save(1, {"state": state(1)}, force=True)
+        m.wait()
+    except BaseException as e:  # pylint: disable=broad-except
+      result["error"] = e
+
+  try:
+    import time  # pylint: disable=g-import-not-at-top
+    time.sleep(0.3)
+    job = threading.Thread(target=second_job)
+    job.start()
+    job.join(3)
+    assert job.is_alive() and not result, result  # waits: the holder refreshes its record
+  finally:
+    stop.set()
+    holder.join()
+  os.remove(os.path.join(d, ".writer"))  # the other job closes its manager
+  job.join(30)
+  assert result == {"saved": True}, result
+
+
+def test_a_dead_writer_on_a_host_whose_clock_was_ahead_is_taken_over(tmp_path, monkeypatch):
+  """A dead job's lease from a host whose clock ran ten minutes ahead looked refreshed in the
+  future: every save here waited the whole lease wait and was refused, for ten minutes. It
+  is taken over once this process has seen the record unchanged for WRITER_SECONDS (shortened
+  here to keep the test short; its meaning is the same)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  from orbax_flax.manager import leases  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(leases, "WRITER_SECONDS", 1.5)
+  d = str(tmp_path / "ckpt")
+  os.makedirs(d)
+  with open(os.path.join(d, ".writer"), "w") as f:
+    json.dump({"owner": "dead-job", "host": "trainer-host-b", "pid": 4242,
+               "time": time.time() + 600.0, "purpose": "writer"}, f)
+  result = {}
+
+  def restarted_job():
+    try:
+      with ofx.CheckpointManager(d) as m:
+        result["saved"] = m.save(1, {"state": state(1)}, force=True)
+        m.wait()
+    except BaseException as e:  # pylint: disable=broad-except
+      result["error"] = e
+
+  job = threading.Thread(target=restarted_job, daemon=True)
+  job.start()
+  job.join(20)
+  assert result == {"saved": True}, result

@@ -90,7 +90,8 @@ class CheckpointPolicy:
     keep_period: keep every step that is a multiple of M forever: protects it
       from deletion (0: off).
     keep_time_interval_seconds: keep one step per this many seconds of wall
-      time forever: protects it from deletion (0: off).
+      time forever (the first step saved in each window, by step number: a clock
+      stepped back never displaces it): protects it from deletion (0: off).
     best_metric: the metric that ranks steps for ``keep_best`` and
       ``best_step()``, e.g. "loss" ("": none).
     best_mode: whether a smaller ("min") or larger ("max") ``best_metric``

@@ -8,7 +8,9 @@ creates, moves, retires or deletes a step is taken by that manager's
 when it was last refreshed). A second writer is refused with
 :class:`~orbax_flax.errors.WriterConflictError` naming the first. The lease
 survives kills: a holder whose process is gone (on this host) or that has not
-refreshed it for ``WRITER_SECONDS`` is taken over. A process is known by more
+refreshed it for ``WRITER_SECONDS`` is taken over; on another host, whose clock may
+differ from this one's, "not refreshed" is what this process saw: the record unchanged for
+``WRITER_SECONDS`` while it waited (:meth:`Holder.alive`). A process is known by more
 than its pid, which names another process after a reboot, in another pid
 namespace (a restarted container is pid 1 again) or once reused: the record
 holds the host's boot id, the pid namespace and the process's start time, and a
@@ -247,6 +249,9 @@ class Lease:
 
 WRITER = ".writer"        # <directory>/.writer: the one writer's lease
 WRITER_SECONDS = 60.0     # a writer lease not refreshed for this long is a dead writer's
+# Hosts whose clocks differ by more than this are out of any time service's reach: a record
+# of another host older than WRITER_SECONDS + this by this host's clock is a dead writer's.
+CLOCK_SKEW_SECONDS = 600.0
 _THREAD = "orbax_flax-writer-lease-"  # + the owner token: the refresh thread of a live lease
 
 
@@ -308,9 +313,10 @@ class Holder:
   start: int | None = None  # the process's start time, clock ticks after boot
 
   def describe(self, now: float) -> str:
+    clock = "" if self.here() else " by its host's clock"
     return (f"{'a training job' if self.purpose == 'writer' else 'a manager starting up'} on"
             f" host {self.host!r}, process id {self.pid}, lease refreshed {now - self.time:.0f} s"
-            " ago")
+            f" ago{clock}")
 
   def here(self) -> bool:
     """Whether the holder is on this host."""
@@ -320,12 +326,24 @@ class Holder:
     """Whether the holder is a live lease of this very process (another manager here)."""
     return self.here() and self.pid == os.getpid() and self._runs()
 
-  def alive(self, now: float) -> bool:
-    """Whether the holder may still be writing: refreshed lately, and on this host its
-    process runs."""
-    if now - self.time > WRITER_SECONDS:
-      return False
-    return not self.here() or self._runs()
+  def alive(self, now: float, unchanged_s: float = 0.0) -> bool:
+    """Whether the holder may still be writing (``now``: this host's clock).
+
+    On this host (one clock): refreshed within ``WRITER_SECONDS``, and its process runs.
+    Another host's clock may differ from this one's by minutes, so its record's time tells
+    little: it is alive until this process has seen its record unchanged for
+    ``WRITER_SECONDS`` (``unchanged_s``: how long so far), or unless its time is more than
+    ``WRITER_SECONDS + CLOCK_SKEW_SECONDS`` behind this host's clock. A live holder on a
+    host whose clock is behind is never taken for dead, and a dead one on a host whose
+    clock was ahead is taken over after ``WRITER_SECONDS`` of watching.
+    """
+    if self.here():
+      return now - self.time <= WRITER_SECONDS and self._runs()
+    return unchanged_s < WRITER_SECONDS and now - self.time <= WRITER_SECONDS + CLOCK_SKEW_SECONDS
+
+  def record_id(self) -> tuple[str, float]:
+    """What changes at each refresh of the record."""
+    return self.owner, self.time
 
   def _runs(self) -> bool:
     """On this host: whether the holder's process runs, every identity it recorded matching
@@ -374,16 +392,18 @@ class _Claim:
                        "time": self.clock(), "purpose": self.purpose, "boot": _boot_id(),
                        "pidns": _pid_namespace(), "start": _start_time(pid)}).encode()
 
-  def swap(self, take: bool, refresh: bool = False, loc: Location | None = None
-           ) -> Holder | None:
+  def swap(self, take: bool, refresh: bool = False, loc: Location | None = None,
+           unchanged: Callable[[Holder], float] = lambda holder: 0.0) -> Holder | None:
     """One atomic look-and-write: writes our record if the lease is free, stale or ours
     (``take``), or removes it if ours (not ``take``). Returns the live other holder, if any;
     with ``refresh`` (a held lease's refresh), any other holder: it took the lease over.
-    ``loc``: where to look, if not the lease's own location (it without retries)."""
+    ``loc``: where to look, if not the lease's own location (it without retries).
+    ``unchanged(holder)``: for how long the caller has seen that very record (see
+    :meth:`Holder.alive`)."""
     loc = loc or self.loc
     now = self.clock()
     taken = lambda c: (c is not None and c.owner != self.owner  # noqa: E731
-                       and (refresh or c.alive(now)))
+                       and (refresh or c.alive(now, unchanged(c))))
     if loc.is_local:
       root = loc.local_path
       try:
@@ -516,13 +536,14 @@ class WriterLease:
   def held(self) -> bool:
     return self._held.is_set()
 
-  def acquire(self, wait_s: float = WRITER_SECONDS + 5) -> None:
-    """Takes the lease, waiting up to ``wait_s`` s for a holder that may be gone.
+  def acquire(self, wait_s: float | None = None) -> None:
+    """Takes the lease, waiting up to ``wait_s`` s (default ``WRITER_SECONDS + 5``) for a
+    holder that may be gone.
 
     A holder on this host whose process runs and that is a saving manager is
     alive for sure: refused at once. A start-up sweep (seconds) and a holder on
-    another host (alive or not: a crashed job's lease expires after
-    ``WRITER_SECONDS``) are waited for.
+    another host (alive or not: a crashed job's lease is taken over once this process has
+    seen it unchanged for ``WRITER_SECONDS``, :meth:`Holder.alive`) are waited for.
 
     Raises:
       WriterConflictError: another live writer holds the directory.
@@ -544,13 +565,16 @@ class WriterLease:
     self._held.set()
     self._finalizer = weakref.finalize(self, _release, self._claim, self._done, self._held)
 
-  def _wait_for(self, wait_s: float) -> None:
-    deadline = time.monotonic() + wait_s
+  def _wait_for(self, wait_s: float | None) -> None:
+    deadline = time.monotonic() + (WRITER_SECONDS + 5 if wait_s is None else wait_s)
     warned = False
+    seen: dict[tuple[str, float], float] = {}  # a record -> when this process first saw it
+    unchanged = lambda c: time.monotonic() - seen.get(c.record_id(), time.monotonic())  # noqa: E731
     while True:
-      other = self._claim.swap(take=True)
+      other = self._claim.swap(take=True, unchanged=unchanged)
       if other is None:
         return
+      seen.setdefault(other.record_id(), time.monotonic())
       now = self._claim.clock()
       if other.this_process():
         raise errors.WriterConflictError(
@@ -569,10 +593,13 @@ class WriterLease:
             " one writer. Stop that job (or close its CheckpointManager) before saving here, or"
             " give this job another directory; to only read the steps, restore and list"
             " without saving (or use orbax_flax.checkpoints_iterator). A writer that died"
-            f" leaves a lease that expires {WRITER_SECONDS:.0f} s after its last refresh.")
+            " leaves a lease behind: on this host it is taken over once its process is gone;"
+            " from another host once a save here has seen it unchanged for"
+            f" {WRITER_SECONDS:.0f} s (it waits that long).")
       if not warned and other.purpose == "writer":
         log.warning("%s: waiting up to %.0f s for the writer lease of %s (a job that died"
-                    " leaves one behind until it expires)", self._loc, wait_s, other.describe(now))
+                    " leaves one behind until it expires)", self._loc,
+                    deadline - time.monotonic(), other.describe(now))
         warned = True
       time.sleep(min(1.0, max(0.05, deadline - time.monotonic())))
 
