@@ -573,3 +573,27 @@ def test_a_stale_lease_that_cannot_be_removed_does_not_stop_the_keep_rules(tmp_p
     assert m.all_steps() == [3]
     assert [n for n in os.listdir(d) if n[0] != "."] == ["3"]
   assert "stale reader lease" in caplog.text and "1-0123456789ab" in caplog.text
+
+
+def test_a_fresh_lease_of_a_reader_whose_clock_is_behind_keeps_its_step(tmp_path):
+  """A reader lease was judged by its time against the writer's clock: an evaluator on a host
+  (or writing through a file system) whose clock is an hour behind the trainer's had its
+  lease, written a second ago, taken for a dead reader's, and the step it read was deleted
+  under it. The writer judges a lease by what it sees: stale once unchanged for an hour of
+  its own watching, or older than the lease time plus the clock skew allowed."""
+  d = str(tmp_path / "ckpts")
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(max_to_keep=1, async_save=False)) as m:
+    m.save(1, {"s": {"w": np.ones(2)}}, force=True)
+    lease = os.path.join(d, ".readers", "1-0123456789ab")
+    os.makedirs(os.path.dirname(lease))
+    with open(lease, "w") as f:
+      f.write("lease")
+    skewed = time.time() - 3700  # its reader's clock: an hour and 100 s behind
+    os.utime(lease, (skewed, skewed))
+    m.save(2, {"s": {"w": np.full(2, 2)}}, force=True)
+    m.wait()
+    assert os.path.isdir(os.path.join(d, "1")) and os.path.exists(lease)
+    os.remove(lease)  # the evaluator is done with step 1
+    m.save(3, {"s": {"w": np.full(2, 3)}}, force=True)
+    m.wait()
+    assert m.all_steps() == [3] and [n for n in os.listdir(d) if n[0] != "."] == ["3"]

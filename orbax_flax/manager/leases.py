@@ -124,19 +124,26 @@ def _write(loc: Location, key: str) -> None:
       raise _location.storage_error(d, f"writing {key!r}", e) from e
 
 
-def _fresh(loc: Location, key: str, now: float) -> bool:
-  """Whether ``<loc>/.readers/<key>`` exists and was written less than LEASE_SECONDS ago."""
+def _written(loc: Location, key: str) -> float | None:
+  """When ``<loc>/.readers/<key>`` was last written, by the writer's clock (a file's
+  modification time: its file system's); None if it is absent or unreadable."""
   d = _lease_dir(loc)
   if loc.is_local:
     try:
-      return now - os.path.getmtime(os.path.join(d.local_path, key)) < LEASE_SECONDS
+      return os.path.getmtime(os.path.join(d.local_path, key))
     except (FileNotFoundError, NotADirectoryError):
-      return False
+      return None
   data = _location.read_key(d, key)
   try:
-    return data is not None and now - float(data.decode()) < LEASE_SECONDS
+    return None if data is None else float(data.decode())
   except (ValueError, UnicodeDecodeError):
-    return False
+    return None
+
+
+def _fresh(loc: Location, key: str, now: float) -> bool:
+  """Whether ``<loc>/.readers/<key>`` exists and was written less than LEASE_SECONDS ago."""
+  written = _written(loc, key)
+  return written is not None and now - written < LEASE_SECONDS
 
 
 def _reader_keys(loc: Location) -> list[str]:
@@ -149,21 +156,34 @@ def _reader_keys(loc: Location) -> list[str]:
     return []
 
 
-def leased_steps(loc: Location, now: float | None = None) -> set[int]:
+def leased_steps(loc: Location, seen: dict[str, tuple[float, float]]) -> set[int]:
   """Steps under ``loc`` that a live reader lease protects from deletion.
 
-  Called by the directory's writer as it deletes: a lease not refreshed for
-  ``LEASE_SECONDS`` (a reader killed holding it) is removed here, so that one per killed
-  evaluator does not stay for the life of the directory, listed (read, on an object store)
-  at every deletion. A reader that was only stalled writes it again at its next refresh.
+  Called by the directory's writer as it deletes. A lease's time is its reader's clock (or
+  its file system's), which may differ from this host's by minutes, so it is judged by what
+  this writer saw, as the writer lease is (:meth:`Holder.alive`): ``seen`` (the writer's
+  own, kept between calls) holds each lease's last written time and when this process first
+  saw it so. A lease is stale once this process has seen it unchanged for ``LEASE_SECONDS``,
+  or when it is older than ``LEASE_SECONDS + CLOCK_SKEW_SECONDS`` by this host's clock (a
+  reader killed long ago). A stale lease is removed here, so that one per killed evaluator
+  does not stay for the life of the directory, listed (read, on an object store) at every
+  deletion. A reader that was only stalled writes it again at its next refresh.
   The removal is best effort: a lease that cannot be removed is stale all the same (it
   protects nothing), so its failure is logged and the deletion goes on."""
-  now = time.time() if now is None else now
+  now, watching = time.time(), time.monotonic()
   out: set[int] = set()
+  listed = set()
   for name in _reader_keys(loc):
     head, _, rest = name.partition("-")
     if head.isdigit() and rest:
-      if _fresh(loc, name, now):
+      written = _written(loc, name)
+      if written is None:
+        continue  # released meanwhile
+      listed.add(name)
+      if seen.get(name, (None,))[0] != written:
+        seen[name] = (written, watching)
+      if (watching - seen[name][1] < LEASE_SECONDS
+          and now - written < LEASE_SECONDS + CLOCK_SKEW_SECONDS):
         out.add(int(head))
         continue
       try:
@@ -171,6 +191,8 @@ def leased_steps(loc: Location, now: float | None = None) -> set[int]:
       except errors.StorageError as e:
         log.warning("could not remove the stale reader lease %s (it protects nothing and is"
                     " tried again at the next deletion): %s", name, e)
+  for name in set(seen) - listed:  # released, or removed above
+    del seen[name]
   return out
 
 

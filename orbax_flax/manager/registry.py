@@ -159,6 +159,11 @@ class StepRegistry:
     # Doomed, not deleted yet: an evaluator's lease holds them, or deleting them failed (a
     # full disk) or was put off; tried again at the next deletion.
     self._later: set[int] = set()
+    # Each reader lease's last written time and when this process first saw it so
+    # (leases.leased_steps), under its lock: deletions run one at a time on the deletion
+    # thread, but one at the interpreter's exit runs on the caller's.
+    self._leases_lock = threading.Lock()
+    self._leases_seen: dict[str, tuple[float, float]] = {}
     self._infos: dict[int, policy_lib.StepInfo] = {}
     self._leftovers: list[step_dir.Leftover] = []
     # The directory's rollback records (step_dir.ROLLBACKS), as last read or written here;
@@ -536,7 +541,8 @@ class StepRegistry:
     announced = time.monotonic()
     try:
       leases.announce_deletion(self._dir, steps)
-      leased = leases.leased_steps(self._dir)
+      with self._leases_lock:
+        leased = leases.leased_steps(self._dir, self._leases_seen)
       if time.monotonic() - announced > leases.LEASE_SECONDS / 4:
         # So slow that a reader could take the notices for stale ones: try again later.
         log.warning("reading the reader leases of %s took %.0f s; deleting steps %s at a later"
