@@ -872,3 +872,19 @@ def test_a_run_off_the_main_thread_is_told_what_to_do_and_closes_from_there(tmp_
     assert got == [signal.SIGTERM] and not ckpt.preempted
   finally:
     signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "int4"])
+def test_a_mixed_precision_loss_is_a_metric(tmp_path, dtype):
+  """A bf16 model's loss comes out in bf16; the callback refused it ("is an array of
+  bfloat16, not a number": numpy calls ml_dtypes' numbers kind 'V'), so a mixed-precision
+  loop died at its first on_step_end. It is recorded and ranks steps like a float16 one."""
+  state = {"w": jnp.ones(2, jnp.bfloat16)}
+  with ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 1, "best_metric": "loss",
+                                               "keep_best": 1}) as ckpt:
+    state = ckpt.restore_or_init(state)
+    for step, loss in ((1, 3.0), (2, 1.0), (3, 2.0)):
+      ckpt.on_step_end(step, state, {"loss": jnp.asarray(loss, dtype)})
+    ckpt.manager.wait()
+    assert ckpt.manager.best_step() == 2
+    assert ckpt.manager.all_steps() == [2, 3]

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple, Protocol
 
+import ml_dtypes
 import numpy as np
 
 # Why a save happened, as recorded in each step's metadata.
@@ -472,7 +473,17 @@ def _is_number_dtype(dtype: object) -> bool:
   kind = getattr(dtype, "kind", None)
   if kind is None:  # e.g. a jax extended dtype (PRNG keys)
     return False
-  return kind in "biuf"
+  if kind in "biuf":
+    return True
+  # numpy calls ml_dtypes' numbers (bfloat16, float8_*, int4, ...: a mixed-precision loss)
+  # kind "V", as it does any opaque type; they know their own limits.
+  for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
+    try:
+      info(dtype)
+      return True
+    except (TypeError, ValueError):
+      pass
+  return False
 
 
 def _is_number(value: object) -> bool:
