@@ -151,6 +151,33 @@ def test_casts_numpy_calls_safe_but_that_round_are_refused(ckpt_dir):
   assert np.asarray(got["q"]).astype(np.float32).tolist() == [16, 20, 128]
 
 
+def test_sub_byte_types_widen_exactly_without_allow_lossy_casts(ckpt_dir):
+  """int4 weights dequantised into int8, float32 or bfloat16 (and uint4, int2, float4_e2m1fn
+  likewise) were refused as losing information: numpy calls ml_dtypes' types kind "V", so
+  their check went over all 256 byte patterns, most of them no value of the type; and
+  ml_dtypes' table lacks float4_e2m1fn -> float16. Each widens exactly, reported so; a real
+  narrowing (int4 -> uint8, float4_e2m1fn -> int8) is still refused."""
+  state = {"i4": np.arange(-8, 8).astype(ml_dtypes.int4),
+           "u4": np.arange(16).astype(ml_dtypes.uint4),
+           "i2": np.arange(-2, 2).astype(ml_dtypes.int2),
+           "f4": np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn)}
+  ofx.save(ckpt_dir, {"s": state})
+  sharding = NamedSharding(_mesh(), P())
+  target = {"s": {"i4": np.zeros(16, np.int8),
+                  "u4": jax.ShapeDtypeStruct((16,), jnp.bfloat16, sharding=sharding),
+                  "i2": np.zeros(4, np.float32), "f4": np.zeros(16, np.float16)}}
+  casts = []
+  got = ofx.restore(ckpt_dir, target, casts=casts)["s"]
+  assert all(c[3] for c in casts) and len(casts) == 4, casts
+  for name in state:
+    assert np.array_equal(np.asarray(got[name]).astype(np.float32),
+                          state[name].astype(np.float32)), name
+  with pytest.raises(ofx.TreeMismatchError) as e:
+    ofx.restore(ckpt_dir, {"s": {**target["s"], "i4": np.zeros(16, np.uint8),
+                                 "f4": np.zeros(16, np.int8)}})
+  assert sorted(d.split(":")[0] for d in e.value.differences) == ["s/f4", "s/i4"]
+
+
 def test_a_python_scalar_restores_into_any_dtype_that_holds_its_value(ckpt_dir):
   """TrainState.create's step is the Python int 0 until a jitted step runs; a target from
   jax.eval_shape asks for int32. It was judged as int64 and refused as losing information."""
@@ -415,6 +442,20 @@ def test_a_host_offloaded_target_restores_into_its_memory_kind(ckpt_dir):
   _assert_same(got["mu"], np.asarray(state["mu"]))
   moved = jax.jit(lambda w, mu: w + jax.device_put(mu, state["w"].sharding))(got["w"], got["mu"])
   assert np.asarray(moved).tolist() == (np.arange(16.0) + 1).tolist()
+
+
+def test_a_host_offloaded_prng_key_restores_into_its_memory_kind(ckpt_dir):
+  """A typed PRNG key kept in pinned host memory beside offloaded arrays came back in device
+  memory: its key data's sharding was rebuilt from the mesh and spec alone."""
+  mesh = _mesh()
+  keys = jax.random.split(jax.random.key(0), 8)
+  state = {"keys": jax.device_put(keys, NamedSharding(mesh, P("model"), memory_kind="pinned_host")),
+           "key": jax.device_put(jax.random.key(1), NamedSharding(mesh, P(), memory_kind="pinned_host"))}
+  ofx.save(ckpt_dir, {"state": state})
+  got = ofx.restore(ckpt_dir, {"state": ofx.abstract(state)})["state"]
+  for name in state:
+    assert got[name].sharding == state[name].sharding, name  # pinned_host, as the target
+    assert np.array_equal(jax.random.key_data(got[name]), jax.random.key_data(state[name]))
 
 
 @pytest.mark.parametrize("budget", [0, 1024, 1 << 20])
