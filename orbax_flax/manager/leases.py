@@ -90,6 +90,10 @@ log = logging.getLogger("orbax_flax")
 READERS = ".readers"
 DELETING = "deleting-"  # a deletion notice: .readers/deleting-<step>
 LEASE_SECONDS = 3600.0  # leases and notices older than this are ignored
+# Hosts whose clocks differ by more than this are out of any time service's reach: a lease
+# (a reader's, or another host's writer lease) older than its limit plus this, by this
+# host's clock, is a dead process's without watching it (Holder.alive, leased_steps).
+CLOCK_SKEW_SECONDS = 600.0
 
 
 def _lease_dir(loc: Location) -> Location:
@@ -271,9 +275,6 @@ class Lease:
 
 WRITER = ".writer"        # <directory>/.writer: the one writer's lease
 WRITER_SECONDS = 60.0     # a writer lease not refreshed for this long is a dead writer's
-# Hosts whose clocks differ by more than this are out of any time service's reach: a record
-# of another host older than WRITER_SECONDS + this by this host's clock is a dead writer's.
-CLOCK_SKEW_SECONDS = 600.0
 _THREAD = "orbax_flax-writer-lease-"  # + the owner token: the refresh thread of a live lease
 
 
