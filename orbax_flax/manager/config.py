@@ -73,7 +73,8 @@ class CheckpointPolicy:
   Attributes:
     save_interval_steps: save every N steps (0: off).
     save_interval_seconds: save once this much wall time has passed since the
-      last save (0: off); decided on process 0 and shared.
+      last save (0: off; a wall clock stepped back restarts the interval);
+      decided on process 0 and shared.
     save_interval: "auto" saves every ``sqrt(2 x save cost x mtbf_seconds)``
       seconds (Young/Daly), the cost being the median blocking time of the
       last 5 saves less the wait for the train step's own computation (1 s
