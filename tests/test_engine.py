@@ -518,3 +518,23 @@ def test_a_save_through_a_symbolic_link_writes_where_it_points_and_keeps_the_lin
     os.symlink(dest, link2)
     save(link2, 2.0)
     assert os.path.islink(link2) and ofx.restore(dest)["s"]["w"][0] == 2.0
+
+
+@pytest.mark.skipif(os.environ.get("ORBAX_FLAX_FAULTS") != "long",
+                    reason="long run: ORBAX_FLAX_FAULTS=long (a 2.1 GB chunk: ~1 min, ~5 GB)")
+def test_a_chunk_over_2_gib_restores(tmp_path):
+  """A 1-D array of prime length has no chunk shape but itself: stored as one chunk over
+  2 GiB, it was read with one pread, which Linux ends at 0x7ffff000 bytes, and the restore
+  called the good checkpoint corrupted ("shorter than its index says"). Reads loop."""
+  n = 2_147_483_659  # a prime over 2**31
+  a = np.empty(n, np.uint8)
+  a[:] = 7
+  a[::4096] = np.arange(len(a[::4096])) % 251
+  path = str(tmp_path / "big")
+  ofx.save(path, {"s": {"a": a}})
+  probe = a[::4096].copy()
+  del a
+  got = ofx.restore(path)["s"]["a"]
+  assert got.shape == (n,) and np.array_equal(got[::4096], probe) and got[-1] == 7
+  del got
+  assert ofx.verify(path) == n

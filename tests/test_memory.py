@@ -191,3 +191,32 @@ print(after - before)
                        timeout=300, check=True).stdout
   grown = int(out.split()[-1])
   assert grown < 300, f"{grown} objects kept over 300 restores"
+
+
+_FEW_FILES = r"""
+import os, resource, sys
+import numpy as np, orbax_flax as ofx
+path, items = sys.argv[1], int(sys.argv[2])
+ofx.save(path, {f"i{k}": {"w": np.full(1 << 16, k, np.int32)} for k in range(items)})
+assert len(os.listdir(path)) > items  # an item's database, each with its own data file
+ofx.restore(path)  # imports, tensorstore's own files and threads: what any job holds
+held = len(os.listdir("/proc/self/fd"))
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (held + 48, hard))  # far fewer than the data files
+got = ofx.restore(path)
+assert all(int(got[f"i{k}"]["w"][-1]) == k for k in range(items))
+print("OK", held)
+"""
+
+
+def test_a_restore_opens_a_few_data_files_at_a_time(tmp_path):
+  """A restore kept every data file it read open until it finished: a checkpoint of more data
+  files than the open-file limit (1,100 items under the usual 1024; 64 GB of 64 MiB files)
+  failed with "Too many open files", named as a disk to check. A file is open while a
+  reading thread reads it."""
+  items = 120
+  path = str(tmp_path / "ckpt")
+  out = subprocess.run([sys.executable, "-c", _FEW_FILES, path, str(items)], capture_output=True,
+                       text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0 and out.stdout.startswith("OK"), out.stderr[-2000:]

@@ -350,6 +350,11 @@ def storage_error(loc: Location, what: str, e: BaseException) -> errors.StorageE
     return errors.StorageError(
         f"{what} at {loc} failed: the store is full (no space left on device): {e}. Fix: free"
         " space there (e.g. keep fewer checkpoints: max_to_keep), or save elsewhere.")
+  if code in (errno.EMFILE, errno.ENFILE) or "Too many open files" in text:
+    return errors.StorageError(
+        f"{what} at {loc} failed: this process may open no more files ({e}). Fix: raise the"
+        " open-file limit (`ulimit -n`, RLIMIT_NOFILE; often 1024 by default), or close files"
+        " the job keeps open.")
   if "QuotaExceeded" in text or "quota" in text.lower():
     return errors.StorageError(f"{what} at {loc} failed: the store's quota is exhausted: {e}."
                                " Fix: free space in the bucket or raise its quota.")
@@ -368,6 +373,34 @@ def storage_error(loc: Location, what: str, e: BaseException) -> errors.StorageE
   hint = ("check the endpoint, bucket name, credentials (AWS_ACCESS_KEY_ID/"
           "AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS) and network")
   return errors.StorageError(f"{what} at {loc} failed: {e}. Fix: {hint}.")
+
+
+def pread_into(fd: int, buffers: list[Any], offset: int) -> int:
+  """Fills ``buffers`` (contiguous, writable) in order from ``fd`` at ``offset``, in as many
+  reads as it takes: Linux returns at most 0x7ffff000 bytes (2 GiB less a page) from one
+  call. Returns the bytes read, fewer only where the file ends.
+
+  Example:
+    >>> import tempfile
+    >>> with tempfile.TemporaryFile() as f:
+    ...   _ = f.write(b"abcdef"); f.flush()
+    ...   a, b = bytearray(2), bytearray(3)
+    ...   pread_into(f.fileno(), [a, b], 1), bytes(a), bytes(b)
+    (5, b'bc', b'def')
+  """
+  views = [memoryview(b).cast("B") for b in buffers]
+  views = [v for v in views if len(v)]
+  total = 0
+  while views:
+    got = os.preadv(fd, views, offset + total)
+    if got <= 0:
+      break  # the end of the file
+    total += got
+    while views and got >= len(views[0]):
+      got -= len(views.pop(0))
+    if views and got:
+      views[0] = views[0][got:]
+  return total
 
 
 def open_kvstore(loc: Location, sub: str = "", context: ts.Context | None = None) -> ts.KvStore:

@@ -27,12 +27,13 @@ chunk.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import math
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -401,7 +402,7 @@ class Reader:
     dst = into if into is not None else temp[:n]
     try:  # on any error the temporary buffer goes back to the pool (others may wait for it)
       try:
-        got = os.preadv(fds.get(located.file), [memoryview(dst), crc], located.offset)
+        got = _location.pread_into(fds.get(located.file), [dst, crc], located.offset)
       except FileNotFoundError as e:
         raise self._corrupted(item, what, owner, f"data file {located.file} is missing") from e
       except OSError as e:
@@ -484,7 +485,7 @@ class Reader:
       buf = self.temps.get(n)
       try:
         data = buf[:n]
-        got = os.preadv(fd, [memoryview(data)], located.offset + pos)
+        got = _location.pread_into(fd, [data], located.offset + pos)
         if got != n:
           raise self._corrupted(item, what, owner, f"data file {located.file} is shorter than"
                                 f" its index says (truncated at {located.offset + pos + got})")
@@ -838,23 +839,44 @@ def run_in_order(calls: list[tuple[Any, tuple]], file: str, start: int, length: 
   reads stream at the disk's speed rather than chunk by chunk). Once ``stop``
   is set (another read failed), the remaining reads are skipped.
   """
-  if file and length > 0 and hasattr(os, "posix_fadvise"):
-    try:
-      os.posix_fadvise(fds.get(file), start, length, os.POSIX_FADV_WILLNEED)
-    except OSError:
-      pass  # a missing file is reported by the read itself
-  for fn, args in calls:
-    if stop is not None and stop.is_set():
-      return  # another read failed: the restore is over
-    fn(*args)
+  with fds.reading(file):
+    if file and length > 0 and hasattr(os, "posix_fadvise"):
+      try:
+        os.posix_fadvise(fds.get(file), start, length, os.POSIX_FADV_WILLNEED)
+      except OSError:
+        pass  # a missing file is reported by the read itself
+    for fn, args in calls:
+      if stop is not None and stop.is_set():
+        return  # another read failed: the restore is over
+      fn(*args)
 
 
 class Files:
-  """Open read-only file descriptors, shared by the reading threads."""
+  """Read-only file descriptors shared by the reading threads, each open while a task reads
+  its file (:meth:`reading`): a restore holds at most one a reading thread, not one a data
+  file (a checkpoint of thousands of files under the usual limit of 1024 open files)."""
 
   def __init__(self):
     self._fds: dict[str, int] = {}
+    self._readers: collections.Counter[str] = collections.Counter()
     self._lock = threading.Lock()
+
+  @contextlib.contextmanager
+  def reading(self, path: str) -> Iterator[None]:
+    """A task reads ``path`` inside: its descriptor (opened at the first :meth:`get`) is
+    closed once no task reads it."""
+    with self._lock:
+      self._readers[path] += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._readers[path] -= 1
+        fd = self._fds.pop(path, None) if not self._readers[path] else None
+        if not self._readers[path]:
+          del self._readers[path]
+      if fd is not None:
+        os.close(fd)
 
   def get(self, path: str) -> int:
     with self._lock:

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from orbax_flax.core import _location
+
 Box = tuple[tuple[int, int], ...]
 
 
@@ -57,12 +59,8 @@ _SLAB = 16 << 20         # otherwise whole rows are read in slabs of about this 
 
 def pread_exact(fd: int, view: memoryview, offset: int) -> None:
   """Fills ``view`` from ``fd`` at ``offset`` (as many preads as it takes); EOFError past the end."""
-  got = 0
-  while got < len(view):
-    k = os.preadv(fd, [view[got:]], offset + got)
-    if k <= 0:
-      raise EOFError(f"file ends before byte {offset + len(view)}")
-    got += k
+  if _location.pread_into(fd, [view], offset) < len(view):
+    raise EOFError(f"file ends before byte {offset + len(view)}")
 
 
 def pread_box(fd: int, base: int, shape: tuple[int, ...], box: Box, out: np.ndarray) -> int:
