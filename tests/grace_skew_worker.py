@@ -1,5 +1,7 @@
 """One process of a 2-process training job preempted (SIGTERM, JAX's preemption sync) while
-process 0's wall clock is 60 s ahead of process 1's, which gets the signal.
+process 0's wall clock is 60 s ahead of process 1's, which gets the signal; or, with
+``--setup_signal``, one clock and the signal during the job's set-up (before the callback
+is built: 3 s of set-up follow it).
 
 JAX's notice carries the signalled host's wall-clock time; process 0 must not count the
 difference between the hosts' clocks as grace period spent. Process 1 sends itself SIGTERM
@@ -25,15 +27,20 @@ SKEW_S = 60.0
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--dir")
+  p.add_argument("--setup_signal", action="store_true")
   a = jobs.join(p)
-  if a.process_id == 0:  # this host's wall clock is ahead; its monotonic clock is untouched
+  if a.setup_signal:
+    if a.process_id == 1:
+      os.kill(os.getpid(), signal.SIGTERM)  # caught by JAX's notifier, before any callback
+    time.sleep(3.0)  # building the model, the data pipeline...
+  elif a.process_id == 0:  # this host's wall clock is ahead; its monotonic clock is untouched
     real = time.time
     time.time = lambda: real() + SKEW_S
   logging.basicConfig(level=logging.INFO, format="%(message)s")
 
   def step_fn(s, batch):
     del batch
-    if s["step"] == 2 and a.process_id == 1:
+    if s["step"] == 2 and a.process_id == 1 and not a.setup_signal:
       os.kill(os.getpid(), signal.SIGTERM)  # caught by JAX's notifier (no Python handler)
     time.sleep(0.2)
     return {"w": s["w"], "step": s["step"] + 1}, {}

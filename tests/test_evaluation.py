@@ -597,3 +597,22 @@ def test_a_fresh_lease_of_a_reader_whose_clock_is_behind_keeps_its_step(tmp_path
     m.save(3, {"s": {"w": np.full(2, 3)}}, force=True)
     m.wait()
     assert m.all_steps() == [3] and [n for n in os.listdir(d) if n[0] != "."] == ["3"]
+
+
+def test_an_evaluator_whose_clock_is_ahead_skips_a_step_being_deleted(tmp_path):
+  """A deletion notice's time is the writer's clock: an evaluator whose clock was an hour
+  ahead took a notice written a second ago for a dead writer's and read the step being
+  deleted. A reader takes a notice for live unless it is older than the lease time plus the
+  clock skew allowed."""
+  d = str(tmp_path)
+  with ofx.CheckpointManager(d) as m:
+    m.save(1, {"s": {"w": np.full(2, 1)}}, force=True)
+  os.makedirs(os.path.join(d, ".readers"), exist_ok=True)
+  notice = os.path.join(d, ".readers", "deleting-1")
+  with open(notice, "w") as f:  # a writer deleting step 1 now, by a clock 3700 s behind
+    f.write("notice")
+  skewed = time.time() - 3700
+  os.utime(notice, (skewed, skewed))
+  assert list(ofx.checkpoints_iterator(d, timeout=0)) == []
+  os.remove(notice)  # the deletion was withdrawn (the step was kept)
+  assert list(ofx.checkpoints_iterator(d, timeout=0)) == [1]

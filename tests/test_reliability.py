@@ -307,6 +307,19 @@ def test_a_wall_clock_ahead_does_not_spend_the_grace_period_under_jax_preemption
   assert re.search(r"clock.*ahead", res.outputs[0]), res.outputs[0]
 
 
+def test_a_sigterm_during_the_jobs_set_up_counts_its_grace_period_from_the_signal(tmp_path):
+  """The grace period's start is kept no earlier than this process's own step two calls
+  before the agreed one: a SIGTERM that came before the callback existed (the job's set-up,
+  3 s here) had its time moved to the callback's creation, the grace period counted 3 s too
+  late, and a WARNING blamed the clocks of hosts that share one. Agreed at the first call,
+  the notice's time stands."""
+  res = jobs.run("grace_skew_worker.py", [f"--dir={tmp_path}", "--setup_signal"], 2, 1).check()
+  for out in res.outputs:
+    after, = re.findall(r"preempted: saving step \d+, ([\d.]+) s after the signal", out) or [out]
+    assert float(after) >= 2.5, out
+    assert "RESULT preempted=True" in out and "wall clock is at least" not in out, out
+
+
 def test_a_sigterm_during_the_restore_of_a_multiprocess_job_saves_the_next_step(tmp_path):
   """Two processes resumed from step 3, SIGTERM on process 1 while the restore runs (before
   the run's first step). JAX's sync point is the call after the highest count any process

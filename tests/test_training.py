@@ -888,3 +888,11 @@ def test_a_mixed_precision_loss_is_a_metric(tmp_path, dtype):
     ckpt.manager.wait()
     assert ckpt.manager.best_step() == 2
     assert ckpt.manager.all_steps() == [2, 3]
+
+
+def test_a_complex_metric_is_refused(tmp_path):
+  """Recording a complex number as a metric would keep its real part only."""
+  with ofx.CheckpointManager(str(tmp_path)) as m:
+    with pytest.raises(TypeError, match="complex64, not a number"):
+      m.save(1, {"s": {"w": np.ones(2)}}, force=True, metrics={"loss": np.complex64(1 + 2j)})
+    assert m.all_steps() == []

@@ -57,10 +57,10 @@ next check, that the step is committed, fails). Both sides seeing each other
 is safe too: the step stays, the reader skips it, and the manager deletes it at
 a later save.
 
-Notices, like leases, are ignored once older than ``LEASE_SECONDS``: a manager
-killed after announcing leaves one behind, and readers skip that step (which
-its retention had chosen to delete) until the next deletion of it removes the
-notice, or for an hour at most. So that an old notice is never mistaken for a
+A reader ignores a notice older than ``LEASE_SECONDS + CLOCK_SKEW_SECONDS`` by its
+clock (the notice's time is the writer's): a manager killed after announcing leaves one
+behind, and readers skip that step (which its retention had chosen to delete) until the
+next deletion of it removes the notice, or for about an hour at most. So that an old notice is never mistaken for a
 live one, a manager whose lease listing took longer than a quarter of that
 deletes nothing and tries again at a later save. No start-up sweep removes
 notices: a second manager on the same directory (an evaluator's) could remove
@@ -142,12 +142,6 @@ def _written(loc: Location, key: str) -> float | None:
     return None if data is None else float(data.decode())
   except (ValueError, UnicodeDecodeError):
     return None
-
-
-def _fresh(loc: Location, key: str, now: float) -> bool:
-  """Whether ``<loc>/.readers/<key>`` exists and was written less than LEASE_SECONDS ago."""
-  written = _written(loc, key)
-  return written is not None and now - written < LEASE_SECONDS
 
 
 def _reader_keys(loc: Location) -> list[str]:
@@ -235,9 +229,13 @@ def withdraw_stale_notices(loc: Location) -> list[int]:
   return steps
 
 
-def deletion_announced(loc: Location, step: int, now: float | None = None) -> bool:
-  """Whether a manager has announced that it deletes ``step`` (a live notice)."""
-  return _fresh(loc, _notice(step), time.time() if now is None else now)
+def deletion_announced(loc: Location, step: int) -> bool:
+  """Whether a manager has announced that it deletes ``step``: a notice written less than
+  ``LEASE_SECONDS + CLOCK_SKEW_SECONDS`` ago by this reader's clock (the notice's time is
+  the writer's clock: a reader whose clock is ahead by up to CLOCK_SKEW_SECONDS still sees
+  it live; one behind always does)."""
+  written = _written(loc, _notice(step))
+  return written is not None and time.time() - written < LEASE_SECONDS + CLOCK_SKEW_SECONDS
 
 
 class Lease:
@@ -357,8 +355,9 @@ class Holder:
     little: it is alive until this process has seen its record unchanged for
     ``WRITER_SECONDS`` (``unchanged_s``: how long so far), or unless its time is more than
     ``WRITER_SECONDS + CLOCK_SKEW_SECONDS`` behind this host's clock. A live holder on a
-    host whose clock is behind is never taken for dead, and a dead one on a host whose
-    clock was ahead is taken over after ``WRITER_SECONDS`` of watching.
+    host whose clock is behind by less than ``CLOCK_SKEW_SECONDS`` is never taken for dead
+    (hosts further apart are taken to be out of any time service's reach), and a dead one
+    on a host whose clock was ahead is taken over after ``WRITER_SECONDS`` of watching.
     """
     if self.here():
       return now - self.time <= WRITER_SECONDS and self._runs()

@@ -475,6 +475,8 @@ def _is_number_dtype(dtype: object) -> bool:
     return False
   if kind in "biuf":
     return True
+  if kind != "V":  # complex (its imaginary part would be dropped), strings, objects
+    return False
   # numpy calls ml_dtypes' numbers (bfloat16, float8_*, int4, ...: a mixed-precision loss)
   # kind "V", as it does any opaque type; they know their own limits.
   for info in (ml_dtypes.finfo, ml_dtypes.iinfo):

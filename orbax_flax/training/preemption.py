@@ -113,9 +113,9 @@ class PreemptionWatcher:
     self._previous: dict[signal.Signals, object] = {}
     self._received = 0
     self._calls = 0  # reached() calls so far: the count JAX's sync manager is given
-    # time.monotonic() of the last three calls, the newest last; the watcher's creation is
-    # call 0. The oldest bounds when JAX's notice can have come (_note_signal_time).
-    self._call_times = collections.deque([time.monotonic()], maxlen=3)
+    # time.monotonic() of the last three calls, the newest last: the oldest bounds when
+    # JAX's notice can have come (_note_signal_time).
+    self._call_times: collections.deque[float] = collections.deque(maxlen=3)
     self._closed = False  # closed off the main thread: the handlers pass the signals on
     ours = [s for s in self._signals if not (self._use_jax and s == signal.SIGTERM)]
     if ours and threading.current_thread() is not threading.main_thread():
@@ -189,11 +189,13 @@ class PreemptionWatcher:
     notice within milliseconds of its being recorded and gives JAX the count of
     the call it had passed; JAX picks one past the highest count. Processes run
     within a step of each other, so this process had passed the call two before
-    the agreed one (or was built, call 0): the notice came no earlier than that
-    call, and no later than now, the agreed call. (Processes further apart make
-    the start later, never earlier: a grace period is not spent by a clock.)
-    Outside that range by more than a second it is logged as the hosts' clocks
-    disagreeing.
+    the agreed one: the notice came no earlier than that call, and no later than
+    now, the agreed call. (Processes further apart make the start later, never
+    earlier: a grace period is not spent by a clock.) Agreed at the first or
+    second call, there is no call two before: the notice may have come before
+    this watcher was built (a signal during the job's set-up), and only the upper
+    bound holds. Outside that range by more than a second it is logged as the
+    hosts' clocks disagreeing.
 
     Without a readable notice, the sync point is the time (late: a grace period
     then counts from here, as it did before the notice was read).
@@ -212,8 +214,9 @@ class PreemptionWatcher:
 
   def _plausible(self, noticed: float, now: float) -> float:
     """``noticed`` (the notice's time on this monotonic clock, through the wall clocks) kept
-    between this process's call two before the agreed one and ``now`` (the agreed one)."""
-    earliest = self._call_times[0]
+    between this process's call two before the agreed one, if there was one, and ``now``
+    (the agreed one)."""
+    earliest = self._call_times[0] if len(self._call_times) == 3 else float("-inf")
     if noticed < earliest - _CLOCK_TOLERANCE_S:
       log.warning(
           "preemption: JAX's notice of the signal is %.2f s older than this process's call"
