@@ -343,3 +343,26 @@ def test_a_full_disk_at_the_commit_is_a_storage_error(tmp_path):
       ofx.save(os.path.join(disk, "ckpt"), {"s": {"lr": 0.1, "note": "x" * 100_000}})
     assert os.path.join(disk, "ckpt") in str(e.value)
     assert sorted(os.listdir(disk)) == ["filler"]  # the failed save left nothing
+
+
+def test_an_item_name_longer_than_a_directory_name_is_refused_before_writing(tmp_path):
+  """An item is a directory: a 256-character item name failed mid-save with an error that
+  blamed PATH_MAX and told to shorten a 30-byte path. Refused before anything is written,
+  naming the limit."""
+  path = str(tmp_path / "c")
+  with pytest.raises(ValueError, match="has 256 characters: an item is a directory"):
+    ofx.save(path, {"x" * 256: {"w": np.ones(2)}})
+  assert not os.path.exists(path) or not os.listdir(path)
+  ofx.save(path, {"x" * 255: {"w": np.ones(2)}})
+
+
+def test_a_tree_nested_too_deep_for_python_is_refused_with_a_clear_error(tmp_path):
+  """A tree nested 500 dicts deep (jax flattens it) raised SystemError from nanobind (a
+  RecursionError inside a jax call): refused with a ValueError naming the depth and the fix."""
+  tree = np.arange(4)
+  for _ in range(500):
+    tree = {"n": tree}
+  path = str(tmp_path / "c")
+  with pytest.raises(ValueError, match="nested more than 200 containers deep"):
+    ofx.save(path, {"s": tree})
+  assert not os.path.exists(path) or not os.listdir(path)

@@ -228,6 +228,9 @@ def _is_leaf(x: Any) -> bool:
   return treedef.num_nodes == 1 and treedef.num_leaves == 1
 
 
+MAX_DEPTH = 200  # containers within containers: far below Python's recursion limit (1000)
+
+
 def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any, str | None]]]:
   """Encodes the containers of ``tree`` as JSON and lists its leaves.
 
@@ -241,6 +244,12 @@ def encode_structure(tree: Any) -> tuple[dict, list[tuple[Path, Any, str | None]
   def walk(node: Any, path: Path) -> dict:
     if node is None:
       return {"t": "none"}
+    if len(path) > MAX_DEPTH:
+      raise ValueError(
+          f"the tree is nested more than {MAX_DEPTH} containers deep (at"
+          f" {path_str(path[:3])}/.../{path_str(path[-2:])}); a checkpoint's structure is"
+          " encoded and read back by recursion, which Python bounds. Fix: keep deep chains as a"
+          " list (layers = [layer0, layer1, ...], not {'next': {'next': ...}}).")
     if is_box(node):  # metadata, not structure: stored as its value
       return walk(node.value, path)
     if _is_leaf(node):

@@ -65,6 +65,7 @@ PACK_PIECE_BYTES = 32 << 20   # a packed buffer is staged and written in pieces 
 PACKED = _layout.PACKED
 _PACK_ALIGN = _manifest.PACK_ALIGN  # the manifest's validation checks this layout
 _ITEM_NAME = _manifest.ITEM_NAME
+_ITEM_NAME_MAX = 255  # NAME_MAX: an item is a directory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +265,10 @@ def check_items(items: Any) -> None:
       raise ValueError(f"invalid item name {name!r}: use letters, digits, '_', '.', '-',"
                        f" starting with a letter or digit (e.g. 'state'), other than"
                        f" {_manifest.MANIFEST_KEY!r}.")
+    if len(name) > _ITEM_NAME_MAX:  # (ASCII: one byte a character)
+      raise ValueError(f"item name {name[:40]}... has {len(name)} characters: an item is a"
+                       f" directory, whose name has at most {_ITEM_NAME_MAX} on most file"
+                       " systems. Fix: a shorter item name (put the detail in the tree).")
 
 
 def check_destination(loc: Location, overwrite: bool) -> None:
