@@ -1,7 +1,7 @@
 """One process of a 2-process training job preempted (SIGTERM, JAX's preemption sync) while
 process 0's wall clock is 60 s ahead of process 1's, which gets the signal; or, with
 ``--setup_signal``, one clock and the signal during the job's set-up (before the callback
-is built: 3 s of set-up follow it).
+is built: 2 s of set-up follow it).
 
 JAX's notice carries the signalled host's wall-clock time; process 0 must not count the
 difference between the hosts' clocks as grace period spent. Process 1 sends itself SIGTERM
@@ -32,7 +32,7 @@ def main():
   if a.setup_signal:
     if a.process_id == 1:
       os.kill(os.getpid(), signal.SIGTERM)  # caught by JAX's notifier, before any callback
-    time.sleep(3.0)  # building the model, the data pipeline...
+    time.sleep(2.0)  # building the model, the data pipeline...
   elif a.process_id == 0:  # this host's wall clock is ahead; its monotonic clock is untouched
     real = time.time
     time.time = lambda: real() + SKEW_S

@@ -1018,7 +1018,7 @@ def test_a_live_writer_on_a_host_whose_clock_is_behind_is_not_taken_for_dead(tmp
     time.sleep(0.3)
     job = threading.Thread(target=second_job)
     job.start()
-    job.join(3)
+    job.join(2)
     assert job.is_alive() and not result, result  # waits: the holder refreshes its record
   finally:
     stop.set()

@@ -310,13 +310,13 @@ def test_a_wall_clock_ahead_does_not_spend_the_grace_period_under_jax_preemption
 def test_a_sigterm_during_the_jobs_set_up_counts_its_grace_period_from_the_signal(tmp_path):
   """The grace period's start is kept no earlier than this process's own step two calls
   before the agreed one: a SIGTERM that came before the callback existed (the job's set-up,
-  3 s here) had its time moved to the callback's creation, the grace period counted 3 s too
+  2 s here) had its time moved to the callback's creation, the grace period counted 2 s too
   late, and a WARNING blamed the clocks of hosts that share one. Agreed at the first call,
   the notice's time stands."""
   res = jobs.run("grace_skew_worker.py", [f"--dir={tmp_path}", "--setup_signal"], 2, 1).check()
   for out in res.outputs:
     after, = re.findall(r"preempted: saving step \d+, ([\d.]+) s after the signal", out) or [out]
-    assert float(after) >= 2.5, out
+    assert float(after) >= 1.0, out  # 2 s of set-up after the signal (JAX notes it within ~1 s)
     assert "RESULT preempted=True" in out and "wall clock is at least" not in out, out
 
 

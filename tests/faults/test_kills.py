@@ -33,7 +33,7 @@ import fault_worker  # noqa: E402  pylint: disable=wrong-import-position
 
 LONG = os.environ.get("ORBAX_FLAX_FAULTS") == "long"
 COUNTS = {"manager": 90, "overwrite": 50, "sweep": 30, "mp": 30} if LONG else \
-         {"manager": 3, "overwrite": 2, "sweep": 2, "mp": 1}
+         {"manager": 2, "overwrite": 2, "sweep": 2, "mp": 1}
 TALLY = os.environ.get("ORBAX_FLAX_FAULTS_TALLY")  # a JSON file the long run appends to
 
 
