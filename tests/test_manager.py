@@ -993,6 +993,21 @@ def _other_hosts_lease(d, owner, skew, stop, refresh_s=0.5):
       return
 
 
+def _saving_job(d):
+  """A job's thread that saves step 1 in ``d``; its result dict says what came of it."""
+  result = {}
+
+  def job():
+    try:
+      with ofx.CheckpointManager(d) as m:
+        result["saved"] = m.save(1, {"state": state(1)}, force=True)
+        m.wait()
+    except BaseException as e:  # pylint: disable=broad-except
+      result["error"] = e
+
+  return threading.Thread(target=job, daemon=True), result
+
+
 def test_a_live_writer_on_a_host_whose_clock_is_behind_is_not_taken_for_dead(tmp_path):
   """A holder on another host was judged by its record's time against this host's clock: a
   live writer whose clock is two minutes behind looked unrefreshed for two minutes, and a
@@ -1003,20 +1018,10 @@ def test_a_live_writer_on_a_host_whose_clock_is_behind_is_not_taken_for_dead(tmp
   stop = threading.Event()
   holder = threading.Thread(target=_other_hosts_lease, args=(d, "host-b-job", -120.0, stop))
   holder.start()
-  result = {}
-
-  def second_job():
-    try:
-      with ofx.CheckpointManager(d) as m:
-        result["saved"] = m.save(1, {"state": state(1)}, force=True)
-        m.wait()
-    except BaseException as e:  # pylint: disable=broad-except
-      result["error"] = e
-
+  job, result = _saving_job(d)
   try:
     import time  # pylint: disable=g-import-not-at-top
     time.sleep(0.3)
-    job = threading.Thread(target=second_job)
     job.start()
     job.join(2)
     assert job.is_alive() and not result, result  # waits: the holder refreshes its record
@@ -1042,17 +1047,7 @@ def test_a_dead_writer_on_a_host_whose_clock_was_ahead_is_taken_over(tmp_path, m
   with open(os.path.join(d, ".writer"), "w") as f:
     json.dump({"owner": "dead-job", "host": "trainer-host-b", "pid": 4242,
                "time": time.time() + 600.0, "purpose": "writer"}, f)
-  result = {}
-
-  def restarted_job():
-    try:
-      with ofx.CheckpointManager(d) as m:
-        result["saved"] = m.save(1, {"state": state(1)}, force=True)
-        m.wait()
-    except BaseException as e:  # pylint: disable=broad-except
-      result["error"] = e
-
-  job = threading.Thread(target=restarted_job, daemon=True)
+  job, result = _saving_job(d)
   job.start()
   job.join(20)
   assert result == {"saved": True}, result
