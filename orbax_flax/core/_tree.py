@@ -133,6 +133,28 @@ def dtype_from_name(name: str) -> np.dtype:
                      " 'float32', 'bfloat16', 'float16', 'int8' or 'float8_e4m3fn'") from None
 
 
+def number_kind(dtype: np.dtype) -> str:
+  """numpy's kind of ``dtype``, with ml_dtypes' numbers (kind "V" to numpy, as any opaque
+  type) told apart: "i" for int2/int4, "u" for uint2/uint4, "f" for bfloat16, float8_*,
+  float4_*; "V" for anything else opaque.
+
+  Example:
+    >>> [number_kind(dtype_from_name(n)) for n in ("int4", "uint4", "bfloat16", "complex64")]
+    ['i', 'u', 'f', 'c']
+  """
+  if dtype.kind != "V":
+    return dtype.kind
+  try:
+    return "i" if ml_dtypes.iinfo(dtype).min < 0 else "u"
+  except (TypeError, ValueError):
+    pass
+  try:
+    ml_dtypes.finfo(dtype)
+    return "f"
+  except (TypeError, ValueError):
+    return "V"
+
+
 def is_supported_dtype(dtype: np.dtype) -> bool:
   """True for bool, integer, float and complex dtypes, ml_dtypes included."""
   dtype = np.dtype(dtype)

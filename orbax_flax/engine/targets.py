@@ -667,12 +667,12 @@ def lossless(saved: np.dtype, target: np.dtype) -> bool:
   """
   if saved == target:
     return True
-  small_float = _number_kind(saved) == "f" and saved.itemsize <= 2
+  small_float = _tree.number_kind(saved) == "f" and saved.itemsize <= 2
   try:
     # (ml_dtypes' table lacks some exact widenings, float4_e2m1fn -> float16; between
     # floats, a conversion goes by value, so the check of every value below decides)
     if not np.can_cast(saved, target, casting="safe") and not (
-        small_float and _number_kind(target) in "fc"):
+        small_float and _tree.number_kind(target) in "fc"):
       return False
   except TypeError:
     return False
@@ -680,7 +680,7 @@ def lossless(saved: np.dtype, target: np.dtype) -> bool:
     values = _every_value(saved)
     with np.errstate(all="ignore"):
       back = values.astype(target).astype(saved)
-    if _number_kind(saved) in "biu":
+    if _tree.number_kind(saved) in "biu":
       return bool(np.array_equal(back, values))
     same = back.view(f"u{saved.itemsize}") == values.view(f"u{saved.itemsize}")
     nan = np.isnan(values.astype(np.float32)) & np.isnan(back.astype(np.float32))
@@ -692,26 +692,10 @@ def lossless(saved: np.dtype, target: np.dtype) -> bool:
   return True
 
 
-def _number_kind(dtype: np.dtype) -> str:
-  """numpy's kind of ``dtype``, with ml_dtypes' types (kind "V" to numpy) told apart: "i"
-  for int2/int4 (signed) and "u" for uint2/uint4, "f" for bfloat16, float8_*, float4_*."""
-  if dtype.kind != "V":
-    return dtype.kind
-  try:
-    return "i" if ml_dtypes.iinfo(dtype).min < 0 else "u"
-  except (TypeError, ValueError):
-    pass
-  try:
-    ml_dtypes.finfo(dtype)
-    return "f"
-  except (TypeError, ValueError):
-    return "V"
-
-
 def _every_value(dtype: np.dtype) -> np.ndarray:
   """Every value a dtype of at most 16 bits holds (each bit pattern of a float: of a float
   narrower than its byte, such as float4_e2m1fn, only the patterns it has)."""
-  kind = _number_kind(dtype)
+  kind = _tree.number_kind(dtype)
   if kind == "b":
     return np.array([False, True])
   if kind in "iu":

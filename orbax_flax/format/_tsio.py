@@ -75,11 +75,7 @@ DATA_FILE_BYTES = 64 << 20
 
 def db_spec(loc: Location, db: str) -> dict[str, Any]:
   """The OCDBT spec of database ``db`` (:func:`db_name`) of the checkpoint at ``loc``."""
-  return _ocdbt(loc.spec(db + "/"))
-
-
-def _ocdbt(base: dict[str, Any]) -> dict[str, Any]:
-  return {"driver": "ocdbt", "base": base, "target_data_file_size": DATA_FILE_BYTES}
+  return {"driver": "ocdbt", "base": loc.spec(db + "/"), "target_data_file_size": DATA_FILE_BYTES}
 
 
 def array_spec(db: dict[str, Any], name: str, shape: Sequence[int], dtype: str,
@@ -134,7 +130,7 @@ class ProcessWriter:
   (see :class:`DatabaseWriter`)."""
 
   def __init__(self, loc: Location, process: int, generation: str, ctx: ts.Context):
-    self._root, self._process, self._gen, self._ctx = loc.spec(), process, generation, ctx
+    self._loc, self._process, self._gen, self._ctx = loc, process, generation, ctx
     self.databases: dict[str, DatabaseWriter] = {}  # by name (:func:`db_name`)
 
   def add(self, item: str, name: str, shape: Sequence[int], dtype: str,
@@ -142,9 +138,8 @@ class ProcessWriter:
     """Queues ``data`` for ``array[slices]`` of the array ``name`` of ``item``."""
     db = db_name(item, self._process, self._gen)
     w = self.databases.get(db)
-    if w is None:  # (the root's spec with the database's path, as Location.spec makes it)
-      base = {**self._root, "path": self._root["path"] + db + "/"}
-      w = self.databases[db] = DatabaseWriter(db, _ocdbt(base), self._ctx)
+    if w is None:
+      w = self.databases[db] = DatabaseWriter(db, db_spec(self._loc, db), self._ctx)
     w.add(name, shape, dtype, chunk_shape, slices, data)
 
   def flush(self, depth: int = 2) -> None:

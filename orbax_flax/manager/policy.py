@@ -31,8 +31,9 @@ from collections.abc import Mapping
 from collections.abc import Sequence
 from typing import ClassVar, NamedTuple, Protocol
 
-import ml_dtypes
 import numpy as np
+
+from orbax_flax.core import _tree
 
 # Why a save happened, as recorded in each step's metadata.
 REASONS = ("interval", "time", "auto", "scheduled", "first", "final", "forced", "preemption",
@@ -473,19 +474,13 @@ def _is_number_dtype(dtype: object) -> bool:
   kind = getattr(dtype, "kind", None)
   if kind is None:  # e.g. a jax extended dtype (PRNG keys)
     return False
-  if kind in "biuf":
-    return True
-  if kind != "V":  # complex (its imaginary part would be dropped), strings, objects
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
     return False
-  # numpy calls ml_dtypes' numbers (bfloat16, float8_*, int4, ...: a mixed-precision loss)
-  # kind "V", as it does any opaque type; they know their own limits.
-  for info in (ml_dtypes.finfo, ml_dtypes.iinfo):
-    try:
-      info(dtype)
-      return True
-    except (TypeError, ValueError):
-      pass
-  return False
+  # ml_dtypes' numbers count (a bfloat16 loss: mixed precision); complex does not (its
+  # imaginary part would be dropped), nor strings or objects
+  return _tree.number_kind(dtype) in "biuf"
 
 
 def _is_number(value: object) -> bool:
