@@ -135,7 +135,7 @@ def main():
       c.wait_until_finished()
     print("RESULT {}", flush=True)
     return
-  if a.mode == "convert":  # streams: about the largest array at a time
+  if a.mode == "convert":  # streams: a slab of rows at a time
     src = a.src or path
     if src.endswith("-orbax"):  # warm up tensorstore's zarr and OCDBT readers, as above for ours
       ofx.convert(warm + "-orbax", os.path.join(a.dir, f"warm-export-{os.getpid()}"),

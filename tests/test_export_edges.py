@@ -171,3 +171,36 @@ def test_export_safetensors_writes_big_endian_numpy_arrays_in_little_endian(tmp_
   back = load_file(str(tmp_path / "bf16" / "model.safetensors"))
   assert back["w"].dtype == jnp.bfloat16 and back["ids"].dtype == np.int64
   np.testing.assert_array_equal(back["w"], tree["w"].astype(jnp.bfloat16))
+
+
+def test_convert_streams_arrays_in_slabs_of_rows_and_writes_every_row_once(tmp_path, monkeypatch):
+  """convert reads, casts and writes an array a slab of rows at a time (``SLAB_BYTES``): with
+  slabs of 4 KiB, row counts that no slab divides (a remainder slab), a row larger than a
+  slab (one row a slab), a 0-d and an empty array come back equal in safetensors and through
+  orbax-checkpoint, cast to bfloat16."""
+  from orbax_flax.engine import converting  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(converting, "SLAB_BYTES", 4096)
+  rng = np.random.default_rng(0)
+  state = {"rem": rng.standard_normal((1031, 7), dtype=np.float32),  # 146 rows a slab, 7 slabs
+           "wide": rng.standard_normal((3, 2000), dtype=np.float32),  # 8000-byte rows
+           "ints": np.arange(5000, dtype=np.int64).reshape(1000, 5),  # not cast
+           "scalar": np.array(3.5, np.float32), "empty": np.zeros((0, 4), np.float32)}
+  src = str(tmp_path / "ck")
+  ofx.save(src, {"s": state})
+  want = {k: (np.asarray(v).astype(jnp.bfloat16) if np.asarray(v).dtype.kind == "f"
+              else np.asarray(v)) for k, v in state.items()}
+  st = ofx.convert(src, str(tmp_path / "st"), format="safetensors", dtype="bfloat16")
+  assert "safetensors" in st
+  got = {}
+  for f in os.listdir(tmp_path / "st"):
+    if f.endswith(".safetensors"):
+      with safe_open(str(tmp_path / "st" / f), framework="numpy") as fh:
+        got.update({k: np.asarray(fh.get_tensor(k)) for k in fh.keys()})
+  for k, v in want.items():
+    assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+    np.testing.assert_array_equal(got[k], v)
+  ofx.convert(src, str(tmp_path / "ob"), format="orbax", dtype="bfloat16")
+  back = ocp.StandardCheckpointer().restore(str(tmp_path / "ob"))
+  for k, v in want.items():
+    assert np.asarray(back[k]).dtype == v.dtype, k
+    np.testing.assert_array_equal(np.asarray(back[k]), v)

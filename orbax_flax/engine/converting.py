@@ -7,15 +7,16 @@
 moments, dropout key, data position and config.
 
 To safetensors the conversion streams: each array is read, converted and
-written before the next is read, so host memory peaks at about the largest
-array (plus its converted copy). Tensor names are the key paths joined by
+written in slabs of whole rows of about 16 MiB (:data:`SLAB_BYTES`) before the
+next slab is read, so host memory peaks at about one slab (plus its converted
+copy) whatever the largest array's size. Tensor names are the key paths joined by
 ``.``, prefixed by the item name when the source has several items; strings
 go into the header's ``__metadata__`` (``bytes`` too, if they are UTF-8 text; others
 are refused), numeric scalars become 0-d tensors.
 
 To orbax-checkpoint (:func:`orbax_flax.export_orbax`) the conversion streams
-the same way: each array is read whole and written in zarr3 chunks of at most
-about 64 MiB (``max_chunk_bytes``).
+the same way, in slabs of whole zarr3 chunks (at most about 64 MiB each,
+``max_chunk_bytes``), so no chunk is written twice.
 
 To orbax_flax the source is read whole into host memory and saved with one
 blocking save (peak: about the state's size), because a save commits every
@@ -40,21 +41,33 @@ from orbax_flax.formats import orbax_export
 from orbax_flax.formats import safetensors_export
 
 FORMATS = ("orbax_flax", "safetensors", "orbax")
+SLAB_BYTES = 16 << 20  # what a conversion holds of an array at a time (whole rows)
 
 
 class LazyArray:
-  """An array of a checkpoint, read when (and each time) :meth:`read` is called."""
+  """An array of a checkpoint, read slab by slab when (and each time) :meth:`slabs` is called."""
 
   def __init__(self, reader: Any, item: str, rec: Array, progress: Any = None):
     self._reader, self._item, self._rec, self._progress = reader, item, rec, progress
     self.shape = rec.shape
     self.dtype = rec.np_dtype
 
-  def read(self) -> np.ndarray:
-    out = _reading.read_whole(self._reader, self._item, self._rec)
-    if self._progress is not None:
-      self._progress.add(out.nbytes)
-    return out
+  def slabs(self, align: int = 1):
+    """``(box, data)`` in order: whole rows, about :data:`SLAB_BYTES` each, a multiple of
+    ``align`` rows (the last slab may be shorter); a 0-d or empty array in one."""
+    shape = tuple(int(s) for s in self.shape)
+    boxes = [tuple((0, s) for s in shape)]
+    if shape and shape[0] > 0:
+      row = max(int(np.prod(shape[1:], dtype=np.int64)) * self.dtype.itemsize, 1)
+      rows = max(align, SLAB_BYTES // row // align * align)
+      boxes = [((lo, min(lo + rows, shape[0])),) + boxes[0][1:] for lo in range(0, shape[0], rows)]
+    for box in boxes:
+      out = np.empty(tuple(hi - lo for lo, hi in box), self.dtype)
+      _reading.read_requests(self._reader, [(self._item, self._rec, box, out)])
+      if self._progress is not None:
+        self._progress.add(out.nbytes)
+      yield box, out
+      del out  # the caller's reference is the last: one slab in memory at a time
 
 
 def convert(src: Any, dst: str, *, format: str = "orbax_flax", dtype: Any = None,  # pylint: disable=redefined-builtin
@@ -180,8 +193,12 @@ class _Cast:
   def __init__(self, lazy: LazyArray, dtype: np.dtype):
     self._lazy, self.shape, self.dtype = lazy, lazy.shape, dtype
 
-  def read(self) -> np.ndarray:
-    return self._lazy.read().astype(self.dtype)
+  def slabs(self, align: int = 1):
+    for box, data in self._lazy.slabs(align):
+      cast = data.astype(self.dtype)
+      del data  # not held while the next slab is read
+      yield box, cast
+      del cast
 
 
 class _KeyArray:

@@ -404,15 +404,15 @@ def export_orbax(path: str, tree: Any, *, step: int | None = None, item: str = "
   error = ""
   try:
     for name, value in arrays:
-      owned = list(safetensors_export.owned_boxes(value, me))
-      if not owned:
-        continue
-      store = ts.open(_spec(item_dir, name, value, max_chunk_bytes), open=True,
-                      context=context).result()
-      for box, data in owned:
+      store = None
+      chunk = _chunk_shape(value, max_chunk_bytes)
+      for box, data in safetensors_export.owned_boxes(value, me, chunk[0] if chunk else 1):
+        if store is None:
+          store = ts.open(_spec(item_dir, name, value, max_chunk_bytes), open=True,
+                          context=context).result()
         view = store[tuple(slice(lo, hi) for lo, hi in box)] if box else store
         view.write(np.asarray(data)).result()
-        del data  # one array's part in memory at a time
+        del data  # one part in memory at a time
   except (OSError, ValueError) as e:
     error = f"{type(e).__name__}: {e}"
   agree("write", error)

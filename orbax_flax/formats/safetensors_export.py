@@ -274,15 +274,17 @@ def export_safetensors(path: str, tree: Any, *, dtype: Any = None, max_shard_byt
 
 
 def is_lazy(leaf: Any) -> bool:
-  """An array read on demand (``convert``'s streaming leaves): ``shape``, ``dtype``, ``read()``."""
-  return callable(getattr(leaf, "read", None)) and hasattr(leaf, "shape") and hasattr(leaf, "dtype")
+  """An array read on demand (``convert``'s streaming leaves): ``shape``, ``dtype`` and
+  ``slabs(align)``, which yields ``(box, data)`` of whole rows, a multiple of ``align``."""
+  return callable(getattr(leaf, "slabs", None)) and hasattr(leaf, "shape") and hasattr(leaf, "dtype")
 
 
-def owned_boxes(value: Any, me: int):
-  """``(box, host data)`` for the parts of ``value`` this process writes."""
+def owned_boxes(value: Any, me: int, align: int = 1):
+  """``(box, host data)`` for the parts of ``value`` this process writes, one at a time (a
+  lazy array's slabs are ``align`` rows a multiple: the first dimension of a chunk)."""
   if is_lazy(value):
     if me == 0:
-      yield tuple((0, s) for s in value.shape), value.read()
+      yield from value.slabs(align)
     return
   if isinstance(value, jax.Array):
     shape = value.shape
