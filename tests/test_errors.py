@@ -68,6 +68,9 @@ def test_unsupported_leaf_names_key_path_and_writes_nothing(tmp_path, ckpt_dir):
   jax.jit(lambda x: x + 1, donate_argnums=0)(donated)
   with pytest.raises(ofx.UnsupportedLeafError, match=r"s/w: its jax.Array was deleted"):
     ofx.save(ckpt_dir, {"s": {"w": donated}})
+  # A numpy masked array was saved as its values alone: it came back unmasked, silently.
+  with pytest.raises(ofx.UnsupportedLeafError, match=r"s/m: a numpy masked array.*getmaskarray"):
+    ofx.save(ckpt_dir, {"s": {"m": np.ma.masked_array([1.0, 2.0], mask=[0, 1])}})
   assert os.listdir(tmp_path) == []
 
 

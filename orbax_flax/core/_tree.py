@@ -169,6 +169,8 @@ def leaf_kind(leaf: Any) -> str | None:
     if isinstance(leaf, jax.core.Tracer):
       return None
     return "jax"
+  if isinstance(leaf, np.ma.MaskedArray):  # its mask would not be saved: refused, not dropped
+    return None
   if isinstance(leaf, np.ndarray):
     return "numpy" if is_supported_dtype(leaf.dtype) else None
   if isinstance(leaf, (str, bytes)):  # np.str_ and np.bytes_ too
@@ -182,6 +184,12 @@ def leaf_kind(leaf: Any) -> str | None:
 
 def unsupported_leaf_error(item: str, path: Path, leaf: Any) -> errors.UnsupportedLeafError:
   what = type(leaf).__name__
+  if isinstance(leaf, np.ma.MaskedArray):
+    return errors.UnsupportedLeafError(
+        f"Cannot save leaf {item}/{path_str(path)}: a numpy masked array, whose mask no"
+        " checkpoint format here holds (its values alone would come back unmasked). Save the"
+        " values and the mask as two arrays, e.g. {'data': np.ma.getdata(x), 'mask':"
+        " np.ma.getmaskarray(x)}, and rebuild it with np.ma.masked_array(data, mask).")
   if isinstance(leaf, (np.ndarray, np.generic)):
     what = f"numpy value of dtype {leaf.dtype}"
   elif isinstance(leaf, jax.core.Tracer):
