@@ -134,6 +134,30 @@ def test_every_member_of_a_tuple_state_is_saved_and_restored(tmp_path):
          nnx.state(want) if isinstance(want, nnx.Pytree) else want)
 
 
+def test_a_resume_with_fewer_members_says_which_saved_items_it_leaves_out(tmp_path, caplog):
+  """A run saved (model, optimizer, rngs); resumed with (model, optimizer), the Rngs' counts
+  (the "extra" item) were left out without a word. The resume goes on (the state has no part
+  for them) and names the item it did not restore."""
+  policy = {"save_interval_steps": 1, "save_final_step": False}
+  model, opt, rngs = make(0)
+  with ofx.CheckpointCallback(str(tmp_path), policy) as ckpt:
+    model, opt, rngs = ckpt.restore_or_init((model, opt, rngs))
+    ckpt.on_step_end(1, (model, opt, rngs), {"loss": train_step(model, opt, rngs, batch(1))})
+  assert "extra" in ofx.metadata(ckpt.manager.step_path(1)).items
+  model, opt, _ = make(5)
+  with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+    with ofx.CheckpointCallback(str(tmp_path), policy) as again:
+      again.restore_or_init((model, opt))
+  assert again.restored_step == 1
+  assert "step 1 holds state item(s) extra, which the state passed to restore_or_init" \
+      in caplog.text, caplog.text
+  caplog.clear()
+  with caplog.at_level(logging.WARNING, logger="orbax_flax"):  # the whole state: no word
+    with ofx.CheckpointCallback(str(tmp_path), policy) as third:
+      third.restore_or_init(make(7))
+  assert third.restored_step == 1 and "holds state item(s)" not in caplog.text
+
+
 def test_a_member_that_cannot_be_saved_is_refused_before_training(tmp_path):
   model, opt, rngs = make()
   ckpt = ofx.CheckpointCallback(str(tmp_path), {"save_interval_steps": 1})

@@ -52,7 +52,6 @@ from orbax_flax.tiers import saves
 
 log = logging.getLogger("orbax_flax")
 
-META_ITEM = "meta"  # the item that holds the callback's metadata
 _CURRENT = object()  # _items: take the data iterator's state now
 
 
@@ -229,7 +228,7 @@ class CheckpointCallback(callbacks.Callback):
       items[resume.DATA_ITEM] = self._data.item(step, data_state)  # every process's
     gathered_s = time.perf_counter() - data_start
     if self.metadata:
-      items[META_ITEM] = {"json": json.dumps(self.metadata, sort_keys=True)}
+      items[resume.META_ITEM] = {"json": json.dumps(self.metadata, sort_keys=True)}
     self._built = (start, time.perf_counter() - start - gathered_s, gathered_s + data_s)
     return items
 

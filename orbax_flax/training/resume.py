@@ -73,6 +73,7 @@ from orbax_flax.tiers.local import LocalTier
 log = logging.getLogger("orbax_flax")
 
 DATA_ITEM = "data"  # the item that holds the data iterator's position
+META_ITEM = "meta"  # the item that holds the callback's metadata (not state)
 # The keys of an orbax_flax.data.ElasticIterator state (named in errors; not imported here).
 _ELASTIC_KEYS = ("shard_index", "shard_count", "position", "order", "length")
 # How to start the data afresh and keep checkpointing its position, named by the refusals.
@@ -451,6 +452,7 @@ class Resume:
         if bad and error is None:
           error = errors.CheckpointCorruptedError("; ".join(bad))
       if error is None:
+        _warn_left_out(step, set(summary.item_bytes) - set(wanted) - {DATA_ITEM, META_ITEM})
         return step, summary, restored
       failures.append(f"step {step}: {error}")
       log.error("CANNOT RESUME FROM STEP %d of %s: %s", step, manager.directory, error)
@@ -621,6 +623,18 @@ def _failed_elsewhere(what: str, stopped: list[tuple[int, str]]) -> Exception:
     except Exception:  # pylint: disable=broad-except  # a constructor that wants more
       pass
   return RuntimeError(text)
+
+
+def _warn_left_out(step: int, items: set[str]) -> None:
+  """Says which saved parts of the state a resume did not restore (the state has none of them)."""
+  if not items:
+    return
+  what = ", ".join(sorted(items))
+  log.warning(
+      "resume: step %d holds state item(s) %s, which the state passed to restore_or_init has no"
+      " part for, so they are not restored (e.g. a tuple state saved with more members, or a"
+      " TrainState saved with an rng field). If the run still needs them, pass the state as it"
+      " was saved; `python -m orbax_flax show <step dir>` lists what each item holds.", step, what)
 
 
 def _targets(items: dict[str, Any]) -> dict[str, Any]:
