@@ -571,3 +571,48 @@ def test_a_differential_manifest_is_one_a_reader_from_before_differential_saves_
                                                          r" orbax_flax\).*Upgrade orbax_flax"):
     ofx.restore(str(tmp_path / "2"))
   ofx.restore(str(tmp_path / "1"))
+
+
+def test_a_job_restarted_with_differential_off_retires_the_abandoned_base_a_kept_step_borrows(
+    tmp_path):
+  """A differential run rolls back (restore(2), save 3: the new step 3 borrows the bytes of
+  the abandoned step 4) while an evaluator reads step 4, so step 4 is left for the next
+  writer. Restarted with differential=False, that writer deleted step 4 through the plain
+  retention, chosen before it learned the directory holds references (a race: about one run
+  in two), and the kept step 3 no longer restored. Five runs: each keeps step 3 whole."""
+  base = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)
+
+  def state(step, k):
+    return {"state": {"base": base + k, "adapter": np.full(16, step, np.float32)}}
+
+  for run in range(5):
+    d = str(tmp_path / str(run))
+    m = ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=True))
+    for s in (1, 2, 3):
+      m.save(s, state(s, 0), force=True)
+    for s in (4, 5):
+      m.save(s, state(s, 1), force=True)  # a new base array from step 4 on
+    m.wait()
+    holding, release = threading.Event(), threading.Event()
+
+    def evaluate(d=d, holding=holding, release=release):
+      for _ in ofx.checkpoints_iterator(d, start_after=3, timeout=10, poll_interval=0.1):
+        holding.set()
+        release.wait()
+        break
+
+    reader = threading.Thread(target=evaluate)
+    reader.start()
+    assert holding.wait(30)
+    m.restore(2)
+    m.save(3, state(33, 1), force=True)   # borrows step 4's base
+    m.close()
+    release.set()
+    reader.join()
+    assert "4" in os.listdir(d)           # abandoned, kept for the next writer
+    with ofx.CheckpointManager(d, ofx.CheckpointPolicy(differential=False)) as again:
+      again.save(6, state(6, 1), force=True)
+    with ofx.CheckpointManager(d) as listing:
+      assert listing.all_steps() == [1, 2, 3, 6]
+    got = ofx.restore(os.path.join(d, "3"))
+    _assert_bitwise(got, state(33, 1))

@@ -569,11 +569,14 @@ class CheckpointManager:
       raise errors.WriterConflictError(problem)
     # Only the writer adds steps: what is here now is all a plain manager's deletions must
     # respect. Another job (or a run with differential saves on) may have left steps that
-    # reference each other's bytes; then a referenced step is retired, never deleted.
+    # reference each other's bytes; then a referenced step is retired, never deleted. Chosen
+    # before the first deletion: the steps a killed job's rollback abandoned (which a kept
+    # step may borrow from) are deleted only now, through it.
     if self._ckptr.differential is None and registry_lib.holds_references(self._dir):
       self.registry.use_retention(referenced.Referenced(
           None, lock=self.registry.lock, key=f"{self._key}/room",
           timeout_s=self.policy.coordination_timeout_seconds))
+    self.registry.delete_abandoned()
     return True
 
   def prepare(self, items: Mapping[str, Any]) -> int:

@@ -217,6 +217,9 @@ class StepRegistry:
   def become_writer(self) -> None:
     """Makes this process the directory's writer (process 0 takes the writer lease), then
     sweeps leftovers and repairs the step index from a full listing taken under the lease.
+    The steps a committed rollback abandoned are deleted by :meth:`delete_abandoned`, once the
+    caller has chosen the retention that deletes them (:meth:`use_retention`): what is here now
+    may reference them.
 
     Raises:
       WriterConflictError: another live job (or manager) writes the directory.
@@ -234,6 +237,10 @@ class StepRegistry:
         self._lease.release()
         raise
     self._writer = True
+
+  def delete_abandoned(self) -> None:
+    """The writer, once its retention is chosen: deletes (through it) the steps a rollback
+    abandoned whose run has committed, left by a job stopped before it deleted them."""
     with self._lock:
       abandoned = self._abandoned & self._deleting
     if abandoned:
