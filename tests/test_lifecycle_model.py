@@ -118,6 +118,9 @@ class ManagerModel(RuleBasedStateMachine):
     # them again (evaluator_holds_the_newest).
     self.lingering: dict[int, tuple[int, float]] = {}
     self.holding: int | None = None  # the step an evaluator holds now (its lease)
+    # Whether the manager open now saves differential steps: a differential case's restarts
+    # turn it off and on (a job restarted with another config, over the same steps).
+    self.diff_now = self.differential
 
   @property
   def rolled_to(self) -> int | None:
@@ -141,7 +144,7 @@ class ManagerModel(RuleBasedStateMachine):
     self.saved.update(self.lingering)  # a new manager's listing: committed steps, its to keep
     self.lingering = {}
     self.mngr = ofx.CheckpointManager(self.dir, ofx.CheckpointPolicy(
-        max_to_keep=self.keep or 0, differential=self.differential, async_save=self.async_save))
+        max_to_keep=self.keep or 0, differential=self.diff_now, async_save=self.async_save))
 
   def _next_tag(self) -> int:
     self.tag += 1
@@ -357,10 +360,14 @@ class ManagerModel(RuleBasedStateMachine):
         self.mngr.restore()
         self.rolled_to = None
 
-  @rule(keep=st.sampled_from([None, 2, 3]), async_save=st.booleans())
-  def restart(self, keep, async_save):
+  @rule(keep=st.sampled_from([None, 2, 3]), async_save=st.booleans(), differential=st.booleans())
+  def restart(self, keep, async_save, differential=True):
+    """The job restarts with another config: the keep rules, async saves, and in a
+    differential case differential saves on or off (a plain manager over steps that
+    reference each other's bytes keeps what they reference)."""
     self.mngr.close()
     self.keep, self.async_save = keep, async_save
+    self.diff_now = self.differential and differential
     self.rolled_to = None  # a restore of the old run is not a rollback of the new one
     self._open()
 
@@ -406,7 +413,7 @@ class ManagerModel(RuleBasedStateMachine):
           if self.rolled_to + 1 != held:
             self._save(self.rolled_to + 1, 0.25, force=True)
         elif op == "restart":
-          self.restart(self.keep, self.async_save)
+          self.restart(self.keep, self.async_save, self.diff_now)
         else:
           self._save(self._new_step(), 0.25, force=True)
         self.mngr.wait()
@@ -426,7 +433,7 @@ class ManagerModel(RuleBasedStateMachine):
     self.mngr.close()
     step, tag = self._new_step(), self._next_tag()
     proc = subprocess.Popen([sys.executable, "-c", _KILL_WORKER, self.dir, str(step), str(tag),
-                             "1" if self.differential else "0"], stdout=subprocess.PIPE, text=True)
+                             "1" if self.diff_now else "0"], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "READY"
     time.sleep(delay)
     proc.send_signal(signal.SIGKILL)
@@ -451,7 +458,7 @@ class ManagerModel(RuleBasedStateMachine):
     to = older[index % len(older)]
     tag = self._next_tag()
     proc = subprocess.run([sys.executable, "-c", _ROLLBACK_KILL_WORKER, self.dir, str(to),
-                           str(to + 1), str(tag), "1" if self.differential else "0"],
+                           str(to + 1), str(tag), "1" if self.diff_now else "0"],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     self.rolled_to = to
