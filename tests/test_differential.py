@@ -616,3 +616,18 @@ def test_a_job_restarted_with_differential_off_retires_the_abandoned_base_a_kept
       assert listing.all_steps() == [1, 2, 3, 6]
     got = ofx.restore(os.path.join(d, "3"))
     _assert_bitwise(got, state(33, 1))
+
+
+def test_differential_saves_on_an_object_store_are_refused_when_the_callback_is_made(tmp_path):
+  """A run on an object store restarted with differential=True was refused at its first
+  save, after a whole save interval of training (a preemption's save too). The manager, so
+  the callback, refuses it when made, naming the directory and the fix, with nothing written
+  (tensorstore's memory:// store takes the object stores' path)."""
+  policy = ofx.CheckpointPolicy.from_config(
+      {"differential": True, "save_interval_steps": 50, "directory": "memory://run/ckpts/"})
+  with pytest.raises(ValueError, match=r"differential=True: .*run/ckpts.* is not on a local"
+                                       r" file system.*differential=False"):
+    ofx.CheckpointCallback(str(tmp_path), policy)
+  assert os.listdir(tmp_path) == []
+  with pytest.raises(ValueError, match="is not on a local file system"):
+    ofx.CheckpointManager("memory://run/ckpts/", ofx.CheckpointPolicy(differential=True))

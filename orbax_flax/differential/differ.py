@@ -441,6 +441,16 @@ def _chunk_index(slices: Sequence[slice], chunk_shape: Sequence[int], shape: Seq
   return c
 
 
+def check_location(loc: Location) -> None:
+  """Differential saves need a local file system: ValueError naming ``loc`` and the fix (a
+  manager checks its directory when it is made, before the job trains to its first save)."""
+  if not loc.is_local:
+    raise ValueError(f"differential=True: {loc} is not on a local file system; differential"
+                     " saves (and the retention that keeps their bases) need one for now. Pass"
+                     " differential=False (--config.checkpoint.differential=False) for object"
+                     " stores.")
+
+
 class Differential:
   """A checkpointer's differential setting, its pins, and the base of its next save.
 
@@ -462,9 +472,6 @@ class Differential:
 
   def differ(self, plan: Any, alive: Any) -> Any:
     """The hooks of one save; ValueError before anything is written."""
-    if not plan.loc.is_local:
-      raise ValueError(f"differential=True: {plan.loc} is not on a local file system; differential"
-                       " saves (and the retention that keeps their bases) need one for now. Pass"
-                       " differential=False for object stores.")
+    check_location(plan.loc)
     base, self._base, self._last = self._base or self._last, None, plan.loc
     return Differ(plan.manifest, plan.loc, base, self.pins, alive)

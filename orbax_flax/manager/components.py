@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from orbax_flax.core import _multihost
 from orbax_flax.manager import policy as policy_lib
 from orbax_flax.core._location import Location
+from orbax_flax.differential import differ
 from orbax_flax.manager.config import CheckpointPolicy
 from orbax_flax.manager.schedule import Schedule
 
@@ -60,8 +61,11 @@ def build(policy: CheckpointPolicy, directory: Any, *, clock: Callable[[], float
 
   Raises:
     TypeError: ``trigger`` or ``keep`` is not a trigger or keep rules.
+    ValueError: differential saves asked for on an object store.
   """
   loc = Location.parse(directory)
+  if policy.differential:
+    differ.check_location(loc)
   key = _multihost.namespace("manager", str(loc), policy.coordination_timeout_seconds)
   if trigger is None:
     schedule = Schedule(*policy.triggers(), key=key, clock=clock, if_busy=policy.if_busy,
