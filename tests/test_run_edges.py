@@ -279,6 +279,28 @@ def test_a_workdir_that_is_a_runs_checkpoints_directory_is_refused(tmp_path):
     assert float(ckpt.restore_or_init({"w": jnp.zeros(4)})["w"][0]) == 20  # the way it names
 
 
+def test_a_restart_with_the_checkpoint_directory_moved_is_refused_naming_the_run(tmp_path):
+  """A run restarted on its workdir with checkpoint.directory changed (to move its steps to
+  another disk) started from scratch: one INFO line, "no checkpoint in .../moved". It is refused
+  before anything is written, naming the run's steps and the two ways on."""
+  run = str(tmp_path / "run")
+  with ofx.CheckpointCallback(run, _policy(save_interval_steps=10)) as ckpt:
+    state = ckpt.restore_or_init({"w": jnp.zeros(4)})
+    for step in range(1, 21):
+      state = {"w": state["w"] + 1}
+      ckpt.on_step_end(step, state)
+  moved = str(tmp_path / "other_disk" / "ckpts")
+  with pytest.raises(ValueError, match=rf"checkpoints holds this workdir's run \(orbax_flax"
+                     rf" step\(s\) 10, 20\).*--config.checkpoint.directory={run}/checkpoints"):
+    ofx.CheckpointCallback(run, _policy(save_interval_steps=10, directory=moved)).restore_or_init(
+        {"w": jnp.zeros(4)})
+  assert not os.path.exists(moved)
+  os.makedirs(os.path.dirname(moved))
+  os.rename(os.path.join(run, "checkpoints"), moved)  # the way it names: moved, whole
+  with ofx.CheckpointCallback(run, _policy(save_interval_steps=10, directory=moved)) as ckpt:
+    assert float(ckpt.restore_or_init({"w": jnp.zeros(4)})["w"][0]) == 20
+
+
 # -- overriding a checkpoint field the user's config block does not list --------------------
 
 _PARTIAL_BLOCK = """

@@ -1212,16 +1212,31 @@ class PreviousRun(NamedTuple):
     return kind(text, []) if kind is errors.TreeMismatchError else kind(text)
 
 
+def _our_steps(loc: Location) -> list[int]:
+  """The committed orbax_flax steps directly under ``loc`` (none where it is no directory)."""
+  try:
+    steps, _ = step_dir.list_steps(loc)
+  except (NotADirectoryError, errors.StorageError):
+    return []
+  return [s for s in steps
+          if _location.read_key(loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None]
+
+
 def refuse_checkpoints_dir(workdir: Location, directory: str) -> None:
-  """Raises if ``workdir`` itself holds orbax_flax steps: a run's checkpoints directory."""
+  """Raises if ``workdir`` itself holds orbax_flax steps (a run's checkpoints directory), or
+  if ``<workdir>/checkpoints`` does while this run's ``directory`` is elsewhere."""
   if Location.parse(directory) == workdir:
     return
-  try:
-    steps, _ = step_dir.list_steps(workdir)
-  except (NotADirectoryError, errors.StorageError):
-    return
-  ours = [s for s in steps if _location.read_key(workdir.join(str(s)), _manifest.MANIFEST_KEY,
-                                                  max_bytes=1) is not None]
+  default = workdir.join("checkpoints")
+  moved = _our_steps(default) if Location.parse(directory) != default else []
+  if moved:
+    raise ValueError(
+        f"{default} holds this workdir's run (orbax_flax step(s) {_steps_text(moved)}), and"
+        f" this run's checkpoint directory is {directory}, which holds none: it would start from"
+        f" scratch beside it. To resume step {moved[-1]}, keep the directory"
+        f" (--config.checkpoint.directory={default}), or move that directory, whole, to"
+        f" {directory} first; to start another run, give it its own --workdir.")
+  ours = _our_steps(workdir)
   if ours:
     parent = os.path.dirname(str(workdir).rstrip("/"))
     raise ValueError(
