@@ -301,6 +301,31 @@ def test_a_restart_with_the_checkpoint_directory_moved_is_refused_naming_the_run
     assert float(ckpt.restore_or_init({"w": jnp.zeros(4)})["w"][0]) == 20
 
 
+def test_a_restart_with_another_optimizer_says_so_and_names_the_step_to_start_from(tmp_path):
+  """adam -> sgd with momentum on restart: refused before anything is written (as before), but
+  diagnosed as "a different model" with a placeholder for the step to take the weights from.
+  It says the optimizer differs, and names the step: the way it names starts the new
+  optimizer from the run's weights."""
+  import optax  # pylint: disable=g-import-not-at-top
+  run = str(tmp_path / "run")
+  with ofx.CheckpointCallback(run, _policy(save_interval_steps=10)) as ckpt:
+    ckpt.on_step_end(10, ckpt.restore_or_init(_trained_state(10)))
+  adam = _trained_state(0)
+  sgd = adam.replace(tx=optax.sgd(1e-2, momentum=0.9),
+                     opt_state=optax.sgd(1e-2, momentum=0.9).init(adam.params))
+  step_dir = os.path.join(run, "checkpoints", "10")
+  with pytest.raises(ofx.TreeMismatchError) as e:
+    ofx.CheckpointCallback(run, _policy(save_interval_steps=10)).restore_or_init(sgd)
+  text = str(e.value)
+  assert "a different optimizer: only the optimizer state's keys" in text.splitlines()[0], text
+  assert f"init_from='{step_dir}:params'" in text, text
+  with ofx.CheckpointCallback(str(tmp_path / "new"), _policy(
+      save_interval_steps=10, init_from=f"{step_dir}:params")) as ckpt:
+    state = ckpt.restore_or_init(sgd)
+  np.testing.assert_array_equal(state.params["params"]["kernel"],
+                                _trained_state(10).params["params"]["kernel"])
+
+
 # -- overriding a checkpoint field the user's config block does not list --------------------
 
 _PARTIAL_BLOCK = """

@@ -431,7 +431,9 @@ class Resume:
           restored = manager.restore(step, wanted,
                                      allow_lossy_casts=self._policy.allow_lossy_casts, casts=casts)
         except errors.TreeMismatchError as e:
-          raise _resume_mismatch(e, manager.directory) from None
+          item = "params" if "params" in target else "state"
+          raise _resume_mismatch(e, manager.directory,
+                                 f"{manager.step_path(step)}:{item}") from None
         _log_casts(casts)
         error = None
       except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
@@ -647,8 +649,10 @@ def _log_casts(casts: list, what: str = "resume") -> None:
     log.warning("%s: %s", what, line)
 
 
-def _resume_mismatch(e: errors.TreeMismatchError, directory: Any) -> errors.TreeMismatchError:
-  """The mismatch, with the advice a resume can follow (the callback has no ``partial``)."""
+def _resume_mismatch(e: errors.TreeMismatchError, directory: Any,
+                     weights: str = "<step dir>:params") -> errors.TreeMismatchError:
+  """The mismatch, with the advice a resume can follow (the callback has no ``partial``);
+  ``weights``: the ``init_from`` of the step's parameters, where the step is known."""
   kinds = " ".join(e.differences)
   n = targets.replicated_axis(e.differences)
   if n is not None:
@@ -663,8 +667,9 @@ def _resume_mismatch(e: errors.TreeMismatchError, directory: Any) -> errors.Tree
                   " (--config.checkpoint.allow_lossy_casts=True); or keep the saved dtypes")
   if "not in target" in kinds or "not in checkpoint" in kinds or "shape" in kinds:
     advice.append(f"if {directory} belongs to another run or model, give this run its own"
-                  " --workdir; to start a changed model from this run's weights, use a new"
-                  " workdir with CheckpointPolicy(init_from='<step dir>:<item>/params')")
+                  " --workdir; to start a changed model or optimizer from this run's weights,"
+                  f" use a new workdir with CheckpointPolicy(init_from={weights!r})"
+                  f" (--config.checkpoint.init_from={weights})")
   text = "Fix: " + "; ".join(advice) if advice else ""
   return errors.TreeMismatchError(f"{e.summary}\n{text}".rstrip(), e.differences, summary=e.summary)
 
