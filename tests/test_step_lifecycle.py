@@ -151,6 +151,40 @@ def test_retention_never_changes_a_linked_step_outside_the_directory(tmp_path, d
   assert restores_as(os.path.join(run, "8"), items(8, changed=0))
 
 
+@pytest.mark.parametrize("differential", [False, True])
+def test_a_save_of_a_linked_step_is_refused_and_never_writes_through_the_link(tmp_path,
+                                                                              differential):
+  """A rollback abandoned a step linked in from another run; the new run's interval save of
+  that number wrote through the link, replacing the other run's committed step with this
+  run's values (the save follows a link given as its path). A manager's save of a linked step
+  is refused on every path (a rollback's run, force=True), naming the link and the way on;
+  the rollback still holds, and the other run's step is as it saved it."""
+  other, run = str(tmp_path / "other"), str(tmp_path / "run")
+  with ofx.CheckpointManager(other) as m:
+    m.save(6, items(6, changed=0), force=True)
+  pol = ofx.CheckpointPolicy(save_interval_steps=1, async_save=False, differential=differential)
+  with ofx.CheckpointManager(run, pol) as m:
+    m.save(5, items(5, changed=0))
+  os.symlink(os.path.join(other, "6"), os.path.join(run, "6"))
+  link = os.path.join(run, "6")
+  with ofx.CheckpointManager(run, pol) as m:
+    m.save(7, items(7, changed=0))
+    with pytest.raises(ValueError, match=r"step 6 of .* is a link to .*other/6.*Nothing was"
+                                         r" written. Remove the link"):
+      m.save(6, items(66, changed=0), force=True)
+    m.restore(5)  # a rollback: 6 and 7 abandoned
+    with pytest.raises(ValueError, match=r"step 6 of .* is a link"):
+      m.save(6, items(66, changed=0))
+    assert restores_as(os.path.join(other, "6"), items(6, changed=0))
+    os.remove(link)  # the way the error names
+    m.save(6, items(66, changed=0))
+    m.save(7, items(77, changed=0))
+    assert m.all_steps() == [5, 6, 7]
+  assert restores_as(os.path.join(other, "6"), items(6, changed=0))
+  assert restores_as(os.path.join(run, "6"), items(66, changed=0))
+  assert restores_as(os.path.join(run, "7"), items(77, changed=0))
+
+
 def test_a_second_manager_sweeps_nothing_a_writer_is_writing(tmp_path):
   """second_manager_sweeps_inflight: an evaluator's manager, started while the trainer's
   rollback save (below the latest step) was in flight, removed it as debris."""

@@ -31,6 +31,7 @@ import functools
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -403,11 +404,12 @@ class CheckpointManager:
       # The abandoned run's save of this step, or one that force=True replaces (with what
       # it is given now, as it replaces a committed step): replaced once it ends.
       self._inflight.finish()
-    self._rollback.call_off_above(step)  # a restore to look at an older step, then training on
     overwrite = self._rollback.replaces(step, forced=decided in policy_lib.FORCED
                                         and reason != "final")
     if overwrite is None or self._schedule.skips(step, decided, self.inflight_step() is not None):
       return False
+    self._refuse_linked(step)  # before the rollback's bookkeeping, as every refusal
+    self._rollback.call_off_above(step)  # a restore to look at an older step, then training on
     self._inflight.finish()
     wait_s = time.perf_counter() - entered
     ready_s = wait_ready(items, metrics)  # the train step's computation, not ours
@@ -450,6 +452,20 @@ class CheckpointManager:
     else:
       handle.add_done_callback(functools.partial(self._completed, save))
     return True
+
+  def _refuse_linked(self, step: int) -> None:
+    """Raises if ``<directory>/<step>`` is a link: a save there would write into what it points
+    to (another run's checkpoint, linked in), where retention and rollback only ever move or
+    remove the link itself. Every process sees the same link, so every process raises."""
+    if not self._dir.is_local:
+      return
+    path = self._dir.join(str(step)).local_path
+    if os.path.islink(path):
+      raise ValueError(
+          f"step {step} of {self._dir} is a link to {os.readlink(path)!r}: a save of step {step}"
+          " would write into what it points to (another run's checkpoint, perhaps). Nothing was"
+          f" written. Remove the link (os.remove({path!r}); what it points to stays) and save"
+          " again, or save another step number.")
 
   def _refuse_below_newest(self, step: int) -> None:
     """Raises unless a save of ``step`` keeps the directory's order: a new step number below
