@@ -9,6 +9,9 @@ leaf on process 1, once before and once after process 0 began writing; on proces
 overwrite=True on process 0 only): each must fail on both processes at once, with the refusing process's error
 type and reason, and leave nothing committed; the saves after each commit on both.
 
+``--mode=module``: ofx.save and ofx.save_async of another path on each process: refused on
+both at once, naming both paths; then a save of one path commits.
+
 Prints ``CASE <name> <outcome> <seconds> <error type>: <message>`` per save.
 """
 
@@ -97,13 +100,24 @@ def refuse(root, mesh, me):
     _case("after-overwrite", path, lambda: ckptr.save_async(path, good(3)).wait())
 
 
+def module(root, mesh, me):
+  """ofx.save / ofx.save_async, each process naming its own path (a per-process directory):
+  their keys were the path's, so they never met and each waited the 600 s timeout."""
+  items = {"state": {"w": _array(mesh, 1)}}
+  mine = os.path.join(root, f"p{me}")
+  _case("paths", None, lambda: ofx.save(mine, items))
+  _case("async-paths", None, lambda: ofx.save_async(mine + "-a", items).wait())
+  path = os.path.join(root, "same")
+  _case("after-paths", path, lambda: ofx.save(path, items))
+
+
 def main():
   parser = argparse.ArgumentParser()
-  parser.add_argument("--mode", choices=["tree", "refuse"])
+  parser.add_argument("--mode", choices=["tree", "refuse", "module"])
   parser.add_argument("--path")
   a = jobs.join(parser)
   mesh = jax.make_mesh((jax.device_count(),), ("d",))
-  {"tree": tree, "refuse": refuse}[a.mode](a.path, mesh, jax.process_index())
+  {"tree": tree, "refuse": refuse, "module": module}[a.mode](a.path, mesh, jax.process_index())
   jobs.exit_together()
 
 

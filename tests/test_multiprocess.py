@@ -131,6 +131,23 @@ def test_a_save_refused_on_one_process_fails_at_once_everywhere(tmp_path):
     assert [o for o, _, _ in cases[name]] == ["saved+committed"] * 2, (name, res.outputs)
 
 
+def test_module_saves_of_other_paths_on_each_process_are_refused_at_once(tmp_path):
+  """ofx.save with a per-process path (a tempfile.mkdtemp() on each host): the module
+  functions keyed their rendezvous on the path, so the processes never met, and each waited
+  the whole 600 s timeout, then blamed the other as hung. Their n-th saves meet now: both
+  raise at once, naming both paths, nothing is committed, and the next save commits."""
+  res = jobs.run("mismatch_worker.py", ["--mode=module", f"--path={tmp_path}"], 2, 2,
+                 timeout=120).check()
+  cases = _cases(res)
+  for name in ("paths", "async-paths"):
+    assert [o for o, _, _ in cases[name]] == ["raised", "raised"], (name, res.outputs)
+    for p, (_, seconds, message) in enumerate(cases[name]):
+      assert seconds < 10, (name, p, seconds)
+      assert "p0" in message and "p1" in message, (name, p, message)
+  assert not any(os.path.exists(tmp_path / d / "_CHECKPOINT") for d in ("p0", "p1", "p0-a", "p1-a"))
+  assert [o for o, _, _ in cases["after-paths"]] == ["saved+committed"] * 2, res.outputs
+
+
 def _donor(root):
   """A pretraining run's workdir holding step 10 (kernel 10.0); its step 20 (kernel 20.0)
   committed beside it, then moved out to ``<root>/staged20`` (moved back by the worker)."""

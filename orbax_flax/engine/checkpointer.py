@@ -75,7 +75,7 @@ class Checkpointer:
       ``max_host_bytes``), or "auto".
     coordination_key: a coordination-service prefix for this checkpointer's
       saves, the same on every process (a manager passes one derived from its
-      directory, the module functions one derived from the path). Default:
+      directory, the module functions the n-th of their own, counted per process). Default:
       one per checkpointer, counted in the coordination service: create
       checkpointers without a key in the same order on every process.
     watchdog_seconds: a save or restore running longer logs its phase, bytes
@@ -523,8 +523,13 @@ def save_async(path: Any, items: Mapping[str, Any], *, overwrite: bool = False,
 
 
 def _one_save(path: Any) -> Checkpointer:
-  """The checkpointer of one module-function save: no staging memory kept, keys of ``path``."""
-  key = _multihost.namespace("save", str(Location.parse(path)), _multihost.DEFAULT_TIMEOUT_S)
+  """The checkpointer of one module-function save: no staging memory kept, the keys of this
+  process's next module-function save, whatever its path. Every process makes its saves in
+  the same order, so the n-th meets the n-th: one that names another path than process 0's
+  (a per-process temporary directory, a host name in it) is refused at once, naming both,
+  where keys of the path never met and each waited for the coordination timeout."""
+  del path  # (checked against the other processes' by the save itself)
+  key = _multihost.namespace("save", "module functions", _multihost.DEFAULT_TIMEOUT_S)
   return Checkpointer(keep_staging_memory=False, coordination_key=key)
 
 
