@@ -107,7 +107,8 @@ def first_save(a, mesh, budget, path, result) -> None:
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("mode", choices=["save", "save_async", "restore", "restore_other_mesh",
-                                  "restore_cast", "write_orbax", "convert", "first_save"])
+                                  "restore_cast", "restore_transform", "write_orbax", "convert",
+                                  "first_save"])
   p.add_argument("--prepare", action="store_true", help="first_save: Checkpointer.prepare first")
   p.add_argument("--transfer", default="auto", help="first_save: the Checkpointer's host_transfer")
   p.add_argument("--src", default="")
@@ -181,6 +182,21 @@ def main():
       result.update(state=meta.nbytes, restored=restored_bytes(out), extra=extra,
                     largest_chunk=largest_chunk(path))
       np.testing.assert_array_equal(out["s"]["w3"], np.asarray(state(a.mb, mesh)["w3"], np.float64))
+      print("RESULT " + json.dumps(result), flush=True)
+      return
+    if a.mode == "restore_transform":  # transforms= Cast to bfloat16 and a Transpose
+      t = ofx.transforms
+      ofx.restore(warm, transforms=[t.Cast(".*", "bfloat16"), t.Transpose("w", (1, 0))])
+      meta = ofx.metadata(path).items["s"]
+      extra, out = measure(lambda: ofx.restore(
+          path, max_host_bytes=budget,
+          transforms=[t.Cast(".*", "bfloat16"), t.Transpose("w3", (1, 0))]))
+      result.update(state=meta.nbytes, restored=restored_bytes(out), extra=extra,
+                    largest_chunk=largest_chunk(path))
+      import ml_dtypes  # pylint: disable=g-import-not-at-top
+      np.testing.assert_array_equal(
+          np.asarray(out["s"]["w3"]),
+          np.asarray(state(a.mb, mesh)["w3"]).astype(ml_dtypes.bfloat16).T)
       print("RESULT " + json.dumps(result), flush=True)
       return
     if a.mode == "restore":  # the saved layout

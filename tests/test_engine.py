@@ -538,3 +538,28 @@ def test_a_chunk_over_2_gib_restores(tmp_path):
   assert got.shape == (n,) and np.array_equal(got[::4096], probe) and got[-1] == 7
   del got
   assert ofx.verify(path) == n
+
+
+@pytest.mark.parametrize("budget", [0, 1000, 1 << 20])
+def test_transforms_read_in_slabs_under_a_budget_give_the_same_values(ckpt_dir, budget):
+  """With max_host_bytes a cast or a transpose reads its box in slabs of rows within the
+  budget (one row a slab at 1000 bytes): the values are those of a read without a budget,
+  for a chain of both, onto a sharded target too."""
+  x = np.arange(64 * 48, dtype=np.float32).reshape(64, 48) / 7
+  ofx.save(ckpt_dir, {"s": {"w": x, "v": x[:, :5].copy(), "z": np.float32(2.5)}})
+  t = ofx.transforms
+  for transforms, want in (([t.Transpose("w")], x.T),
+                           ([t.Cast(".*", "bfloat16")], x.astype(jnp.bfloat16)),
+                           ([t.Cast(".*", "bfloat16"), t.Transpose("w", (1, 0))],
+                            x.astype(jnp.bfloat16).T)):
+    got = ofx.restore(ckpt_dir, max_host_bytes=budget, transforms=transforms)["s"]
+    assert got["w"].dtype == want.dtype and got["w"].shape == want.shape
+    np.testing.assert_array_equal(np.asarray(got["w"]), want)
+  mesh = jax.make_mesh((4, 2), ("a", "b"))
+  target = {"s": {"w": jax.ShapeDtypeStruct((48, 64), jnp.bfloat16,
+                                            sharding=NamedSharding(mesh, P("a", "b"))),
+                  "v": np.zeros((64, 5), jnp.bfloat16), "z": np.float32(0)}}
+  got = ofx.restore(ckpt_dir, target, max_host_bytes=budget,
+                    transforms=[t.Cast(".*", "bfloat16"), t.Transpose("w")])["s"]
+  np.testing.assert_array_equal(np.asarray(got["w"]), x.astype(jnp.bfloat16).T)
+  np.testing.assert_array_equal(got["v"], x[:, :5].astype(jnp.bfloat16))

@@ -95,6 +95,17 @@ def test_a_restore_that_converts_dtypes_stays_within_the_budget(saved):
   assert r["extra"] - r["restored"] <= budget * MB + r["largest_chunk"] + SLACK, r
 
 
+def test_a_restore_with_transforms_stays_within_the_budget(saved):
+  """transforms= (a Cast to bfloat16, a Transpose): each read its source into a temporary of
+  the whole box it fills (a whole array here), outside max_host_bytes: 96 MB beyond the
+  restored arrays under a 16 MiB budget. They read in slabs of rows within it now."""
+  d, _ = saved
+  budget = 16
+  r = run("restore_transform", d, budget_mb=budget)
+  assert r["restored"] == r["state"] // 2, r  # bfloat16
+  assert r["extra"] - r["restored"] <= budget * MB + r["largest_chunk"] + SLACK, r
+
+
 def test_conversion_streams_slab_by_slab(saved):
   """Our checkpoint and orbax-checkpoint's, each to safetensors in bfloat16: one slab of rows
   (SLAB_BYTES, half the largest array here) and its bfloat16 copy at a time, plus the reader's

@@ -460,7 +460,11 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[targets.Want],
     datas = {id(wants[i]): bufs for i, bufs in zip(window, buffers)}
     requests = [(wants[i].item, wants[i].rec, b, buf) for i in window if i not in pieces
                 for b, buf in zip(wants[i].boxes, datas[id(wants[i])])]
-    _reading.read_requests(reader, requests, progress)
+    derived = [r for r in requests if max_host_bytes and isinstance(r[1], Array)
+               and r[1].derived is not None]
+    _reading.read_requests(reader, [r for r in requests if not any(r is d for d in derived)],
+                           progress)
+    _read_derived_in_slabs(reader, derived, max_host_bytes, progress)
     _read_cast_pieces(reader, [(wants[i], datas[id(wants[i])]) for i in sorted(pieces)],
                       max_host_bytes, progress)
     for i in window:
@@ -470,6 +474,31 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[targets.Want],
     for i, value in zip(window, assemble([wants[i] for i in window], datas)):
       out[i] = value
   return out
+
+
+def _read_derived_in_slabs(reader: Any, requests: list[tuple], budget: int,
+                           progress: Any) -> None:
+  """Reads transforms' requests (``transforms=``: a cast, a transpose) in slabs of whole
+  leading rows of each box, each slab's temporaries (the transform's source box, in the
+  source's dtype) within ``budget``: a transform reads its source into a temporary of its
+  whole box, which for a whole shard was that shard again, outside the budget."""
+  slabs = []
+  for item, rec, box, out in requests:
+    if not box or out.shape[0] <= 1:
+      slabs.append((item, rec, box, out))
+      continue
+    row = math.prod(out.shape[1:]) * _WIDEST  # a temporary's bytes per row, at most
+    rows = max(1, budget // max(row, 1))
+    lo0, hi0 = box[0]
+    for lo in range(lo0, hi0, rows):
+      hi = min(lo + rows, hi0)
+      slabs.append((item, rec, ((lo, hi),) + tuple(box[1:]), out[lo - lo0:hi - lo0]))
+  sizes = [math.prod(out.shape) * _WIDEST for _, _, _, out in slabs]
+  for batch in _layout.split_by_size(sizes, budget):
+    _reading.read_requests(reader, [slabs[j] for j in batch], progress)
+
+
+_WIDEST = 16  # bytes per element of a transform's temporary, at most (complex128)
 
 
 def _cast_in_pieces(w: targets.Want) -> bool:

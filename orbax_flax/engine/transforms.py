@@ -24,8 +24,8 @@ are regular expressions matched against the whole path.
 
 Stacking, unstacking, casting and transposing read each source array's box
 straight into the result's buffer (a cast or a transpose through a temporary
-of the box's size): no leaf is ever materialised whole when only a shard of it
-is needed.
+of the box's size; with ``max_host_bytes``, of slabs of the box's rows within
+it): no leaf is ever materialised whole when only a shard of it is needed.
 
 Example:
   >>> import numpy as np, orbax_flax as ofx, tempfile, os
