@@ -326,6 +326,35 @@ def test_a_restart_with_another_optimizer_says_so_and_names_the_step_to_start_fr
                                 _trained_state(10).params["params"]["kernel"])
 
 
+def test_a_step_copied_under_another_name_is_not_resumed_as_that_step(tmp_path, caplog):
+  """cp -r checkpoints/5 checkpoints/15: the resume reported "restored step 15" with step 5's
+  state (the manifest records its step; nothing compared it with the name). It is unreadable
+  as step 15: the resume falls back to the newest real step (or raises, by the policy)."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  run = str(tmp_path / "run")
+  with ofx.CheckpointCallback(run, _policy(save_interval_steps=5)) as ckpt:
+    state = ckpt.restore_or_init({"w": jnp.zeros(4)})
+    for step in range(1, 11):
+      state = {"w": state["w"] + 1}
+      ckpt.on_step_end(step, state)
+  steps = os.path.join(run, "checkpoints")
+  shutil.copytree(os.path.join(steps, "5"), os.path.join(steps, "15"))
+  with pytest.raises(ofx.CheckpointCorruptedError, match="records step 5, not 15"):
+    ofx.CheckpointCallback(run, _policy(save_interval_steps=5,
+                                        on_unreadable_checkpoint="raise")).restore_or_init(
+                                            {"w": jnp.zeros(4)})
+  with caplog.at_level(logging.ERROR, logger="orbax_flax"):
+    with ofx.CheckpointCallback(run, _policy(save_interval_steps=5,
+                                             on_unreadable_checkpoint="fallback")) as ckpt:
+      state = ckpt.restore_or_init({"w": jnp.zeros(4)})
+      assert ckpt.restored_step == 10 and float(state["w"][0]) == 10
+      for step in range(11, 16):  # training goes on: its step 15 replaces the copy
+        state = {"w": state["w"] + 1}
+        ckpt.on_step_end(step, state)
+  assert "its manifest records step 5, not 15" in caplog.text, caplog.text
+  assert float(ofx.restore(os.path.join(steps, "15"))["state"]["w"][0]) == 15
+
+
 # -- overriding a checkpoint field the user's config block does not list --------------------
 
 _PARTIAL_BLOCK = """

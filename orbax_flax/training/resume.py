@@ -423,6 +423,12 @@ class Resume:
         # The summary (a few KB at the manifest's start) says which items the step holds;
         # the restore then reads and decodes the whole manifest once.
         summary = restoring.read_summary(Location.parse(manager.step_path(step)))
+        recorded = summary.custom.get("step")
+        if isinstance(recorded, int) and recorded != step:
+          raise errors.CheckpointCorruptedError(
+              f"{manager.step_path(step)}: its manifest records step {recorded}, not {step}: a"
+              f" copy of step {recorded} under another name (copied or renamed by hand), whose"
+              f" state would resume as step {step}. Give it its own name back, or remove it")
         wanted = target
         if with_data and DATA_ITEM in summary.item_bytes:
           wanted = {**target, DATA_ITEM: None}
