@@ -1060,3 +1060,31 @@ def test_a_step_another_writer_replaced_in_the_persistent_tier_is_not_resumed_fr
   assert ckpt.restored_step == 20
   assert state["w"].tolist() == [99.0] * 3, "resumed the local copy the persistent tier replaced"
   assert "another save of step 20" in caplog.text
+
+
+def test_a_local_step_of_a_run_another_run_replaced_is_not_resumed(tmp_path):
+  """Run A: local steps every 5, persistent every 20, stopped at 27 (persistent 20, local
+  25). Run B, without the local tier, resumes 20 and saves 22, 24. Run C, with it again,
+  resumed A's local 25 over B's 24 (both newer than 20; 25 is the newer number) and dropped
+  B's work. A local step records the newest persistent step when it was saved (20): the
+  persistent tier's 22 and 24 since are another run's, so C resumes 24. C's own local steps
+  (after 24) are taken by the next restart as before."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax_flax as ofx  # pylint: disable=g-import-not-at-top,redefined-outer-name
+  w, local_dir = str(tmp_path / "run"), str(tmp_path / "local")
+  tiered = {"local_directory": local_dir, "local_save_interval_steps": 5,
+            "save_interval_steps": 20, "save_final_step": False}
+
+  def run(policy, last, tag):
+    with ofx.CheckpointCallback(w, policy) as ckpt:
+      state = ckpt.restore_or_init({"w": np.zeros(3), "run": np.zeros(1)})
+      got = (ckpt.restored_step, float(state["run"][0]))
+      for step in range((ckpt.restored_step or 0) + 1, last + 1):
+        state = {"w": state["w"] + 1, "run": np.full(1, float(tag))}
+        ckpt.on_step_end(step, state)
+    return got
+
+  assert run(tiered, 27, 1) == (None, 0.0)
+  assert run({"save_interval_steps": 2, "save_final_step": False}, 24, 2) == (20, 1.0)
+  assert run(tiered, 31, 3) == (24, 2.0)  # B's work, not A's local 25
+  assert run(tiered, 32, 4) == (30, 3.0)  # C's own local 30 (after 24): the local tier's

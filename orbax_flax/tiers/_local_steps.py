@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -76,6 +77,9 @@ class StepRecord:
   process_count: int
   save_id: str = ""      # agreed by the processes; the persistent save of the same step by the
                          # same callback records it too ("local_copy"), else the copy is stale
+  base: int | None = None  # the newest persistent step the job had saved (or was saving) then:
+                           # a persistent step between it and this one is another run's
+                           # (None: not known, a record of an older version)
 
   def encode(self) -> bytes:
     return _manifest.seal(_RECORD_MAGIC, json.dumps(dataclasses.asdict(self)).encode())
@@ -85,8 +89,10 @@ class StepRecord:
     body = _manifest.unseal(_RECORD_MAGIC, data, where)
     try:
       d = json.loads(body)
+      base = d.get("base")
       return cls(int(d["step"]), str(d["run"]), str(d["timeline"]), int(d["seq"]),
-                 int(d["process_count"]), str(d.get("save_id", "")))
+                 int(d["process_count"]), str(d.get("save_id", "")),
+                 None if base is None else int(base))
     except (ValueError, KeyError, TypeError) as e:
       raise errors.CheckpointCorruptedError(f"{where}: not a local step record ({e})") from None
 
@@ -119,7 +125,8 @@ class StepDirectory:
       out[record.step] = record
     return out, damaged
 
-  def commit(self, step: int, timeline: str, process_count: int, save_id: str) -> None:
+  def commit(self, step: int, timeline: str, process_count: int, save_id: str,
+             base: int | None = None) -> None:
     """Makes the step written in ``dir(step) + TMP`` committed here, the newest commit.
 
     The directory is renamed into place (replacing a step of the same number: one of a
@@ -136,7 +143,7 @@ class StepDirectory:
     shutil.rmtree(final, ignore_errors=True)
     os.rename(final + TMP, final)
     write(os.path.join(final, COMMITTED),
-          StepRecord(step, self.run, timeline, seq, process_count, save_id).encode())
+          StepRecord(step, self.run, timeline, seq, process_count, save_id, base).encode())
     _location.fsync_dir(self.root)  # the rename
 
   def discard(self, step: int) -> None:
@@ -170,7 +177,8 @@ class StepDirectory:
         shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
   def holdings(self, timeline: str | None, process_count: int,
-               persistent: tuple[int, str] | None = None) -> Holdings:
+               persistent: tuple[int, str] | None = None,
+               persistent_steps: Sequence[int] = ()) -> Holdings:
     """Committed local steps here (of ``timeline``, if given), and the peers' replicas held
     here; the steps left out, and why, are logged.
 
@@ -178,6 +186,10 @@ class StepDirectory:
     step of that number counts only if it is the copy that save recorded (the same
     ``save_id``); otherwise another save replaced the step there since (a forced re-save by
     another manager, ``convert``), and the persistent tier holds what the step now is.
+    ``persistent_steps`` are the persistent tier's committed steps: a local step saved when
+    the job's newest persistent step was ``base`` is another lineage's if the persistent tier
+    now holds a step after ``base`` and before it (a run without this local tier went on from
+    ``base``; the local step is what an earlier run did after it, which that run replaced).
     """
     own, replicas, ids = [], {}, {}
     records, ignored = self.records()
@@ -191,6 +203,14 @@ class StepDirectory:
           and not (record.save_id and record.save_id == persistent[1])):
         ignored.append(f"step {step}: the persistent tier holds another save of step {step}"
                        f" (a forced re-save, a convert), which is read there")
+        continue
+      later = [s for s in persistent_steps
+               if record.base is not None and record.base < s < step]
+      if later:
+        ignored.append(f"step {step}: saved when the persistent tier's newest step was"
+                       f" {record.base if record.base >= 0 else 'none'}; it holds step(s)"
+                       f" {', '.join(map(str, later[:5]))} since, of a run that went on from"
+                       " there without this local step")
         continue
       d = self.dir(step)
       ids[step] = record.save_id

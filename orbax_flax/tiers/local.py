@@ -42,7 +42,7 @@ import shutil
 import socket
 import struct
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -141,7 +141,8 @@ class LocalTier:
     self._calls += 1
     return f"{self._key}/{self._calls}-{what}"
 
-  def save(self, step: int, items: Mapping[str, Any], *, timeline: str = "") -> str:
+  def save(self, step: int, items: Mapping[str, Any], *, timeline: str = "",
+           base: int | None = None) -> str:
     """Saves ``step`` of ``timeline`` to the local tier on every process; returns its save id.
 
     Collective: every process calls it with the same step. Raises if any
@@ -152,7 +153,8 @@ class LocalTier:
     persistent save of the same state that records it too
     (:meth:`orbax_flax.CheckpointManager.save`'s ``local_copy``) is what this
     copy stands for, and a resume takes the copy only while that save is the
-    persistent tier's step (see :meth:`restore`).
+    persistent tier's step (see :meth:`restore`). ``base`` is the newest persistent step the
+    job has committed or is saving (-1: none), recorded with the step (see :meth:`restore`).
     """
     me, n = jax.process_index(), jax.process_count()
     key = self._next_key(f"save{step}")
@@ -197,7 +199,7 @@ class LocalTier:
     # nowhere, and the older ones are then what a restore reads.
     error = None
     try:
-      self.steps.commit(step, timeline, n, save_id)
+      self.steps.commit(step, timeline, n, save_id, base)
     except OSError as e:
       error = e
     verdicts = [json.loads(v) for v in _multihost.all_gather(
@@ -242,17 +244,20 @@ class LocalTier:
     return errors.StorageError(message)
 
   def holdings(self, timeline: str | None = None,
-               persistent: tuple[int, str] | None = None) -> Holdings:
-    """Committed local steps here (of ``timeline``, if given, and not replaced by the
-    ``persistent`` tier's step, as for :meth:`restore`), and the peers' replicas held here;
-    the steps left out, and why, are logged."""
-    return self.steps.holdings(timeline, jax.process_count(), persistent)
+               persistent: tuple[int, str] | None = None,
+               persistent_steps: Sequence[int] = ()) -> Holdings:
+    """Committed local steps here (of ``timeline``, if given, not replaced by the
+    ``persistent`` tier's step and not of another lineage than ``persistent_steps``, as for
+    :meth:`restore`), and the peers' replicas held here; the steps left out, and why, are
+    logged."""
+    return self.steps.holdings(timeline, jax.process_count(), persistent, persistent_steps)
 
   def restore(self, target: Mapping[str, Any], newer_than: int | None = None, *,
               timeline: str | None = None, persistent: tuple[int, str] | None = None,
               partial: bool = False, allow_lossy_casts: bool = False,
               casts: list | None = None,
-              optional: tuple[str, ...] = ()) -> tuple[int, dict[str, Any], str] | None:
+              optional: tuple[str, ...] = (),
+              persistent_steps: Sequence[int] = ()) -> tuple[int, dict[str, Any], str] | None:
     """The newest local step of ``timeline`` every process can assemble, if newer than
     ``newer_than``.
 
@@ -268,7 +273,10 @@ class LocalTier:
     manager, ``convert``). The target is checked as the persistent tier
     checks it (``partial``, ``allow_lossy_casts``, ``casts`` as for
     :func:`orbax_flax.restore`); items named in ``optional`` are left out
-    where the step does not hold them.
+    where the step does not hold them. ``persistent_steps``: the persistent tier's
+    committed steps; a local step saved when the job's newest persistent step was
+    ``b`` is not taken while one of them lies between ``b`` and it (another run, without
+    this local tier, went on from ``b``).
 
     Raises:
       TreeMismatchError: on every process, when the target does not match the
@@ -280,7 +288,7 @@ class LocalTier:
     if self.replicas:
       self.ring()  # at start-up: a topology that cannot keep replicas on other hosts is named
     try:
-      mine = self.holdings(timeline, persistent)
+      mine = self.holdings(timeline, persistent, persistent_steps)
     except OSError as e:  # an unreadable local directory holds nothing: the others go on
       _progress.say("local tier: cannot list %s (%s); this process holds no local step",
                     self.root, e)

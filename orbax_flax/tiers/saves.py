@@ -58,7 +58,7 @@ class LocalSaves:
     """True if the local tier saves ``step``. Call it on every process at every step."""
     return self._when.due(step) is not None
 
-  def save(self, step: int, items: Mapping[str, Any], *, timeline: str,
+  def save(self, step: int, items: Mapping[str, Any], *, timeline: str, base: int,
            writer: Any = None) -> tuple[str, errors.StorageError | None]:
     """Saves ``items`` as ``step`` (collective: every process calls it).
 
@@ -74,7 +74,7 @@ class LocalSaves:
     """
     start = time.perf_counter()
     try:
-      save_id = self.tier.save(step, items, timeline=timeline)
+      save_id = self.tier.save(step, items, timeline=timeline, base=base)
     except (errors.StorageError, TimeoutError) as e:
       log.error("local checkpoint of step %d failed (%s); the persistent tier is not affected: %s",
                 step, self._directory, e)

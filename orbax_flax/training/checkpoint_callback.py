@@ -254,8 +254,11 @@ class CheckpointCallback(callbacks.Callback):
 
   def _save_local(self, step: int, items: dict[str, Any]) -> errors.StorageError | None:
     """Saves ``step`` to the local tier (logged if it failed); the error, if any."""
+    # The newest persistent step this job has (or is saving), recorded with the local step:
+    # a resume does not take it over a persistent step another run saved after that one.
+    newest = [s for s in (self.manager.latest_step(), self.manager.inflight_step()) if s is not None]
     save_id, failed = self._local.save(step, items, timeline=self.manager.recorded_timeline(),
-                                       writer=self.writer)
+                                       base=max(newest, default=-1), writer=self.writer)
     self._local_copy = None if failed else (step, save_id)
     return failed
 

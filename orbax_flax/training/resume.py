@@ -385,7 +385,8 @@ class Resume:
                     " any, is taken", persistent_latest, e)
     # The target is checked as the persistent tier checks it: a TreeMismatchError is raised.
     options = dict(newer_than=newer_than, timeline=self._manager.recorded_timeline(),
-                   persistent=persistent, allow_lossy_casts=self._policy.allow_lossy_casts)
+                   persistent=persistent, allow_lossy_casts=self._policy.allow_lossy_casts,
+                   persistent_steps=self._manager.all_steps())
     casts: list = []
     try:  # a step saved without a data position restores without one
       got = self._local.restore(target, casts=casts, optional=(DATA_ITEM,), **options)
