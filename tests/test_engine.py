@@ -563,3 +563,24 @@ def test_transforms_read_in_slabs_under_a_budget_give_the_same_values(ckpt_dir, 
                     transforms=[t.Cast(".*", "bfloat16"), t.Transpose("w")])["s"]
   np.testing.assert_array_equal(np.asarray(got["w"]), x.astype(jnp.bfloat16).T)
   np.testing.assert_array_equal(got["v"], x[:, :5].astype(jnp.bfloat16))
+
+
+def test_python_float_nans_keep_their_sign_and_payload(ckpt_dir):
+  """A Python float leaf was stored as float.hex(), which writes every NaN as 'nan': a
+  negative NaN, one with a payload, a signalling one, came back as the plain NaN. Their
+  64 bits come back now (complex parts too); the plain NaN and other floats are written as
+  before, so older readers read them."""
+  import struct  # pylint: disable=g-import-not-at-top
+  as_float = lambda bits: struct.unpack("<d", struct.pack("<Q", bits))[0]  # noqa: E731
+  bits_of = lambda x: struct.unpack("<Q", struct.pack("<d", x))[0]  # noqa: E731
+  patterns = [0xFFF8000000000000, 0x7FF8000000000001, 0x7FF0000000000001, 0x7FF8000000000000]
+  values = {f"n{i}": as_float(b) for i, b in enumerate(patterns)}
+  values.update(z=-0.0, c=complex(as_float(0xFFF8000000000123), 1.5), inf=float("-inf"))
+  ofx.save(ckpt_dir, {"v": values})
+  got = ofx.restore(ckpt_dir)["v"]
+  for i, b in enumerate(patterns):
+    assert bits_of(got[f"n{i}"]) == b, (i, hex(bits_of(got[f"n{i}"])))
+  assert bits_of(got["c"].real) == 0xFFF8000000000123 and got["c"].imag == 1.5
+  assert bits_of(got["z"]) == bits_of(-0.0) and got["inf"] == float("-inf")
+  manifest = open(os.path.join(ckpt_dir, "_CHECKPOINT"), "rb").read()
+  assert b'"nan"' in manifest and b"nan:7ff8000000000001" in manifest  # plain NaN as before

@@ -19,6 +19,7 @@ same checkpoint and either restores into the other.
 from __future__ import annotations
 
 import base64
+import struct
 import collections
 import functools
 import sys
@@ -202,6 +203,28 @@ def unsupported_leaf_error(item: str, path: Path, leaf: Any) -> errors.Unsupport
       " if it is not state.")
 
 
+_NAN_BITS = 0x7FF8000000000000  # the NaN float.hex() writes as "nan" (and fromhex reads)
+
+
+def float_text(x: float) -> str:
+  """A Python float as exact text: ``float.hex``, and a NaN whose sign or payload is not the
+  plain NaN's as ``nan:<its 64 bits in hex>`` (``float.hex`` writes every NaN as "nan").
+
+  Example:
+    >>> float_text(0.5), float_text(float("nan")), float_text(-float("nan"))
+    ('0x1.0000000000000p-1', 'nan', 'nan:fff8000000000000')
+  """
+  bits = struct.unpack("<Q", struct.pack("<d", x))[0]
+  return x.hex() if x == x or bits == _NAN_BITS else f"nan:{bits:016x}"
+
+
+def float_from_text(text: str) -> float:
+  """The float :func:`float_text` wrote (ValueError for other text)."""
+  if text.startswith("nan:") and len(text) == 20:
+    return struct.unpack("<d", struct.pack("<Q", int(text[4:], 16)))[0]
+  return float.fromhex(text)
+
+
 def encode_value(value: Any) -> dict:
   """Encodes an inline scalar exactly as tagged JSON."""
   if isinstance(value, np.str_):
@@ -217,9 +240,9 @@ def encode_value(value: Any) -> dict:
   if isinstance(value, int):
     return {"t": "int", "v": str(value)}
   if isinstance(value, float):
-    return {"t": "float", "v": value.hex()}
+    return {"t": "float", "v": float_text(value)}
   if isinstance(value, complex):
-    return {"t": "complex", "v": [value.real.hex(), value.imag.hex()]}
+    return {"t": "complex", "v": [float_text(value.real), float_text(value.imag)]}
   if isinstance(value, str):
     return {"t": "str", "v": value}
   if isinstance(value, bytes):
@@ -238,9 +261,9 @@ def decode_value(enc: dict) -> Any:
   if t == "int":
     return int(enc["v"])
   if t == "float":
-    return float.fromhex(enc["v"])
+    return float_from_text(enc["v"])
   if t == "complex":
-    return complex(float.fromhex(enc["v"][0]), float.fromhex(enc["v"][1]))
+    return complex(float_from_text(enc["v"][0]), float_from_text(enc["v"][1]))
   if t == "str":
     return str(enc["v"])
   if t == "bytes":

@@ -872,7 +872,7 @@ def _short(x: Any) -> str:
 
 def _hex_float(text: str) -> bool:
   try:
-    float.fromhex(text)
+    _tree.float_from_text(text)
   except (ValueError, OverflowError):
     return False
   return True
