@@ -261,16 +261,21 @@ def test_init_from_takes_the_params_of_a_legacy_flax_workdir(tmp_path):
                                 _trained_state(40).params["params"]["kernel"])
 
 
+def _count_to(run, last, interval):
+  """A run of a callback on ``run`` whose state counts its steps, from 1 to ``last``."""
+  with ofx.CheckpointCallback(run, _policy(save_interval_steps=interval)) as ckpt:
+    state = ckpt.restore_or_init({"w": jnp.zeros(4)})
+    for step in range(1, last + 1):
+      state = {"w": state["w"] + 1}
+      ckpt.on_step_end(step, state)
+
+
 def test_a_workdir_that_is_a_runs_checkpoints_directory_is_refused(tmp_path):
   """--workdir=<run>/checkpoints: an error naming the run's workdir, not a silent fresh start
   (an INFO line that orbax-checkpoint's root handler would hide)."""
   run = str(tmp_path / "run")
   policy = _policy(save_interval_steps=10)
-  with ofx.CheckpointCallback(run, policy) as ckpt:
-    state = ckpt.restore_or_init({"w": jnp.zeros(4)})
-    for step in range(1, 21):
-      state = {"w": state["w"] + 1}
-      ckpt.on_step_end(step, state)
+  _count_to(run, 20, 10)
   wrong = os.path.join(run, "checkpoints")
   with pytest.raises(ValueError, match=rf"holds orbax_flax checkpoints itself \(step\(s\) 10, 20\)"
                      rf".*--workdir={run}\b"):
@@ -284,11 +289,7 @@ def test_a_restart_with_the_checkpoint_directory_moved_is_refused_naming_the_run
   another disk) started from scratch: one INFO line, "no checkpoint in .../moved". It is refused
   before anything is written, naming the run's steps and the two ways on."""
   run = str(tmp_path / "run")
-  with ofx.CheckpointCallback(run, _policy(save_interval_steps=10)) as ckpt:
-    state = ckpt.restore_or_init({"w": jnp.zeros(4)})
-    for step in range(1, 21):
-      state = {"w": state["w"] + 1}
-      ckpt.on_step_end(step, state)
+  _count_to(run, 20, 10)
   moved = str(tmp_path / "other_disk" / "ckpts")
   with pytest.raises(ValueError, match=rf"checkpoints holds this workdir's run \(orbax_flax"
                      rf" step\(s\) 10, 20\).*--config.checkpoint.directory={run}/checkpoints"):
@@ -332,11 +333,7 @@ def test_a_step_copied_under_another_name_is_not_resumed_as_that_step(tmp_path, 
   as step 15: the resume falls back to the newest real step (or raises, by the policy)."""
   import shutil  # pylint: disable=g-import-not-at-top
   run = str(tmp_path / "run")
-  with ofx.CheckpointCallback(run, _policy(save_interval_steps=5)) as ckpt:
-    state = ckpt.restore_or_init({"w": jnp.zeros(4)})
-    for step in range(1, 11):
-      state = {"w": state["w"] + 1}
-      ckpt.on_step_end(step, state)
+  _count_to(run, 10, 5)
   steps = os.path.join(run, "checkpoints")
   shutil.copytree(os.path.join(steps, "5"), os.path.join(steps, "15"))
   with pytest.raises(ofx.CheckpointCorruptedError, match="records step 5, not 15"):
