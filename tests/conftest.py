@@ -70,4 +70,7 @@ def s3_bucket(s3_server):
 
 
 def pytest_sessionfinish(session, exitstatus):  # pylint: disable=unused-argument
-  shutil.rmtree(os.environ["OFX_TEST_COMPILATION_CACHE"], ignore_errors=True)
+  # Under pytest-xdist (-n 2) the workers share the cache the controller made: the first
+  # worker to finish removed it under the other's running jobs. Only the controller does.
+  if "PYTEST_XDIST_WORKER" not in os.environ:
+    shutil.rmtree(os.environ["OFX_TEST_COMPILATION_CACHE"], ignore_errors=True)
