@@ -297,6 +297,12 @@ def test_a_restart_with_the_checkpoint_directory_moved_is_refused_naming_the_run
         {"w": jnp.zeros(4)})
   assert not os.path.exists(moved)
   os.makedirs(os.path.dirname(moved))
+  # A fine-tune in the same workdir, from the run's step by init_from: not refused.
+  tuned = _policy(save_interval_steps=10, directory=str(tmp_path / "tuned"),
+                  init_from=os.path.join(run, "checkpoints", "20") + ":state")
+  with ofx.CheckpointCallback(run, tuned) as ckpt:
+    assert float(ckpt.restore_or_init({"w": jnp.zeros(4)})["w"][0]) == 20
+    assert ckpt.restored_step is None  # fine-tuning: starts from the weights, at step 0
   os.rename(os.path.join(run, "checkpoints"), moved)  # the way it names: moved, whole
   with ofx.CheckpointCallback(run, _policy(save_interval_steps=10, directory=moved)) as ckpt:
     assert float(ckpt.restore_or_init({"w": jnp.zeros(4)})["w"][0]) == 20

@@ -341,7 +341,7 @@ class Resume:
         return resumed
     if not steps:
       previous = None if self._workdir is None else PreviousRun.find(
-          self._workdir, self._manager.directory)
+          self._workdir, self._manager.directory, fine_tuning=bool(self._policy.init_from))
       if self._policy.init_from:
         if previous is not None:
           log.warning("%s; init_from=%r is set, so this run starts from that instead",
@@ -1158,12 +1158,15 @@ class PreviousRun(NamedTuple):
     return self.steps[-1]
 
   @classmethod
-  def find(cls, workdir: str, directory: str) -> PreviousRun | None:
+  def find(cls, workdir: str, directory: str, *, fine_tuning: bool = False
+           ) -> PreviousRun | None:
     """The other library's run in ``workdir``, ``workdir/checkpoints`` or ``directory``, if any.
 
     Raises:
       ValueError: ``workdir`` is itself an orbax_flax checkpoints directory (a
-        run's ``<workdir>/checkpoints`` passed as the workdir).
+        run's ``<workdir>/checkpoints`` passed as the workdir), or, unless
+        ``fine_tuning`` (``init_from`` is set: the run starts from that), its
+        ``checkpoints`` holds our steps while ``directory`` is elsewhere.
     """
     loc = Location.parse(workdir)
     seen = []
@@ -1179,7 +1182,7 @@ class PreviousRun(NamedTuple):
       if legacy:
         return cls("flax", str(candidate), tuple(s for s, _ in legacy),
                    str(candidate.join(legacy[-1][1])))
-    refuse_checkpoints_dir(loc, directory)
+    refuse_checkpoints_dir(loc, directory, moved=not fine_tuning)
     return None
 
   def description(self) -> str:
@@ -1234,18 +1237,19 @@ def _our_steps(loc: Location) -> list[int]:
           if _location.read_key(loc.join(str(s)), _manifest.MANIFEST_KEY, max_bytes=1) is not None]
 
 
-def refuse_checkpoints_dir(workdir: Location, directory: str) -> None:
+def refuse_checkpoints_dir(workdir: Location, directory: str, *, moved: bool = True) -> None:
   """Raises if ``workdir`` itself holds orbax_flax steps (a run's checkpoints directory), or
-  if ``<workdir>/checkpoints`` does while this run's ``directory`` is elsewhere."""
+  (with ``moved``) if ``<workdir>/checkpoints`` does while this run's ``directory`` is
+  elsewhere."""
   if Location.parse(directory) == workdir:
     return
   default = workdir.join("checkpoints")
-  moved = _our_steps(default) if Location.parse(directory) != default else []
-  if moved:
+  left = _our_steps(default) if moved and Location.parse(directory) != default else []
+  if left:
     raise ValueError(
-        f"{default} holds this workdir's run (orbax_flax step(s) {_steps_text(moved)}), and"
+        f"{default} holds this workdir's run (orbax_flax step(s) {_steps_text(left)}), and"
         f" this run's checkpoint directory is {directory}, which holds none: it would start from"
-        f" scratch beside it. To resume step {moved[-1]}, keep the directory"
+        f" scratch beside it. To resume step {left[-1]}, keep the directory"
         f" (--config.checkpoint.directory={default}), or move that directory, whole, to"
         f" {directory} first; to start another run, give it its own --workdir.")
   ours = _our_steps(workdir)
