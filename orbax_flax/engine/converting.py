@@ -25,6 +25,7 @@ item at once.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -54,9 +55,14 @@ class LazyArray:
 
   def slabs(self, align: int = 1):
     """``(box, data)`` in order: whole rows, about :data:`SLAB_BYTES` each, a multiple of
-    ``align`` rows (the last slab may be shorter); a 0-d or empty array in one."""
+    ``align`` rows and of the rows of one stored chunk of the source, so that each chunk is
+    decoded once (the last slab may be shorter); a 0-d or empty array in one."""
     shape = tuple(int(s) for s in self.shape)
     boxes = [tuple((0, s) for s in shape)]
+    rec = self._rec
+    chunk = (rec.chunk_shape[0] if rec.chunk_shape else
+             getattr(rec.source, "chunk_rows", 1) if rec.source is not None else 1)
+    align = math.lcm(align, max(int(chunk), 1))
     if shape and shape[0] > 0:
       row = max(int(np.prod(shape[1:], dtype=np.int64)) * self.dtype.itemsize, 1)
       rows = max(align, SLAB_BYTES // row // align * align)

@@ -408,6 +408,13 @@ class _Array:
   def describe(self) -> str:
     return self.name
 
+  @property
+  def chunk_rows(self) -> int:
+    """Rows of the first dimension in one stored chunk: a reader that takes slabs of rows
+    aligned to them decodes each chunk once."""
+    shape = self.store.chunk_layout.read_chunk.shape
+    return int(shape[0] or 1) if shape else 1
+
 
 def _checksummed(codecs: list[Any]) -> bool:
   """Whether a zarr3 codec chain checks every chunk's bytes when it decodes them: a
