@@ -546,8 +546,12 @@ def test_transforms_read_in_slabs_under_a_budget_give_the_same_values(ckpt_dir, 
   budget (one row a slab at 1000 bytes): the values are those of a read without a budget,
   for a chain of both, onto a sharded target too."""
   x = np.arange(64 * 48, dtype=np.float32).reshape(64, 48) / 7
-  ofx.save(ckpt_dir, {"s": {"w": x, "v": x[:, :5].copy(), "z": np.float32(2.5)}})
+  layers = np.arange(2 * 16 * 16, dtype=np.float32).reshape(2, 16, 16) / 3  # a row > 1000 B
+  ofx.save(ckpt_dir, {"s": {"w": x, "v": x[:, :5].copy(), "z": np.float32(2.5), "l": layers}})
   t = ofx.transforms
+  got = ofx.restore(ckpt_dir, max_host_bytes=budget,
+                    transforms=[t.Cast("l", "bfloat16"), t.Transpose("l", (0, 2, 1))])["s"]["l"]
+  np.testing.assert_array_equal(got, layers.astype(jnp.bfloat16).transpose(0, 2, 1))
   for transforms, want in (([t.Transpose("w")], x.T),
                            ([t.Cast(".*", "bfloat16")], x.astype(jnp.bfloat16)),
                            ([t.Cast(".*", "bfloat16"), t.Transpose("w", (1, 0))],
@@ -558,7 +562,8 @@ def test_transforms_read_in_slabs_under_a_budget_give_the_same_values(ckpt_dir, 
   mesh = jax.make_mesh((4, 2), ("a", "b"))
   target = {"s": {"w": jax.ShapeDtypeStruct((48, 64), jnp.bfloat16,
                                             sharding=NamedSharding(mesh, P("a", "b"))),
-                  "v": np.zeros((64, 5), jnp.bfloat16), "z": np.float32(0)}}
+                  "v": np.zeros((64, 5), jnp.bfloat16), "z": np.float32(0),
+                  "l": np.zeros((2, 16, 16), jnp.bfloat16)}}
   got = ofx.restore(ckpt_dir, target, max_host_bytes=budget,
                     transforms=[t.Cast(".*", "bfloat16"), t.Transpose("w")])["s"]
   np.testing.assert_array_equal(np.asarray(got["w"]), x.astype(jnp.bfloat16).T)

@@ -478,27 +478,47 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[targets.Want],
 
 def _read_derived_in_slabs(reader: Any, requests: list[tuple], budget: int,
                            progress: Any) -> None:
-  """Reads transforms' requests (``transforms=``: a cast, a transpose) in slabs of whole
-  leading rows of each box, each slab's temporaries (the transform's source box, in the
-  source's dtype) within ``budget``: a transform reads its source into a temporary of its
-  whole box, which for a whole shard was that shard again, outside the budget."""
-  slabs = []
+  """Reads transforms' requests (``transforms=``: a cast, a transpose) in blocks of each box
+  whose temporaries (the transform's source box, in the source's dtype) fit ``budget``: a
+  transform reads its source into a temporary of its whole box, which for a whole shard was
+  that shard again, outside the budget. Leading rows are taken whole where they fit, else
+  one at a time and cut along the next axis (a layer of a stacked (L, d, 4d) array)."""
+  blocks = []
   for item, rec, box, out in requests:
-    if not box or out.shape[0] <= 1:
-      slabs.append((item, rec, box, out))
-      continue
-    row = math.prod(out.shape[1:]) * _WIDEST  # a temporary's bytes per row, at most
-    rows = max(1, budget // max(row, 1))
-    lo0, hi0 = box[0]
-    for lo in range(lo0, hi0, rows):
-      hi = min(lo + rows, hi0)
-      slabs.append((item, rec, ((lo, hi),) + tuple(box[1:]), out[lo - lo0:hi - lo0]))
-  sizes = [math.prod(out.shape) * _WIDEST for _, _, _, out in slabs]
+    for sub in _blocks(tuple(box), max(1, budget // _WIDEST)):
+      where = tuple(slice(lo - b[0], hi - b[0]) for (lo, hi), b in zip(sub, box))
+      blocks.append((item, rec, sub, out[where]))
+  sizes = [math.prod(out.shape) * _WIDEST for _, _, _, out in blocks]
   for batch in _layout.split_by_size(sizes, budget):
-    _reading.read_requests(reader, [slabs[j] for j in batch], progress)
+    _reading.read_requests(reader, [blocks[j] for j in batch], progress)
 
 
 _WIDEST = 16  # bytes per element of a transform's temporary, at most (complex128)
+
+
+def _blocks(box: _layout.Box, limit: int):
+  """Sub-boxes of ``box`` in order, each of at most ``limit`` elements where one element of
+  the last axis allows: whole leading rows where they fit, else each row cut the same way.
+
+  Example:
+    >>> list(_blocks(((0, 4), (0, 3)), 6))
+    [((0, 2), (0, 3)), ((2, 4), (0, 3))]
+    >>> list(_blocks(((0, 2), (0, 4)), 2))
+    [((0, 1), (0, 2)), ((0, 1), (2, 4)), ((1, 2), (0, 2)), ((1, 2), (2, 4))]
+  """
+  if not box or math.prod(hi - lo for lo, hi in box) <= limit:
+    yield box
+    return
+  (lo, hi), rest = box[0], box[1:]
+  inner = math.prod(b - a for a, b in rest)
+  if inner <= limit:
+    rows = max(1, limit // max(inner, 1))
+    for a in range(lo, hi, rows):
+      yield ((a, min(a + rows, hi)),) + rest
+    return
+  for a in range(lo, hi):
+    for sub in _blocks(rest, limit):
+      yield ((a, a + 1),) + sub
 
 
 def _cast_in_pieces(w: targets.Want) -> bool:
