@@ -331,6 +331,22 @@ def test_a_restart_with_another_optimizer_says_so_and_names_the_step_to_start_fr
     state = ckpt.restore_or_init(sgd)
   np.testing.assert_array_equal(state.params["params"]["kernel"],
                                 _trained_state(10).params["params"]["kernel"])
+  # A plain dict state: the same diagnosis, and the init_from that works for it.
+  plain = str(tmp_path / "plain")
+  params = {"w": jnp.ones(4)}
+  with ofx.CheckpointCallback(plain, _policy(save_interval_steps=10)) as ckpt:
+    ckpt.on_step_end(10, ckpt.restore_or_init(
+        {"params": params, "opt_state": optax.adam(1e-2).init(params)}))
+  dict_sgd = {"params": params, "opt_state": optax.sgd(1e-2, momentum=0.9).init(params)}
+  with pytest.raises(ofx.TreeMismatchError) as e:
+    ofx.CheckpointCallback(plain, _policy(save_interval_steps=10)).restore_or_init(dict_sgd)
+  text = str(e.value)
+  assert "a different optimizer" in text.splitlines()[0], text
+  source = os.path.join(plain, "checkpoints", "10") + ":state/params=state/params"
+  assert f"init_from='{source}'" in text, text
+  with ofx.CheckpointCallback(str(tmp_path / "new2"), _policy(
+      save_interval_steps=10, init_from=source)) as ckpt:
+    np.testing.assert_array_equal(ckpt.restore_or_init(dict_sgd)["params"]["w"], np.ones(4))
 
 
 def test_a_step_copied_under_another_name_is_not_resumed_as_that_step(tmp_path, caplog):

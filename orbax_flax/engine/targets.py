@@ -411,8 +411,7 @@ def _diagnosis(diffs: list[str], matched: int) -> str:
     return ("boxed against unboxed: one side keeps its arrays in variables ('.../value', NNX"
             " Variables) where the other has plain arrays (an NNX state against a Linen one, or"
             " the reverse)")
-  items = {w.split("/", 1)[0] for _, w in map(_kind, diffs)}
-  if items == {"opt_state"} and matched:
+  if matched and all("opt_state" in w.split("/")[:2] for _, w in map(_kind, diffs)):
     return ("a different optimizer: only the optimizer state's keys or shapes differ (e.g."
             " adam's mu and nu against sgd's momentum trace); the rest matches")
   if only_target and only_saved and not matched:

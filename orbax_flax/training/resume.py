@@ -438,9 +438,8 @@ class Resume:
           restored = manager.restore(step, wanted,
                                      allow_lossy_casts=self._policy.allow_lossy_casts, casts=casts)
         except errors.TreeMismatchError as e:
-          item = "params" if "params" in target else "state"
           raise _resume_mismatch(e, manager.directory,
-                                 f"{manager.step_path(step)}:{item}") from None
+                                 _weights(manager.step_path(step), target)) from None
         _log_casts(casts)
         error = None
       except (errors.CheckpointCorruptedError, errors.CheckpointNotFoundError) as e:
@@ -654,6 +653,17 @@ def _targets(items: dict[str, Any]) -> dict[str, Any]:
 def _log_casts(casts: list, what: str = "resume") -> None:
   for line in targets.cast_lines(casts):  # one line per kind of change, not one per leaf
     log.warning("%s: %s", what, line)
+
+
+def _weights(step_path: str, target: Mapping[str, Any]) -> str:
+  """The ``init_from`` that takes a step's parameters into this state (``target``: its items):
+  the item ``params`` (a TrainState, NNX), or a plain state's ``params`` subtree."""
+  if "params" in target:
+    return f"{step_path}:params"
+  state = target.get("state")
+  if isinstance(state, Mapping) and "params" in state:
+    return f"{step_path}:state/params=state/params"
+  return f"{step_path}:state/<the subtree to keep>"
 
 
 def _resume_mismatch(e: errors.TreeMismatchError, directory: Any,
