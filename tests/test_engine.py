@@ -589,3 +589,17 @@ def test_python_float_nans_keep_their_sign_and_payload(ckpt_dir):
   assert bits_of(got["z"]) == bits_of(-0.0) and got["inf"] == float("-inf")
   manifest = open(os.path.join(ckpt_dir, "_CHECKPOINT"), "rb").read()
   assert b'"nan"' in manifest and b"nan:7ff8000000000001" in manifest  # plain NaN as before
+
+
+def test_bool_arrays_whose_bytes_are_not_0_or_1_are_saved_as_their_booleans(ckpt_dir, tmp_path):
+  """np.frombuffer(..., bool) of bytes 0, 1, 2, 255: saved as they were, a restore through
+  tensorstore (an object store's, orbax-checkpoint's) and export_orbax's output refused them
+  as damage ('Invalid bool value: 2'). They are stored as the booleans they hold, 0/1."""
+  raw = np.frombuffer(bytes([0, 1, 2, 255] * 64), dtype=np.bool_).reshape(16, 16)
+  want = raw.view(np.uint8) != 0
+  ofx.save(ckpt_dir, {"s": {"m": raw, "small": raw[:2, :2].copy()}})
+  got = ofx.restore(ckpt_dir)["s"]
+  assert got["m"].view(np.uint8).tolist() == want.view(np.uint8).tolist()
+  np.testing.assert_array_equal(got["small"], want[:2, :2])
+  out = ofx.export_orbax(str(tmp_path / "o"), {"m": raw})
+  np.testing.assert_array_equal(ofx.restore(out)["default"]["m"], want)  # tensorstore's read

@@ -203,6 +203,20 @@ def unsupported_leaf_error(item: str, path: Path, leaf: Any) -> errors.Unsupport
       " if it is not state.")
 
 
+def canonical_bool(a: np.ndarray) -> np.ndarray:
+  """``a``, or, for a bool array whose bytes are not all 0 or 1 (a view of other data:
+  ``np.frombuffer(..., bool)``), the booleans it holds stored 0/1: zarr readers
+  (tensorstore's, orbax-checkpoint's) refuse other bytes as damage.
+
+  Example:
+    >>> canonical_bool(np.frombuffer(bytes([0, 2, 1]), np.bool_)).view(np.uint8).tolist()
+    [0, 1, 1]
+  """
+  if a.dtype == np.bool_ and a.size and a.view(np.uint8).max() > 1:
+    return a.view(np.uint8) != 0
+  return a
+
+
 _NAN_BITS = 0x7FF8000000000000  # the NaN float.hex() writes as "nan" (and fromhex reads)
 
 

@@ -308,7 +308,7 @@ def owned_boxes(value: Any, me: int, align: int = 1):
       yield box, np.asarray(shard.data)
     return
   if me == 0:
-    value = np.asarray(value)
+    value = _tree.canonical_bool(np.asarray(value))
     yield tuple((0, s) for s in value.shape), value
 
 
