@@ -256,7 +256,11 @@ class CheckpointCallback(callbacks.Callback):
     """Saves ``step`` to the local tier (logged if it failed); the error, if any."""
     # The newest persistent step this job has (or is saving), recorded with the local step:
     # a resume does not take it over a persistent step another run saved after that one.
-    newest = [s for s in (self.manager.latest_step(), self.manager.inflight_step()) if s is not None]
+    # (The registry's listing, not latest_step(): that raises a failed background save's
+    # error, which the persistent tier's next save reports, never a local save.)
+    committed = self.manager.registry.committed()
+    newest = [s for s in (committed[-1] if committed else None, self.manager.inflight_step())
+              if s is not None]
     save_id, failed = self._local.save(step, items, timeline=self.manager.recorded_timeline(),
                                        base=max(newest, default=-1), writer=self.writer)
     self._local_copy = None if failed else (step, save_id)
