@@ -19,9 +19,9 @@ same checkpoint and either restores into the other.
 from __future__ import annotations
 
 import base64
-import struct
 import collections
 import functools
+import struct
 import sys
 import types
 from collections.abc import Mapping

@@ -651,11 +651,12 @@ class Planner:
     """
     items, casts = cast_items(items, dtype)
     check_items(items)
-    items = canonical_bools(items)
     custom = _custom(custom_metadata)
     me, nproc = _multihost.process_index(), _multihost.process_count()
     template, flat = self._template(items, me, nproc)
-    leaves = {item: leaves for item, (leaves, _) in flat.items()}
+    # (A numpy bool array of bytes other than 0/1 keeps its signature, so its layout too.)
+    leaves = {item: [_tree.canonical_bool(x) if isinstance(x, np.ndarray) and x.dtype == np.bool_
+                     else x for x in leaves] for item, (leaves, _) in flat.items()}
     items_meta = template.bind_records(leaves)
     pieces = template.bind_pieces(leaves) if bind else template.pieces
     check_destination(loc, overwrite)
@@ -733,21 +734,6 @@ def _signature(leaf: Any) -> tuple:
   if isinstance(leaf, np.ndarray):
     return ("numpy", leaf.shape, leaf.dtype.str)
   return ("other", type(leaf))
-
-
-def canonical_bools(items: Mapping[str, Any]) -> Mapping[str, Any]:
-  """``items`` with each numpy bool array whose bytes are not all 0 or 1 replaced by the
-  booleans it holds (:func:`~orbax_flax.core._tree.canonical_bool`); the same ``items`` when
-  there is none (jax bool arrays are 0/1)."""
-  changed = []
-
-  def one(leaf):
-    new = _tree.canonical_bool(leaf) if isinstance(leaf, np.ndarray) else leaf
-    if new is not leaf:
-      changed.append(leaf)
-    return new
-  out = {k: jax.tree.map(one, v) for k, v in items.items()}
-  return out if changed else items
 
 
 def cast_items(items: Mapping[str, Any], dtype: Any, check_only: bool = False

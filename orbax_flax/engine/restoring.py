@@ -460,11 +460,12 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[targets.Want],
     datas = {id(wants[i]): bufs for i, bufs in zip(window, buffers)}
     requests = [(wants[i].item, wants[i].rec, b, buf) for i in window if i not in pieces
                 for b, buf in zip(wants[i].boxes, datas[id(wants[i])])]
-    derived = [r for r in requests if max_host_bytes and isinstance(r[1], Array)
-               and r[1].derived is not None]
-    _reading.read_requests(reader, [r for r in requests if not any(r is d for d in derived)],
-                           progress)
-    _read_derived_in_slabs(reader, derived, max_host_bytes, progress)
+    plain, derived = [], []  # with a budget, transforms' requests are read in blocks
+    for r in requests:
+      budgeted = max_host_bytes and isinstance(r[1], Array) and r[1].derived is not None
+      (derived if budgeted else plain).append(r)
+    _reading.read_requests(reader, plain, progress)
+    _read_derived_in_blocks(reader, derived, max_host_bytes, progress)
     _read_cast_pieces(reader, [(wants[i], datas[id(wants[i])]) for i in sorted(pieces)],
                       max_host_bytes, progress)
     for i in window:
@@ -476,7 +477,7 @@ def read_arrays(loc: Location, manifest: Manifest, wants: list[targets.Want],
   return out
 
 
-def _read_derived_in_slabs(reader: Any, requests: list[tuple], budget: int,
+def _read_derived_in_blocks(reader: Any, requests: list[tuple], budget: int,
                            progress: Any) -> None:
   """Reads transforms' requests (``transforms=``: a cast, a transpose) in blocks of each box
   whose temporaries (the transform's source box, in the source's dtype) fit ``budget``: a
