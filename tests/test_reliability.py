@@ -487,3 +487,53 @@ def test_watchdog_reports_phase_bytes_rss_and_stacks(caplog):
   assert "waiting for every process to finish writing" in text and "1.00 of 4.00 GiB" in text
   assert "RSS" in text and text.count("--- thread MainThread") == 1  # the stacks, once
   assert "test_watchdog_reports_phase_bytes_rss_and_stacks" in text  # this thread's stack
+
+
+# ---------------------------------------------------------------------- 13. a constrained machine
+
+
+def _bounded(fn, seconds=60):
+  """``fn()``'s result or error, failing the test if it has not returned within ``seconds``."""
+  box = []
+
+  def run():
+    try:
+      box.append(("ok", fn()))
+    except BaseException as e:  # pylint: disable=broad-except
+      box.append(("error", e))
+  t = threading.Thread(target=run, daemon=True)
+  t.start()
+  t.join(seconds)
+  assert not t.is_alive(), f"{fn} still waiting after {seconds} s"
+  return box[0]
+
+
+@pytest.mark.parametrize("how", ["manager", "checkpointer"])
+def test_an_async_save_whose_thread_cannot_start_fails_clearly_and_the_next_save_works(
+    tmp_path, how):
+  """A process at its thread limit (ulimit -u, a container's pids.max): Thread.start raised,
+  the save ended with no thread, and the next save, wait() and close() waited for it forever.
+  The limit here is real: thread stacks too large to map (threading.stack_size), for the
+  Python threads made while it holds."""
+  tree = {"w": np.arange(1000, dtype=np.float32)}
+  if how == "manager":
+    m = ofx.CheckpointManager(str(tmp_path / "steps"), ofx.CheckpointPolicy(max_to_keep=3))
+    save = lambda s: m.save(s, {"s": tree}, force=True)  # noqa: E731
+    path = lambda s: str(tmp_path / "steps" / str(s))  # noqa: E731
+  else:
+    m = ofx.Checkpointer()
+    save = lambda s: m.save_async(str(tmp_path / f"c{s}"), {"s": tree})  # noqa: E731
+    path = lambda s: str(tmp_path / f"c{s}")  # noqa: E731
+  _bounded(lambda: (save(1), m.wait()))
+  threading.stack_size(1 << 47)  # no new Python thread can be made (so save here, not bounded)
+  try:
+    with pytest.raises(RuntimeError, match=r"could not start its background thread.*ulimit -u"):
+      save(2)
+  finally:
+    threading.stack_size(0)
+  assert _bounded(lambda: (save(3), m.wait()))[0] == "ok"
+  assert _bounded(m.close)[0] == "ok"
+  for s in (1, 3):
+    np.testing.assert_array_equal(ofx.restore(path(s))["s"]["w"], tree["w"])
+  assert not os.path.exists(path(2))
+  assert not [n for n in os.listdir(os.path.dirname(path(2))) if ".ofx-tmp" in n]

@@ -162,12 +162,16 @@ class AsyncSave:
       else:
         self._error.add_note(f"(its done-callback failed too: {type(e).__name__}: {e})")
 
-  def run_in_background(self, work: Callable[[], None]) -> None:
+  def run_in_background(self, work: Callable[[], None],
+                        fail: Callable[[BaseException], None]) -> None:
     """Runs ``work`` in a daemon thread; at interpreter exit it still commits unless cancelled.
 
     A KeyboardInterrupt (Ctrl-C) while the thread starts (``Thread.start`` waits for it) leaves
     the save running where its caller never learns of it: it is cancelled before the
     interrupt goes on (it never commits), and runs to its end like any cancelled save.
+    A thread that cannot be made (a thread limit) ends the save here with a RuntimeError
+    naming the limit: ``fail(error)`` does what ``work`` would have done after an error
+    (tells the other processes, removes what the save wrote), in the caller's thread.
     """
     def body() -> None:
       self._began.set()
@@ -185,6 +189,9 @@ class AsyncSave:
     atexit.register(self._finish_at_exit)
     try:
       self._thread.start()
+    except RuntimeError as e:  # no thread was made (Thread.start raises only then)
+      self.cancel()
+      self._never_ran(e, fail)
     except BaseException:
       self.cancel()
       # A thread is made in microseconds and runs at once: not begun after seconds, the
@@ -192,8 +199,35 @@ class AsyncSave:
       if not self._began.wait(_THREAD_START_S):
         self._thread = threading.Thread(target=body, name=f"orbax_flax-save-{self.path}",
                                         daemon=True)
-        self._thread.start()
+        try:
+          self._thread.start()
+        except RuntimeError as e:
+          self._never_ran(e, fail)
       raise
+
+  def _never_ran(self, cause: RuntimeError, fail: Callable[[BaseException], None]) -> None:
+    """Ends a save whose thread could not be made (raises): it never wrote nor committed, and
+    ``wait()``/``join()``, the checkpointer's next save and ``close()`` return (with this error
+    where they raise one) instead of waiting for a thread that does not exist."""
+    error = RuntimeError(
+        f"the save to {self.path} could not start its background thread ({cause}): this"
+        " process is at its limit of threads (ulimit -u, a container's pids.max) or of memory"
+        " for thread stacks. The save did not commit; the checkpoints saved before are intact."
+        " Fix: raise the limit, or start fewer threads (data loader workers); a blocking save"
+        " (async_save=False) needs no thread of its own.")
+    error.__cause__ = cause
+    atexit.unregister(self._finish_at_exit)
+    self._thread = None
+    try:
+      fail(error)
+    except BaseException:  # pylint: disable=broad-except  # it raises ``error``, raised below
+      pass
+    self._error, self._reported = error, True  # raised here, not again by the next call
+    try:
+      self._ended()
+    finally:
+      self._over.set()
+    raise error
 
   def _finish_at_exit(self) -> None:
     # Not in a child forked while the save ran: its copy of the save has no thread to wait for.
@@ -356,7 +390,13 @@ def save_async(plan: _planning.Plan, run: SaveRun, handle: AsyncSave, *, host_tr
     finally:
       on_end()
 
-  handle.run_in_background(work)
+  def fail(error: BaseException) -> None:
+    try:
+      run.finish(error)
+    finally:
+      on_end()
+
+  handle.run_in_background(work, fail)
 
 
 def _stage(plan: _planning.Plan, run: SaveRun, how: str, staging: _staging.Staging, budget: int,
