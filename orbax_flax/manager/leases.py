@@ -70,6 +70,7 @@ a live one.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import fcntl
 import json
 import logging
@@ -195,9 +196,28 @@ def leased_steps(loc: Location, seen: dict[str, tuple[float, float]]) -> set[int
 
 
 def announce_deletion(loc: Location, steps: Iterable[int]) -> None:
-  """The manager's first move: a deletion notice for each step, before it reads the leases."""
+  """The manager's first move: a deletion notice for each step, before it reads the leases.
+
+  On a local disk with no room left for a notice, the deletion goes on without one (with
+  a WARNING): the notice stands between a reader that writes its lease after the manager
+  read the leases and the step's uncommit, and on a disk that full no reader can write a
+  new lease either (an existing one, rewritten in place, is read as before). Without it a
+  full disk would keep the very step whose deletion gives the room back, and every later
+  save would fail.
+  """
   for step in steps:
-    _write(loc, _notice(step))
+    try:
+      _write(loc, _notice(step))
+    except errors.StorageError as e:
+      if not (loc.is_local and _disk_full(e)):
+        raise
+      log.warning("deleting step %d of %s without a deletion notice: the disk is full (%s)."
+                  " A reader cannot take a new lease on it either.", step, loc, e.__cause__ or e)
+
+
+def _disk_full(e: BaseException) -> bool:
+  cause = e.__cause__
+  return isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def withdraw_deletion(loc: Location, steps: Iterable[int]) -> None:
