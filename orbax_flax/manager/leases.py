@@ -203,7 +203,9 @@ def announce_deletion(loc: Location, steps: Iterable[int]) -> None:
   read the leases and the step's uncommit, and on a disk that full no reader can write a
   new lease either (an existing one, rewritten in place, is read as before). Without it a
   full disk would keep the very step whose deletion gives the room back, and every later
-  save would fail.
+  save would fail. The same holds for an exhausted quota (EDQUOT), except that a reader of
+  another user could write its lease within the microseconds between the manager's listing
+  and the uncommit: its read of that step would then fail (nothing saved is lost).
   """
   for step in steps:
     try:
