@@ -537,3 +537,31 @@ def test_an_async_save_whose_thread_cannot_start_fails_clearly_and_the_next_save
     np.testing.assert_array_equal(ofx.restore(path(s))["s"]["w"], tree["w"])
   assert not os.path.exists(path(2))
   assert not [n for n in os.listdir(os.path.dirname(path(2))) if ".ofx-tmp" in n]
+
+
+_UNDER_A_DATA_LIMIT = r"""
+import resource, sys
+import numpy as np, orbax_flax as ofx
+d = sys.argv[1]
+tree = {"w": np.arange(10, dtype=np.float32)}
+ofx.save(d + "/one", {"s": tree})
+with ofx.CheckpointManager(d + "/steps") as m:
+  m.save(1, {"s": tree}, force=True)
+ofx.restore(d + "/one")  # everything imported and warm before the limit
+vm = int([l for l in open("/proc/self/status") if l.startswith("VmData:")][0].split()[1]) << 10
+resource.setrlimit(resource.RLIMIT_DATA, (vm + (128 << 20), resource.RLIM_INFINITY))
+assert ofx.restore(d + "/one")["s"]["w"].tolist() == list(range(10))
+assert ofx.metadata(d + "/one") is not None and ofx.verify(d + "/one") is not None
+with ofx.CheckpointManager(d + "/steps") as m:
+  assert m.restore()["s"]["w"].tolist() == list(range(10))
+print("RESTORED")
+"""
+
+
+def test_a_small_checkpoint_restores_under_a_data_limit(tmp_path):
+  """Clusters set ``ulimit -d``/``-v`` (or strict overcommit): every manifest read asked for
+  a buffer of the manifest's 256 MiB bound at once (``f.read(n)`` allocates ``n``), so a
+  40-byte checkpoint's restore raised a bare MemoryError with 128 MiB to spare."""
+  r = subprocess.run([sys.executable, "-c", _UNDER_A_DATA_LIMIT, str(tmp_path)],
+                     capture_output=True, text=True, timeout=300, env=jobs.env_for(1))
+  assert "RESTORED" in r.stdout, r.stderr[-3000:]

@@ -418,7 +418,7 @@ def read_key(loc: Location, key: str, context: ts.Context | None = None,
     # blocking, and read only if a plain file: a FIFO put in its place would block forever.
     try:
       with open_plain(os.path.join(loc.local_path, key), str(loc)) as f:
-        return f.read() if max_bytes is None else f.read(max_bytes)
+        return f.read() if max_bytes is None else read_at_most(f, max_bytes)
     except (FileNotFoundError, NotADirectoryError):
       return None
   try:
@@ -429,6 +429,26 @@ def read_key(loc: Location, key: str, context: ts.Context | None = None,
       return read_key(loc, key, context)  # shorter than max_bytes
     raise storage_error(loc, f"reading {key!r}", e) from e
   return r.value if r.state == "value" else None
+
+
+def read_at_most(f: Any, max_bytes: int) -> bytes:
+  """The first ``max_bytes`` of the open file ``f`` (all of it if shorter), read in pieces:
+  ``f.read(n)`` allocates ``n`` bytes first, so a bound of 256 MiB for a 40-byte manifest
+  raised MemoryError under an address-space limit (``ulimit -v``, strict overcommit).
+
+  Example:
+    >>> import io
+    >>> read_at_most(io.BytesIO(b"abc"), 1 << 30), read_at_most(io.BytesIO(b"abc"), 2)
+    (b'abc', b'ab')
+  """
+  chunks, left = [], max_bytes
+  while left > 0:
+    chunk = f.read(min(left, 1 << 20))
+    if not chunk:
+      break
+    chunks.append(chunk)
+    left -= len(chunk)
+  return b"".join(chunks)
 
 
 def open_plain(path: str, inside: str) -> Any:

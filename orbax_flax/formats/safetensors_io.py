@@ -106,7 +106,7 @@ def detect(path: str) -> bool:
 
 def _read_prefix(file: str, limit: int) -> bytes:
   with _location.open_plain(file, os.path.dirname(file)) as f:
-    data = f.read(limit + 1)
+    data = _location.read_at_most(f, limit + 1)
   if len(data) > limit:
     raise errors.CheckpointFormatError(f"{file}: larger than {limit} bytes; not an index")
   return data
