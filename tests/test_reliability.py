@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 
@@ -565,3 +566,100 @@ def test_a_small_checkpoint_restores_under_a_data_limit(tmp_path):
   r = subprocess.run([sys.executable, "-c", _UNDER_A_DATA_LIMIT, str(tmp_path)],
                      capture_output=True, text=True, timeout=300, env=jobs.env_for(1))
   assert "RESTORED" in r.stdout, r.stderr[-3000:]
+
+
+_AT_A_LIMIT = r"""
+import os, resource, sys
+import numpy as np, orbax_flax as ofx
+d, which = sys.argv[1], sys.argv[2]
+ofx.save(d + "/small", {"s": {"w": np.arange(10, dtype=np.float32)}})
+ofx.restore(d + "/small")  # everything imported and warm before the limit
+try:
+  if which == "fsize":  # a file of 8 MB under a 1 MB limit (Python ignores SIGXFSZ)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+    ofx.save(d + "/big", {"s": {"w": np.zeros(2 << 20, np.float32)}})
+  else:  # every file descriptor taken
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, 4096))
+    held = []
+    try:
+      while True:
+        held.append(open("/dev/null"))
+    except OSError:
+      pass
+    ofx.restore(d + "/small")
+  print("NO ERROR")
+except ofx.StorageError as e:
+  print("STORAGE ERROR:", e)
+"""
+
+
+@pytest.mark.parametrize("which,fix", [("fsize", "ulimit -f"), ("nofile", "ulimit -n")])
+def test_a_process_limit_is_named_with_its_fix(tmp_path, which, fix):
+  """At ``ulimit -f`` a save failed with "File too large ... check that the directory is
+  writable and the disk is not full"; with no file descriptor left a restore raised a bare
+  OSError of the manifest's open."""
+  r = subprocess.run([sys.executable, "-c", _AT_A_LIMIT, str(tmp_path), which],
+                     capture_output=True, text=True, timeout=300, env=jobs.env_for(1))
+  assert "STORAGE ERROR:" in r.stdout and fix in r.stdout, (r.stdout, r.stderr[-3000:])
+
+
+def test_files_of_the_local_tier_follow_the_umask(tmp_path):
+  """The local tier made its blobs with mode 0o644 whatever the umask (a group that shares a
+  run under umask 002 could not rewrite them); every other file follows the umask."""
+  code = textwrap.dedent(r"""
+    import os, stat, sys
+    import numpy as np, orbax_flax as ofx
+    os.umask(0o002)
+    policy = ofx.CheckpointPolicy(local_directory=sys.argv[1] + "/local",
+                                  local_save_interval_steps=1, save_interval_steps=1)
+    with ofx.CheckpointCallback(sys.argv[1] + "/work", policy) as ckpt:
+      state = ckpt.restore_or_init({"w": np.zeros(3)})
+      ckpt.on_step_end(1, {"w": np.ones(3)})
+    modes = {os.path.relpath(os.path.join(r, f), sys.argv[1]):
+             oct(stat.S_IMODE(os.stat(os.path.join(r, f)).st_mode))
+             for top in ("local", "work") for r, _, fs in os.walk(sys.argv[1] + "/" + top)
+             for f in fs}
+    print(sorted(modes.items()))
+    print("NOT 664:", {k: v for k, v in modes.items() if v != "0o664"})
+  """)
+  r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                     text=True, timeout=300, env=jobs.env_for(1))
+  assert "NOT 664: {}" in r.stdout and "own.blob" in r.stdout, (r.stdout, r.stderr[-3000:])
+
+
+def test_a_leftover_that_cannot_be_removed_is_said_once(tmp_path, caplog):
+  """A sweep (or a deletion) that could not remove what it should (another user's files, a
+  read-only mount inside) said nothing: the room stayed taken with no word why. Now a
+  WARNING names it and the fix, once per leftover, not at every sweep."""
+  from disks import small_disk  # pylint: disable=g-import-not-at-top
+  d = str(tmp_path / "steps")
+  with ofx.CheckpointManager(d) as m:
+    m.save(1, {"s": {"w": np.ones(3)}}, force=True)
+  stuck = os.path.join(d, "1.ofx-tmp-0123456789abcdef", "sub")
+  with small_disk(stuck, size="1m"):
+    with open(os.path.join(stuck, "f"), "w") as f:
+      f.write("x")
+    subprocess.run(["mount", "-o", "remount,ro", stuck], check=True)
+    with caplog.at_level(logging.WARNING, logger="orbax_flax"):
+      with ofx.CheckpointManager(d) as m:
+        for s in (2, 3):
+          m.save(s, {"s": {"w": np.full(3, s)}}, force=True)
+          m.wait()
+    said = [r for r in caplog.records if "could not remove the leftover" in r.getMessage()]
+    assert len(said) == 1 and "1.ofx-tmp-0123456789abcdef" in said[0].getMessage(), said
+  assert ofx.CheckpointManager(d).all_steps() == [1, 2, 3]
+
+
+def test_a_storage_error_in_a_sticky_directory_names_the_sticky_bit(tmp_path):
+  """Another user's step in a shared sticky directory (mode 1777) cannot be renamed away: the
+  error said "may not write in <dir>. Fix: make that directory writable" of a directory
+  anyone may write. (Root ignores the sticky bit, so the refusal is built here, as the
+  kernel gives it to the job of another user.)"""
+  from orbax_flax.core import _location  # pylint: disable=g-import-not-at-top
+  d = tmp_path / "shared"
+  (d / "2").mkdir(parents=True)
+  os.chmod(d, 0o1777)
+  os.chown(d / "2", 12345, 12345)
+  e = _location.storage_error(_location.Location.parse(str(d)), "deleting step 2",
+                              PermissionError(1, "Operation not permitted", str(d / "2")))
+  assert "is sticky (mode 1777)" in str(e) and "uid [12345]" in str(e), e

@@ -303,6 +303,31 @@ def _name_too_long(path: str, probe: str) -> str:
           " path (a directory nearer the root, or shorter names).")
 
 
+def _sticky_owner(path: str) -> str | None:
+  """Why a directory this process may write refused it: sticky (``chmod +t``, as /tmp and
+  shared run directories), where only an entry's owner renames or deletes it; else None."""
+  for d in (path, os.path.dirname(path)):
+    try:
+      st = os.stat(d)
+    except OSError:
+      continue
+    if os.path.isdir(d) and st.st_mode & stat.S_ISVTX and os.access(d, os.W_OK):
+      owners = set()
+      try:
+        for name in os.listdir(d):
+          o = os.lstat(os.path.join(d, name)).st_uid
+          if o != os.getuid():
+            owners.add(o)
+      except OSError:
+        pass
+      return (f"{d} is sticky (mode {stat.S_IMODE(st.st_mode):o}): only an entry's owner may"
+              f" rename or delete it there, and this process (uid {os.getuid()}) owns not"
+              f" all of them{f' (others: uid {sorted(owners)[:5]})' if owners else ''}. Fix:"
+              " run the job as the user who saved those steps, or give each user a"
+              " directory of their own (or clear the sticky bit: chmod -t).")
+  return None
+
+
 def _local_cause(path: str, code: int | None) -> str | None:
   """Why a write under the local ``path`` failed, with the fix, from what is on disk."""
   # The nearest part of the path that exists says most: a file in the way, a
@@ -325,6 +350,9 @@ def _local_cause(path: str, code: int | None) -> str | None:
     return (f"the file system at {where} is mounted read-only. Fix: save to a writable"
             " directory, or remount it read-write.")
   if code in (errno.EACCES, errno.EPERM):
+    sticky = _sticky_owner(probe)
+    if sticky is not None:
+      return sticky
     return (f"permission denied: this process (uid {os.getuid()}) may not write in {probe}."
             " Fix: make that directory writable for it (chmod/chown), or choose another path.")
   if code == errno.ENOENT:
@@ -355,6 +383,11 @@ def storage_error(loc: Location, what: str, e: BaseException) -> errors.StorageE
         f"{what} at {loc} failed: this process may open no more files ({e}). Fix: raise the"
         " open-file limit (`ulimit -n`, RLIMIT_NOFILE; often 1024 by default), or close files"
         " the job keeps open.")
+  if code == errno.EFBIG or "File too large" in text:
+    return errors.StorageError(
+        f"{what} at {loc} failed: a file would pass this process's file-size limit or the"
+        f" file system's largest file ({e}). Fix: raise the limit (`ulimit -f unlimited`,"
+        " RLIMIT_FSIZE), or save to a file system that holds files this large.")
   if "QuotaExceeded" in text or "quota" in text.lower():
     return errors.StorageError(f"{what} at {loc} failed: the store's quota is exhausted: {e}."
                                " Fix: free space in the bucket or raise its quota.")
@@ -421,6 +454,10 @@ def read_key(loc: Location, key: str, context: ts.Context | None = None,
         return f.read() if max_bytes is None else read_at_most(f, max_bytes)
     except (FileNotFoundError, NotADirectoryError):
       return None
+    except OSError as e:
+      if e.errno in (errno.EMFILE, errno.ENFILE):  # the process's limit, and its fix
+        raise storage_error(loc, f"reading {key!r}", e) from e
+      raise
   try:
     byte_range = None if max_bytes is None else slice(0, max_bytes)
     r = open_kvstore(loc, "", context).read(key, byte_range=byte_range).result()

@@ -1274,12 +1274,16 @@ def discard(plan: _planning.Plan, gen: str, nproc: int, after: BaseException | N
   try:
     if where.is_local:
       if os.path.isdir(where.local_path):
-        shutil.rmtree(where.local_path, ignore_errors=True)
+        failed: list[BaseException] = []  # removes what it can, then says what it could not
+        shutil.rmtree(where.local_path, onerror=lambda *a: failed.append(a[2][1]))
+        if failed:
+          raise failed[0]
     else:
       _delete_generations(loc, _databases(plan.manifest["items"], nproc, gen))
   except (OSError, errors.StorageError) as e:
-    log.warning("could not remove the data of the failed save to %s (a leftover, removed by a"
-                " later writer's sweep): %s", plan.loc, e)
+    log.warning("could not remove the data of the failed save to %s: %s. It is a leftover,"
+                " %s: a CheckpointManager's sweep removes it where the save was one of its"
+                " steps; else remove it by hand.", plan.loc, e, where)
 
 
 def _commit_local(plan: _planning.Plan, gen: str, target: Location, data: bytes) -> None:

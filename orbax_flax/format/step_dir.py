@@ -63,6 +63,8 @@ from orbax_flax.core import _location
 from orbax_flax.format import _manifest
 from orbax_flax.core._location import Location
 
+log = logging.getLogger("orbax_flax")
+
 
 @dataclasses.dataclass(frozen=True)
 class Leftover:
@@ -197,7 +199,7 @@ def read_rollbacks(loc: Location) -> list[RollbackRecord]:
                               bool(r["committed"]))
                for r in json.loads(data)]
   except (ValueError, TypeError, KeyError) as e:
-    logging.getLogger("orbax_flax").warning(
+    log.warning(
         "%s/%s cannot be read (%s): ignored; steps of a run a rollback abandoned may be listed"
         " again until they are deleted", loc, ROLLBACKS, e)
     return []
@@ -458,7 +460,7 @@ def _is_step(name: str) -> bool:
   return name.isascii() and name.isdigit()
 
 
-def remove(loc: Location, leftover: Leftover) -> bool:
+def remove(loc: Location, leftover: Leftover) -> str | None:
   """Removes a leftover (a directory, a key prefix, or one generation's data in a step).
 
   On an object store a prefix whose manifest exists by now (its save committed
@@ -468,14 +470,14 @@ def remove(loc: Location, leftover: Leftover) -> bool:
   another one (the save that wrote it may have committed since the listing).
 
   Returns:
-    False if a local leftover is still there (a local removal ignores errors: it
-    is tried again at a later sweep).
+    None once removed, else why a local leftover is still there (it is tried again at a
+    later sweep).
   """
   name = leftover.name
   if loc.is_local:
     path = os.path.join(loc.local_path, name)
-    remove_local(path)
-    return not os.path.lexists(path)
+    failed = remove_local(path)
+    return (failed or "still there") if os.path.lexists(path) else None
   if leftover.generation is not None:
     step = loc.join(str(leftover.step))
     current = committed_generation(step)
@@ -484,24 +486,30 @@ def remove(loc: Location, leftover: Leftover) -> bool:
                    if _generation_of_key(k) == leftover.generation}
       for db in sorted(databases):
         _location.delete_prefix(step, db + "/")
-    return True
+    return None
   prefix = loc.join(name.rstrip("/"))
   if (_location.read_key(prefix, _manifest.MANIFEST_KEY, max_bytes=1) is None
       and not any(_is_foreign(k) for k in _location.list_keys(prefix))):
     _location.delete_prefix(loc, name)
-  return True
+  return None
 
 
-def remove_local(path: str) -> None:
+def remove_local(path: str) -> str | None:
   """Removes a local directory, or only the link if ``path`` is a symlink: nothing is ever
-  deleted through a link (it may lead out of the directory of steps)."""
+  deleted through a link (it may lead out of the directory of steps). Removes what it can;
+  returns what it could not (the count and the first error), or None."""
   if os.path.islink(path):
     try:
       os.unlink(path)
     except FileNotFoundError:
       pass
-    return
-  shutil.rmtree(path, ignore_errors=True)
+    except OSError as e:
+      return str(e)
+    return None
+  failed: list[OSError] = []
+  shutil.rmtree(path, onerror=lambda *a: failed.append(a[2][1]))
+  failed = [e for e in failed if not isinstance(e, FileNotFoundError)]  # (removed meanwhile)
+  return f"{len(failed)} error(s), the first: {failed[0]}" if failed else None
 
 
 def delete_step(loc: Location, step: int) -> None:
@@ -515,7 +523,12 @@ def delete_step(loc: Location, step: int) -> None:
       return
     except OSError as e:
       raise _location.storage_error(loc, f"deleting step {step}", e) from e
-    remove_local(os.path.join(loc.local_path, doomed))
+    failed = remove_local(os.path.join(loc.local_path, doomed))
+    if failed:
+      log.warning("step %d of %s is deleted (no longer a checkpoint), but not all of its files"
+                  " could be removed (%s): %s stays as a leftover. Fix: remove it as its owner"
+                  " (the user who saved the step, if another), or give this job the"
+                  " permission to.", step, loc, failed, doomed)
     return
   _location.delete_key(loc.join(INDEX), name)  # out of the index first: listed means committed
   _location.delete_key(loc.join(name), _manifest.MANIFEST_KEY)

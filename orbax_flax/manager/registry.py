@@ -166,6 +166,7 @@ class StepRegistry:
     self._leases_seen: dict[str, tuple[float, float]] = {}
     self._infos: dict[int, policy_lib.StepInfo] = {}
     self._leftovers: list[step_dir.Leftover] = []
+    self._unremovable: set[str] = set()  # leftovers a sweep could not remove, said once
     # The directory's rollback records (step_dir.ROLLBACKS), as last read or written here;
     # and, from the last listing, those records as they stand (settled) and the listed steps
     # they abandon. Written only by the writer, under _records_lock.
@@ -609,8 +610,15 @@ class StepRegistry:
           kept.append(l)
           continue
         log.info("removing leftover %s of an interrupted save or delete", l.name)
-        if not step_dir.remove(self._dir, l):
-          kept.append(l)  # still there: tried again at the next sweep
+        failed = step_dir.remove(self._dir, l)
+        if failed is not None:
+          kept.append(l)  # still there: tried again at the next sweep (said once)
+          if l.name not in self._unremovable:
+            self._unremovable.add(l.name)
+            log.warning("could not remove the leftover %s of %s (%s); tried again at each"
+                        " sweep. Fix: remove it as its owner (the user who saved it, if"
+                        " another), or give this job the permission to.", l.name, self._dir,
+                        failed)
       # Retired data only; should its removal fail, what stays is found by the next sweep.
       self.retention.sweep(self._dir)
       # What is left, from the one listing: on an object store a listing reads every key.

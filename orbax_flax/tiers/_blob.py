@@ -156,7 +156,7 @@ def write(path: str, blob: Blob, max_host_bytes: int = 0) -> int:
   Returns the file's size.
   """
   head = blob.header_bytes()
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
   try:
     os.ftruncate(fd, head + blob.payload_bytes)
     sizes = [e["nbytes"] for e in blob.entries]

@@ -235,7 +235,7 @@ class Sink:
     self.fd = None
     if path is not None:
       try:
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)  # less the umask
       except OSError as e:
         self.error = e
 
