@@ -519,9 +519,11 @@ def test_a_deletion_that_fails_is_tried_again_at_the_next(tmp_path):
       m.save(0, items(0), force=True)
       m.wait()
       arm[0] = True
-      with pytest.raises(ofx.StorageError, match="read-only"):
+      with pytest.raises(ofx.StorageError, match="read-only") as raised:
         m.save(1, items(1), force=True)
         m.wait()
+      # Raised by the save's wait(), it says what failed: not the save, which committed.
+      assert "of the deletion of step(s) [0]" in " ".join(raised.value.__notes__), raised
       assert os.path.isdir(os.path.join(d, "0"))
       subprocess.run(["mount", "-o", "remount,rw", disk], check=True)
       m.save(2, items(2), force=True)

@@ -503,6 +503,7 @@ class CheckpointManager:
     :class:`InFlight` and raised by the manager's next call.
     """
     step = save.info.step
+    committed = False
     try:
       with self._completing:
         if handle is not None:
@@ -511,6 +512,7 @@ class CheckpointManager:
           except BaseException:
             self.registry.retention.after_save(self._dir, step, committed=False)
             raise
+        committed = True
         self.registry.retention.after_save(self._dir, step, committed=True)
         self._store_silent = False
         gone = self._rollback.committed(save.info, save.run)
@@ -521,6 +523,8 @@ class CheckpointManager:
         self.registry.doom(doomed)
         self.registry.delete(set(doomed) | gone)
     except BaseException as e:  # pylint: disable=broad-except  # raised by the next call
+      if committed:  # what failed is the bookkeeping after it (a deletion, an event)
+        e.add_note(f"(step {step} is committed: this error is of what follows its commit)")
       cancelled = save.handle is not None and save.handle.cancelled.is_set()
       if isinstance(e, errors.StorageError) and self.policy.on_save_error == "warn" \
           and not cancelled:

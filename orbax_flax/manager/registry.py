@@ -535,9 +535,12 @@ class StepRegistry:
       return
     try:
       self._delete_now(steps)
-    except BaseException:
+    except BaseException as e:
       with self._lock:  # what is still doomed is tried again at the next deletion
         self._later |= set(steps) & self._deleting
+      e.add_note(f"(of the deletion of step(s) {short(steps)} of {self._dir}, which no keep rule"
+                 " keeps: the saves before it committed; the deletion is tried again at the"
+                 " next one)")
       raise
     if not self._stopping.is_set():
       self._prune_rollbacks()

@@ -76,8 +76,9 @@ class LocalSaves:
     try:
       save_id = self.tier.save(step, items, timeline=timeline, base=base)
     except (errors.StorageError, TimeoutError) as e:
-      log.error("local checkpoint of step %d failed (%s); the persistent tier is not affected: %s",
-                step, self._directory, e)
+      log.error("local checkpoint of step %d failed (%s): %s. The persistent tier's save of"
+                " this step, if due, still runs; then on_save_error decides whether training"
+                " goes on.", step, self._directory, e)
       return "", e if isinstance(e, errors.StorageError) else errors.StorageError(str(e))
     seconds = time.perf_counter() - start
     self._when.record(step, seconds)
