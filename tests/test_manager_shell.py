@@ -119,6 +119,21 @@ def test_trigger_and_keep_composed_by_hand(tmp_path, trigger, keep, saved, kept)
   assert got == saved
 
 
+def test_a_keep_rule_composed_by_hand_reads_the_metrics_unless_it_says_it_does_not(tmp_path):
+  """A user's keep rule without ``reads_metadata`` is taken as reading the steps' metadata
+  (documented: policy.KeepRule), so it sees the metrics each step recorded; read as not
+  reading it (mutation review), it saw none and deleted the best step."""
+  class KeepGoodLoss:  # no reads_metadata attribute
+    def keep(self, steps):
+      return {s.step for s in steps if s.metrics.get("loss", 1.0) < 0.5}
+
+  with ofx.CheckpointManager(str(tmp_path), keep=[KeepGoodLoss()]) as mngr:
+    for step, loss in ((1, 0.9), (2, 0.1), (3, 0.8), (4, 0.7)):
+      mngr.save(step, {"state": state(step)}, force=True, metrics={"loss": loss})
+    mngr.wait()
+    assert mngr.all_steps() == [2, 4]  # the good one, and the newest (never deleted)
+
+
 def test_time_trigger_composed_by_hand_follows_the_clock(tmp_path):
   clock = FakeClock()
   got = []

@@ -62,6 +62,11 @@ def infos(*steps, metric=None, times=None):
     ([P.KeepLast(1), P.KeepOnePer(100)], infos(1, 2, 3, 4, 5, times=[10, 50, 120, 190, 250]), [2, 4]),
     # The newest step is never deleted, whatever the rules say.
     ([P.KeepBest("loss", "min", 1)], infos(1, 2, metric=[0.1, 0.9]), []),
+    # KeepLast keeps the newest step numbers, not the latest saved: step 1 re-saved (force=True)
+    # after step 2 has the later time (mutation review: ranked by time, step 2 was deleted).
+    ([P.KeepLast(2)], infos(1, 2, 3, times=[30, 20, 40]), [1]),
+    # A tie on the metric goes to the newer step (ranked the other way, 1 was kept, 2 deleted).
+    ([P.KeepBest("loss", "max", 1)], infos(1, 2, 3, metric=[1.0, 1.0, 0.5]), [1]),
 ])
 def test_keep_rules(rules, steps, deleted):
   assert P.to_delete(steps, rules) == deleted
@@ -125,6 +130,7 @@ def test_best_step():
   assert P.best_step(steps, "loss", "min") == 2
   assert P.best_step(steps, "loss", "max") == 1
   assert P.best_step(steps, "acc") is None
+  assert P.best_step(infos(1, 2, 3, metric=[1.0, 1.0, 0.5]), "loss", "max") == 2  # a tie: newer
 
 
 @pytest.mark.parametrize("values,error,match", [

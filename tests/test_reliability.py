@@ -341,17 +341,41 @@ def test_a_sigterm_during_the_restore_of_a_multiprocess_job_saves_the_next_step(
 
 
 def test_restore_of_latest_step_while_a_save_is_in_flight(tmp_path):
+  """max_to_keep=1: step 1 is read while the save of step 2 commits, whose keep rule drops 1.
+  The read pins its step: the deletion waits for it. The read is held (its progress, a
+  parameter of restore, waits after its first round of a 1 MiB budget) until step 2 has
+  committed, so the keep rule runs while it reads, whatever the machine's speed (with two
+  big arrays racing, the read ended first and an unpinned restore passed too: mutation
+  review)."""
+  from orbax_flax.core import _progress  # pylint: disable=g-import-not-at-top
+  reading, release = threading.Event(), threading.Event()
+
+  class HeldRead(_progress.Progress):
+    def add(self, n):
+      reading.set()
+      assert release.wait(60), "the test never let the read go on"
+      super().add(n)
+
+  parts = {f"p{i}": np.full((1 << 18,), i, np.float32) for i in range(8)}  # 8 arrays of 1 MiB
   with ofx.CheckpointManager(str(tmp_path), ofx.CheckpointPolicy(max_to_keep=1)) as m:
-    big = {"w": np.ones((16, 1 << 20), np.float32)}  # 64 MiB: the save is still running
-    m.save(1, {"s": big}, force=True)
+    m.save(1, {"s": parts}, force=True)
     m.wait()
-    m.save(2, {"s": {"w": big["w"] * 2}}, force=True)
-    step = m.latest_step()
-    assert step == 1
-    restored = m.restore(step)["s"]["w"]  # pinned: step 2's keep rule waits for this read
-    assert restored[0, 0] == 1.0
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(
+        m.restore(1, progress=HeldRead("restore of step 1"), max_host_bytes=1 << 20)["s"]))
+    reader.start()
+    assert reading.wait(60)
+    m.save(2, {"s": {k: v + 10 for k, v in parts.items()}}, force=True)
+    assert m.wait_for_save(60)  # committed; its keep rule dropped step 1, which is being read
+    assert os.path.isdir(os.path.join(str(tmp_path), "1"))  # pinned: not deleted under the read
+    release.set()
+    reader.join(60)
+    assert sorted(got) == sorted(parts)
+    for k, v in parts.items():
+      np.testing.assert_array_equal(got[k], v)
     m.wait()
     assert m.all_steps() == [2]
+  assert not os.path.exists(os.path.join(str(tmp_path), "1"))  # deleted once the read ended
 
 
 # ---------------------------------------------------------------------- 7. failing exception save

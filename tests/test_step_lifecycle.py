@@ -556,3 +556,44 @@ def test_a_restore_of_an_older_step_on_one_process_of_a_job_is_refused_and_chang
       outs[1]["restore"]), outs[1]
   for out in outs:
     assert out["steps"] == [1, 2, 3, 4] and all(out["values"]), out
+
+
+def test_keep_rules_wait_while_a_rollback_waits_for_its_first_commit(tmp_path, monkeypatch):
+  """max_to_keep=2, steps 10-30, a save of 40 held in flight, restore(20) (abandoning 30 and
+  40), 40 commits after it, then the new run saves 21: [20, 21]. Keep rules that ran at 40's
+  late commit (the abandoned steps still listed) deleted the restored step 20 (mutation
+  review; the lifecycle model takes either order of that commit and the restore)."""
+  gate, d = _gate_commits(monkeypatch), str(tmp_path)
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(max_to_keep=2)) as m:
+    for s in (10, 20, 30):
+      m.save(s, items(s), force=True)
+      m.wait()
+    gate.clear()
+    m.save(40, items(40), force=True)
+    assert m.inflight_step() == 40
+    assert restores_as(m.step_path(20), items(20))
+    m.restore(20)  # a rollback while 40 is held
+    gate.set()
+    m.wait_for_save()
+    m.save(21, items(21), force=True)
+    m.wait()
+    assert m.all_steps() == [20, 21]
+  for s in (20, 21):
+    assert restores_as(os.path.join(d, str(s)), items(s)), s
+
+
+def test_a_new_step_below_a_step_being_saved_is_refused(tmp_path, monkeypatch):
+  """A save of 20 in flight in a fresh directory, then save(10) (a run started over by
+  mistake): refused as below a committed step is, nothing written. Counting committed steps
+  only (mutation review), it returned True and max_to_keep=1 dropped step 10 at 20's
+  commit, with no word."""
+  gate, d = _gate_commits(monkeypatch), str(tmp_path)
+  with ofx.CheckpointManager(d, ofx.CheckpointPolicy(max_to_keep=1)) as m:
+    gate.clear()
+    m.save(20, items(20), force=True)
+    with pytest.raises(ValueError, match=r"step 10 is below the newest step 20"):
+      m.save(10, items(10), force=True)
+    gate.set()
+    m.wait()
+    assert m.all_steps() == [20]
+  assert sorted(n for n in os.listdir(d) if not n.startswith(".")) == ["20"]
