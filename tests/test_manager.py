@@ -241,25 +241,52 @@ def test_leftovers_reported_and_removed_at_startup(tmp_path):
 
 
 def test_sweep_spares_a_save_below_the_latest_step(tmp_path, monkeypatch):
-  """After going back to an older step, its new save is not mistaken for debris."""
+  """After going back to an older step, its new save is not mistaken for debris by the
+  writer's own sweep, which runs after each deletion, here while that save is written.
+
+  The deletion of step 10 (max_to_keep=2 at 30's commit) is held until the rollback's save
+  of 25 has written its data: then the deletion's sweep finds 25's temporary directory, a
+  step at or below the latest (30) that no save of another job writes, yet this one's. (A
+  second manager on the directory sweeps nothing at all: the writer lease; the earlier form
+  of this test checked only that, and passed with the writer's own sweep sparing nothing:
+  mutation review.)"""
+  from orbax_flax.manager import registry  # pylint: disable=g-import-not-at-top
   d = str(tmp_path)
-  mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy())
-  for step in (10, 20, 30):
+  armed, deleting, go_delete = [False], threading.Event(), threading.Event()
+  delete = registry.StepRegistry._delete  # pylint: disable=protected-access
+
+  def held_delete(self, steps):
+    if armed[0] and steps:
+      armed[0] = False
+      deleting.set()
+      assert go_delete.wait(60), "the test never let the deletion go on"
+    return delete(self, steps)
+  monkeypatch.setattr(registry.StepRegistry, "_delete", held_delete)
+  swept, sweep = threading.Event(), registry.StepRegistry.sweep
+
+  def sweep_and_say(self):
+    sweep(self)
+    swept.set()
+  monkeypatch.setattr(registry.StepRegistry, "sweep", sweep_and_say)
+  mngr = ofx.CheckpointManager(d, ofx.CheckpointPolicy(max_to_keep=2))
+  for step in (10, 20):
     mngr.save(step, {"state": state(step)}, force=True)
-  mngr.wait()
-  mngr.restore(10)
-  written, go_on = hold_commits(monkeypatch)  # step 15's save, just before it commits
-  assert mngr.save(15, {"state": state(15)}, force=True)
+    mngr.wait()
+  armed[0] = True
+  mngr.save(30, {"state": state(30)}, force=True)
+  assert deleting.wait(60)  # 30 committed; the deletion of 10 waits
+  mngr.restore(20)  # a rollback: 30 is abandoned once the new run commits
+  written, go_on = hold_commits(monkeypatch)  # step 25's save, just before it commits
+  assert mngr.save(25, {"state": state(25)}, force=True)
   assert written.wait(60)
-  # Another manager on the directory starts meanwhile: the first one is the
-  # directory's writer, so the second sweeps nothing.
-  ofx.CheckpointManager(d, ofx.CheckpointPolicy()).close()
+  assert [n for n in os.listdir(d) if n.startswith("25.ofx-tmp")]
+  swept.clear()
+  go_delete.set()  # deletes 10, then sweeps: 25 is being written
+  assert swept.wait(60)
   go_on.set()
   mngr.wait()
-  # 15 survived the sweep and committed; restoring 10 was a rollback, so the
-  # abandoned run's 20 and 30 went once this run committed.
-  assert mngr.all_steps() == [10, 15] == on_disk(d)
-  np.testing.assert_array_equal(mngr.restore(15)["state"]["w"], state(15)["w"])
+  assert mngr.all_steps() == [20, 25] == on_disk(d)
+  np.testing.assert_array_equal(mngr.restore(25)["state"]["w"], state(25)["w"])
   mngr.close()
 
 
