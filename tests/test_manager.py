@@ -1,5 +1,6 @@
 """The manager end to end: real files, a fake clock, "steps on disk == [...]"."""
 
+import contextlib
 import logging
 import os
 import re
@@ -476,6 +477,29 @@ def test_a_closed_manager_refuses_a_save_before_taking_the_directory(tmp_path):
   assert again.all_steps() == [0, 1]
 
 
+@contextlib.contextmanager
+def _after_step_0_then(d, act):
+  """A manager of ``d`` with step 0 committed, whose keep rule (KeepLast(1)) runs ``act()``
+  at its next decision: something befalls the disk between the next commit and its
+  deletions. Yields the manager and the items of a step."""
+  armed = [False]
+
+  class Rule:
+    reads_metadata = False
+
+    def keep(self, steps):
+      if armed[0]:
+        armed[0] = False
+        act()
+      return {max(s.step for s in steps)}
+  items = lambda v: {"state": {"w": np.full(100_000, v, np.float32)}}  # noqa: E731
+  with ofx.CheckpointManager(d, keep=[Rule()]) as m:
+    m.save(0, items(0), force=True)
+    m.wait()
+    armed[0] = True
+    yield m, items
+
+
 def test_a_deletion_on_a_disk_that_stays_full_still_gives_the_space_back(tmp_path, caplog):
   """The disk filled between a commit and the deletion of the step it made redundant, and
   stays full. The deletion's first move, a deletion notice for readers (a small file), failed
@@ -485,29 +509,17 @@ def test_a_deletion_on_a_disk_that_stays_full_still_gives_the_space_back(tmp_pat
   there either), with a WARNING, and gives the step's room back."""
   from disks import small_disk  # pylint: disable=g-import-not-at-top
   with small_disk(str(tmp_path / "disk"), size="4m") as disk:
-    filler, fill = os.path.join(disk, "filler"), [False]
+    filler = os.path.join(disk, "filler")
 
-    class KeepLastFillingTheDisk:
-      """KeepLast(1); armed, another writer fills the disk as the rule runs."""
-      reads_metadata = False
-
-      def keep(self, steps):
-        if fill[0]:
-          fill[0] = False
-          st = os.statvfs(disk)
-          with open(filler, "wb") as f:
-            try:
-              f.write(b"\0" * (st.f_bavail * st.f_frsize))
-            except OSError:
-              pass
-        return {max(s.step for s in steps)}
-
+    def fill():  # another writer fills the disk
+      st = os.statvfs(disk)
+      with open(filler, "wb") as f:
+        try:
+          f.write(b"\0" * (st.f_bavail * st.f_frsize))
+        except OSError:
+          pass
     d = os.path.join(disk, "run")
-    items = lambda v: {"state": {"w": np.full(100_000, v, np.float32)}}  # noqa: E731
-    with ofx.CheckpointManager(d, keep=[KeepLastFillingTheDisk()]) as m:
-      m.save(0, items(0), force=True)
-      m.wait()
-      fill[0] = True
+    with _after_step_0_then(d, fill) as (m, items):
       with caplog.at_level(logging.WARNING, logger="orbax_flax"):
         m.save(1, items(1), force=True)
         m.wait()
@@ -529,23 +541,9 @@ def test_a_deletion_that_fails_is_tried_again_at_the_next(tmp_path):
   deleted would hold its room for good)."""
   from disks import small_disk  # pylint: disable=g-import-not-at-top
   with small_disk(str(tmp_path / "disk"), size="4m") as disk:
-    arm = [False]
-
-    class KeepLastTurningTheDiskReadOnly:
-      reads_metadata = False
-
-      def keep(self, steps):
-        if arm[0]:
-          arm[0] = False
-          subprocess.run(["mount", "-o", "remount,ro", disk], check=True)
-        return {max(s.step for s in steps)}
-
     d = os.path.join(disk, "run")
-    items = lambda v: {"state": {"w": np.full(100_000, v, np.float32)}}  # noqa: E731
-    with ofx.CheckpointManager(d, keep=[KeepLastTurningTheDiskReadOnly()]) as m:
-      m.save(0, items(0), force=True)
-      m.wait()
-      arm[0] = True
+    with _after_step_0_then(
+        d, lambda: subprocess.run(["mount", "-o", "remount,ro", disk], check=True)) as (m, items):
       with pytest.raises(ofx.StorageError, match="read-only") as raised:
         m.save(1, items(1), force=True)
         m.wait()
