@@ -85,7 +85,7 @@ def summary_of(path: str) -> Any:
         if summary is None:  # a long summary: read as far as its header says, then all
           extent = _manifest.summary_extent(data)
           f.seek(0)
-          data = _location.read_at_most(f, min(extent or MAX_SUMMARY_BYTES, MAX_SUMMARY_BYTES))
+          data = _location.read_at_most(f, extent if extent is not None else MAX_SUMMARY_BYTES)
           summary = _manifest.decode_summary(data, os.path.join(path, key))
     except (OSError, errors.CheckpointError):
       continue
