@@ -105,18 +105,31 @@ def _notice(step: int) -> str:
   return f"{DELETING}{step}"
 
 
-def _write(loc: Location, key: str) -> None:
-  """Writes (or rewrites) a small key under ``<loc>/.readers``, holding the time."""
+def _write(loc: Location, key: str, new: bool = False) -> None:
+  """Writes (or rewrites) a small key under ``<loc>/.readers``, holding the time.
+
+  ``new``: a key no one else writes (a notice, a new lease): should the write fail (a full
+  disk makes the file, then has no room for its bytes), the file is removed again, else its
+  age would make it a live lease or notice for an hour. A refresh (``new`` False) never
+  removes: a lease whose rewrite failed is still held, and kept by its age.
+  """
   data = str(time.time()).encode()
   d = _lease_dir(loc)
   if not loc.is_local:
     _location.write_key(d, key, data)
     return
+  path = os.path.join(d.local_path, key)
   # A manager removes an empty .readers directory after its deletions: make it again.
   for attempt in range(5):
     try:
-      with open(os.path.join(d.local_path, key), "wb") as f:
-        f.write(data)
+      with open(path, "wb") as f:
+        try:
+          f.write(data)
+          f.flush()
+        except OSError:
+          if new:
+            os.unlink(path)
+          raise
       return
     except FileNotFoundError as e:
       if attempt == 4:
@@ -198,23 +211,24 @@ def leased_steps(loc: Location, seen: dict[str, tuple[float, float]]) -> set[int
 def announce_deletion(loc: Location, steps: Iterable[int]) -> None:
   """The manager's first move: a deletion notice for each step, before it reads the leases.
 
-  On a local disk with no room left for a notice, the deletion goes on without one (with
-  a WARNING): the notice stands between a reader that writes its lease after the manager
-  read the leases and the step's uncommit, and on a disk that full no reader can write a
-  new lease either (an existing one, rewritten in place, is read as before). Without it a
-  full disk would keep the very step whose deletion gives the room back, and every later
-  save would fail. The same holds for an exhausted quota (EDQUOT), except that a reader of
-  another user could write its lease within the microseconds between the manager's listing
-  and the uncommit: its read of that step would then fail (nothing saved is lost).
+  No notice, no deletion: a reader that could not write its lease reads on without one
+  (:func:`orbax_flax.checkpoints_iterator` on a read-only or full disk), protected by the
+  notices alone. So on a full disk the deletion fails (tried again at the next), with an
+  error that says what little room it needs and the way out.
   """
   for step in steps:
     try:
-      _write(loc, _notice(step))
+      _write(loc, _notice(step), new=True)
     except errors.StorageError as e:
-      if not (loc.is_local and _disk_full(e)):
+      if not _disk_full(e):
         raise
-      log.warning("deleting step %d of %s without a deletion notice: the disk is full (%s)."
-                  " A reader cannot take a new lease on it either.", step, loc, e.__cause__ or e)
+      raise errors.StorageError(
+          f"deleting step {step} of {loc}, which no keep rule keeps, failed: the disk is full,"
+          " and a deletion first writes a small notice for readers (a few KB; an evaluator"
+          " may be reading the step without a lease of its own). Nothing was deleted; the"
+          " deletion is tried again at the next save. Fix: free a little room there (the"
+          " next deletion then gives back the step's), or, if no evaluator reads the"
+          f" directory, remove the step by hand (rm -rf {loc.join(str(step))}).") from e
 
 
 def _disk_full(e: BaseException) -> bool:
@@ -267,7 +281,7 @@ class Lease:
     self._loc = loc
     self._dir = _lease_dir(loc)
     self.key = f"{step}-{uuid.uuid4().hex[:12]}"
-    self.refresh()
+    _write(loc, self.key, new=True)  # not left behind, empty, if it cannot be written
     self._done = threading.Event()
     self._thread = threading.Thread(target=self._keep_fresh, daemon=True,
                                     name="orbax_flax-reader-lease")

@@ -409,6 +409,7 @@ class CheckpointManager:
     if overwrite is None or self._schedule.skips(step, decided, self.inflight_step() is not None):
       return False
     self._refuse_linked(step)  # before the rollback's bookkeeping, as every refusal
+    self.registry.delete_before_saving()  # the room a full disk kept from the last deletion
     self._rollback.call_off_above(step)  # a restore to look at an older step, then training on
     self._inflight.finish()
     wait_s = time.perf_counter() - entered

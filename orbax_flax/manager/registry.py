@@ -159,6 +159,7 @@ class StepRegistry:
     # Doomed, not deleted yet: an evaluator's lease holds them, or deleting them failed (a
     # full disk) or was put off; tried again at the next deletion.
     self._later: set[int] = set()
+    self._full = False  # the last deletion failed on a full disk (delete_before_saving)
     # Each reader lease's last written time and when this process first saw it so
     # (leases.leased_steps), under its lock: deletions run one at a time on the deletion
     # thread, but one at the interpreter's exit runs on the caller's.
@@ -535,9 +536,12 @@ class StepRegistry:
       return
     try:
       self._delete_now(steps)
+      self._full = False
     except BaseException as e:
       with self._lock:  # what is still doomed is tried again at the next deletion
         self._later |= set(steps) & self._deleting
+      # On a full disk, before the next save (which needs the room these steps hold).
+      self._full = isinstance(e, errors.StorageError) and "the disk is full" in str(e)
       e.add_note(f"(of the deletion of step(s) {short(steps)} of {self._dir}, which no keep rule"
                  " keeps: the saves before it committed; the deletion is tried again at the"
                  " next one)")
@@ -656,6 +660,18 @@ class StepRegistry:
     except BaseException:
       self.writes.end(step)
       raise
+
+  def delete_before_saving(self) -> None:
+    """Tries the deletions a full disk stopped again, before a save that needs their room
+    (after the user freed a little: a deletion needs a few KB). Their error, should they
+    fail again, is logged here: the save's own tells the user what it needs."""
+    if not self._full:
+      return
+    self.delete([])
+    try:
+      self.wait()
+    except errors.StorageError as e:
+      log.warning("%s", e)
 
   def wait(self) -> None:
     """Blocks until the deletions asked for so far are done; raises their errors."""
