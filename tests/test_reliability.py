@@ -687,3 +687,8 @@ def test_a_storage_error_in_a_sticky_directory_names_the_sticky_bit(tmp_path):
   e = _location.storage_error(_location.Location.parse(str(d)), "deleting step 2",
                               PermissionError(1, "Operation not permitted", str(d / "2")))
   assert "is sticky (mode 1777)" in str(e) and "uid [12345]" in str(e), e
+  # Not where the sticky bit is not the cause: a save into another user's directory inside
+  # it (the review of the fixes: the parent's sticky bit was blamed for any refusal below).
+  e = _location.storage_error(_location.Location.parse(str(d / "2" / "x")), "creating",
+                              PermissionError(13, "Permission denied", str(d / "2" / "x")))
+  assert "sticky" not in str(e) and "may not write in" in str(e), e

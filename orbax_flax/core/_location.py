@@ -304,28 +304,30 @@ def _name_too_long(path: str, probe: str) -> str:
 
 
 def _sticky_owner(path: str) -> str | None:
-  """Why a directory this process may write refused it: sticky (``chmod +t``, as /tmp and
-  shared run directories), where only an entry's owner renames or deletes it; else None."""
-  for d in (path, os.path.dirname(path)):
-    try:
-      st = os.stat(d)
-    except OSError:
-      continue
-    if os.path.isdir(d) and st.st_mode & stat.S_ISVTX and os.access(d, os.W_OK):
-      owners = set()
-      try:
-        for name in os.listdir(d):
-          o = os.lstat(os.path.join(d, name)).st_uid
-          if o != os.getuid():
-            owners.add(o)
-      except OSError:
-        pass
-      return (f"{d} is sticky (mode {stat.S_IMODE(st.st_mode):o}): only an entry's owner may"
-              f" rename or delete it there, and this process (uid {os.getuid()}) owns not"
-              f" all of them{f' (others: uid {sorted(owners)[:5]})' if owners else ''}. Fix:"
-              " run the job as the user who saved those steps, or give each user a"
-              " directory of their own (or clear the sticky bit: chmod -t).")
-  return None
+  """Why the directory ``path``, which this process may write, refused it: sticky
+  (``chmod +t``, as /tmp and shared run directories), where only an entry's owner renames or
+  deletes it, and another user owns entries there; else None (then it is not the cause)."""
+  try:
+    st = os.stat(path)
+  except OSError:
+    return None
+  if not (os.path.isdir(path) and st.st_mode & stat.S_ISVTX and os.access(path, os.W_OK)):
+    return None
+  owners = set()
+  try:
+    for name in os.listdir(path):
+      o = os.lstat(os.path.join(path, name)).st_uid
+      if o != os.getuid():
+        owners.add(o)
+  except OSError:
+    return None
+  if not owners:
+    return None
+  return (f"{path} is sticky (mode {stat.S_IMODE(st.st_mode):o}): only an entry's owner may"
+          f" rename or delete it there, and other users (uid {sorted(owners)[:5]}) own entries"
+          f" this process (uid {os.getuid()}) must move. Fix: run the job as the user who saved"
+          " those steps, or give each user a directory of their own (or clear the sticky bit:"
+          " chmod -t).")
 
 
 def _local_cause(path: str, code: int | None) -> str | None:

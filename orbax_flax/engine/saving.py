@@ -51,7 +51,6 @@ import json
 import logging
 import math
 import os
-import shutil
 import sys
 import threading
 import time
@@ -71,6 +70,7 @@ from orbax_flax.core import _staging
 from orbax_flax.format import _layout
 from orbax_flax.format import _manifest
 from orbax_flax.format import _tsio
+from orbax_flax.format import step_dir
 from orbax_flax.differential import refs
 from orbax_flax import errors
 from orbax_flax.core._location import Location
@@ -202,7 +202,10 @@ class AsyncSave:
         try:
           self._thread.start()
         except RuntimeError as e:
-          self._never_ran(e, fail)
+          try:
+            self._never_ran(e, fail)
+          except RuntimeError:
+            pass  # ended; the interrupt is what the caller hears
       raise
 
   def _never_ran(self, cause: RuntimeError, fail: Callable[[BaseException], None]) -> None:
@@ -1274,8 +1277,7 @@ def discard(plan: _planning.Plan, gen: str, nproc: int, after: BaseException | N
   try:
     if where.is_local:
       if os.path.isdir(where.local_path):
-        failed: list[BaseException] = []  # removes what it can, then says what it could not
-        shutil.rmtree(where.local_path, onerror=lambda *a: failed.append(a[2][1]))
+        failed = step_dir.rmtree_errors(where.local_path)  # removes what it can
         if failed:
           raise failed[0]
     else:

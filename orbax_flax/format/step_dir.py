@@ -55,6 +55,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 import uuid
 from collections.abc import Iterable, Sequence
 
@@ -506,10 +507,25 @@ def remove_local(path: str) -> str | None:
     except OSError as e:
       return str(e)
     return None
-  failed: list[OSError] = []
-  shutil.rmtree(path, onerror=lambda *a: failed.append(a[2][1]))
-  failed = [e for e in failed if not isinstance(e, FileNotFoundError)]  # (removed meanwhile)
+  failed = [e for e in rmtree_errors(path) if not isinstance(e, FileNotFoundError)]
   return f"{len(failed)} error(s), the first: {failed[0]}" if failed else None
+
+
+def rmtree_errors(path: str) -> list[OSError]:
+  """``shutil.rmtree(path)`` that removes what it can and returns what it could not, each
+  error naming its file by its whole path."""
+  failed: list[OSError] = []
+
+  def collect(_, where, exc):
+    e = exc if isinstance(exc, BaseException) else exc[1]
+    if isinstance(e, OSError) and e.filename != where:
+      e = type(e)(e.errno, e.strerror, where)
+    failed.append(e)
+  if sys.version_info >= (3, 12):
+    shutil.rmtree(path, onexc=collect)  # pylint: disable=unexpected-keyword-arg
+  else:
+    shutil.rmtree(path, onerror=collect)  # deprecated from 3.12 on
+  return failed
 
 
 def delete_step(loc: Location, step: int) -> None:
@@ -523,13 +539,8 @@ def delete_step(loc: Location, step: int) -> None:
       return
     except OSError as e:
       raise _location.storage_error(loc, f"deleting step {step}", e) from e
-    failed = remove_local(os.path.join(loc.local_path, doomed))
-    if failed:
-      log.warning("step %d of %s is deleted (no longer a checkpoint), but not all of its files"
-                  " could be removed (%s): %s stays as a leftover. Fix: remove it as its owner"
-                  " (the user who saved the step, if another), or give this job the"
-                  " permission to.", step, loc, failed, doomed)
-    return
+    remove_local(os.path.join(loc.local_path, doomed))  # what stays: a leftover, and the
+    return                                             # sweep's (once, naming it)
   _location.delete_key(loc.join(INDEX), name)  # out of the index first: listed means committed
   _location.delete_key(loc.join(name), _manifest.MANIFEST_KEY)
   _location.delete_prefix(loc, name + "/")

@@ -358,10 +358,12 @@ class CheckpointManager:
     """With ``on_save_error="warn"``: a failed save (or a deletion it made due) is logged
     and the run goes on; earlier steps are intact and the next save tries again."""
     committed = self.registry.committed()
+    notes = " ".join(getattr(error, "__notes__", ()))
     log.error("CHECKPOINT SAVE FAILED, training goes on (on_save_error='warn'): %s; the steps"
               " saved before are intact (the latest committed is %s) and the next save tries"
-              " again. %s: %s", "a deletion" if step is None else f"the save of step {step}",
-              committed[-1] if committed else None, type(error).__name__, error)
+              " again. %s: %s%s", "a deletion" if step is None else f"the save of step {step}",
+              committed[-1] if committed else None, type(error).__name__, error,
+              f" {notes}" if notes else "")
 
   def _check_open(self) -> None:
     if self._closed:
