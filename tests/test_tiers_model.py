@@ -405,8 +405,8 @@ class TiersModel(RuleBasedStateMachine):
 
   def newest_local_copy_damaged(self):
     """A byte of the newest local copy's data flipped (a bad disk, a bad DIMM)."""
-    if not self.local:
-      return
+    if not self.local or max(self.local) in self.damaged:
+      return  # (a second flip of the same byte would mend it)
     s = max(self.local)
     (run,) = os.listdir(self.local_dir)
     path = os.path.join(self.local_dir, run, "process_0", str(s), "own.blob")
