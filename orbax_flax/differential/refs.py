@@ -107,6 +107,30 @@ def generation_of(path: str) -> str | None:
   return None if summary is None else summary.generation
 
 
+def generation_of_data(path: str) -> str | None:
+  """The generation whose data the local checkpoint directory ``path`` holds, for a decision
+  to dispose of it: :func:`generation_of`, else, where a manifest is there but does not
+  decode (damaged), the one generation its databases are named for
+  (``<item>/p<i>-<generation>``). None only where neither says one: nothing of ours.
+
+  Raises:
+    OSError: the directory cannot be listed (say, no file descriptor left): nothing is
+      disposed of on a guess.
+  """
+  found = generation_of(path)
+  if found is not None or not any(
+      os.path.isfile(os.path.join(path, k)) for k in (_manifest.MANIFEST_KEY, step_dir.RETIRED_KEY)):
+    return found
+  gens = set()
+  for item in os.scandir(path):
+    if item.is_dir(follow_symlinks=False):
+      for d in os.listdir(item.path):
+        process, _, gen = d.partition("-")
+        if process[:1] == "p" and process[1:].isdigit() and _manifest._GENERATION.match(gen):  # pylint: disable=protected-access
+          gens.add(gen)
+  return gens.pop() if len(gens) == 1 else None
+
+
 def borrowers(loc: Location, generation: str) -> list[str]:
   """The checkpoints beside the local checkpoint ``loc``, and ``loc`` itself, whose committed
   manifests borrow data of ``generation`` (decoded ``bases``), by name.
@@ -159,7 +183,7 @@ def dispose_replaced(final: Location, old: str) -> None:
   Raises:
     OSError: the storage refused to move it (the new checkpoint is committed regardless).
   """
-  gen = generation_of(old)
+  gen = generation_of_data(old)  # (a damaged manifest: its databases' names say)
   users = borrowers(final, gen) if gen is not None else []
   if not users:
     step_dir.remove_local(old)

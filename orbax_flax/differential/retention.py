@@ -237,7 +237,7 @@ def make_room(root: Location, step: int, pins: differ.Pins) -> str | None:
     committed = os.path.exists(os.path.join(path, "_CHECKPOINT"))
     if committed:
       keep = restoring.referenced_generations(root, exclude=step)
-      gen = refs.generation_of(path)
+      gen = refs.generation_of_data(path)  # (a damaged manifest: its databases' names say)
       if gen is None or (keep is not None and gen not in keep | pins.live()):
         return None  # nothing references it: the save replaces it as before
       if os.path.islink(path):
@@ -245,7 +245,7 @@ def make_room(root: Location, step: int, pins: differ.Pins) -> str | None:
         return os.path.join(root.local_path, step_dir.retired_name(str(step), gen))
     elif not os.path.exists(os.path.join(path, step_dir.RETIRED_KEY)):
       return None
-    gen = refs.generation_of(path)
+    gen = refs.generation_of_data(path)
     if gen is None:
       return None
     aside = os.path.join(root.local_path, step_dir.retired_name(str(step), gen))
