@@ -121,13 +121,8 @@ def generation_of_data(path: str) -> str | None:
   if found is not None or not any(
       os.path.isfile(os.path.join(path, k)) for k in (_manifest.MANIFEST_KEY, step_dir.RETIRED_KEY)):
     return found
-  gens = set()
-  for item in os.scandir(path):
-    if item.is_dir(follow_symlinks=False):
-      for d in os.listdir(item.path):
-        process, _, gen = d.partition("-")
-        if process[:1] == "p" and process[1:].isdigit() and _manifest._GENERATION.match(gen):  # pylint: disable=protected-access
-          gens.add(gen)
+  gens = {step_dir.database_generation(d) for item in os.scandir(path)
+          if item.is_dir(follow_symlinks=False) for d in os.listdir(item.path)} - {None}
   return gens.pop() if len(gens) == 1 else None
 
 

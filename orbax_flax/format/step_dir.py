@@ -365,9 +365,18 @@ def list_steps(loc: Location, *, full: bool = False,
 def _generation_of_key(key: str) -> str | None:
   """The generation of a data key inside a step (``<item>/p<process>-<generation>/...``)."""
   parts = key.split("/", 2)
-  if len(parts) < 3:
-    return None
-  process, _, gen = parts[1].partition("-")
+  return database_generation(parts[1]) if len(parts) >= 3 else None
+
+
+def database_generation(name: str) -> str | None:
+  """The generation a process database of a step is named for (``p<process>-<generation>``),
+  or None if ``name`` is not one.
+
+  Example:
+    >>> database_generation("p3-0123456789abcdef"), database_generation("packed")
+    ('0123456789abcdef', None)
+  """
+  process, _, gen = name.partition("-")
   if process[:1] == "p" and process[1:].isdigit() and _manifest._GENERATION.match(gen):
     return gen
   return None

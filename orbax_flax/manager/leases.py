@@ -220,7 +220,7 @@ def announce_deletion(loc: Location, steps: Iterable[int]) -> None:
     try:
       _write(loc, _notice(step), new=True)
     except errors.StorageError as e:
-      if not _disk_full(e):
+      if not disk_full(e):
         raise
       raise errors.StorageError(
           f"deleting step {step} of {loc}, which no keep rule keeps, failed: the disk is full,"
@@ -231,9 +231,13 @@ def announce_deletion(loc: Location, steps: Iterable[int]) -> None:
           f" directory, remove the step by hand (rm -rf {loc.join(str(step))}).") from e
 
 
-def _disk_full(e: BaseException) -> bool:
-  cause = e.__cause__
-  return isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+def disk_full(e: BaseException | None) -> bool:
+  """Whether ``e``, or what it was raised from, is a disk (or quota) with no room left."""
+  while e is not None:
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+      return True
+    e = e.__cause__
+  return False
 
 
 def withdraw_deletion(loc: Location, steps: Iterable[int]) -> None:

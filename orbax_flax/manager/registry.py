@@ -541,7 +541,7 @@ class StepRegistry:
       with self._lock:  # what is still doomed is tried again at the next deletion
         self._later |= set(steps) & self._deleting
       # On a full disk, before the next save (which needs the room these steps hold).
-      self._full = isinstance(e, errors.StorageError) and "the disk is full" in str(e)
+      self._full = leases.disk_full(e)
       e.add_note(f"(of the deletion of step(s) {short(steps)} of {self._dir}, which no keep rule"
                  " keeps: the saves before it committed; the deletion is tried again at the"
                  " next one)")
