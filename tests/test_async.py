@@ -110,6 +110,48 @@ def test_cancelled_save_never_commits_and_keeps_the_old_checkpoint(tmp_path):
   np.testing.assert_array_equal(ofx.restore(path)["state"]["x"], np.arange(4))
 
 
+def test_a_save_cancelled_while_batches_are_being_written_leaves_nothing(tmp_path,
+                                                                         monkeypatch):
+  """A cancellable save writes in batches, two in flight. A cancellation noticed between
+  batches removed the save's temporary directory while the batch before was still being
+  committed by tensorstore, which then wrote its files back there: a leftover the size of a
+  batch beside the checkpoint, after wait() had said nothing was committed."""
+  from orbax_flax.engine import saving
+  from orbax_flax.format import _tsio
+  path = str(tmp_path / "ckpt")
+  ofx.save(path, {"state": {"x": np.arange(3)}})
+  batch = 128 << 20  # long enough a commit for the cleanup to run while it writes
+  monkeypatch.setattr(saving, "_FIRST_BATCH_BYTES", batch)
+  monkeypatch.setattr(saving, "_MIN_BATCH_BYTES", batch)
+  monkeypatch.setattr(saving, "_MAX_BATCH_BYTES", batch)
+  handle, flushes = [None], [0]
+  flush = _tsio.DatabaseWriter.flush
+
+  def cancel_after_second(self, depth=2):  # batch 2 issued and being committed
+    flush(self, depth)
+    flushes[0] += 1
+    if flushes[0] == 2:
+      handle[0].cancel()
+  monkeypatch.setattr(_tsio.DatabaseWriter, "flush", cancel_after_second)
+  writing = []  # batches still being committed when the cleanup began
+  discard = saving.SaveRun._discard
+
+  def checked(self, error):
+    writing.append(sum(not c.done() for w in self.writer.databases.values() for c in w._commits))
+    discard(self, error)
+  monkeypatch.setattr(saving.SaveRun, "_discard", checked)
+  w = np.random.default_rng(0).standard_normal(batch, dtype=np.float32)  # 4 batches of bytes
+  with ofx.Checkpointer(host_transfer="memcpy") as ckptr:
+    handle[0] = ckptr.save_async(path, {"state": {"w": w}}, overwrite=True, cancellable=True)
+    with pytest.raises(ofx.SaveCancelledError):
+      handle[0].wait()
+  assert flushes[0] == 2  # cancelled where it was meant to be
+  assert writing == [0]
+  time.sleep(1.0)  # (a batch still being written would land meanwhile)
+  assert os.listdir(tmp_path) == ["ckpt"]
+  np.testing.assert_array_equal(ofx.restore(path)["state"]["x"], np.arange(3))
+
+
 def test_background_error_raised_on_wait_and_on_next_save(tmp_path):
   with small_disk(str(tmp_path / "disk")) as disk:
     ofx.save(os.path.join(disk, "small"), {"state": {"x": np.arange(10)}})

@@ -90,6 +90,8 @@ _FIRST_BATCH_BYTES = 128 << 20
 _MIN_BATCH_BYTES = 64 << 20
 _MAX_BATCH_BYTES = 4 << 30
 _BATCH_SECONDS = 0.5
+# Seconds a failed or cancelled save waits for its batches in flight before its cleanup.
+_SETTLE_S = 30.0
 
 
 class AsyncSave:
@@ -842,8 +844,20 @@ class SaveRun:
             rate = self.bytes_written / max(time.perf_counter() - began, 1e-3)
             limit = int(min(cap, max(_MIN_BATCH_BYTES, rate * _BATCH_SECONDS)))
       self.writer.wait()
-    except ValueError as e:
-      raise _location.storage_error(self.plan.loc, "writing array data", e) from e
+    except BaseException as e:
+      # The batches in flight end before the error goes on: its cleanup removes their
+      # directory, and one still writing would put files back there (a leftover the size of
+      # a batch) from host memory the next save may be filling.
+      # (Not after a store that did not answer: its batches wait for the same store.)
+      if not _location.unanswered(e) and not self.writer.settle(_SETTLE_S):
+        log.warning("save to %s: a batch was still being written %.0f s after the save"
+                    " stopped (%s); its files may stay in %s, a leftover: a"
+                    " CheckpointManager's sweep removes it where the save was one of its steps;"
+                    " else remove it by hand", self.plan.loc, _SETTLE_S, type(e).__name__,
+                    self.target)
+      if isinstance(e, ValueError):
+        raise _location.storage_error(self.plan.loc, "writing array data", e) from e
+      raise
     for batch, size in in_flight:
       self._done(batch, size)
 

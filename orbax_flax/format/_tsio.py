@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from collections.abc import Sequence
 from typing import Any
@@ -150,6 +151,11 @@ class ProcessWriter:
     for w in self.databases.values():
       w.wait()
 
+  def settle(self, timeout_s: float) -> bool:
+    """See :meth:`DatabaseWriter.settle`: every database's batches, ``timeout_s`` in all."""
+    deadline = time.monotonic() + timeout_s
+    return all([w.settle(deadline) for w in self.databases.values()])
+
 
 class DatabaseWriter:
   """Writes blocks of several arrays into one OCDBT database, one transaction per batch.
@@ -215,9 +221,19 @@ class DatabaseWriter:
     while self._commits:
       self._commits.pop(0).result()
 
-  def abort(self) -> None:
-    """Drops what is queued; batches being committed still finish."""
+  def settle(self, deadline: float) -> bool:
+    """After a failure: drops what is queued and waits, until ``deadline`` (``time.monotonic``),
+    for the batches being committed to end, whatever their outcome (the failure that stops
+    the save is the one reported). Whether they all ended."""
     self._pending = []
+    while self._commits:
+      try:
+        self._commits[0].result(timeout=max(0.0, deadline - time.monotonic()))
+      except Exception:  # pylint: disable=broad-except  # ended: failed too, or cancelled
+        if not self._commits[0].done():  # (a TimeoutError: still being committed)
+          return False
+      self._commits.pop(0)
+    return True
 
 
 _KEY_IN_ERROR = re.compile(r'Error reading "([^"]+)"')
