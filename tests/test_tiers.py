@@ -640,6 +640,23 @@ def test_a_commit_failing_on_one_process_fails_everywhere_and_keeps_the_older_st
     assert out.count("RESUMED 4 4.0") == 2, out[-4000:]
 
 
+def test_a_local_step_of_this_layout_is_resumed_beside_a_newer_one_of_another(tmp_path):
+  """A job of 2 processes leaves local steps 10 and 12 (persistent 8); restarted on 1 process
+  it resumes 8 (those are another layout's) and saves local step 10 of its own; restarted
+  again on 1 process it must resume that step 10. The tier judged the layout by the newest
+  step on process 0 (the old job's 12) and gave the whole tier up: the restart lost two steps
+  of training it had on local disk."""
+  local_dir, workdir = tmp_path / "local", tmp_path / "run"
+  flags = ["--save_interval_steps=8", "--replicas=0", "--local_max_to_keep=2"]
+  out = _launch(workdir, local_dir, 12, n=2, devices=1, extra=flags)
+  assert out.count("RESUMED 0 0.0") == 2, out[-4000:]
+  out = _launch(workdir, local_dir, 11, n=1, devices=2, extra=flags)
+  assert "RESUMED 8 8.0" in out, out[-4000:]
+  assert "tied to the process layout" in out, out[-4000:]  # says why 10 and 12 are passed over
+  out = _launch(workdir, local_dir, 11, n=1, devices=2, extra=flags)
+  assert "RESUMED 10 10.0" in out, out[-4000:]
+
+
 def test_a_local_step_committed_by_different_saves_on_different_processes_is_not_resumed(tmp_path):
   """Two runs that each died between the local tier's commits can leave step 6 committed by
   run 1's save on process 0 and by run 2's on process 1 (no replicas). A restore must not

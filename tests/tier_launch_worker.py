@@ -62,6 +62,7 @@ def main():
   p.add_argument("--local")
   p.add_argument("--steps", type=int)
   p.add_argument("--replicas", type=int, default=1)
+  p.add_argument("--local_max_to_keep", type=int, default=1)
   p.add_argument("--save_interval_steps", type=int, default=4, help="of the persistent tier")
   p.add_argument("--on_save_error", default="raise")
   p.add_argument("--fill_at", type=int, default=0)
@@ -87,6 +88,7 @@ def main():
                                          sharding)}
   cb = ofx.CheckpointCallback(a.workdir, {
       "local_directory": a.local, "local_save_interval_steps": 2,
+      "local_max_to_keep": a.local_max_to_keep,
       "save_interval_steps": a.save_interval_steps, "replicas": a.replicas,
       "on_save_error": a.on_save_error, "save_final_step": False,
       "coordination_timeout_seconds": a.coordination_timeout})

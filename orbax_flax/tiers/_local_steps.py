@@ -199,6 +199,11 @@ class StepDirectory:
                        f" a rollback abandoned; this run continues timeline"
                        f" {timeline or '(the first)'!r}")
         continue
+      if record.process_count != process_count:
+        ignored.append(f"step {step}: saved by a job of {record.process_count} process(es),"
+                       f" this one has {process_count} (a local step is tied to the process"
+                       " layout)")
+        continue
       if (persistent is not None and step == persistent[0]
           and not (record.save_id and record.save_id == persistent[1])):
         ignored.append(f"step {step}: the persistent tier holds another save of step {step}"

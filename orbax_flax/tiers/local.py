@@ -19,8 +19,9 @@ mixes steps. A step belongs to a run (the persistent directory) and to a
 timeline (:attr:`orbax_flax.CheckpointManager.timeline`): a resume never takes
 one of another run or of a timeline a rollback abandoned. A local step is tied
 to the process layout that wrote it (the same process count, the same devices
-per process, the same shardings): a job with another layout ignores the local
-tier and reads the persistent one.
+per process, the same shardings): a job passes over the local steps of another
+process count (each step records it), and reads the persistent tier where the
+local tier holds no step of its own layout.
 
 Restore: every process reports what it holds; each computes, from the same
 reports, the newest step every process can get (its own blob, else a peer's
