@@ -1,4 +1,5 @@
-"""A real, small file system that fills up: a tmpfs mounted for one test (needs root)."""
+"""Disks for tests: a real, small file system that fills up (a tmpfs mounted for one test,
+needs root), bit rot in a step, and a record of the calls that make writes durable."""
 
 import contextlib
 import os
@@ -35,3 +36,23 @@ def flip_a_bit_in_the_largest_data_file(step_dir, mask=0x01):
     b = f.read(1)
     f.seek(-1, 1)
     f.write(bytes([b[0] ^ mask]))
+
+
+def durability_spies(events):
+  """Stand-ins for ``os.fsync``, ``os.rename`` and ``os.replace`` (name -> function) that
+  append ``("fsync", path)`` or ``(name, source, destination)`` (real paths) to ``events``,
+  then make the real call: install them with ``monkeypatch.setattr(os, name, f)``, or
+  ``setattr`` in a worker process."""
+  real = {"fsync": os.fsync, "rename": os.rename, "replace": os.replace}
+
+  def fsync(fd):
+    n = fd if isinstance(fd, int) else fd.fileno()
+    events.append(("fsync", os.readlink(f"/proc/self/fd/{n}")))
+    return real["fsync"](fd)
+
+  def moving(name):
+    def move(a, b, *args, **kw):
+      events.append((name, os.path.realpath(a), os.path.realpath(b)))
+      return real[name](a, b, *args, **kw)
+    return move
+  return {"fsync": fsync, "rename": moving("rename"), "replace": moving("replace")}

@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 
+import disks
 import orbax_flax as ofx
 from orbax_flax.tiers import local
 from orbax_flax.tiers import placement
@@ -94,28 +95,12 @@ def test_a_local_step_is_durable_before_its_record_says_it_is_committed(tmp_path
   step is lost) or a torn record."""
   shm = str(tmp_path / "shm")
   events = []
-  real_fsync, real_rename, real_replace = os.fsync, os.rename, os.replace
-
-  def fsync(fd):
-    n = fd if isinstance(fd, int) else fd.fileno()
-    events.append(("fsync", os.readlink(f"/proc/self/fd/{n}")))
-    return real_fsync(fd)
-
-  def rename(a, b, *args, **kw):
-    events.append(("rename", os.path.realpath(a), os.path.realpath(b)))
-    return real_rename(a, b, *args, **kw)
-
-  def replace(a, b, *args, **kw):
-    events.append(("replace", os.path.realpath(a), os.path.realpath(b)))
-    return real_replace(a, b, *args, **kw)
-
   policy = ofx.CheckpointPolicy(local_directory=shm, local_save_interval_steps=2,
                                 save_interval_steps=1000, save_final_step=False)
   with ofx.CheckpointCallback(str(tmp_path / "run"), policy) as ckpt:
     ckpt.restore_or_init({"w": np.zeros(3)})
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "rename", rename)
-    monkeypatch.setattr(os, "replace", replace)
+    for name, spy in disks.durability_spies(events).items():
+      monkeypatch.setattr(os, name, spy)
     ckpt.on_step_end(2, {"w": np.ones(3)})
     monkeypatch.undo()
   root = os.path.realpath(_proc_dir(shm, str(tmp_path / "run" / "checkpoints")))

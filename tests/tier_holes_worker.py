@@ -1,6 +1,6 @@
 """One process of a job running the training callback with the local tier (for tests/test_tier_holes.py).
 
---spy: records the fsyncs and renames under the local directory and prints them (SPY <json>).
+--spy: records the fsyncs, renames and replaces under the local directory and prints them (SPY <json>).
 """
 import argparse, json, os
 import numpy as np
@@ -16,17 +16,9 @@ import orbax_flax as ofx  # noqa: E402
 policy = json.loads(a.policy)
 events = []
 if a.spy:
-  real_fsync, real_rename = os.fsync, os.rename
-
-  def fsync(fd):
-    n = fd if isinstance(fd, int) else fd.fileno()
-    events.append(("fsync", os.readlink(f"/proc/self/fd/{n}")))
-    return real_fsync(fd)
-
-  def rename(x, y, *args, **kw):
-    events.append(("rename", os.path.realpath(x), os.path.realpath(y)))
-    return real_rename(x, y, *args, **kw)
-  os.fsync, os.rename = fsync, rename
+  import disks  # noqa: E402
+  for name, spy in disks.durability_spies(events).items():
+    setattr(os, name, spy)
 if a.fail_replica_on == jax.process_index():  # a write error (EIO) on the replica file only
   import errno  # noqa: E402
   from orbax_flax.tiers import _blob  # noqa: E402
