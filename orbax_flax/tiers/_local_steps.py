@@ -226,9 +226,8 @@ class StepDirectory:
           replicas.setdefault(int(f[len("replica-"):-len(".blob")]), []).append(step)
     if ignored:
       _progress.say("local tier (%s): ignoring %s", self.root, "; ".join(ignored))
-    counts = [records[s].process_count for s in own]
-    return Holdings(sorted(own), {k: sorted(v) for k, v in replicas.items()},
-                    counts[-1] if counts else process_count, ids)
+    return Holdings(sorted(own), {k: sorted(v) for k, v in replicas.items()}, process_count,
+                    ids)  # (a step of another process count was passed over above)
 
 
 class Sink:

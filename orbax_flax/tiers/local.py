@@ -297,10 +297,6 @@ class LocalTier:
     reports = _multihost.all_gather(f"{key}/holdings", mine.to_json(), self.timeout,
                                     what="report its local steps")
     holdings = [Holdings.from_json(r) for r in reports]
-    if any(h.process_count != n for h in holdings if h.own or h.replicas):
-      _progress.say("local tier: written by a job of another process count; it is tied to the process"
-               " layout, so the persistent tier is used")
-      return None
     options = dict(partial=partial, allow_lossy_casts=allow_lossy_casts, optional=optional)
     damaged: list[str] = []  # the copies this restore found damaged, for the log
     for attempt in itertools.count():  # each round that goes on removes a copy: it ends
