@@ -341,3 +341,34 @@ def test_the_modules_of_the_flat_layout_are_aliases_of_where_their_code_is_now()
     warnings.simplefilter("ignore", DeprecationWarning)
     from orbax_flax._location import Location  # pylint: disable=import-outside-toplevel
   assert Location is importlib.import_module("orbax_flax.core._location").Location
+
+
+# What a script under tests/ may do at import besides defining things: the suite's doctest
+# collection imports every module there, so one that joins a job or parses flags at import
+# breaks the whole run (tier_holes_worker.py did: a CI collection error no targeted run saw).
+_IMPORT_TIME_CALLS = ("sys.path.insert(", "os.environ.setdefault(", "launch.initialize_from_env(")
+
+
+def test_the_scripts_under_tests_do_their_work_under_main():
+  here = os.path.dirname(os.path.abspath(__file__))
+  found = []
+  for d, _, files in os.walk(here):
+    for f in sorted(files):
+      if not f.endswith(".py") or f.startswith("test_") or f == "conftest.py":
+        continue
+      path = os.path.join(d, f)
+      with open(path) as fh:
+        body = ast.parse(fh.read(), path).body
+      for node in body:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef,
+                             ast.Assign, ast.AnnAssign)):
+          continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+          continue  # a docstring
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+          continue
+        if isinstance(node, ast.Expr) and ast.unparse(node).startswith(_IMPORT_TIME_CALLS):
+          continue
+        found.append(f"{os.path.relpath(path, here)}:{node.lineno}: {ast.unparse(node)[:60]}")
+  assert not found, ("these run at import, which the doctest collection does; move them into a "
+                     "main() called under `if __name__ == \"__main__\"`:\n" + "\n".join(found))
