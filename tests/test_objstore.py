@@ -191,9 +191,17 @@ target = {"s": {f"w{i}": jax.ShapeDtypeStruct((16384, 1024), np.float32,
                 sharding=NamedSharding(other, P("model"))) for i in range(8)}}
 status = lambda k: next(int(l.split()[1]) * 1024 for l in open("/proc/self/status")
                         if l.startswith(k + ":"))
+# A busy CPU: this process's threads and a busy loop share one core (the server does not).
+import os, subprocess
+cpu = min(os.sched_getaffinity(0))
+hog = subprocess.Popen([sys.executable, "-c",
+                        f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+for tid in os.listdir("/proc/self/task"):
+  os.sched_setaffinity(int(tid), {cpu})
 open("/proc/self/clear_refs", "w").write("5")
 before = status("VmRSS")
 out = jax.block_until_ready(ofx.restore(url + "/ckpt", target, max_host_bytes=budget))
+hog.kill()
 print("RESULT", json.dumps({"extra": status("VmHWM") - before, "chunk": chunk,
                             "restored": sum(x.nbytes for x in jax.tree.leaves(out))}))
 """
@@ -202,7 +210,10 @@ print("RESULT", json.dumps({"extra": status("VmHWM") - before, "chunk": chunk,
 def test_a_restore_from_an_object_store_stays_within_its_budget(store, bucket, request):
   """Onto another mesh with max_host_bytes=16 MiB: tensorstore fetched up to 32 chunks at
   once for each window, and the peak went 40 MiB (768 MiB state: 84 MiB) past the budget,
-  growing with the state. As many requests as the budget holds chunks are in flight now."""
+  growing with the state. Then, with the requests bounded, a busy CPU still let fetched
+  chunks pile up while they waited for their decoding (41-49 MiB past the restored arrays
+  with a CPU hog on the restoring process's core, 21 MiB quiet): now the chunks being read
+  are bounded too. The restore shares one core with a busy loop here (the worker)."""
   _on_gcs_in_the_long_run_only(request)
   import json  # pylint: disable=g-import-not-at-top
   import subprocess  # pylint: disable=g-import-not-at-top
@@ -213,8 +224,8 @@ def test_a_restore_from_an_object_store_stays_within_its_budget(store, bucket, r
                      env=jobs.env_for(8, store.env()))
   assert r.returncode == 0, r.stderr[-3000:]
   got = json.loads(r.stdout.split("RESULT ", 1)[1])
-  # A fetched chunk and its decoded copy beside the budget's window, and the tests' slack.
-  assert got["extra"] - got["restored"] <= budget + 2 * got["chunk"] + (8 << 20), got
+  # The budget's window of destinations, a chunk fetched and its decoded copy, and slack.
+  assert got["extra"] - got["restored"] <= budget + got["chunk"] + (8 << 20), got
   print("beyond the restored arrays:", (got["extra"] - got["restored"]) >> 20, "MiB")
 
 

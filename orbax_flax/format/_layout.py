@@ -77,6 +77,33 @@ class Chunking:
       out.append(flat)
     return out
 
+  def split_box(self, box: Box, limit: int) -> list[Box]:
+    """``box`` cut at chunk boundaries into boxes of at most ``limit`` chunks each (one at
+    least), in C order: slabs along the first axis, finer only where one slab is too many.
+
+    Example:
+      >>> Chunking((8, 8), (2, 4)).split_box(((1, 7), (0, 8)), 4)
+      [((1, 4), (0, 8)), ((4, 7), (0, 8))]
+      >>> Chunking((8, 8), (2, 4)).split_box(((0, 2), (0, 8)), 1)
+      [((0, 2), (0, 4)), ((0, 2), (4, 8))]
+    """
+    if not box:
+      return [box]
+    (lo, hi), c = box[0], self.chunk_shape[0]
+    inner = Chunking(self.shape[1:], self.chunk_shape[1:])
+    per_slab = math.prod((h - 1) // k - l // k + 1 for (l, h), k in zip(box[1:], self.chunk_shape[1:]))
+    rows = max(1, limit // per_slab)
+    out = []
+    start = lo
+    while start < hi:
+      stop = min(hi, (start // c + rows) * c)
+      if per_slab <= limit:
+        out.append(((start, stop),) + tuple(box[1:]))
+      else:
+        out += [((start, stop),) + rest for rest in inner.split_box(tuple(box[1:]), limit)]
+      start = stop
+    return out
+
 
 def slices_to_box(index: Sequence[slice], shape: Sequence[int]) -> Box:
   """Turns a jax shard index (tuple of slices) into a box."""
