@@ -199,6 +199,56 @@ def test_a_save_during_a_zero_filling_preparation_waits_for_its_slice_and_keeps_
   _assert_tree_equal(ofx.restore(str(tmp_path / "c"))["state"], expected)
 
 
+@pytest.mark.skipif(not _ON_CPU, reason="memcpy stages the whole state on CPU only")
+def test_a_preparation_whose_populate_fails_midway_writes_no_zeros_under_a_save(
+    tmp_path, monkeypatch):
+  """MADV_POPULATE_WRITE can work for the one-page probe and fail later (ENOMEM under a
+  cgroup's memory pressure): the preparation then fell back to writing zeros, while a save
+  does not wait for a populating preparation, and 44% of the snapshot came back zero. Here
+  madvise fails past one page, and the preparation's second slice comes after the save
+  stopped it (a slow host)."""
+  class FailingPopulate:
+    def madvise(self, address, nbytes, advice):
+      del address, advice
+      return 0 if nbytes <= 4096 else -1
+  monkeypatch.setattr(_staging, "_libc", FailingPopulate)
+  touching, touched = threading.Event(), threading.Event()
+  touch = _staging.touch
+  ckptr = ofx.Checkpointer(host_transfer="memcpy")
+
+  def slow_host(address, nbytes, populate):
+    assert populate
+    first = min(nbytes, 1 << 20)
+    ok = touch(address, first, populate)
+    touching.set()
+    if ok is False:  # it stopped there
+      touched.set()
+      return ok
+    deadline = time.monotonic() + 30
+    while ckptr.staging_stats().preparing and time.monotonic() < deadline:
+      time.sleep(0.001)  # until a save stops the preparation
+    time.sleep(0.2)
+    ok = touch(address + first, nbytes - first, populate)
+    touched.set()
+    return ok
+  monkeypatch.setattr(_staging, "touch", slow_host)
+  write = saving.SaveRun.write
+
+  def after_the_preparation(self, *args, **kwargs):  # its zeros, if any, are there by now
+    touched.wait(30)
+    return write(self, *args, **kwargs)
+  monkeypatch.setattr(saving.SaveRun, "write", after_the_preparation)
+  sharding = NamedSharding(jax.make_mesh((len(jax.devices()),), ("x",)), P("x"))
+  state = {"w": _arange((2048, 2048), np.int32, sharding, 1)}  # 16 MiB, staged whole
+  expected = jax.tree.map(np.array, state)
+  with ckptr:
+    assert ckptr.prepare({"state": state}) >= state["w"].nbytes
+    assert touching.wait(30)
+    ckptr.save_async(str(tmp_path / "c"), {"state": state}).wait()
+  assert touched.is_set()
+  _assert_tree_equal(ofx.restore(str(tmp_path / "c"))["state"], expected)
+
+
 def test_the_staging_memory_never_exceeds_max_host_bytes_when_a_round_rounds_up_past_it(tmp_path):
   """Staging memory grows in 2 MiB steps; a round just under a budget that is not a multiple of
   2 MiB is held at the budget, never rounded past it (the budget is the user's promise)."""
@@ -256,3 +306,26 @@ def test_a_save_async_still_writing_when_the_interpreter_exits_is_committed(tmp_
   np.testing.assert_array_equal(restored["w"], np.arange(1 << 18, dtype=np.int32))
   np.testing.assert_array_equal(restored["n"], np.arange(1000, dtype=np.int64) * 3)
 
+
+_EXIT_WITH_A_FAILING_SAVE_IN_FLIGHT = """
+import os, sys
+import jax.numpy as jnp
+import orbax_flax as ofx
+root = sys.argv[1]
+open(os.path.join(root, "d"), "w").close()  # a file where the checkpoint's parent should be
+ofx.save_async(os.path.join(root, "d", "ckpt"), {"state": {"w": jnp.arange(1000)}})
+# No wait(): the script ends with the save in flight, which fails.
+"""
+
+
+def test_a_save_async_failing_while_the_interpreter_exits_says_so(tmp_path):
+  """The exit joined the failing save and said nothing (the handle's __del__ is silent while
+  the interpreter finalizes): a script ended 0 with no word and no checkpoint."""
+  env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             JAX_PLATFORMS="cpu")
+  done = subprocess.run([sys.executable, "-c", textwrap.dedent(_EXIT_WITH_A_FAILING_SAVE_IN_FLIGHT),
+                         str(tmp_path)], capture_output=True, text=True, timeout=300, env=env,
+                        check=False)
+  assert "failed while the program was exiting" in done.stderr, done.stderr[-3000:]
+  assert "StorageError" in done.stderr and "ckpt" in done.stderr, done.stderr[-3000:]
+  assert os.listdir(tmp_path) == ["d"]

@@ -133,17 +133,22 @@ def _libc() -> ctypes.CDLL | None:
   return libc
 
 
-def touch(address: int, nbytes: int, populate: bool) -> None:
+def touch(address: int, nbytes: int, populate: bool) -> bool:
   """Faults in ``nbytes`` of anonymous memory at ``address``, without holding the GIL.
 
   ``populate``: ``madvise(MADV_POPULATE_WRITE)`` (Linux >= 5.14), which
   allocates the pages without writing them, so it may run while another
   thread copies into them; else ``memset``, which writes zeros. Both run in C
   through ctypes, which releases the GIL.
+
+  Returns False where ``populate`` failed (ENOMEM under a cgroup's memory pressure, say):
+  nothing was written. It never falls back to zeros, which would land on what a save
+  copies into these pages meanwhile (a save does not wait for a populating thread).
   """
-  if populate and _libc().madvise(address, nbytes, _MADV_POPULATE_WRITE) == 0:
-    return
+  if populate:
+    return _libc().madvise(address, nbytes, _MADV_POPULATE_WRITE) == 0
   ctypes.memset(address, 0, nbytes)
+  return True
 
 
 def _can_populate(address: int) -> bool:
@@ -290,7 +295,8 @@ class Staging:
       while done < n and not stop.is_set():
         size = min(_TOUCH_SLICE, n - done)
         start = time.perf_counter()
-        touch(address + done, size, populate)
+        if not touch(address + done, size, populate):
+          break  # the pages are faulted in by the save's own copy instead
         done += size
         if not stop.is_set():
           self._prepared = done
