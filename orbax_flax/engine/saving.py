@@ -235,9 +235,19 @@ class AsyncSave:
     raise error
 
   def _finish_at_exit(self) -> None:
+    """Joins the save at interpreter exit, and says so if it failed (nobody can wait for it
+    any more, and the handle's ``__del__`` logs nothing while the interpreter finalizes)."""
     # Not in a child forked while the save ran: its copy of the save has no thread to wait for.
     if not self.cancelled.is_set() and os.getpid() == self._pid:
       self.join()
+      error = self.unreported_error()
+      if error is not None:
+        self.mark_reported()
+        log.error("save to %s failed while the program was exiting, and nobody waited for"
+                  " it: %s: %s. It did not commit; the checkpoints saved before are intact."
+                  " Call wait() on the handle (or close() the checkpointer) before the"
+                  " program ends to see such an error where it happens.", self.path,
+                  type(error).__name__, error)
 
   def run_here(self, work: Callable[[], None]) -> None:
     """Runs ``work`` in the caller's thread (a blocking save)."""
