@@ -1332,16 +1332,33 @@ def _commit_local(plan: _planning.Plan, gen: str, target: Location, data: bytes)
       raise errors.CheckpointExistsError(
           f"{dst} was created by someone else during the save; nothing was overwritten."
           " Choose another path.") from e
-    _location.fsync_dir(os.path.dirname(dst))
+    _after_commit(final, "syncing its parent directory", _location.fsync_dir, os.path.dirname(dst))
     return
   if not plan.overwrite:
     raise errors.CheckpointExistsError(f"a checkpoint appeared at {dst} during the save;"
                                        " nothing was overwritten.")
   if _location.exchange(tmp, dst):
-    _location.fsync_dir(os.path.dirname(dst))
-    refs.dispose_replaced(final, tmp)  # tmp now holds the old checkpoint
+    _after_commit(final, "syncing its parent directory", _location.fsync_dir, os.path.dirname(dst))
+    # tmp now holds the old checkpoint
+    _after_commit(final, f"disposing of the checkpoint it replaced (now {tmp})",
+                  refs.dispose_replaced, final, tmp)
     return
   _replace_in_place(final, tmp, dst, gen, data)
+
+
+def _after_commit(final: Location, what: str, fn: Callable[..., None], *args: Any) -> None:
+  """Runs a step that follows the commit's atomic switch: the checkpoint is in place and
+  restorable whatever it does, so its failure is logged, never raised. Raised, it told every
+  process that nothing was committed (a manager then did not list a step that was there, and
+  refused its retry as existing), and the failed save's cleanup removed its temporary
+  directory, which after an exchange holds the replaced checkpoint: data that other
+  checkpoints borrow was deleted with it."""
+  try:
+    fn(*args)
+  except OSError as e:
+    log.warning("checkpoint %s committed (it is in place and restorable), but %s failed: %s."
+                " It may not survive a power loss until the file system writes its directory:"
+                " check the disk (an I/O error here is the disk's).", final, what, e)
 
 
 def _replace_in_place(final: Location, tmp: str, dst: str, gen: str, manifest: bytes) -> None:
@@ -1367,8 +1384,17 @@ def _replace_in_place(final: Location, tmp: str, dst: str, gen: str, manifest: b
   staged = os.path.join(dst, f"{_manifest.MANIFEST_KEY}{TMP_MARKER}{gen}")
   _location.write_local_durably(staged, manifest)
   os.replace(staged, os.path.join(dst, _manifest.MANIFEST_KEY))
-  _location.fsync_dir(dst)
   # Committed; the rest gathers the old checkpoint in tmp (emptied above) and disposes of it.
+  _after_commit(final, "syncing its directory", _location.fsync_dir, dst)
+  _after_commit(final, f"gathering the checkpoint it replaced into {tmp}", _gather_replaced,
+                final, tmp, dst, gen, items, old_manifest)
+
+
+def _gather_replaced(final: Location, tmp: str, dst: str, gen: str, items: Sequence[str],
+                     old_manifest: bytes) -> None:
+  """After :func:`_replace_in_place`'s commit: moves the replaced generation's databases
+  (and items the new one lacks) from ``dst`` into ``tmp`` beside the old manifest, and
+  disposes of that old checkpoint."""
   staged = os.path.join(tmp, f"{_manifest.MANIFEST_KEY}{TMP_MARKER}{gen}")
   _location.write_local_durably(staged, old_manifest)
   os.replace(staged, os.path.join(tmp, _manifest.MANIFEST_KEY))
