@@ -456,10 +456,10 @@ def read_key(loc: Location, key: str, context: ts.Context | None = None,
         return f.read() if max_bytes is None else read_at_most(f, max_bytes)
     except (FileNotFoundError, NotADirectoryError):
       return None
-    except OSError as e:
-      if e.errno in (errno.EMFILE, errno.ENFILE):  # the process's limit, and its fix
-        raise storage_error(loc, f"reading {key!r}", e) from e
+    except errors.CheckpointError:
       raise
+    except OSError as e:  # (a disk error, the process's open-file limit: each with its fix)
+      raise storage_error(loc, f"reading {key!r}", e) from e
   try:
     byte_range = None if max_bytes is None else slice(0, max_bytes)
     r = open_kvstore(loc, "", context).read(key, byte_range=byte_range).result()

@@ -326,7 +326,11 @@ def steps(loc: Location) -> list[int]:
   if loc.is_local:
     if not os.path.isdir(loc.local_path):
       return []
-    return sorted(int(name) for name in os.listdir(loc.local_path)
+    try:
+      names = os.listdir(loc.local_path)
+    except OSError as e:
+      raise _location.storage_error(loc, "listing its steps", e) from e
+    return sorted(int(name) for name in names
                   if _is_step(name) and any(
                       os.path.exists(os.path.join(loc.local_path, name, marker))
                       for marker in (_COMMIT, _STEP_METADATA)))

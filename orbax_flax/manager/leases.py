@@ -166,6 +166,8 @@ def _reader_keys(loc: Location) -> list[str]:
     return os.listdir(os.path.join(loc.local_path, READERS))
   except (FileNotFoundError, NotADirectoryError):
     return []
+  except OSError as e:
+    raise _location.storage_error(loc, f"listing the reader leases in {READERS}", e) from e
 
 
 def leased_steps(loc: Location, seen: dict[str, tuple[float, float]]) -> set[int]:

@@ -1,0 +1,231 @@
+"""Every file-system call of a manager's life failing once: nothing a user saved is lost.
+
+The kill points (test_kills.py) stop a process at each step of a save; this sweeps the other
+kind of failure, a call that returns an error (EIO) and a process that goes on. One fixed run
+of ordinary operations (saves, a forced re-save, a rollback and the save after it, retention,
+a restart, differential saves on and off) is recorded once, fault-free, with the call site of
+every file-system call our code makes under its directory (``os.rename``, ``replace``,
+``unlink``, ``rmdir``, ``mkdir``, ``open``, ``fsync``, ``listdir``, ``scandir`` and the atomic
+exchange). Then, for each call site, the run again with that site's first call failing.
+
+After each run a fresh manager, fault-free, must find:
+
+* every step the fault-free run keeps, whose saves in this run all returned, restorable bitwise
+  to its last save (a failure may keep more steps, never fewer: a failed save or deletion
+  only delays retention and rollbacks);
+* every step it lists restorable to one of the saves made under that number (the last one
+  that returned, or a later one whose failure came after its commit);
+* every error the operations raised one of ours (``ofx.CheckpointError``), naming the failure.
+
+CI runs the first call of every site, differential saves on and off (async); ``ORBAX_FLAX_FAULTS=long``
+also the second and the last call of each site, and blocking saves. Its first run found three
+sites where a raw ``OSError`` reached the caller (reading a manifest, listing reader leases,
+listing another library's steps): each is a ``StorageError`` with its fix now.
+"""
+
+import collections
+import contextlib
+import errno
+import os
+import sys
+import threading
+import traceback
+
+import numpy as np
+import pytest
+
+import orbax_flax as ofx
+from orbax_flax.core import _location
+
+LONG = os.environ.get("ORBAX_FLAX_FAULTS") == "long"
+_PKG = os.path.dirname(os.path.abspath(ofx.__file__))
+_FROZEN = np.random.default_rng(0).standard_normal((3, 256, 1024)).astype(np.float32)
+
+
+def _items(tag: int) -> dict:
+  """Three 1 MiB arrays, one of which changes with ``tag`` (a differential save borrows two)."""
+  return {"state": {"a": _FROZEN[0] + tag, "b": _FROZEN[1], "c": _FROZEN[2],
+                    "tag": np.full(4, tag, np.int64)}}
+
+
+class _Faults:
+  """Spies on the file-system calls our code makes under ``root``: records each call's site (the
+  innermost orbax_flax frame) and fails the ``nth`` call of site ``target`` with EIO."""
+
+  _OS = ("rename", "replace", "unlink", "remove", "rmdir", "mkdir", "open", "fsync", "listdir",
+         "scandir")
+
+  def __init__(self, root: str, target: tuple[str, str] | None = None, nth: int = 0):
+    self.root = os.path.realpath(root)
+    self.target, self.nth = target, nth
+    self.calls: list[tuple[str, str]] = []  # (function, site), in order
+    self.failed: tuple[str, str] | None = None
+    self._lock = threading.Lock()
+    self._seen = collections.Counter()
+
+  def _path(self, name, args, kwargs) -> str | None:
+    if name == "fsync":
+      try:
+        return os.readlink(f"/proc/self/fd/{args[0]}")
+      except OSError:
+        return None
+    if not args:
+      return None
+    p = args[0]
+    if isinstance(p, int):
+      try:
+        return os.readlink(f"/proc/self/fd/{p}")
+      except OSError:
+        return None
+    p = os.fsdecode(p)
+    d = kwargs.get("dir_fd")
+    if d is not None and not os.path.isabs(p):
+      try:
+        p = os.path.join(os.readlink(f"/proc/self/fd/{d}"), p)
+      except OSError:
+        return None
+    return os.path.realpath(os.path.abspath(p)) if os.path.isabs(p) or d is None else p
+
+  def _site(self) -> str | None:
+    f = sys._getframe(2)  # pylint: disable=protected-access
+    while f is not None:
+      if f.f_code.co_filename.startswith(_PKG):
+        return f"{os.path.relpath(f.f_code.co_filename, _PKG)}:{f.f_lineno}"
+      f = f.f_back
+    return None
+
+  def wrap(self, name, real):
+    def spy(*args, **kwargs):
+      path = self._path(name, args, kwargs)
+      if path is not None and path.startswith(self.root):
+        site = self._site()
+        if site is not None:
+          with self._lock:
+            self.calls.append((name, site))
+            k = self._seen[(name, site)]
+            self._seen[(name, site)] += 1
+            fail = self.failed is None and (name, site) == self.target and k == self.nth
+            if fail:
+              self.failed = (name, site)
+          if fail:
+            raise OSError(errno.EIO, f"injected: {name} at {site} failed", path)
+      return real(*args, **kwargs)
+    return spy
+
+  @contextlib.contextmanager
+  def installed(self, monkeypatch):
+    with monkeypatch.context() as m:
+      for name in self._OS:
+        m.setattr(os, name, self.wrap(name, getattr(os, name)))
+      m.setattr(_location, "exchange", self.wrap("exchange", _location.exchange))
+      yield self
+
+
+def _run(directory: str, differential: bool, async_save: bool) -> tuple[dict, list]:
+  """The fixed run. Returns {step: [(tag, returned)] in save order} and the errors raised."""
+  saves: dict[int, list[tuple[int, bool]]] = collections.defaultdict(list)
+  raised: list[BaseException] = []
+  policy = ofx.CheckpointPolicy(max_to_keep=3, differential=differential, async_save=async_save)
+  tag = [0]
+
+  def attempt(fn):
+    try:
+      fn()
+      return True
+    except Exception as e:  # pylint: disable=broad-except  # judged below
+      raised.append(e)
+      return False
+
+  def save(m, step):
+    tag[0] += 1
+    t = tag[0]
+    ok = attempt(lambda: (m.save(step, _items(t), force=True), m.wait()))
+    saves[step].append((t, ok))
+
+  m = None
+  for opened in range(2):
+    try:
+      m = ofx.CheckpointManager(directory, policy)
+    except Exception as e:  # pylint: disable=broad-except
+      raised.append(e)
+      continue
+    try:
+      if opened == 0:
+        for step in (1, 2, 3):
+          save(m, step)
+        save(m, 3)  # a forced re-save of the head
+        attempt(lambda: m.restore(2))  # a rollback to 2 ...
+        save(m, 3)  # ... and the run from there: abandons the re-saved 3
+        for step in (4, 5):  # retention: keeps 3
+          save(m, step)
+      else:
+        attempt(lambda: m.restore())
+        save(m, 6)
+    finally:
+      attempt(m.close)
+  return saves, raised
+
+
+def _check(directory: str, saves: dict, raised: list, reference_kept: dict) -> list[str]:
+  problems = []
+  for e in raised:
+    if not isinstance(e, ofx.CheckpointError):
+      where = traceback.extract_tb(e.__traceback__)
+      calls = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(where)
+                          if f.filename.startswith(_PKG))
+      problems.append(f"raised {type(e).__name__} (not an orbax_flax error): {e} [{calls}]")
+  with ofx.CheckpointManager(directory) as m:
+    listed = m.all_steps()
+    for step in listed:
+      made = saves.get(step, [])
+      last_ok = max((i for i, (_, ok) in enumerate(made) if ok), default=-1)
+      allowed = {t for i, (t, _) in enumerate(made) if i >= last_ok}
+      try:
+        got = int(np.asarray(m.restore(step)["state"]["tag"])[0])
+      except Exception as e:  # pylint: disable=broad-except
+        problems.append(f"step {step} is listed but does not restore: {type(e).__name__}: {e}")
+        continue
+      if got not in allowed:
+        problems.append(f"step {step} restores save {got}, not one of {sorted(allowed)}")
+    for step, t in reference_kept.items():
+      made = saves.get(step, [])
+      if made and all(ok for _, ok in made) and made[-1][0] == t and step not in listed:
+        problems.append(f"step {step} (save {t} returned) is lost; listed: {listed}")
+  return problems
+
+
+def _sites(tmp_path, monkeypatch, differential, async_save):
+  d = str(tmp_path / "reference")
+  faults = _Faults(d)
+  with faults.installed(monkeypatch):
+    saves, raised = _run(d, differential, async_save)
+  assert not raised, raised
+  with ofx.CheckpointManager(d) as m:
+    kept = {s: int(np.asarray(m.restore(s)["state"]["tag"])[0]) for s in m.all_steps()}
+  assert kept == {4: 6, 5: 7, 6: 8}, kept  # max_to_keep=3
+  counts = collections.Counter(faults.calls)
+  return kept, counts
+
+
+_CASES = [(True, True), (False, True)] + ([(True, False), (False, False)] if LONG else [])
+
+
+@pytest.mark.parametrize("differential,async_save", _CASES)
+def test_every_file_system_call_failing_once_loses_no_step(tmp_path, monkeypatch, differential,
+                                                           async_save):
+  kept, counts = _sites(tmp_path, monkeypatch, differential, async_save)
+  points = [(site, 0) for site in counts]
+  if LONG:
+    points += [(site, 1) for site, n in counts.items() if n > 1]
+    points += [(site, n - 1) for site, n in counts.items() if n > 2]
+  problems = []
+  for i, (site, nth) in enumerate(points):
+    d = str(tmp_path / f"run{i}")
+    faults = _Faults(d, site, nth)
+    with faults.installed(monkeypatch):
+      saves, raised = _run(d, differential, async_save)
+    found = _check(d, saves, raised, kept)
+    if found:
+      problems.append(f"{site[0]} at {site[1]} (call {nth}) failing: " + "; ".join(found))
+  print(f"{len(points)} error points over {len(counts)} call sites")
+  assert not problems, "\n".join(problems)
