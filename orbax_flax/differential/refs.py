@@ -68,6 +68,19 @@ def locate_step(loc: Location, directory: str, generation: str) -> Location:
   for name in (directory, retired):
     if holds_generation(loc.sibling(name).local_path, generation):
       return loc.sibling(name)
+  # An overwrite committed by an exchange, whose retirement of what it replaced did not
+  # happen (a kill in that instant, a rename that failed): the data is still whole, its
+  # manifest kept, under the overwrite's temporary name.
+  prefix = f"{directory}{step_dir.TMP_MARKER}"
+  try:
+    names = sorted(n for n in os.listdir(os.path.dirname(loc.local_path)) if n.startswith(prefix))
+  except OSError:
+    names = []
+  for name in names:
+    path = loc.sibling(name).local_path
+    if (os.path.isfile(os.path.join(path, _manifest.MANIFEST_KEY))
+        and generation_of(path) == generation):
+      return loc.sibling(name)
   raise errors.CheckpointFormatError(
       f"{loc}: references data of step {directory!r} (generation {generation}), which is not"
       f" next to it: neither that step nor its retired data ({retired}) exists. The referenced"
@@ -145,8 +158,10 @@ def borrowers(loc: Location, generation: str) -> list[str]:
   root = os.path.dirname(loc.local_path)
   try:
     names = sorted(os.listdir(root))
-  except OSError:
+  except FileNotFoundError:
     return []
+  except OSError as e:  # who borrows is unknown: the data is kept
+    return [f"(the checkpoints beside it, which could not be listed: {e})"]
   out = []
   for name in names:
     if not os.path.isfile(os.path.join(root, name, _manifest.MANIFEST_KEY)):

@@ -1332,21 +1332,30 @@ def _commit_local(plan: _planning.Plan, gen: str, target: Location, data: bytes)
       raise errors.CheckpointExistsError(
           f"{dst} was created by someone else during the save; nothing was overwritten."
           " Choose another path.") from e
-    _after_commit(final, "syncing its parent directory", _location.fsync_dir, os.path.dirname(dst))
+    _after_commit(final, "syncing its parent directory", _NOT_DURABLE, _location.fsync_dir,
+                  os.path.dirname(dst))
     return
   if not plan.overwrite:
     raise errors.CheckpointExistsError(f"a checkpoint appeared at {dst} during the save;"
                                        " nothing was overwritten.")
   if _location.exchange(tmp, dst):
-    _after_commit(final, "syncing its parent directory", _location.fsync_dir, os.path.dirname(dst))
+    _after_commit(final, "syncing its parent directory", _NOT_DURABLE, _location.fsync_dir,
+                  os.path.dirname(dst))
     # tmp now holds the old checkpoint
-    _after_commit(final, f"disposing of the checkpoint it replaced (now {tmp})",
+    _after_commit(final, "disposing of the checkpoint it replaced", _LEFT_BEHIND.format(tmp),
                   refs.dispose_replaced, final, tmp)
     return
   _replace_in_place(final, tmp, dst, gen, data)
 
 
-def _after_commit(final: Location, what: str, fn: Callable[..., None], *args: Any) -> None:
+_NOT_DURABLE = ("It may not survive a power loss until the file system writes its directory:"
+                " check the disk (an I/O error here is the disk's).")
+_LEFT_BEHIND = ("The checkpoint it replaced stays whole at {} (checkpoints that borrow its data"
+                " read it there); remove it by hand once none does.")
+
+
+def _after_commit(final: Location, what: str, consequence: str, fn: Callable[..., None],
+                  *args: Any) -> None:
   """Runs a step that follows the commit's atomic switch: the checkpoint is in place and
   restorable whatever it does, so its failure is logged, never raised. Raised, it told every
   process that nothing was committed (a manager then did not list a step that was there, and
@@ -1356,9 +1365,8 @@ def _after_commit(final: Location, what: str, fn: Callable[..., None], *args: An
   try:
     fn(*args)
   except OSError as e:
-    log.warning("checkpoint %s committed (it is in place and restorable), but %s failed: %s."
-                " It may not survive a power loss until the file system writes its directory:"
-                " check the disk (an I/O error here is the disk's).", final, what, e)
+    log.warning("checkpoint %s committed (it is in place and restorable), but %s failed: %s. %s",
+                final, what, e, consequence)
 
 
 def _replace_in_place(final: Location, tmp: str, dst: str, gen: str, manifest: bytes) -> None:
@@ -1385,8 +1393,10 @@ def _replace_in_place(final: Location, tmp: str, dst: str, gen: str, manifest: b
   _location.write_local_durably(staged, manifest)
   os.replace(staged, os.path.join(dst, _manifest.MANIFEST_KEY))
   # Committed; the rest gathers the old checkpoint in tmp (emptied above) and disposes of it.
-  _after_commit(final, "syncing its directory", _location.fsync_dir, dst)
-  _after_commit(final, f"gathering the checkpoint it replaced into {tmp}", _gather_replaced,
+  _after_commit(final, "syncing its directory", _NOT_DURABLE, _location.fsync_dir, dst)
+  _after_commit(final, "gathering the checkpoint it replaced",
+                f"Its data stays in {dst} (databases of other generations) and {tmp}; the"
+                " checkpoint at the path reads only its own.", _gather_replaced,
                 final, tmp, dst, gen, items, old_manifest)
 
 

@@ -39,11 +39,12 @@ from orbax_flax.core import _location
 
 LONG = os.environ.get("ORBAX_FLAX_FAULTS") == "long"
 _PKG = os.path.dirname(os.path.abspath(ofx.__file__))
-_FROZEN = np.random.default_rng(0).standard_normal((3, 256, 1024)).astype(np.float32)
+_FROZEN = np.random.default_rng(0).standard_normal((3, 320, 1024)).astype(np.float32)
 
 
 def _items(tag: int) -> dict:
-  """Three 1 MiB arrays, one of which changes with ``tag`` (a differential save borrows two)."""
+  """Three 1.25 MiB arrays (chunked: a packed array is never borrowed), one of which changes
+  with ``tag`` (a differential save borrows the other two)."""
   return {"state": {"a": _FROZEN[0] + tag, "b": _FROZEN[1], "c": _FROZEN[2],
                     "tag": np.full(4, tag, np.int64)}}
 
@@ -62,6 +63,7 @@ class _Faults:
     self.failed: tuple[str, str] | None = None
     self._lock = threading.Lock()
     self._seen = collections.Counter()
+    self.paused = False  # (the test's own checks: neither counted nor failed)
 
   def _path(self, name, args, kwargs) -> str | None:
     if name == "fsync":
@@ -87,16 +89,18 @@ class _Faults:
     return os.path.realpath(os.path.abspath(p)) if os.path.isabs(p) or d is None else p
 
   def _site(self) -> str | None:
-    f = sys._getframe(2)  # pylint: disable=protected-access
-    while f is not None:
+    """The innermost three orbax_flax frames (a helper's line alone, such as fsync_dir's, is
+    shared by every caller of the helper)."""
+    f, frames = sys._getframe(2), []  # pylint: disable=protected-access
+    while f is not None and len(frames) < 3:
       if f.f_code.co_filename.startswith(_PKG):
-        return f"{os.path.relpath(f.f_code.co_filename, _PKG)}:{f.f_lineno}"
+        frames.append(f"{os.path.relpath(f.f_code.co_filename, _PKG)}:{f.f_lineno}")
       f = f.f_back
-    return None
+    return " < ".join(frames) or None
 
   def wrap(self, name, real):
     def spy(*args, **kwargs):
-      path = self._path(name, args, kwargs)
+      path = None if self.paused else self._path(name, args, kwargs)
       if path is not None and path.startswith(self.root):
         site = self._site()
         if site is not None:
@@ -225,6 +229,77 @@ def test_every_file_system_call_failing_once_loses_no_step(tmp_path, monkeypatch
     with faults.installed(monkeypatch):
       saves, raised = _run(d, differential, async_save)
     found = _check(d, saves, raised, kept)
+    if found:
+      problems.append(f"{site[0]} at {site[1]} (call {nth}) failing: " + "; ".join(found))
+  print(f"{len(points)} error points over {len(counts)} call sites")
+  assert not problems, "\n".join(problems)
+
+
+def _judge(directory: str, saves: dict) -> list[str]:
+  """What is wrong with the checkpoints of :func:`_overwrites` now: each must restore to its
+  last save that returned, or to a later one (whose failure came after its commit)."""
+  found = []
+  for name, made in saves.items():
+    last_ok = max((k for k, (_, ok) in enumerate(made) if ok), default=None)
+    if last_ok is None:
+      continue
+    allowed = {t for k, (t, _) in enumerate(made) if k >= last_ok}
+    try:
+      got = int(np.asarray(ofx.restore(os.path.join(directory, name))["state"]["tag"])[0])
+    except Exception as e:  # pylint: disable=broad-except
+      found.append(f"{name} does not restore: {type(e).__name__}: {e}")
+      continue
+    if got not in allowed:
+      found.append(f"{name} restores save {got}, not one of {sorted(allowed)}")
+  return found
+
+
+def _overwrites(directory: str, faults: _Faults) -> tuple[dict, list, list]:
+  """Checkpoints a, then b borrowing from a, then each overwritten (differential saves): the
+  commit's exchange path, where the replaced checkpoint is retired while another borrows it.
+  Every checkpoint is judged after each save (a later overwrite can hide an earlier loss).
+  Returns {name: [(tag, returned)]}, the errors raised and what was found wrong."""
+  saves: dict[str, list[tuple[int, bool]]] = collections.defaultdict(list)
+  raised: list[BaseException] = []
+  found: list[str] = []
+  with ofx.Checkpointer(differential=True) as ck:
+    for tag, name in enumerate(["a", "b", "a", "b", "a"], start=1):
+      try:
+        ck.save(os.path.join(directory, name), _items(tag), overwrite=tag > 2)
+        saves[name].append((tag, True))
+      except Exception as e:  # pylint: disable=broad-except  # judged below
+        raised.append(e)
+        saves[name].append((tag, False))
+      faults.paused = True
+      found += [f"after save {tag}: {f}" for f in _judge(directory, saves)]
+      faults.paused = False
+  return saves, raised, found
+
+
+def test_every_file_system_call_of_differential_overwrites_failing_once_loses_no_checkpoint(
+    tmp_path, monkeypatch):
+  """Overwrites of checkpoints that borrow from each other, each file-system call failing once:
+  each checkpoint restores to its last save that returned (or a later one that committed
+  before its failure). A failure after an overwrite's exchange deleted the replaced
+  checkpoint that another one borrowed: neither restored."""
+  d = str(tmp_path / "reference")
+  faults = _Faults(d)
+  with faults.installed(monkeypatch):
+    _, raised, found = _overwrites(d, faults)
+  assert not raised and not found, (raised, found)
+  counts = collections.Counter(faults.calls)
+  points = [(site, 0) for site in counts]
+  if LONG:
+    points += [(site, n - 1) for site, n in counts.items() if n > 1]
+  problems = []
+  for i, (site, nth) in enumerate(points):
+    d = str(tmp_path / f"run{i}")
+    os.makedirs(d)
+    faults = _Faults(d, site, nth)
+    with faults.installed(monkeypatch):
+      _, raised, found = _overwrites(d, faults)
+    found += [f"raised {type(e).__name__} (not an orbax_flax error): {e}" for e in raised
+              if not isinstance(e, ofx.CheckpointError)]
     if found:
       problems.append(f"{site[0]} at {site[1]} (call {nth}) failing: " + "; ".join(found))
   print(f"{len(points)} error points over {len(counts)} call sites")
