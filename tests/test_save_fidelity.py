@@ -156,79 +156,28 @@ def test_an_async_save_keeps_the_numpy_values_the_caller_had_when_it_returned(
 # Staging memory.
 
 
-@pytest.mark.skipif(not _ON_CPU, reason="memcpy stages the whole state on CPU only")
-def test_a_save_during_a_zero_filling_preparation_waits_for_its_slice_and_keeps_the_snapshot(
-    tmp_path, monkeypatch):
-  """Without MADV_POPULATE_WRITE (Linux < 5.14) the preparation writes zeros into the staging
-  memory: a save that stopped it must wait for its current slice, whose zeros would otherwise
-  land on the snapshot copied meanwhile. The zeroing here waits until the save has stopped it,
-  then takes 0.2 s more (a slow host) before it writes the rest of its slice."""
-  monkeypatch.setattr(_staging, "_can_populate", lambda address: False)
+def _save_during_a_slow_preparation(tmp_path, monkeypatch, state, populate):
+  """Prepares the staging memory for ``state`` and saves it while the preparation runs: the
+  preparation touches its first MiB, then waits until the save has stopped it and 0.2 s more
+  (a slow host) before it touches the rest of its slice; the save writes after that (its
+  snapshot is taken by then). Returns the staging stats after the save, and what restores."""
   touching, touched = threading.Event(), threading.Event()
   touch = _staging.touch
   ckptr = ofx.Checkpointer(host_transfer="memcpy")
 
-  def slow_zeroing(address, nbytes, populate):
-    assert not populate
+  def slow_host(address, nbytes, populating):
+    assert populating == populate
     first = min(nbytes, 1 << 20)
-    touch(address, first, populate)
+    ok = touch(address, first, populating)
     touching.set()
-    deadline = time.monotonic() + 30
-    while ckptr.staging_stats().preparing and time.monotonic() < deadline:
-      time.sleep(0.001)  # until a save stops the preparation
-    time.sleep(0.2)
-    touch(address + first, nbytes - first, populate)
-    touched.set()
-  monkeypatch.setattr(_staging, "touch", slow_zeroing)
-  write = saving.SaveRun.write
-
-  def after_the_zeroing(self, *args, **kwargs):  # its zeros, if any, are there by now
-    touched.wait(30)
-    return write(self, *args, **kwargs)
-  monkeypatch.setattr(saving.SaveRun, "write", after_the_zeroing)
-  sharding = NamedSharding(jax.make_mesh((len(jax.devices()),), ("x",)), P("x"))
-  state = {"w": _arange((2048, 2048), np.int32, sharding, 1),  # 16 MiB, staged whole
-           "b": _arange((1000,), np.int32, None, 5)}
-  expected = jax.tree.map(np.array, state)
-  with ckptr:
-    assert ckptr.prepare({"state": state}) >= state["w"].nbytes
-    assert touching.wait(30)  # the preparation is writing zeros now
-    ckptr.save_async(str(tmp_path / "c"), {"state": state}).wait()
-    assert ckptr.staging_stats().mappings == 1  # the save copied into the prepared memory
-  assert touched.is_set()
-  _assert_tree_equal(ofx.restore(str(tmp_path / "c"))["state"], expected)
-
-
-@pytest.mark.skipif(not _ON_CPU, reason="memcpy stages the whole state on CPU only")
-def test_a_preparation_whose_populate_fails_midway_writes_no_zeros_under_a_save(
-    tmp_path, monkeypatch):
-  """MADV_POPULATE_WRITE can work for the one-page probe and fail later (ENOMEM under a
-  cgroup's memory pressure): the preparation then fell back to writing zeros, while a save
-  does not wait for a populating preparation, and 44% of the snapshot came back zero. Here
-  madvise fails past one page, and the preparation's second slice comes after the save
-  stopped it (a slow host)."""
-  class FailingPopulate:
-    def madvise(self, address, nbytes, advice):
-      del address, advice
-      return 0 if nbytes <= 4096 else -1
-  monkeypatch.setattr(_staging, "_libc", FailingPopulate)
-  touching, touched = threading.Event(), threading.Event()
-  touch = _staging.touch
-  ckptr = ofx.Checkpointer(host_transfer="memcpy")
-
-  def slow_host(address, nbytes, populate):
-    assert populate
-    first = min(nbytes, 1 << 20)
-    ok = touch(address, first, populate)
-    touching.set()
-    if ok is False:  # it stopped there
+    if ok is False:  # the preparation stops there
       touched.set()
       return ok
     deadline = time.monotonic() + 30
     while ckptr.staging_stats().preparing and time.monotonic() < deadline:
       time.sleep(0.001)  # until a save stops the preparation
     time.sleep(0.2)
-    ok = touch(address + first, nbytes - first, populate)
+    ok = touch(address + first, nbytes - first, populating)
     touched.set()
     return ok
   monkeypatch.setattr(_staging, "touch", slow_host)
@@ -238,15 +187,48 @@ def test_a_preparation_whose_populate_fails_midway_writes_no_zeros_under_a_save(
     touched.wait(30)
     return write(self, *args, **kwargs)
   monkeypatch.setattr(saving.SaveRun, "write", after_the_preparation)
-  sharding = NamedSharding(jax.make_mesh((len(jax.devices()),), ("x",)), P("x"))
-  state = {"w": _arange((2048, 2048), np.int32, sharding, 1)}  # 16 MiB, staged whole
-  expected = jax.tree.map(np.array, state)
   with ckptr:
     assert ckptr.prepare({"state": state}) >= state["w"].nbytes
     assert touching.wait(30)
     ckptr.save_async(str(tmp_path / "c"), {"state": state}).wait()
+    stats = ckptr.staging_stats()
   assert touched.is_set()
-  _assert_tree_equal(ofx.restore(str(tmp_path / "c"))["state"], expected)
+  return stats, ofx.restore(str(tmp_path / "c"))["state"]
+
+
+@pytest.mark.skipif(not _ON_CPU, reason="memcpy stages the whole state on CPU only")
+def test_a_save_during_a_zero_filling_preparation_waits_for_its_slice_and_keeps_the_snapshot(
+    tmp_path, monkeypatch):
+  """Without MADV_POPULATE_WRITE (Linux < 5.14) the preparation writes zeros into the staging
+  memory: a save that stopped it must wait for its current slice, whose zeros would otherwise
+  land on the snapshot copied meanwhile."""
+  monkeypatch.setattr(_staging, "_can_populate", lambda address: False)
+  sharding = NamedSharding(jax.make_mesh((len(jax.devices()),), ("x",)), P("x"))
+  state = {"w": _arange((2048, 2048), np.int32, sharding, 1),  # 16 MiB, staged whole
+           "b": _arange((1000,), np.int32, None, 5)}
+  expected = jax.tree.map(np.array, state)
+  stats, restored = _save_during_a_slow_preparation(tmp_path, monkeypatch, state, populate=False)
+  assert stats.mappings == 1  # the save copied into the prepared memory
+  _assert_tree_equal(restored, expected)
+
+
+@pytest.mark.skipif(not _ON_CPU, reason="memcpy stages the whole state on CPU only")
+def test_a_preparation_whose_populate_fails_midway_writes_no_zeros_under_a_save(
+    tmp_path, monkeypatch):
+  """MADV_POPULATE_WRITE can work for the one-page probe and fail later (ENOMEM under a
+  cgroup's memory pressure): the preparation then fell back to writing zeros, while a save
+  does not wait for a populating preparation, and 44% of the snapshot came back zero. Here
+  madvise fails past one page."""
+  class FailingPopulate:
+    def madvise(self, address, nbytes, advice):
+      del address, advice
+      return 0 if nbytes <= 4096 else -1
+  monkeypatch.setattr(_staging, "_libc", FailingPopulate)
+  sharding = NamedSharding(jax.make_mesh((len(jax.devices()),), ("x",)), P("x"))
+  state = {"w": _arange((2048, 2048), np.int32, sharding, 1)}  # 16 MiB, staged whole
+  expected = jax.tree.map(np.array, state)
+  _, restored = _save_during_a_slow_preparation(tmp_path, monkeypatch, state, populate=True)
+  _assert_tree_equal(restored, expected)
 
 
 def test_the_staging_memory_never_exceeds_max_host_bytes_when_a_round_rounds_up_past_it(tmp_path):
