@@ -147,6 +147,7 @@ for _ in range(args["steps"]):
   state = m.train_step(state, jnp.int32(next(data)), jnp.int32(args["salt"]))
   ckpt.on_step_end(step, state)
   print("STEP", step, flush=True)
+  sys.stdin.readline()  # the test's go: it reads each step before the next one runs
 print("DONE", flush=True)
 time.sleep(600)  # killed
 """
@@ -261,8 +262,12 @@ class TiersModel(RuleBasedStateMachine):
     what the next run must resume from."""
     args = dict(tests=os.path.dirname(os.path.abspath(__file__)), dir=self.dir,
                 policy=self._policy_args(), steps=steps, salt=self.salt)
+    # The process waits for a go after each step: at the kill it is in the step after the
+    # last one read, or before it, never further (it ran on unread under load: CI saw a
+    # local step three steps past the model's, which the model took for a lost one).
     proc = subprocess.Popen([sys.executable, "-c", _KILL_WORKER, json.dumps(args)],
-                            stdout=subprocess.PIPE, text=True, env=jobs.env_for(8))
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=jobs.env_for(8))
     try:
       kind, _, payload = proc.stdout.readline().partition(" ")
       assert kind == "RESTORED", f"the killed run's process ended: {kind}{payload}"
@@ -275,6 +280,8 @@ class TiersModel(RuleBasedStateMachine):
       for _ in range(kill_after):
         line = proc.stdout.readline()
         assert line.split() == ["STEP", str(self.step + 1)], line
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
         self.step, pos = self.step + 1, pos + 1
         state = _step_np(state, pos, self.salt)
         if self.step % self.every == 0:
@@ -285,6 +292,7 @@ class TiersModel(RuleBasedStateMachine):
       proc.kill()
       proc.wait()
       proc.stdout.close()
+      proc.stdin.close()
     # What storage may hold: the newest persistent save committed or not; the next step's
     # saves (the one on_step_end was in when the process died) begun, or not.
     persistent_models = [set(before_last), set(self.persistent)]
