@@ -194,15 +194,18 @@ def test_module_save_async_keeps_no_memory_between_saves(tmp_path):
   state = _state(64)
   proc = psutil.Process()
   rss = []
-  for i in range(20):
+  for i in range(24):
     handle = ofx.save_async(str(tmp_path / f"c{i}"), {"state": state})
     handle.wait()
     gc.collect()
     rss.append(proc.memory_info().rss)
-  # Allocator noise is tens of MB; a leaked host copy would add 64 MB a save.
-  early, late = sorted(rss[2:7])[2], sorted(rss[-5:])[2]
-  assert late - early < 32 << 20, [r >> 20 for r in rss]
-  assert max(rss[2:]) - min(rss[2:]) < 128 << 20, [r >> 20 for r in rss]
+  # A leaked host copy would add 64 MB a save: 700 MB between the medians below. In a
+  # process of its own the allocator's pools grow over the first ~8 saves, then stay within
+  # 290-510 MB (60 saves measured), with single saves up to ~170 MB above the floor; so the
+  # baseline comes after them and the bounds allow that noise (one state's size, and three).
+  early, late = sorted(rss[8:13])[2], sorted(rss[-5:])[2]
+  assert late - early < 64 << 20, [r >> 20 for r in rss]
+  assert max(rss[8:]) - min(rss[8:]) < 192 << 20, [r >> 20 for r in rss]
 
 
 def test_staging_needs_one_copy_of_the_state(tmp_path):
