@@ -289,25 +289,38 @@ def test_a_save_async_still_writing_when_the_interpreter_exits_is_committed(tmp_
   np.testing.assert_array_equal(restored["n"], np.arange(1000, dtype=np.int64) * 3)
 
 
-_EXIT_WITH_A_FAILING_SAVE_IN_FLIGHT = """
-import os, sys
+_EXIT_WITH_A_FAILED_SAVE = """
+import os, sys, time
 import jax.numpy as jnp
 import orbax_flax as ofx
-root = sys.argv[1]
+from orbax_flax.engine import saving
+root, when = sys.argv[1], sys.argv[2]
+if when == "at_the_exit":  # storage slower than the exit
+  begin = saving.SaveRun.begin
+  def slow_begin(self):
+    time.sleep(0.5)
+    return begin(self)
+  saving.SaveRun.begin = slow_begin
 open(os.path.join(root, "d"), "w").close()  # a file where the checkpoint's parent should be
-ofx.save_async(os.path.join(root, "d", "ckpt"), {"state": {"w": jnp.arange(1000)}})
-# No wait(): the script ends with the save in flight, which fails.
+handle = ofx.save_async(os.path.join(root, "d", "ckpt"), {"state": {"w": jnp.arange(1000)}})
+if when == "before_the_exit":
+  while not handle.done():  # failed, and nobody looks
+    time.sleep(0.01)
+print("done at the end:", handle.done(), flush=True)
 """
 
 
-def test_a_save_async_failing_while_the_interpreter_exits_says_so(tmp_path):
-  """The exit joined the failing save and said nothing (the handle's __del__ is silent while
-  the interpreter finalizes): a script ended 0 with no word and no checkpoint."""
+@pytest.mark.parametrize("when", ["before_the_exit", "at_the_exit"])
+def test_an_async_save_that_failed_unseen_says_so_when_the_program_ends(tmp_path, when):
+  """A failed save nobody waited for is said at the exit, whether it failed before (the handle
+  still alive: finalized silently) or while the exit joined it. Both ended 0 with no word."""
   env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
              JAX_PLATFORMS="cpu")
-  done = subprocess.run([sys.executable, "-c", textwrap.dedent(_EXIT_WITH_A_FAILING_SAVE_IN_FLIGHT),
-                         str(tmp_path)], capture_output=True, text=True, timeout=300, env=env,
-                        check=False)
-  assert "failed while the program was exiting" in done.stderr, done.stderr[-3000:]
-  assert "StorageError" in done.stderr and "ckpt" in done.stderr, done.stderr[-3000:]
-  assert os.listdir(tmp_path) == ["d"]
+  done = subprocess.run([sys.executable, "-c", textwrap.dedent(_EXIT_WITH_A_FAILED_SAVE),
+                         str(tmp_path), when], capture_output=True, text=True, timeout=300,
+                        env=env, check=False)
+  assert f"done at the end: {when == 'before_the_exit'}" in done.stdout, (done.stdout,
+                                                                         done.stderr[-3000:])
+  assert "and nobody waited for it: StorageError" in done.stderr, done.stderr[-3000:]
+  assert done.stderr.count("nobody waited for it") == 1, done.stderr[-3000:]
+  assert "ckpt" in done.stderr and os.listdir(tmp_path) == ["d"]

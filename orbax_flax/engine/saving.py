@@ -55,6 +55,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -183,6 +184,11 @@ class AsyncSave:
         self._error = e
       finally:
         atexit.unregister(self._finish_at_exit)
+        if self._error is not None:
+          # Failed before the exit: if nobody has seen the error when the program ends,
+          # say it then (a handle alive at exit is finalized silently). A weak reference:
+          # a handle dropped before says it itself (__del__).
+          atexit.register(_report_at_exit, weakref.ref(self))
         try:
           self._ended()
         finally:
@@ -240,14 +246,17 @@ class AsyncSave:
     # Not in a child forked while the save ran: its copy of the save has no thread to wait for.
     if not self.cancelled.is_set() and os.getpid() == self._pid:
       self.join()
-      error = self.unreported_error()
-      if error is not None:
-        self.mark_reported()
-        log.error("save to %s failed while the program was exiting, and nobody waited for"
-                  " it: %s: %s. It did not commit; the checkpoints saved before are intact."
-                  " Call wait() on the handle (or close() the checkpointer) before the"
-                  " program ends to see such an error where it happens.", self.path,
-                  type(error).__name__, error)
+      self._report_unseen("while the program was exiting")
+
+  def _report_unseen(self, when: str) -> None:
+    """Logs the error nobody has seen (once)."""
+    error = self.unreported_error()
+    if error is not None:
+      self.mark_reported()
+      log.error("save to %s failed %s, and nobody waited for it: %s: %s. It did not commit;"
+                " the checkpoints saved before are intact. Call wait() on the handle (or"
+                " close() the checkpointer) before the program ends to see such an error"
+                " where it happens.", self.path, when, type(error).__name__, error)
 
   def run_here(self, work: Callable[[], None]) -> None:
     """Runs ``work`` in the caller's thread (a blocking save)."""
@@ -327,6 +336,13 @@ class AsyncSave:
 
 # ----------------------------------------------------------------------------
 # The two ways a save runs.
+
+
+def _report_at_exit(handle: weakref.ref) -> None:
+  """At exit: the error of a save that failed earlier and is still unseen (its handle alive)."""
+  h = handle()
+  if h is not None:
+    h._report_unseen("before the program ended")  # pylint: disable=protected-access
 
 
 def start(plan: _planning.Plan, key: str, timeout_s: float,
