@@ -293,3 +293,27 @@ def test_set_state_from_shards_waits_for_a_threaded_read_ahead_s_read_in_flight(
     assert [next(data) for _ in range(3)] == [40, 41, 42]
     assert data.get_state() == {"i": 43}
 
+
+@pytest.mark.parametrize("steps_before", [2, 12])  # mid-pass, and after the pass ended
+def test_a_resume_with_another_global_batch_on_the_same_shards_ends_the_pass_at_the_same_step(
+    steps_before):
+  """docs/training.md: a finite pass without a filter ends at the same step on every process,
+  and changing the global batch size on a resume is exact. Resumed on the same two shards
+  with global batch 10 after batches of 8, shards had [9, 8] steps left ([1, 0] after the
+  pass had ended): a data-parallel step's collective then waits for ever on the shard with
+  one batch more. Every record of the pass is still read once."""
+  ds = grain.MapDataset.range(97)  # shards of 49 and 48 positions
+  old = [ElasticIterator(ds, 8, shard_index=k, shard_count=2) for k in range(2)]
+  read = []
+  for it in old:
+    for _ in range(steps_before):
+      read += next(it).tolist()
+  states = [it.get_state() for it in old]
+  new = [ElasticIterator(ds, 10, shard_index=k, shard_count=2) for k in range(2)]
+  for it in new:
+    it.set_state_from_shards(states)
+  rest = [[b.tolist() for b in it] for it in new]
+  assert len(rest[0]) == len(rest[1]), [len(r) for r in rest]
+  read += [i for batches in rest for b in batches for i in b]
+  assert len(read) == len(set(read)), "a record read twice"
+  assert len(read) >= 96, len(read)  # at most the one position past the shortest shard stays

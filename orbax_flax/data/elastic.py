@@ -237,13 +237,19 @@ class ElasticIterator:
 
   def _pass_length(self) -> int:
     """How many of its positions this shard reads in this order: no more batches than the shard
-    with the fewest positions (the last) has, so that without a filter every shard ends at the
-    same step; the at most one position past that stays in the order."""
+    with the fewest positions (the last) has left, so that without a filter every shard ends at
+    the same step; the at most one position past that stays in the order.
+
+    Counted from the place it is at, which every shard shares without a filter: from the
+    order's start, a resume with another batch size (a place not a multiple of it) gave the
+    shards different numbers of steps left.
+    """
     fewest = order_lib.shard_length(self._order, self._count - 1, self._count)
-    steps = (fewest // self._batch_size if self._drop_remainder
-             else -(-fewest // self._batch_size))
+    left = max(0, fewest - self._place)
+    steps = (left // self._batch_size if self._drop_remainder
+             else -(-left // self._batch_size))
     mine = order_lib.shard_length(self._order, self._index, self._count)
-    return min(mine, steps * self._batch_size)
+    return min(mine, self._place + steps * self._batch_size)
 
   def get_state(self) -> dict[str, Any]:
     """This shard's state: the order (the same on every shard) and its place in it."""
