@@ -240,9 +240,9 @@ class ElasticIterator:
     with the fewest positions (the last) has left, so that without a filter every shard ends at
     the same step; the at most one position past that stays in the order.
 
-    Counted from the place it is at, which every shard shares without a filter: from the
-    order's start, a resume with another batch size (a place not a multiple of it) gave the
-    shards different numbers of steps left.
+    Counted from the place it is at, which every shard shares without a filter (counted from
+    the order's start, a resume with another batch size, at a place no multiple of it, would
+    leave the shards different numbers of steps).
     """
     fewest = order_lib.shard_length(self._order, self._count - 1, self._count)
     left = max(0, fewest - self._place)

@@ -543,8 +543,8 @@ class Reader:
     them are held in memory, with their decoded copies, until copied. So at most as many
     chunks as the budget holds twice (one at least) are being read at once: the store's
     concurrent requests, and the reads issued (a fetched chunk waits for its decoding and
-    copy, which a busy CPU makes slow: bounding the requests alone let fetched chunks pile
-    up, 28 MiB past a 16 MiB budget under load).
+    copy, which a busy CPU makes slow: with only the requests bounded, fetched chunks pile
+    up while they wait).
     """
     chunk = max((f.rec.chunk_nbytes for f in fills), default=1)
     limit = max(1, min(32, self.temps.limit // max(2 * chunk, 1)))

@@ -1373,11 +1373,11 @@ _LEFT_BEHIND = ("The checkpoint it replaced stays whole at {} (checkpoints that 
 def _after_commit(final: Location, what: str, consequence: str, fn: Callable[..., None],
                   *args: Any) -> None:
   """Runs a step that follows the commit's atomic switch: the checkpoint is in place and
-  restorable whatever it does, so its failure is logged, never raised. Raised, it told every
-  process that nothing was committed (a manager then did not list a step that was there, and
-  refused its retry as existing), and the failed save's cleanup removed its temporary
-  directory, which after an exchange holds the replaced checkpoint: data that other
-  checkpoints borrow was deleted with it."""
+  restorable whatever it does, so its failure is logged, never raised. Raised, it would tell
+  every process that nothing was committed (a manager would not list a step that is there,
+  and would refuse its retry as existing), and the failed save's cleanup would remove its
+  temporary directory, which after an exchange holds the replaced checkpoint, with data that
+  other checkpoints borrow."""
   try:
     fn(*args)
   except OSError as e:
