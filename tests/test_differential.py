@@ -677,3 +677,26 @@ def test_a_forced_resave_of_a_step_whose_manifest_is_damaged_keeps_what_later_st
     m.wait()
   np.testing.assert_array_equal(ofx.restore(os.path.join(d, "2"))["state"]["w"], w)
   np.testing.assert_array_equal(ofx.restore(os.path.join(d, "1"))["state"]["w"], w + 1)
+
+
+def test_a_sweep_keeps_a_replaced_step_stranded_under_a_temporary_name_while_a_step_borrows_it(
+    tmp_path):
+  """An overwrite by exchange whose retirement of what it replaced did not happen (a kill in
+  that instant, a failed rename) leaves the replaced data whole under ``<step>.ofx-tmp-*``,
+  where the borrowers' references find it. A manager's sweep took it for an interrupted
+  save's debris and removed it: step 2, which borrows from it, no longer restored."""
+  frozen = np.random.default_rng(5).standard_normal((512, 1024)).astype(np.float32)  # chunked
+  d = str(tmp_path / "run")
+  policy = ofx.CheckpointPolicy(differential=True, async_save=False)
+  with ofx.CheckpointManager(d, policy) as m:
+    m.save(1, {"s": {"w": frozen, "n": np.full(4, 1)}}, force=True)
+    m.save(2, {"s": {"w": frozen, "n": np.full(4, 2)}}, force=True)  # borrows w from 1
+  # The state an overwrite of 1 whose retirement failed leaves: the old 1, manifest and all,
+  # under the overwrite's temporary name (here without a new 1 in its place).
+  os.rename(os.path.join(d, "1"), os.path.join(d, "1.ofx-tmp-0123456789abcdef"))
+  np.testing.assert_array_equal(ofx.restore(os.path.join(d, "2"))["s"]["w"], frozen)
+  with ofx.CheckpointManager(d, policy) as m:  # sweeps at its start and after each commit
+    assert [l.name for l in m.leftovers()] == ["1.ofx-tmp-0123456789abcdef"]
+    m.save(3, {"s": {"w": frozen + 1, "n": np.full(4, 3)}}, force=True)
+    np.testing.assert_array_equal(m.restore(2)["s"]["w"], frozen)
+  assert os.path.isdir(os.path.join(d, "1.ofx-tmp-0123456789abcdef"))

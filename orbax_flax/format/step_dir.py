@@ -75,6 +75,8 @@ class Leftover:
   (``<step>/``); on an object store, an overwrite of a committed step that did not commit
   leaves its data inside the step, beside the data the manifest names: ``generation`` is
   then that save's, and ``name`` says where its keys are, ``<step>/*/p*-<generation>/``.
+  A local directory holding a committed manifest (a replaced checkpoint whose retirement
+  did not happen) has that manifest's ``generation``: kept while a step borrows from it.
   """
   name: str
   step: int | None
@@ -327,7 +329,13 @@ def list_steps(loc: Location, *, full: bool = False,
           steps.append(int(name))
       elif TMP_MARKER in name:
         head = name.split(".", 1)[0]
-        leftovers.append(Leftover(name, int(head) if _is_step(head) else None))
+        # One holding a committed manifest is a checkpoint an overwrite replaced whose
+        # retirement did not happen (or a step being deleted): its generation, which a
+        # differential step may still borrow (references find it there), keeps it while one
+        # does. (One small read per such leftover.)
+        gen = (committed_generation(loc.join(name)) if os.path.isfile(
+            os.path.join(loc.local_path, name, _manifest.MANIFEST_KEY)) else None)
+        leftovers.append(Leftover(name, int(head) if _is_step(head) else None, gen))
     return sorted(steps), sorted(leftovers, key=lambda l: l.name)
   if not full:
     indexed = sorted(int(k) for k in _location.list_keys(loc.join(INDEX)) if _is_step(k))
