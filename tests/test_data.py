@@ -582,6 +582,20 @@ def test_a_data_position_saved_by_another_kind_of_iterator_is_refused_naming_the
 # read-ahead (Prefetched).
 
 
+def background_read_ahead(it, maxsize=64):
+  """A read-ahead on a thread of its own through a queue (docs/training.md: "a background
+  queue"), as users write one."""
+  q, end = queue.Queue(maxsize), object()
+
+  def work():
+    for x in it:
+      q.put(x)
+    q.put(end)
+  threading.Thread(target=work, daemon=True).start()
+  while (x := q.get()) is not end:
+    yield x
+
+
 class _Counter:
   """A loader whose batches are their ids; ``live`` hands out its own state dict, as many
   loaders do (the next batch changes it)."""
@@ -655,15 +669,7 @@ def test_a_resume_restarts_a_threaded_read_ahead_after_its_last_read(tmp_path):
   """A background-thread read-ahead (the docs' queue) started before the restore (a batch
   taken for shapes): the restore moved the source back while the old thread was inside the
   source's next(), which then moved it on by one, and the resumed run skipped a batch."""
-  def background(it):
-    q, end = queue.Queue(64), object()
-    def work():
-      for x in it:
-        q.put(x)
-      q.put(end)
-    threading.Thread(target=work, daemon=True).start()
-    while (x := q.get()) is not end:
-      yield x
+  background = background_read_ahead
   trained = _fit(tmp_path, ofx.Prefetched(_Counter(delay=0.02), background), 10,
                  policy={"save_interval_steps": 5})
   data = ofx.Prefetched(_Counter(delay=0.02), background)

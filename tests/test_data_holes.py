@@ -4,8 +4,6 @@ orbax_flax/training/prefetching.py) found: behaviour the docs promise that no te
 Each test names what it pins; all go through the public API on real grain pipelines."""
 
 import collections
-import queue
-import threading
 import time
 
 import grain
@@ -13,6 +11,7 @@ import numpy as np
 import pytest
 
 import orbax_flax as ofx
+import test_data
 from orbax_flax.data import ElasticIterator
 
 
@@ -270,15 +269,8 @@ class _ElasticCounter:
 
 
 def _background(it):
-  """A read-ahead on a thread of its own, an unbounded queue (docs: "a background queue")."""
-  q, end = queue.Queue(), object()
-  def work():
-    for x in it:
-      q.put(x)
-    q.put(end)
-  threading.Thread(target=work, daemon=True).start()
-  while (x := q.get()) is not end:
-    yield x
+  """An unbounded background queue (the read-ahead the docs describe)."""
+  return test_data.background_read_ahead(it, maxsize=0)
 
 
 def test_set_state_from_shards_waits_for_a_threaded_read_ahead_s_read_in_flight():
