@@ -77,9 +77,7 @@ def locate_step(loc: Location, directory: str, generation: str) -> Location:
   except OSError:
     names = []
   for name in names:
-    path = loc.sibling(name).local_path
-    if (os.path.isfile(os.path.join(path, _manifest.MANIFEST_KEY))
-        and generation_of(path) == generation):
+    if step_dir.committed_generation(loc.sibling(name)) == generation:
       return loc.sibling(name)
   raise errors.CheckpointFormatError(
       f"{loc}: references data of step {directory!r} (generation {generation}), which is not"

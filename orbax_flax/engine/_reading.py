@@ -566,24 +566,29 @@ class Reader:
         used += f.out.nbytes
         continue
       reading: collections.deque = collections.deque()  # (future, chunks, item, what, owner)
+      in_flight = 0  # chunks of the reads in ``reading``
       for g in window:
         rec = g.rec
         chunking = _layout.Chunking(rec.shape, rec.chunk_shape)
         dst = ts.array(g.out, copy=False, write=True).translate_to[tuple(lo for lo, _ in g.box)]
         chunks = chunking.chunks_in_box(g.box)
         owners = {rec.owners[c] for c in chunks}
-        pieces = ([(b, owner) for owner in owners for b in chunking.split_box(g.box, limit)]
-                  if len(owners) == 1 else [(_layout.intersect(chunking.chunk_box(c), g.box), rec.owners[c])
-                        for c in chunks])
+        if len(owners) == 1:  # one database: boxes of up to ``limit`` chunks
+          owner = owners.pop()
+          pieces = [(b, owner) for b in chunking.split_box(g.box, limit)]
+        else:  # chunk by chunk, each from its owner's database
+          pieces = [(_layout.intersect(chunking.chunk_box(c), g.box), rec.owners[c]) for c in chunks]
         what = rec.path_text
         for piece, owner in pieces:
           n = len(chunking.chunks_in_box(piece))
-          while reading and sum(r[1] for r in reading) + n > limit:
-            fut, _, item, w, o = reading.popleft()
+          while reading and in_flight + n > limit:
+            fut, done, item, w, o = reading.popleft()
             self._resolve(fut, item, w, o)
+            in_flight -= done
           st = self._resolve(stores[g.item, owner, rec.name], g.item, what, owner)
           sl = _layout.box_to_slices(piece)
           reading.append((dst[sl].write(st[sl]), n, g.item, what, owner))
+          in_flight += n
       for fut, _, item, what, owner in reading:
         self._resolve(fut, item, what, owner)
       self._count(used)

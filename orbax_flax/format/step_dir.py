@@ -333,9 +333,8 @@ def list_steps(loc: Location, *, full: bool = False,
         # retirement did not happen (or a step being deleted): its generation, which a
         # differential step may still borrow (references find it there), keeps it while one
         # does. (One small read per such leftover.)
-        gen = (committed_generation(loc.join(name)) if os.path.isfile(
-            os.path.join(loc.local_path, name, _manifest.MANIFEST_KEY)) else None)
-        leftovers.append(Leftover(name, int(head) if _is_step(head) else None, gen))
+        leftovers.append(Leftover(name, int(head) if _is_step(head) else None,
+                                  committed_generation(loc.join(name))))
     return sorted(steps), sorted(leftovers, key=lambda l: l.name)
   if not full:
     indexed = sorted(int(k) for k in _location.list_keys(loc.join(INDEX)) if _is_step(k))
