@@ -100,19 +100,14 @@ class CheckpointManager:
                trigger: policy_lib.Trigger | None = None, keep: Any = None,
                clock: Callable[[], float] = time.time):
     self._dir = Location.parse(directory)
-    if _location.read_key(self._dir, _manifest.MANIFEST_KEY, max_bytes=1) is not None:
-      parent = self._dir.sibling("")
-      raise errors.CheckpointExistsError(
-          f"{self._dir} is one checkpoint (it holds {_manifest.MANIFEST_KEY}), not a directory"
-          " of steps: a manager there would save its steps inside it, and the run that owns it"
-          f" would delete them with it. Nothing was written. Pass the directory of steps that"
-          f" holds it ({str(parent).rstrip('/')}), or restore this one with"
-          f" ofx.restore({str(self._dir)!r}).")
     self.policy = policy if policy is not None else CheckpointPolicy()
     if not isinstance(self.policy, CheckpointPolicy):
       raise TypeError(f"policy must be a CheckpointPolicy (use CheckpointPolicy.from_config("
                       f"config.checkpoint)); got {type(self.policy).__name__}")
     self._clock = clock  # the schedule's too
+    # First the job's key for this manager (a count per directory, the same on every process
+    # that gets here: what follows may fail on one process alone, and every process then
+    # raises with it, its count kept in step with the others').
     self.components = components_lib.build(self.policy, self._dir, clock=clock, trigger=trigger,
                                            keep=keep)
     self._key, self._schedule = self.components.key, self.components.schedule
@@ -130,17 +125,64 @@ class CheckpointManager:
     # A save failed because the store stopped answering (_location.unanswered), and none has
     # committed since: close() cleans up with one attempt per request.
     self._store_silent = False
-    self._ckptr = checkpointer_lib.Checkpointer(**self.components.checkpointer)
-    self.registry = registry_lib.StepRegistry(self._dir,
-                                              deletes=_multihost.process_index() == 0,
-                                              retention=self._retention())
     self._commits = 0       # commits recorded: each one's keep decision has its own key
     self._writer_tries = 0  # attempts to become the directory's writer (their keys)
+    self._ckptr = self.registry = None  # (made by _open)
+    try:
+      self._together("open", self._open)  # after it, every process of the job is here: none writes
+      self._together("sweep", self.registry.start)
+    except BaseException:
+      if self.registry is not None:
+        self._release()
+      elif self._ckptr is not None:
+        self._ckptr.close()
+      raise
+
+  def _open(self) -> None:
+    """The constructor's reads of the directory (its listing, its rollback records) and the
+    objects they fill."""
+    if _location.read_key(self._dir, _manifest.MANIFEST_KEY, max_bytes=1) is not None:
+      parent = self._dir.sibling("")
+      raise errors.CheckpointExistsError(
+          f"{self._dir} is one checkpoint (it holds {_manifest.MANIFEST_KEY}), not a directory"
+          " of steps: a manager there would save its steps inside it, and the run that owns it"
+          f" would delete them with it. Nothing was written. Pass the directory of steps that"
+          f" holds it ({str(parent).rstrip('/')}), or restore this one with"
+          f" ofx.restore({str(self._dir)!r}).")
+    self._ckptr = checkpointer_lib.Checkpointer(**self.components.checkpointer)
+    self.registry = registry_lib.StepRegistry(self._dir, deletes=_multihost.process_index() == 0,
+                                              retention=self._retention())
     self._rollback = registry_lib.Rollback(self._dir, self.registry, self._key,
                                            self.policy.coordination_timeout_seconds)
-    if _multihost.process_count() > 1:  # every process of this job is here: none is writing
-      _multihost.all_gather(f"{self._key}/start", "ready", self.policy.coordination_timeout_seconds)
-    self.registry.start()
+
+  def _together(self, what: str, fn: Callable[[], Any]) -> None:
+    """``fn()`` on every process of the job, failing on all of them if it fails on one.
+
+    In a job of several processes, each then tells the others whether ``fn`` raised: one
+    whose storage failed raises its error, the others a :class:`~orbax_flax.errors.StorageError`
+    that names it. None goes on alone (its next collective would wait for the others until
+    the coordination timeout). The rendezvous also means every process got here.
+    """
+    failed = None
+    try:
+      fn()
+    except Exception as e:  # pylint: disable=broad-except  # told to the others, then raised
+      if _multihost.process_count() == 1:
+        raise
+      failed = e
+    if _multihost.process_count() > 1:
+      said = "" if failed is None else f"{type(failed).__name__}: {failed}"
+      reports = _multihost.all_gather(f"{self._key}/{what}", said,
+                                      self.policy.coordination_timeout_seconds)
+      others = [(p, r) for p, r in enumerate(reports) if r and p != _multihost.process_index()]
+      if failed is None and others:
+        p, report = others[0]
+        raise errors.StorageError(
+            f"opening the CheckpointManager of {self._dir} failed on process {p} ({report}), so"
+            " on every process of the job; nothing was written. Fix what process"
+            f" {p} reports, then create the manager again.")
+    if failed is not None:
+      raise failed
 
   def _retention(self) -> Any:
     """How the registry removes steps: with differential saves a referenced step is retired,
@@ -572,22 +614,33 @@ class CheckpointManager:
     if self.registry.is_writer:
       self.registry.become_writer()  # raises if the lease was lost meanwhile
       return False
-    problem = ""
+    problem, failed = "", None
     if _multihost.process_index() == 0:
-      problem = _foreign_steps(self._dir)
       try:
+        problem = _foreign_steps(self._dir)
         if not problem:
           self.registry.become_writer()
       except errors.WriterConflictError as e:
         problem = str(e)
+      except Exception as e:  # pylint: disable=broad-except  # storage failed: told, then raised
+        # Every process hears of it and raises too: one that went on alone would pair this
+        # save's collectives with process 0's next save, and every later save would fail.
+        failed, problem = e, f"{_FAILED}{type(e).__name__}: {e}"
     if _multihost.process_count() > 1:
       self._writer_tries += 1
       problem = _multihost.broadcast(f"{self._key}/writer/{self._writer_tries}", problem,
                                      self.policy.coordination_timeout_seconds)
       if not problem and _multihost.process_index() != 0:
         self.registry.become_writer()  # (no lease of its own: process 0 holds the job's)
+    if failed is not None:
+      raise failed
     if problem.startswith(_FOREIGN):
       raise errors.CheckpointExistsError(problem[len(_FOREIGN):])
+    if problem.startswith(_FAILED):
+      raise errors.StorageError(
+          f"the save did not start: process 0 could not take the writer lease of {self._dir}"
+          f" ({problem[len(_FAILED):]}); nothing was written, on any process. The next save"
+          " tries again.")
     if problem:
       raise errors.WriterConflictError(problem)
     # Only the writer adds steps: what is here now is all a plain manager's deletions must
@@ -1054,6 +1107,7 @@ def _mesh_of(items: Mapping[str, Any]) -> dict[str, int] | None:
 
 
 _FOREIGN = "foreign: "  # how process 0's refusal of another library's steps reaches the others
+_FAILED = "failed: "  # how process 0's failure to take the writer lease reaches the others
 
 
 def _foreign_steps(directory: Location) -> str:

@@ -26,6 +26,7 @@ listing another library's steps): each is a ``StorageError`` with its fix now.
 import collections
 import contextlib
 import errno
+import json
 import os
 import sys
 import threading
@@ -34,6 +35,7 @@ import traceback
 import numpy as np
 import pytest
 
+import jobs
 import orbax_flax as ofx
 from orbax_flax.core import _location
 
@@ -98,6 +100,15 @@ class _Faults:
       f = f.f_back
     return " < ".join(frames) or None
 
+  def _aimed(self, name: str, site: str) -> bool:
+    """Whether the call is the target's: its function and site, or, for a target site that
+    ends in ``*``, any site that starts with the rest (``"format/step_dir.py:*"``: any call
+    whose innermost frame is in that file; its ``nth`` counts per site)."""
+    if self.target is None or name != self.target[0]:
+      return False
+    want = self.target[1]
+    return site.startswith(want[:-1]) if want.endswith("*") else site == want
+
   def wrap(self, name, real):
     def spy(*args, **kwargs):
       path = None if self.paused else self._path(name, args, kwargs)
@@ -108,7 +119,7 @@ class _Faults:
             self.calls.append((name, site))
             k = self._seen[(name, site)]
             self._seen[(name, site)] += 1
-            fail = self.failed is None and (name, site) == self.target and k == self.nth
+            fail = self.failed is None and self._aimed(name, site) and k == self.nth
             if fail:
               self.failed = (name, site)
           if fail:
@@ -125,11 +136,14 @@ class _Faults:
       yield self
 
 
-def _run(directory: str, differential: bool, async_save: bool) -> tuple[dict, list]:
-  """The fixed run. Returns {step: [(tag, returned)] in save order} and the errors raised."""
+def _run(directory: str, differential: bool, async_save: bool, items=_items,
+         **policy_fields) -> tuple[dict, list]:
+  """The fixed run, saving ``items(tag)``. Returns {step: [(tag, returned)] in save order} and
+  the errors raised."""
   saves: dict[int, list[tuple[int, bool]]] = collections.defaultdict(list)
   raised: list[BaseException] = []
-  policy = ofx.CheckpointPolicy(max_to_keep=3, differential=differential, async_save=async_save)
+  policy = ofx.CheckpointPolicy(max_to_keep=3, differential=differential, async_save=async_save,
+                                **policy_fields)
   tag = [0]
 
   def attempt(fn):
@@ -143,7 +157,7 @@ def _run(directory: str, differential: bool, async_save: bool) -> tuple[dict, li
   def save(m, step):
     tag[0] += 1
     t = tag[0]
-    ok = attempt(lambda: (m.save(step, _items(t), force=True), m.wait()))
+    ok = attempt(lambda: (m.save(step, items(t), force=True), m.wait()))
     saves[step].append((t, ok))
 
   m = None
@@ -170,7 +184,8 @@ def _run(directory: str, differential: bool, async_save: bool) -> tuple[dict, li
   return saves, raised
 
 
-def _check(directory: str, saves: dict, raised: list, reference_kept: dict) -> list[str]:
+def _foreign(raised: list) -> list[str]:
+  """The errors among ``raised`` that are not ours, each with the orbax_flax lines it came by."""
   problems = []
   for e in raised:
     if not isinstance(e, ofx.CheckpointError):
@@ -178,6 +193,16 @@ def _check(directory: str, saves: dict, raised: list, reference_kept: dict) -> l
       calls = " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(where)
                           if f.filename.startswith(_PKG))
       problems.append(f"raised {type(e).__name__} (not an orbax_flax error): {e} [{calls}]")
+  return problems
+
+
+def _check(directory: str, saves: dict, raised: list, reference_kept: dict) -> list[str]:
+  return _foreign(raised) + _judge_steps(directory, saves, reference_kept)
+
+
+def _judge_steps(directory: str, saves: dict, reference_kept: dict) -> list[str]:
+  """What a fresh manager finds wrong in ``directory`` after :func:`_run` made ``saves``."""
+  problems = []
   with ofx.CheckpointManager(directory) as m:
     listed = m.all_steps()
     for step in listed:
@@ -304,3 +329,44 @@ def test_every_file_system_call_of_differential_overwrites_failing_once_loses_no
       problems.append(f"{site[0]} at {site[1]} (call {nth}) failing: " + "; ".join(found))
   print(f"{len(points)} error points over {len(counts)} call sites")
   assert not problems, "\n".join(problems)
+
+
+# -------------------------------------------------------------------- a job of two processes
+
+_JOB_TIMEOUT_S = 20  # the job's coordination_timeout_seconds: no point may wait it out
+
+
+def _job_lines(result, me: int, word: str) -> list[list[str]]:
+  return [line.split()[2:] for line in result.outputs[me].splitlines()
+          if line.startswith(f"P{me} {word} ")]
+
+
+@pytest.mark.parametrize("site,opens,first", [
+    ("open:core/_location.py:*", 1, 1),        # the manager reads the directory: it is no checkpoint
+    ("listdir:format/step_dir.py:*", 1, 1),    # ... lists its steps
+    ("mkdir:manager/leases.py:*", 0, 0),       # the first save takes the writer lease
+    ("open:manager/leases.py:*", 0, 0),
+    ("fsync:manager/leases.py:*", 0, 0)])
+def test_what_fails_on_process_0_alone_fails_on_every_process_and_the_job_goes_on(
+    tmp_path, site, opens, first):
+  """Process 0's storage fails once (EIO) where it works alone: opening the manager, or taking
+  the writer lease for the first save. The manager's creation, or that save, fails on both
+  processes at once, and the loop's saves after it commit (``on_save_error="warn"``).
+
+  Before, the other process went on alone: into the first save, whose collectives it paired
+  with process 0's next save, and every later save of the job failed ("process 0 saves '2' and
+  process 1 saves '1'"): no step was saved again. Or it created its manager, which waited for
+  process 0 at each call until the coordination timeout, and the job's next manager of the
+  directory paired with that one."""
+  res = jobs.run("faults/error_points_worker.py",
+                 [f"--dir={tmp_path}", f"--out={tmp_path}/out", f"--fail={site}", "--faulty=0",
+                  "--differential=0", f"--timeout={_JOB_TIMEOUT_S}"], 2, 2, timeout=240).check()
+  assert _job_lines(res, 0, "FAILED") == [["True"]], "the fault was not injected"
+  for me in (0, 1):
+    assert len(_job_lines(res, me, "OPEN")) == opens, (me, res.outputs[me][-3000:])
+    saved = {int(s): int(started) for s, started in _job_lines(res, me, "SAVED")}
+    assert saved == {1: first, 2: 1, 3: 1, 4: 1, 5: 1, 6: 1}, (me, saved, res.outputs[me][-3000:])
+    (kept, seconds), = _job_lines(res, me, "KEPT")
+    # (process 1 may list step 5 still: process 0, which deletes, may not have finished yet)
+    assert json.loads(kept)[-1:] == [6], (me, kept, res.outputs[me][-3000:])
+    assert float(seconds) < _JOB_TIMEOUT_S, f"process {me} waited the timeout: {seconds} s"
