@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 
 from orbax_flax import launch
@@ -104,17 +105,33 @@ def start(script: str, args: list[str], num_processes: int, devices_per_process:
 
 
 def wait(procs: list[subprocess.Popen], timeout: float = 240) -> Result:
+  """Waits for the job's processes, reading all their outputs at once: a process whose pipe
+  is not read blocks once it holds 64 KiB of output, and the others then wait for it in a
+  collective (a job that logs much would hang on the test, not on the library)."""
   deadline = time.monotonic() + timeout
-  outs = []
+  outs = [""] * len(procs)
+
+  def drain(i, p):
+    outs[i] = p.stdout.read()
+
+  readers = [threading.Thread(target=drain, args=(i, p), daemon=True) for i, p in enumerate(procs)]
+  for r in readers:
+    r.start()
+  killed = False
   for p in procs:
     try:
-      out, _ = p.communicate(timeout=max(1, deadline - time.monotonic()))
+      p.wait(timeout=max(1, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
+      killed = True
       for q in procs:
         q.kill()
-      out, _ = p.communicate()
-      out += "\n[killed by test timeout]"
-    outs.append(out)
+      break
+  for p, r in zip(procs, readers):
+    p.wait()
+    r.join()
+    p.stdout.close()
+  if killed:
+    outs = [out + "\n[killed by test timeout]" for out in outs]
   return Result([p.returncode for p in procs], outs)
 
 
