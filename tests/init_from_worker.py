@@ -1,8 +1,8 @@
 """One process of a 2-process fine-tune whose ``init_from`` is a pretraining run's workdir.
 
-``--case=race``: process 0 starts the restore at once and, a second later, the pretraining
-run commits step 20 beside step 10 (a rename into place); process 1 starts its restore two
-seconds late. ``--case=refused``: process 1's init_from names a part the run does not hold
+``--case=race``: once every process has looked for a run to resume, process 0 goes on at
+once and, a second later, the pretraining run commits step 20 beside step 10 (a rename into
+place); process 1 goes on two seconds late. ``--case=refused``: process 1's init_from names a part the run does not hold
 (its config differs). Prints ``VALUES <the distinct kernel values>`` or
 ``REFUSED <type>: <message>``, and how long the restore took.
 """
@@ -43,13 +43,21 @@ def main():
   began = time.monotonic()
   try:
     with ofx.CheckpointCallback(os.path.join(a.root, "finetune"), {"init_from": init_from}) as ck:
-      if a.case == "race":
-        if a.process_id == 0:
-          commit = lambda: os.rename(os.path.join(a.root, "staged20"),
-                                     os.path.join(donor, "checkpoints", "20"))
-          threading.Timer(1.0, commit).start()
-        else:
-          time.sleep(2.0)
+      if a.case == "race":  # from the moment every process has looked for a run to resume
+        from orbax_flax.core import _multihost  # pylint: disable=g-import-not-at-top
+        real_together = _multihost.together
+
+        def together(key, *args, **kwargs):
+          out = real_together(key, *args, **kwargs)
+          if "/resume-look/" in key:
+            if a.process_id == 0:
+              commit = lambda: os.rename(os.path.join(a.root, "staged20"),
+                                         os.path.join(donor, "checkpoints", "20"))
+              threading.Timer(1.0, commit).start()
+            else:
+              time.sleep(2.0)
+          return out
+        _multihost.together = together
       state = ck.restore_or_init(fresh)
       kernel = multihost_utils.process_allgather(state.params["params"]["kernel"], tiled=True)
       print("VALUES", sorted(set(np.unique(np.asarray(kernel)).tolist())), flush=True)

@@ -34,10 +34,13 @@ import hashlib
 import logging
 import os
 import threading
+from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+from orbax_flax import errors
 
 log = logging.getLogger("orbax_flax")
 
@@ -434,6 +437,45 @@ def _tidy(clean, key: str, *, timeout_s: float) -> None:
   except Exception as e:  # pylint: disable=broad-except  # the service's errors: XlaRuntimeError
     log.warning("could not remove the coordination service's keys under %r (%s: %s); they"
                 " stay there", key, type(e).__name__, e)
+
+
+def together(key: str, fn: Callable[[], Any], timeout_s: float, *, what: str) -> Any:
+  """``fn()`` on every process of the job, failing on every process when it fails on one.
+
+  Each process tells the others whether its ``fn`` raised (one gather under ``key``): the one
+  that failed raises its own error, the others a :class:`~orbax_flax.errors.StorageError`
+  naming that process and its error, at once. For work that reads storage and may fail on
+  one process alone (a listing, a lease): a process that went on alone would wait for the
+  others at its next collective until the timeout, or pair it with their next one. A single
+  process just calls ``fn``.
+
+  Args:
+    key: the gather's key, unique to this call in the job.
+    fn: the work; its result is returned.
+    timeout_s: how long to wait for the other processes' word.
+    what: what ``fn`` does, for the others' error ("opening the CheckpointManager of D").
+
+  Example:
+    >>> together("doc-example/together", lambda: 3, timeout_s=5, what="counting")
+    3
+  """
+  if client() is None:
+    return fn()
+  result, failed = None, None
+  try:
+    result = fn()
+  except Exception as e:  # pylint: disable=broad-except  # told to the others, then raised
+    failed = e
+  said = "" if failed is None else f"{type(failed).__name__}: {failed}"
+  reports = all_gather(key, said, timeout_s, what=f"report whether {what} worked")
+  others = [(p, r) for p, r in enumerate(reports) if r and p != process_index()]
+  if failed is not None:
+    raise failed
+  if others:
+    p, report = others[0]
+    raise errors.StorageError(f"{what} failed on process {p} ({report}), so on every process of"
+                              f" the job. Fix what process {p} reports, then try again.")
+  return result
 
 
 def all_gather(key: str, value: str, timeout_s: float,

@@ -156,33 +156,10 @@ class CheckpointManager:
                                            self.policy.coordination_timeout_seconds)
 
   def _together(self, what: str, fn: Callable[[], Any]) -> None:
-    """``fn()`` on every process of the job, failing on all of them if it fails on one.
-
-    In a job of several processes, each then tells the others whether ``fn`` raised: one
-    whose storage failed raises its error, the others a :class:`~orbax_flax.errors.StorageError`
-    that names it. None goes on alone (its next collective would wait for the others until
-    the coordination timeout). The rendezvous also means every process got here.
-    """
-    failed = None
-    try:
-      fn()
-    except Exception as e:  # pylint: disable=broad-except  # told to the others, then raised
-      if _multihost.process_count() == 1:
-        raise
-      failed = e
-    if _multihost.process_count() > 1:
-      said = "" if failed is None else f"{type(failed).__name__}: {failed}"
-      reports = _multihost.all_gather(f"{self._key}/{what}", said,
-                                      self.policy.coordination_timeout_seconds)
-      others = [(p, r) for p, r in enumerate(reports) if r and p != _multihost.process_index()]
-      if failed is None and others:
-        p, report = others[0]
-        raise errors.StorageError(
-            f"opening the CheckpointManager of {self._dir} failed on process {p} ({report}), so"
-            " on every process of the job; nothing was written. Fix what process"
-            f" {p} reports, then create the manager again.")
-    if failed is not None:
-      raise failed
+    """``fn()``, failing on every process of the job if it fails on one
+    (:func:`~orbax_flax.core._multihost.together`); after it every process got here."""
+    _multihost.together(f"{self._key}/{what}", fn, self.policy.coordination_timeout_seconds,
+                        what=f"opening the CheckpointManager of {self._dir}")
 
   def _retention(self) -> Any:
     """How the registry removes steps: with differential saves a referenced step is retired,
@@ -618,8 +595,16 @@ class CheckpointManager:
     if _multihost.process_index() == 0:
       try:
         problem = _foreign_steps(self._dir)
-        if not problem:
-          self.registry.become_writer()
+        # Only the writer adds steps: what is here once it holds the lease is all a plain
+        # manager's deletions must respect. Another job (or a run with differential saves on)
+        # may have left steps that reference each other's bytes; then a referenced step is
+        # retired, never deleted (every process uses the retention process 0 chose: each
+        # takes part in making room). Chosen before the first deletion: the steps a killed
+        # job's rollback abandoned (which a kept step may borrow from) are deleted only now,
+        # through it.
+        if not problem and self.registry.become_writer(
+            check_references=self._ckptr.differential is None):
+          problem = _REFERENCED
       except errors.WriterConflictError as e:
         problem = str(e)
       except Exception as e:  # pylint: disable=broad-except  # storage failed: told, then raised
@@ -630,7 +615,7 @@ class CheckpointManager:
       self._writer_tries += 1
       problem = _multihost.broadcast(f"{self._key}/writer/{self._writer_tries}", problem,
                                      self.policy.coordination_timeout_seconds)
-      if not problem and _multihost.process_index() != 0:
+      if problem in ("", _REFERENCED) and _multihost.process_index() != 0:
         self.registry.become_writer()  # (no lease of its own: process 0 holds the job's)
     if failed is not None:
       raise failed
@@ -641,14 +626,9 @@ class CheckpointManager:
           f"the save did not start: process 0 could not take the writer lease of {self._dir}"
           f" ({problem[len(_FAILED):]}); nothing was written, on any process. The next save"
           " tries again.")
-    if problem:
+    if problem and problem != _REFERENCED:
       raise errors.WriterConflictError(problem)
-    # Only the writer adds steps: what is here now is all a plain manager's deletions must
-    # respect. Another job (or a run with differential saves on) may have left steps that
-    # reference each other's bytes; then a referenced step is retired, never deleted. Chosen
-    # before the first deletion: the steps a killed job's rollback abandoned (which a kept
-    # step may borrow from) are deleted only now, through it.
-    if self._ckptr.differential is None and registry_lib.holds_references(self._dir):
+    if problem == _REFERENCED:
       self.registry.use_retention(referenced.Referenced(
           None, lock=self.registry.lock, key=f"{self._key}/room",
           timeout_s=self.policy.coordination_timeout_seconds))
@@ -1108,6 +1088,7 @@ def _mesh_of(items: Mapping[str, Any]) -> dict[str, int] | None:
 
 _FOREIGN = "foreign: "  # how process 0's refusal of another library's steps reaches the others
 _FAILED = "failed: "  # how process 0's failure to take the writer lease reaches the others
+_REFERENCED = "referenced"  # process 0's word: the directory holds steps that borrow bytes
 
 
 def _foreign_steps(directory: Location) -> str:

@@ -216,29 +216,38 @@ class StepRegistry:
     with self.lock:
       self.retention = retention
 
-  def become_writer(self) -> None:
+  def become_writer(self, *, check_references: bool = False) -> bool:
     """Makes this process the directory's writer (process 0 takes the writer lease), then
     sweeps leftovers and repairs the step index from a full listing taken under the lease.
     The steps a committed rollback abandoned are deleted by :meth:`delete_abandoned`, once the
     caller has chosen the retention that deletes them (:meth:`use_retention`): what is here now
     may reference them.
 
+    Returns whether the directory holds steps that borrow each other's bytes
+    (:func:`holds_references`), when ``check_references`` is set on the process that takes
+    the lease, read under it (only the writer adds steps); else False. Should anything here
+    fail, this process is not the writer (the lease is released).
+
     Raises:
       WriterConflictError: another live job (or manager) writes the directory.
+      StorageError: the storage failed.
     """
     if self._writer:
       if self._lease is not None:
         self._lease.check()
-      return
+      return False
+    referenced = False
     if self._lease is not None:
       self._lease.acquire()
       try:
         self._tidy()
         self._settle_rollbacks()
+        referenced = check_references and holds_references(self._dir)
       except BaseException:
         self._lease.release()
         raise
     self._writer = True
+    return referenced
 
   def delete_abandoned(self) -> None:
     """The writer, once its retention is chosen: deletes (through it) the steps a rollback

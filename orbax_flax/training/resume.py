@@ -319,6 +319,7 @@ class Resume:
     self._manager, self._policy, self._local = manager, policy, local
     self._workdir = workdir
     self._inits = 0  # init_from agreements so far (each has keys of its own)
+    self._looks = 0  # resumes looked for so far (each agrees under keys of its own)
 
   def restore(self, state: Any, data: DataPosition | None = None) -> tuple[Any, int | None]:
     """``(state, step)``: ``state`` restored from the step the run continues from.
@@ -334,14 +335,25 @@ class Resume:
       TreeMismatchError: the state does not match the checkpoint.
     """
     steps = self._manager.all_steps()
-    refuse_foreign_steps(self._manager.directory, steps)
+
+    def look() -> PreviousRun | None:
+      """What is refused or continued before anything is read: each process reads the
+      directories itself, and one whose storage fails fails the resume on every process."""
+      refuse_foreign_steps(self._manager.directory, steps)
+      if steps or self._workdir is None:
+        return None
+      return PreviousRun.find(self._workdir, self._manager.directory,
+                              fine_tuning=bool(self._policy.init_from))
+    self._looks += 1
+    previous = _multihost.together(
+        f"{self._manager.coordination_key}/resume-look/{self._looks}", look,
+        self._policy.coordination_timeout_seconds,
+        what=f"looking for the run to resume in {self._manager.directory}")
     if self._local is not None:
       resumed = self._restore_local(state, data, steps[-1] if steps else None)
       if resumed[1] is not None:
         return resumed
     if not steps:
-      previous = None if self._workdir is None else PreviousRun.find(
-          self._workdir, self._manager.directory, fine_tuning=bool(self._policy.init_from))
       if self._policy.init_from:
         if previous is not None:
           log.warning("%s; init_from=%r is set, so this run starts from that instead",

@@ -46,6 +46,7 @@ def main():
   p.add_argument("--differential", type=int, default=1)
   p.add_argument("--timeout", type=float, default=20.0)
   p.add_argument("--fail", help="FUNCTION:SITE: the loop, this site's first call failing")
+  p.add_argument("--tier", type=int, default=0, help="the local tier's run (tier_run)")
   a = jobs.join(p)
   from orbax_flax.core import _multihost  # pylint: disable=g-import-not-at-top
   me = jax.process_index()
@@ -63,7 +64,9 @@ def main():
                              coordination_timeout_seconds=a.timeout)
 
   out = f"{a.out}.{me}"
-  if a.fail:
+  if a.tier:
+    tier_points(a, sharding, _multihost)
+  elif a.fail:
     loop(a, items)
   elif not a.points:
     faults = points_lib._Faults(os.path.join(a.dir, "reference"))  # pylint: disable=protected-access
@@ -121,6 +124,83 @@ def loop(a, items):
   print(f"P{me} FAILED {faults.failed is not None}", flush=True)
   print(f"P{me} KEPT {json.dumps(kept, separators=(',', ':'))} {time.monotonic() - t0:.1f}",
         flush=True)
+
+
+def tier_run(root, sharding, faults):
+  """The training callback with the local tier (every step local, every third persistent,
+  ``on_save_error="warn"``) saving steps 1-7 under ``faults``, then a restart without
+  faults. Returns (the step it resumed, whether the state is that step's bitwise, the errors
+  raised)."""
+  policy = ofx.CheckpointPolicy(save_interval_steps=3, max_to_keep=2, local_directory=f"{root}/local",
+                                local_save_interval_steps=1, local_max_to_keep=2,
+                                on_save_error="warn", save_final_step=False,
+                                coordination_timeout_seconds=_TIER_TIMEOUT_S)
+  host = np.arange(4 * 1024, dtype=np.float32).reshape(4, 1024)
+
+  def state(step):
+    return {"w": jax.make_array_from_callback(host.shape, sharding,
+                                              lambda idx: (host + step)[idx]),
+            "step": np.full(2, step, np.int64)}
+
+  raised = []
+  os.makedirs(f"{root}/work", exist_ok=True)  # (it holds the run's logs: a resume looks in it)
+  try:
+    with pytest.MonkeyPatch.context() as mp, faults.installed(mp):
+      with ofx.CheckpointCallback(f"{root}/work", policy) as ckpt:
+        ckpt.restore_or_init(state(0))
+        for step in range(1, 8):
+          ckpt.on_step_end(step, state(step))
+  except Exception as e:  # pylint: disable=broad-except  # judged by the test
+    raised.append(e)
+  with ofx.CheckpointCallback(f"{root}/work", policy) as ckpt:
+    got = ckpt.restore_or_init(state(0))
+    step = ckpt.restored_step
+    want = state(step or 0)
+    exact = all(_same(x, y) for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+  return step, exact, raised
+
+
+_TIER_TIMEOUT_S = 20
+
+
+def _same(x, y) -> bool:
+  """Bitwise equal, on this process's shards of a global array."""
+  if isinstance(x, jax.Array) and isinstance(y, jax.Array):
+    return all(a.index == b.index and np.array_equal(np.asarray(a.data), np.asarray(b.data))
+               for a, b in zip(x.addressable_shards, y.addressable_shards))
+  return np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def tier_points(a, sharding, multihost):
+  """--tier: like the manager's run, recorded (no --points) or swept (--points)."""
+  me = jax.process_index()
+  out = f"{a.out}.{me}"
+  if not a.points:
+    root = os.path.join(a.dir, "reference")
+    faults = points_lib._Faults(root)  # pylint: disable=protected-access
+    step, exact, raised = tier_run(root, sharding, faults)
+    assert not raised and exact and step == 7, (step, exact, raised)
+    counts = collections.Counter(faults.calls)
+    with open(out, "w") as f:
+      json.dump({"counts": [[n, s, c] for (n, s), c in counts.items()]}, f)
+    return
+  with open(a.points) as f:
+    todo = json.load(f)
+  for i, (name, site, nth) in enumerate(todo):
+    multihost.barrier(f"error_points/tier/{i}", 600)
+    root = os.path.join(a.dir, f"run{i}")
+    faults = points_lib._Faults(root, (name, site) if me == a.faulty else None, nth)  # pylint: disable=protected-access
+    t0 = time.monotonic()
+    try:
+      step, exact, raised = tier_run(root, sharding, faults)
+    except Exception as e:  # pylint: disable=broad-except  # the restart itself failed
+      step, exact, raised = None, False, [e]
+    line = {"point": i, "failed": faults.failed is not None, "step": step, "exact": exact,
+            "foreign": points_lib._foreign(raised),  # pylint: disable=protected-access
+            "errors": [f"{type(e).__name__}: {e}"[:300] for e in raised],
+            "seconds": round(time.monotonic() - t0, 2)}
+    with open(out, "a") as f:
+      f.write(json.dumps(line) + "\n")
 
 
 if __name__ == "__main__":
