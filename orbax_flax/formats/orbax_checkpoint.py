@@ -351,9 +351,15 @@ def legacy_steps(loc: Location) -> list[tuple[int, str]]:
   Temporary entries (``checkpoint_40.orbax-checkpoint-tmp-...``) are not listed.
   On an object store an entry is a key prefix (an orbax pytree) or a key (a
   msgpack file).
+
+  Raises:
+    StorageError: a local directory that cannot be listed.
   """
   if loc.is_local:
-    names = set(os.listdir(loc.local_path)) if os.path.isdir(loc.local_path) else set()
+    try:
+      names = set(os.listdir(loc.local_path)) if os.path.isdir(loc.local_path) else set()
+    except OSError as e:
+      raise _location.storage_error(loc, "listing its entries", e) from e
   else:
     names = {key.partition("/")[0] for key in _keys(loc)}
   return sorted((int(m.group(1)), name) for name in names if (m := _LEGACY.fullmatch(name)))

@@ -459,3 +459,47 @@ def test_a_training_run_whose_process_0_fails_alone_stops_at_once_on_every_proce
     assert line["seconds"] < _JOB_TIMEOUT_S, (me, line)
   assert lines[0]["failed"], "the fault was not injected"
   assert lines[0]["step"] == lines[1]["step"], lines
+
+
+@pytest.mark.skipif(not LONG, reason="ORBAX_FLAX_FAULTS=long: ~90 points, a minute or two")
+def test_every_file_system_call_of_a_local_tier_job_failing_once_resumes_one_step_bitwise(
+    tmp_path):
+  """The training callback with the local tier in a job of two processes (the worker's
+  ``tier_run``), each file-system call site of either process failing once (persistent and
+  local directories alike), then a restart: both processes resume the same step, bitwise,
+  every error is ours, and no process waits out the coordination timeout. (The two cases
+  above are the sites it found; CI runs those.)"""
+  jobs.run("faults/error_points_worker.py",
+           [f"--dir={tmp_path}/record", f"--out={tmp_path}/record", "--tier=1"], 2, 2,
+           timeout=240).check()
+  problems, swept = [], 0
+  for faulty in (0, 1):
+    with open(f"{tmp_path}/record.{faulty}") as f:
+      points = [[n, site, 0] for n, site, _ in json.load(f)["counts"]]
+    with open(f"{tmp_path}/points{faulty}.json", "w") as f:
+      json.dump(points, f)
+    jobs.run("faults/error_points_worker.py",
+             [f"--dir={tmp_path}/p{faulty}", f"--out={tmp_path}/out{faulty}",
+              f"--points={tmp_path}/points{faulty}.json", f"--faulty={faulty}", "--tier=1"],
+             2, 2, timeout=1500).check()
+    lines = []
+    for me in (0, 1):
+      with open(f"{tmp_path}/out{faulty}.{me}") as f:
+        lines.append([json.loads(x) for x in f])
+      assert len(lines[me]) == len(points), (faulty, me)
+    for i, (name, site, _) in enumerate(points):
+      mine, other = lines[faulty][i], lines[1 - faulty][i]
+      swept += mine["failed"]
+      found = mine["foreign"] + other["foreign"]
+      found += [f"process {p} restored step {line['step']} not bitwise"
+                for p, line in ((faulty, mine), (1 - faulty, other)) if not line["exact"]]
+      if mine["step"] != other["step"]:
+        found.append(f"the processes resumed steps {mine['step']} and {other['step']}")
+      found += [f"process {p} took {line['seconds']} s: it waited out the coordination timeout"
+                for p, line in ((faulty, mine), (1 - faulty, other))
+                if line["seconds"] >= _JOB_TIMEOUT_S]
+      if found:
+        problems.append(f"process {faulty}: {name} at {site} failing: " + "; ".join(found))
+  print(f"{swept} error points of a local-tier job")
+  assert swept >= 60, swept
+  assert not problems, "\n".join(problems)
