@@ -93,6 +93,11 @@ _NODES = frozenset({"dict", "list", "tuple", "namedtuple", "node", "none", "leaf
 # ---------------------------------------------------------------------------- records
 
 
+# 9000-01-01 (UTC) in seconds: a time whose local date, anywhere, datetime holds (``show``
+# prints it); a later one (or inf, NaN) is damage.
+_LAST_CREATED = 221845392000.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Value:
   """A leaf stored inline: a scalar, string or bytes (``value``: its tagged JSON form)."""
@@ -560,8 +565,9 @@ class _Checker:
     if not isinstance(gen, str) or not _GENERATION.match(gen):
       self.bad(f"generation {_short(gen)} is not 16 hex digits")
     created = s.get("created")
-    if isinstance(created, bool) or not isinstance(created, (int, float)) or created != created:
-      self.bad(f"created is {_short(created)}, not a time")
+    if (isinstance(created, bool) or not isinstance(created, (int, float))
+        or not 0 <= created <= _LAST_CREATED):
+      self.bad(f"created is {_short(created)}, not a time since 1970 before the year 9000")
     if not isinstance(s.get("library_version"), str):
       self.bad(f"library_version is {_short(s.get('library_version'))}, not a string")
     for field, kind in (("custom", dict), ("casts", dict), ("item_bytes", dict),

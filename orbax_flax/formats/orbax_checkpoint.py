@@ -294,11 +294,16 @@ def read_step_metadata(loc: Location) -> _StepMetadata:
                                          " object")
     out[field] = value
   t = meta.get("commit_timestamp_nsecs") or meta.get("init_timestamp_nsecs") or 0
-  if not _checks.is_int(t) or t < 0:
+  if not _checks.is_int(t) or not 0 <= t <= _LAST_NS:
     raise errors.CheckpointFormatError(f"{where}: timestamp {_checks.short(t)} is not an integer"
-                                       " of nanoseconds")
+                                       " of nanoseconds since 1970 before the year 9000")
   return _StepMetadata(handlers if isinstance(handlers, dict) else None, out["custom_metadata"],
                        out["metrics"], t)
+
+
+# 9000-01-01 (UTC) in nanoseconds: a time whose local date, anywhere, datetime holds (the CLI
+# prints it); a later one is damage.
+_LAST_NS = 221845392000 * 10**9
 
 
 def detect(loc: Location) -> bool:

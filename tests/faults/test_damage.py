@@ -141,6 +141,8 @@ def test_a_manifest_of_a_future_format_version_names_both_versions(tmp_path):
     (lambda m: m["items"]["s"]["leaves"][1].__setitem__(
         "value", {"t": "np", "dtype": "object", "b64": base64.b64encode(b"x" * 8).decode()}), "dtype"),
     (lambda m: m["items"]["s"]["leaves"][1].__setitem__("value", {"t": "pickle", "v": "..."}), "unknown type"),
+    # (a time datetime cannot hold: `show` died with a raw OverflowError printing it)
+    (lambda m: m.__setitem__("created", 1e30), "created"),
 ])
 def test_crafted_manifests_are_refused_before_anything_is_read(tmp_path, edit, match):
   """Intact hashes do not make a manifest trusted: names become paths, dtypes become buffers."""
