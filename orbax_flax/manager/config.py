@@ -27,6 +27,8 @@ import signal
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from orbax_flax.core._location import Location
 from orbax_flax.engine.saving import HOST_TRANSFERS
 from orbax_flax.manager import policy as policy_lib
@@ -436,9 +438,9 @@ def _signal_name(v: Any) -> Any:
   """15 or "15" -> "SIGTERM"; names and anything else pass through (checked later)."""
   if isinstance(v, str) and v.strip().isdigit():
     v = int(v)
-  if isinstance(v, int) and not isinstance(v, bool):
+  if isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_)):
     try:
-      return signal.Signals(v).name
+      return signal.Signals(int(v)).name
     except ValueError:
       raise ValueError(f"preemption_signals: {v} is not a signal number on this system.") from None
   return v
@@ -459,13 +461,14 @@ def _check_type(name: str, annotation: str, value: Any) -> Any:
     if not isinstance(value, str):
       bad("a string")
   elif annotation == "tuple[int, ...]":
-    if not isinstance(value, (list, tuple)) or any(isinstance(v, bool) or not isinstance(v, int) for v in value):
+    if not isinstance(value, (list, tuple)) or any(
+        isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) for v in value):
       bad("a list of integers")
-    return tuple(value)
+    return tuple(int(v) for v in value)  # (numpy integers too, as every integer setting)
   elif annotation == "tuple[str, ...]":
     if isinstance(value, str):
       value = tuple(v.strip() for v in value.split(",") if v.strip())
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
       value = (value,)
     if name == "preemption_signals" and isinstance(value, (list, tuple)):
       value = tuple(_signal_name(v) for v in value)  # numbers (15) and names ("SIGTERM") alike

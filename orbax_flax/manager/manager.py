@@ -302,7 +302,8 @@ class CheckpointManager:
         (:func:`~orbax_flax.manager.policy.check_step_metrics`): without the policy's
         ``best_metric`` while a reported name is close to it, the call raises; with nothing
         close, a WARNING says so once.
-      reason: the reason to record ("final", "preemption", ...); implies force.
+      reason: the reason to record ("final", "preemption", ...); implies force, except that
+        "final" leaves a committed step of that number as it is (returns False).
       blocking_before: seconds the caller's thread already spent on this save, counted in
         the reported blocking time (:class:`SaveEvent`): ``"items"`` (building them),
         ``"data"`` (the data iterator's state), ``"total"`` (default: their sum).

@@ -38,7 +38,8 @@ from orbax_flax.core import _tree
 # Why a save happened, as recorded in each step's metadata.
 REASONS = ("interval", "time", "auto", "scheduled", "first", "final", "forced", "preemption",
            "exception")
-# The reasons of saves made whatever the triggers say (they never skip, and replace a committed step).
+# The reasons of saves made whatever the triggers say: they never skip, and replace a committed
+# step, except "final" (the run's last step, saved already by its interval, stays as it is).
 FORCED = ("forced", "final", "preemption", "exception")
 MODES = ("min", "max")         # how a metric ranks: KeepBest.mode, CheckpointPolicy.best_mode
 MISSING = ("worst", "keep")    # a step without the metric: KeepBest.missing, best_missing
