@@ -18,39 +18,18 @@ turns it into a failure to remove the mark.
 import dataclasses
 import json
 import math
-import os
 
 import numpy as np
 import pytest
 
 import orbax_flax as ofx
 from orbax_flax.manager import policy as P
-
-
-class FakeClock:
-
-  def __init__(self, start=1_000_000.0):
-    self.t = start
-
-  def __call__(self):
-    return self.t
-
-
-def on_disk(directory):
-  return sorted(int(n) for n in os.listdir(directory) if n.isdigit())
+from test_manager import FakeClock, on_disk  # the manager tests' helpers
+from test_policy import infos  # StepInfos of steps (metric: "loss" values, None: none)
 
 
 def items(step):
   return {"state": {"w": np.full((4,), step, np.float32)}}
-
-
-def infos(*steps, loss=None, times=None):
-  """StepInfos of ``steps``: ``loss[i]`` None records no metric; times default to the step."""
-  out = []
-  for i, s in enumerate(steps):
-    metrics = {} if loss is None or loss[i] is None else {"loss": loss[i]}
-    out.append(P.StepInfo(s, time=float(times[i]) if times else float(s), metrics=metrics))
-  return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,15 +222,15 @@ def test_keep_period_protects_step_zero():
 
 def test_steps_without_the_metric_fill_the_places_left_free_newest_first():
   """Kills M24 (never filled); M25 (oldest first) too."""
-  steps = infos(1, 2, 3, 4, loss=[None, 0.2, None, 0.1])
+  steps = infos(1, 2, 3, 4, metric=[None, 0.2, None, 0.1])
   assert ofx.to_delete(steps, [ofx.KeepBest("loss", "min", 3)]) == [1]
 
 
 def test_a_non_finite_metric_is_no_score():
   """A diverged step's -inf loss is not the best. Kills M28."""
-  steps = infos(1, 2, 3, loss=[-math.inf, 0.5, 0.3])
+  steps = infos(1, 2, 3, metric=[-math.inf, 0.5, 0.3])
   assert ofx.to_delete(steps, [ofx.KeepBest("loss", "min", 1)]) == [1, 2]
-  steps = infos(1, 2, 3, loss=[math.inf, 0.5, 0.3])
+  steps = infos(1, 2, 3, metric=[math.inf, 0.5, 0.3])
   assert ofx.to_delete(steps, [ofx.KeepBest("loss", "max", 1)]) == [1]
 
 
