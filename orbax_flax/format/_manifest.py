@@ -94,8 +94,8 @@ _NODES = frozenset({"dict", "list", "tuple", "namedtuple", "node", "none", "leaf
 
 
 # 9000-01-01 (UTC) in seconds: a time whose local date, anywhere, datetime holds (``show``
-# prints it); a later one (or inf, NaN) is damage.
-_LAST_CREATED = 221845392000.0
+# prints it); a later one (or inf, NaN) is damage, in our manifests and in other formats'.
+LAST_TIME = 221845392000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,7 +566,7 @@ class _Checker:
       self.bad(f"generation {_short(gen)} is not 16 hex digits")
     created = s.get("created")
     if (isinstance(created, bool) or not isinstance(created, (int, float))
-        or not 0 <= created <= _LAST_CREATED):
+        or not 0 <= created <= LAST_TIME):
       self.bad(f"created is {_short(created)}, not a time since 1970 before the year 9000")
     if not isinstance(s.get("library_version"), str):
       self.bad(f"library_version is {_short(s.get('library_version'))}, not a string")

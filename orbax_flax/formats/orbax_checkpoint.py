@@ -46,6 +46,7 @@ from orbax_flax.core import _location
 from orbax_flax.core import _tree
 from orbax_flax import errors
 from orbax_flax.core._location import Location
+from orbax_flax.format import _manifest
 from orbax_flax.format._manifest import Array, Item, Manifest, Record, Value
 from orbax_flax.formats import _checks
 
@@ -294,16 +295,11 @@ def read_step_metadata(loc: Location) -> _StepMetadata:
                                          " object")
     out[field] = value
   t = meta.get("commit_timestamp_nsecs") or meta.get("init_timestamp_nsecs") or 0
-  if not _checks.is_int(t) or not 0 <= t <= _LAST_NS:
+  if not _checks.is_int(t) or not 0 <= t <= _manifest.LAST_TIME * 10**9:
     raise errors.CheckpointFormatError(f"{where}: timestamp {_checks.short(t)} is not an integer"
                                        " of nanoseconds since 1970 before the year 9000")
   return _StepMetadata(handlers if isinstance(handlers, dict) else None, out["custom_metadata"],
                        out["metrics"], t)
-
-
-# 9000-01-01 (UTC) in nanoseconds: a time whose local date, anywhere, datetime holds (the CLI
-# prints it); a later one is damage.
-_LAST_NS = 221845392000 * 10**9
 
 
 def detect(loc: Location) -> bool:
